@@ -1,0 +1,1 @@
+"""rlhf_core: the library behind the pipeline. It never imports prefect; flows and tasks wrap it."""

@@ -1,0 +1,475 @@
+"""The checkpoint store: resumable training checkpoints on any fsspec filesystem.
+
+A store is rooted at a URL such as ``{ckpt_path}/{run_name}/{stage}`` (a local path,
+``file://``, ``memory://`` or ``s3://``) and holds::
+
+    root/latest                        name of the newest committed step dir, e.g. "step_200"
+    root/step_100/...                  the checkpoint's files (subfolders allowed)
+    root/step_100/training_metadata.json
+    root/step_100/MANIFEST.json        {"format_version": 1, "step": 100,
+                                        "files": [{"path", "size", "sha256"}, ...]}
+
+Commit protocol: every file of a step is uploaded first, ``MANIFEST.json`` last, and
+``latest`` after that. A step dir counts as committed only when its manifest parses
+and every file it lists is present with the listed size (and, when verifying, the
+listed sha256). On a local filesystem the step is staged in a hidden
+``.tmp_step_N_<random>`` dir and renamed into place, so a crash never leaves a half
+written ``step_N``; object stores have no rename, so there the manifest alone is the
+commit marker. A leftover uncommitted ``step_N`` is moved to ``.aside/`` instead of
+being deleted, so nothing a person might still want is ever destroyed by a retry.
+
+Where this departs from OpenRLHF: OpenRLHF deletes old checkpoints *before* writing
+the new one and keeps no checksums, so a crash during a save can leave no usable
+checkpoint at all. Here retention runs only after a commit, only over committed
+checkpoints, and never removes the newest committed one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import posixpath
+import re
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
+
+from rlhf_core.errors import UserError
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "MANIFEST.json"
+METADATA_NAME = "training_metadata.json"
+LATEST_NAME = "latest"
+ASIDE_DIR_NAME = ".aside"
+STAGING_PREFIX = ".tmp_"
+
+STATUS_COMMITTED = "committed"
+STATUS_INCOMPLETE = "incomplete"
+STATUS_CORRUPT = "corrupt"
+
+BYTES_PER_GB = 1e9
+HASH_BLOCK_BYTES = 1 << 20
+
+# Only the canonical spelling counts, so "step_007" can never shadow "step_7".
+_STEP_DIR_PATTERN = re.compile(r"step_(0|[1-9][0-9]*)")
+_SHA256_PATTERN = re.compile(r"[0-9a-f]{64}")
+# Files the store writes itself; copies of them in a local checkpoint dir are ignored.
+_RESERVED_NAMES = frozenset({MANIFEST_NAME, METADATA_NAME})
+
+
+def step_dir_name(step: int) -> str:
+    """Name of the dir holding the checkpoint of ``step``, e.g. ``step_100``."""
+    return f"step_{step}"
+
+
+def parse_step_dir_name(name: str) -> int | None:
+    """The step encoded in a step dir name, or None if ``name`` is not one."""
+    match = _STEP_DIR_PATTERN.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def sha256_of_stream(stream: BinaryIO) -> str:
+    """Hex sha256 of a binary stream, read in blocks so large shards fit in memory."""
+    digest = hashlib.sha256()
+    while block := stream.read(HASH_BLOCK_BYTES):
+        digest.update(block)
+    return digest.hexdigest()
+
+
+def sha256_of_local_file(path: str) -> str:
+    with open(path, "rb") as stream:
+        return sha256_of_stream(stream)
+
+
+@dataclass(frozen=True)
+class ManifestEntry:
+    path: str  # relative to the step dir, "/"-separated
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    step: int
+    files: tuple[ManifestEntry, ...]
+    format_version: int = FORMAT_VERSION
+
+    def to_bytes(self) -> bytes:
+        document = {
+            "format_version": self.format_version,
+            "step": self.step,
+            "files": [dataclasses.asdict(entry) for entry in self.files],
+        }
+        return json.dumps(document, indent=2).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Manifest:
+        """Parse and validate a manifest; raises ValueError with a short phrase."""
+        try:
+            document = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ValueError("not valid JSON") from error
+        if not isinstance(document, dict):
+            raise ValueError("not a JSON object")
+        if document.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"unsupported format_version {document.get('format_version')!r}")
+        step = document.get("step")
+        raw_files = document.get("files")
+        if not _is_count(step) or not isinstance(raw_files, list):
+            raise ValueError("missing step or files")
+        return cls(step=step, files=tuple(_parse_entry(raw) for raw in raw_files))
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _parse_entry(raw: Any) -> ManifestEntry:
+    if not isinstance(raw, dict):
+        raise ValueError("file entry is not an object")
+    path, size, sha256 = raw.get("path"), raw.get("size"), raw.get("sha256")
+    if not isinstance(path, str) or not _is_contained(path):
+        raise ValueError(f"bad file path {path!r}")
+    if not _is_count(size) or not isinstance(sha256, str) or not _SHA256_PATTERN.fullmatch(sha256):
+        raise ValueError(f"bad size or sha256 for {path}")
+    return ManifestEntry(path=path, size=size, sha256=sha256)
+
+
+def _is_contained(relative_path: str) -> bool:
+    # download() writes to local_dir/<path>, so a path must not escape the step dir.
+    normalized = posixpath.normpath(relative_path)
+    return (
+        relative_path == normalized
+        and not posixpath.isabs(normalized)
+        and normalized != "."
+        and not normalized.startswith("../")
+        and normalized != ".."
+    )
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    step: int
+    name: str  # "step_100"
+    uri: str  # full URL of the step dir
+    status: str  # STATUS_COMMITTED | STATUS_INCOMPLETE (no manifest) | STATUS_CORRUPT
+    size_bytes: int  # sum of the sizes of the files found in the step dir
+    reason: str = ""  # why incomplete or corrupt, one phrase
+    manifest_digest: str = ""  # sha256 of the MANIFEST.json bytes, for committed ones
+
+    @property
+    def is_committed(self) -> bool:
+        return self.status == STATUS_COMMITTED
+
+
+class CheckpointStore:
+    """Checkpoints of one run stage, stored under one fsspec URL."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
+        self.fs, root = url_to_fs(url, **(storage_options or {}))
+        self._is_local = isinstance(self.fs, LocalFileSystem)
+        if self._is_local:
+            # Listings return normalized paths; the root must match them to be stripped.
+            root = posixpath.normpath(root)
+        self.root: str = root.rstrip("/") or root
+        self.url: str = url.rstrip("/") if "://" in url else self.root
+
+    # ----------------------------------------------------------------- queries
+
+    def uri(self, step: int) -> str:
+        return f"{self.url}/{step_dir_name(step)}"
+
+    def list(self, verify: bool = False) -> list[CheckpointInfo]:
+        """Every step dir, oldest first; ``verify`` also checks each file's sha256."""
+        return [self._inspect(step, verify) for step in self._steps()]
+
+    def newest_valid(self, max_step: int | None = None, verify: bool = True) -> CheckpointInfo | None:
+        """The newest committed checkpoint at or below ``max_step``, or None.
+
+        Only candidates that pass the cheap size check are hashed, newest first, so a
+        healthy store costs one full verification.
+        """
+        for info in reversed(self.list(verify=False)):
+            if max_step is not None and info.step > max_step:
+                continue
+            if info.is_committed and verify:
+                info = self._inspect(info.step, verify=True)
+            if info.is_committed:
+                return info
+        return None
+
+    def latest_name(self) -> str | None:
+        """Contents of ``latest``, or None when it is absent or empty."""
+        try:
+            text = self.fs.cat_file(self._path(LATEST_NAME)).decode().strip()
+        except FileNotFoundError:
+            return None
+        return text or None
+
+    def is_empty(self) -> bool:
+        return not self._steps()
+
+    def read_metadata(self, step: int) -> dict[str, Any]:
+        metadata_uri = f"{self.uri(step)}/{METADATA_NAME}"
+        try:
+            metadata = json.loads(self.fs.cat_file(f"{self._path(step_dir_name(step))}/{METADATA_NAME}"))
+        except FileNotFoundError as error:
+            raise UserError(f"{metadata_uri} does not exist; pick another step.") from error
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise UserError(f"{metadata_uri} is not valid JSON; pick another step.") from error
+        if not isinstance(metadata, dict):
+            raise UserError(f"{metadata_uri} is not a JSON object; pick another step.")
+        return metadata
+
+    # ---------------------------------------------------------------- mutations
+
+    def commit(self, step: int, local_dir: str, metadata: dict[str, Any]) -> CheckpointInfo:
+        """Upload the checkpoint in ``local_dir`` as ``step_N`` and mark it committed.
+
+        ``metadata`` becomes ``training_metadata.json``; any ``MANIFEST.json`` or
+        ``training_metadata.json`` at the top of ``local_dir`` is ignored. Committing
+        a step that is already committed returns it unchanged.
+        """
+        if not _is_count(step):
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if not os.path.isdir(local_dir):
+            raise UserError(f"Checkpoint folder {local_dir} does not exist; save the checkpoint first.")
+        metadata_bytes = json.dumps(metadata, indent=2, sort_keys=True).encode()
+        local_files = _list_local_files(local_dir)
+        name = step_dir_name(step)
+
+        self.fs.invalidate_cache()
+        if self.fs.exists(self._path(name)):
+            existing = self._inspect(step, verify=False)
+            if existing.is_committed:
+                # A crash between manifest and `latest` is repaired by the retry.
+                self._advance_latest(step)
+                return existing
+            self._move_aside(name)
+
+        manifest = _build_manifest(step, local_files, metadata_bytes)
+        if self._is_local:
+            staging_path = self._path(f"{STAGING_PREFIX}{name}_{secrets.token_hex(4)}")
+            self._write_step(staging_path, local_files, metadata_bytes, manifest)
+            # os.rename is atomic and, unlike shutil.move, never merges into an existing dir.
+            os.rename(staging_path, self._path(name))
+        else:
+            self._write_step(self._path(name), local_files, metadata_bytes, manifest)
+        self._advance_latest(step)
+        self.fs.invalidate_cache()
+        return self._inspect(step, verify=False)
+
+    def retain(self, max_num: int | None, max_mem_gb: float | None = None) -> list[str]:
+        """Remove the oldest committed checkpoints beyond ``max_num`` or ``max_mem_gb``.
+
+        A limit that is None or <= 0 means unlimited. Incomplete and corrupt dirs
+        are left alone, and the newest committed checkpoint is always kept.
+        Returns the names of the removed step dirs, oldest first.
+        """
+        kept = [info for info in self.list(verify=False) if info.is_committed]
+        max_bytes = max_mem_gb * BYTES_PER_GB if max_mem_gb and max_mem_gb > 0 else None
+        removed_names = []
+        while len(kept) > 1:
+            over_count = bool(max_num and max_num > 0 and len(kept) > max_num)
+            over_size = max_bytes is not None and sum(info.size_bytes for info in kept) > max_bytes
+            if not (over_count or over_size):
+                break
+            oldest = kept.pop(0)
+            self._remove_step_dir(oldest.name)
+            removed_names.append(oldest.name)
+        return removed_names
+
+    def download(self, step: int, local_dir: str) -> str:
+        """Copy the committed ``step_N`` into ``local_dir`` and verify every file's sha256."""
+        info = self._inspect(step, verify=False)
+        if not info.is_committed:
+            raise UserError(
+                f"Checkpoint {info.uri} is {info.status} ({info.reason}); "
+                "pick a committed step from `rlhf ckpt ls`."
+            )
+        step_path = self._path(info.name)
+        manifest_bytes = self.fs.cat_file(f"{step_path}/{MANIFEST_NAME}")
+        manifest = Manifest.from_bytes(manifest_bytes)
+        local_paths = [os.path.join(local_dir, *entry.path.split("/")) for entry in manifest.files]
+        for local_path in local_paths:
+            os.makedirs(os.path.dirname(local_path), exist_ok=True)
+        self.fs.get([f"{step_path}/{entry.path}" for entry in manifest.files], local_paths)
+        for entry, local_path in zip(manifest.files, local_paths):
+            if sha256_of_local_file(local_path) != entry.sha256:
+                raise UserError(
+                    f"Downloaded {entry.path} from {info.uri} does not match its checksum; "
+                    "the checkpoint is corrupt, so resume from an earlier step."
+                )
+        with open(os.path.join(local_dir, MANIFEST_NAME), "wb") as stream:
+            stream.write(manifest_bytes)
+        return local_dir
+
+    # ------------------------------------------------------------------ helpers
+
+    def _path(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def _steps(self) -> list[int]:
+        self.fs.invalidate_cache()
+        try:
+            entries = self.fs.ls(self.root, detail=True)
+        except FileNotFoundError:
+            return []
+        steps = (
+            parse_step_dir_name(posixpath.basename(entry["name"].rstrip("/")))
+            for entry in entries
+            if entry["type"] == "directory"
+        )
+        return sorted(step for step in steps if step is not None)
+
+    def _file_sizes(self, dir_path: str) -> dict[str, int]:
+        """Size of every file below ``dir_path``, keyed by its path relative to it."""
+        prefix = dir_path.rstrip("/") + "/"
+        found = self.fs.find(dir_path, detail=True)
+        return {
+            name[len(prefix):]: int(entry["size"])
+            for name, entry in found.items()
+            if name.startswith(prefix)
+        }
+
+    def _inspect(self, step: int, verify: bool) -> CheckpointInfo:
+        name = step_dir_name(step)
+        dir_path = self._path(name)
+        sizes = self._file_sizes(dir_path)
+
+        def info(status: str, reason: str = "", manifest_digest: str = "") -> CheckpointInfo:
+            return CheckpointInfo(
+                step=step,
+                name=name,
+                uri=self.uri(step),
+                status=status,
+                size_bytes=sum(sizes.values()),
+                reason=reason,
+                manifest_digest=manifest_digest,
+            )
+
+        if MANIFEST_NAME not in sizes:
+            return info(STATUS_INCOMPLETE, f"no {MANIFEST_NAME}")
+        manifest_bytes = self.fs.cat_file(f"{dir_path}/{MANIFEST_NAME}")
+        try:
+            manifest = Manifest.from_bytes(manifest_bytes)
+        except ValueError as error:
+            return info(STATUS_CORRUPT, f"bad {MANIFEST_NAME}: {error}")
+        defect = self._find_defect(dir_path, step, manifest, sizes, verify)
+        if defect:
+            return info(STATUS_CORRUPT, defect)
+        return info(STATUS_COMMITTED, manifest_digest=hashlib.sha256(manifest_bytes).hexdigest())
+
+    def _find_defect(
+        self, dir_path: str, step: int, manifest: Manifest, sizes: dict[str, int], verify: bool
+    ) -> str:
+        """Why the files in ``dir_path`` disagree with ``manifest``, or "" if they agree."""
+        if manifest.step != step:
+            return f"manifest is for step {manifest.step}"
+        for entry in manifest.files:
+            if entry.path not in sizes:
+                return f"missing {entry.path}"
+            if sizes[entry.path] != entry.size:
+                return f"size mismatch in {entry.path}"
+        if verify:
+            for entry in manifest.files:
+                with self.fs.open(f"{dir_path}/{entry.path}", "rb") as stream:
+                    if sha256_of_stream(stream) != entry.sha256:
+                        return f"checksum mismatch in {entry.path}"
+        return ""
+
+    def _write_step(
+        self, dir_path: str, local_files: dict[str, str], metadata_bytes: bytes, manifest: Manifest
+    ) -> None:
+        remote_paths = [f"{dir_path}/{relative_path}" for relative_path in local_files]
+        for remote_path in remote_paths:
+            self._make_parent_dirs(remote_path)
+        if remote_paths:
+            # One bulk call lets async filesystems such as s3fs upload concurrently.
+            self.fs.put(list(local_files.values()), remote_paths)
+        self._write_bytes(f"{dir_path}/{METADATA_NAME}", metadata_bytes)
+        # The manifest goes last: its presence is what marks the step as committed.
+        self._write_bytes(f"{dir_path}/{MANIFEST_NAME}", manifest.to_bytes())
+
+    def _advance_latest(self, step: int) -> None:
+        """Point ``latest`` at ``step`` unless it already names this or a newer step."""
+        current_step = parse_step_dir_name(self.latest_name() or "")
+        if current_step is None or step > current_step:
+            self._write_bytes(self._path(LATEST_NAME), step_dir_name(step).encode())
+
+    def _move_aside(self, name: str) -> None:
+        timestamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+        aside_path = self._path(f"{ASIDE_DIR_NAME}/{name}.{timestamp}_{secrets.token_hex(2)}")
+        self._make_parent_dirs(aside_path)
+        self.fs.mv(self._path(name), aside_path, recursive=True)
+        self.fs.invalidate_cache()
+
+    def _remove_step_dir(self, name: str) -> None:
+        dir_path = self._path(name)
+        # Without its manifest a half-deleted dir reads as incomplete, never as committed.
+        self.fs.rm_file(f"{dir_path}/{MANIFEST_NAME}")
+        self.fs.rm(dir_path, recursive=True)
+        self.fs.invalidate_cache()
+
+    def _write_bytes(self, path: str, data: bytes) -> None:
+        self._make_parent_dirs(path)
+        self.fs.pipe_file(path, data)
+
+    def _make_parent_dirs(self, path: str) -> None:
+        # Object stores have no directories; only a local filesystem needs them made.
+        if self._is_local:
+            self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+
+
+def _list_local_files(local_dir: str) -> dict[str, str]:
+    """Absolute path of every file below ``local_dir``, keyed by its "/"-separated relative path."""
+    files = {}
+    for dir_path, dir_names, file_names in os.walk(local_dir):
+        dir_names.sort()
+        for file_name in sorted(file_names):
+            absolute_path = os.path.join(dir_path, file_name)
+            relative_path = os.path.relpath(absolute_path, local_dir).replace(os.sep, "/")
+            if relative_path not in _RESERVED_NAMES:
+                files[relative_path] = os.path.abspath(absolute_path)
+    return files
+
+
+def _build_manifest(step: int, local_files: dict[str, str], metadata_bytes: bytes) -> Manifest:
+    entries = [
+        ManifestEntry(path=relative_path, size=os.path.getsize(path), sha256=sha256_of_local_file(path))
+        for relative_path, path in local_files.items()
+    ]
+    entries.append(
+        ManifestEntry(
+            path=METADATA_NAME,
+            size=len(metadata_bytes),
+            sha256=hashlib.sha256(metadata_bytes).hexdigest(),
+        )
+    )
+    return Manifest(step=step, files=tuple(sorted(entries, key=lambda entry: entry.path)))
+
+
+def format_listing(infos: list[CheckpointInfo]) -> str:
+    """A plain-text table of checkpoints for ``rlhf ckpt ls``."""
+    if not infos:
+        return "no checkpoints"
+    header = ("step", "status", "size", "name", "reason")
+    rows = [
+        (str(info.step), info.status, f"{info.size_bytes / 1e6:.1f} MB", info.name, info.reason)
+        for info in infos
+    ]
+    table = [header, *rows]
+    widths = [max(len(row[column]) for row in table) for column in range(len(header))]
+    lines = ("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in table)
+    return "\n".join(lines)
+
+
+def to_json(infos: list[CheckpointInfo]) -> list[dict[str, Any]]:
+    """Checkpoint infos as plain dicts, for ``--json`` output."""
+    return [dataclasses.asdict(info) for info in infos]

@@ -1,0 +1,192 @@
+"""One chunk of a training stage: `ensure_checkpoint(run, stage, target_step)`.
+
+The checkpoint store is the source of truth. Asking for a target already committed returns it and
+trains nothing; otherwise training starts from the newest valid checkpoint at or below the target
+(or from the pretrained model), runs to the target on a Ray worker group, and commits. A group left
+warm by the previous chunk is reused when it holds exactly the state the store would load.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+import fsspec
+
+from rlhf_core.checkpoint import CheckpointInfo, CheckpointStore
+from rlhf_core.config import RunConfig, semantic_fields, semantic_hash
+from rlhf_core.data import fingerprint
+from rlhf_core.engine import WorkerGroup
+from rlhf_core.errors import UserError
+from rlhf_core.models import load_tokenizer
+
+CHECKPOINT_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    stage: str
+    num_samples: int
+    total_steps: int
+    targets: list[int]  # the step each chunk ends at
+
+
+@dataclass
+class ChunkResult:
+    """What a chunk hands to the flow: small and JSON-able, never tensors."""
+
+    stage: str
+    step: int
+    uri: str
+    manifest_digest: str
+    num_steps_trained: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def resolve_paths(run: RunConfig) -> RunConfig:
+    """Make local paths absolute, so Ray workers (other working directories) see the same files."""
+
+    def absolute(url: str) -> str:
+        protocol, _ = fsspec.core.split_protocol(url)
+        return url if protocol else os.path.abspath(url)
+
+    updates: dict = {"ckpt_path": absolute(run.ckpt_path)}
+    for stage in run.stages:
+        cfg = run.stage_config(stage)
+        paths = {name: absolute(getattr(cfg, name)) for name in ("pretrain", "dataset", "save_path") if hasattr(cfg, name)}
+        updates[stage] = cfg.model_copy(update=paths)
+    return run.model_copy(update=updates)
+
+
+def plan_stage(run: RunConfig, stage: str) -> StagePlan:
+    """Validate the stage's inputs and lay out its chunks; raises UserError before any training."""
+    from rlhf_core.trainers.sft import load_sft_samples
+
+    cfg = run.stage_config(stage)
+    num_samples = len(load_sft_samples(run, load_tokenizer(cfg.pretrain)))
+    steps_per_epoch = num_samples // cfg.train_batch_size
+    if steps_per_epoch == 0:
+        raise UserError(
+            f"--train_batch_size {cfg.train_batch_size} is larger than the {num_samples} usable samples of "
+            f"{cfg.dataset}; lower it or add data."
+        )
+    total_steps = steps_per_epoch * cfg.max_epochs
+    chunk = cfg.save_steps if cfg.save_steps > 0 else total_steps
+    targets = list(range(chunk, total_steps, chunk)) + [total_steps]
+    return StagePlan(stage, num_samples, total_steps, targets)
+
+
+def check_resume_allowed(run: RunConfig) -> None:
+    """Refuse to train into a run that already has checkpoints unless --load_checkpoint says resume."""
+    if run.load_checkpoint:
+        return
+    for stage in run.stages:
+        if not open_store(run, stage).is_empty():
+            raise UserError(
+                f"{run.stage_url(stage)} already holds checkpoints; pass --load_checkpoint to resume it, "
+                f"or choose another --run_name or --ckpt_path."
+            )
+
+
+def open_store(run: RunConfig, stage: str) -> CheckpointStore:
+    return CheckpointStore(run.stage_url(stage), run.storage_options)
+
+
+class _WarmGroup:
+    """The worker group of the last chunk in this process, and the identity of the state it holds."""
+
+    group: WorkerGroup | None = None
+    identity: tuple = ()
+
+    @classmethod
+    def release(cls) -> None:
+        if cls.group is not None:
+            cls.group.shutdown()
+        cls.group, cls.identity = None, ()
+
+
+def release_workers() -> None:
+    """Stop the warm worker group, if any (end of a flow, or before a test starts another)."""
+    _WarmGroup.release()
+
+
+def _group_at(run: RunConfig, stage: str, plan: StagePlan, start: CheckpointInfo | None,
+              store: CheckpointStore) -> WorkerGroup:
+    """A worker group holding exactly the state of `start` (or the pretrained model)."""
+    identity = (run.stage_url(stage), semantic_hash(run, stage), run.num_workers, plan.total_steps)
+    start_step = start.step if start else 0
+    warm = _WarmGroup.group
+    if warm is not None and _WarmGroup.identity == identity and warm.step == start_step:
+        return warm
+    release_workers()
+    group = WorkerGroup(run.num_workers, run.ray_address)
+    _WarmGroup.group, _WarmGroup.identity = group, identity
+    group.setup(run, stage, plan.total_steps)
+    if start is not None:
+        with tempfile.TemporaryDirectory(prefix="rlhf-load-") as local_dir:
+            store.download(start.step, local_dir)
+            group.load(local_dir)
+    return group
+
+
+def _metadata(run: RunConfig, stage: str, plan: StagePlan, step: int, metrics: dict) -> dict:
+    import deepspeed
+    import torch
+    import transformers
+
+    cfg = run.stage_config(stage)
+    return {
+        "format_version": CHECKPOINT_FORMAT_VERSION,
+        "stage": stage,
+        "step": step,
+        "total_steps": plan.total_steps,
+        "consumed_samples": step * cfg.train_batch_size,
+        "epoch": step // max(plan.total_steps // cfg.max_epochs, 1),
+        "seed": run.seed,
+        "world_size": run.num_workers,
+        "zero_stage": cfg.zero_stage,
+        "config_hash": semantic_hash(run, stage),
+        "config": semantic_fields(cfg),
+        "dataset_fingerprint": fingerprint(cfg.dataset) if hasattr(cfg, "dataset") else "",
+        "metrics": metrics,
+        "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
+                     "transformers": transformers.__version__},
+    }
+
+
+def ensure_checkpoint(run: RunConfig, stage: str, target_step: int) -> ChunkResult:
+    """Make sure a valid checkpoint at `target_step` exists (training only what is missing)."""
+    started = time.perf_counter()
+    plan = plan_stage(run, stage)
+    target_step = min(target_step, plan.total_steps)
+    store = open_store(run, stage)
+    start = store.newest_valid(max_step=target_step)
+    if start is not None and start.step == target_step:
+        return ChunkResult(stage, target_step, start.uri, start.manifest_digest, 0,
+                           store.read_metadata(target_step).get("metrics", {}))
+    try:
+        prepared = time.perf_counter()
+        group = _group_at(run, stage, plan, start, store)
+        trained = time.perf_counter()
+        step_metrics = group.train_until(target_step)
+        saved = time.perf_counter()
+        summary = {"loss": step_metrics[-1]["loss"], "lr": step_metrics[-1]["lr"],
+                   "mean_loss": sum(m["loss"] for m in step_metrics) / len(step_metrics)}
+        with tempfile.TemporaryDirectory(prefix="rlhf-save-") as staging:
+            group.save(staging)
+            info = store.commit(target_step, staging, _metadata(run, stage, plan, target_step, summary))
+    except BaseException:
+        release_workers()  # the group's state is unknown after a failure: never reuse it
+        raise
+    store.retain(run.max_ckpt_num, run.max_ckpt_mem)
+    finished = time.perf_counter()
+    seconds = {"plan": prepared - started, "workers_and_load": trained - prepared, "train": saved - trained,
+               "save_and_commit": finished - saved}
+    return ChunkResult(stage, target_step, info.uri, info.manifest_digest, target_step - (start.step if start else 0),
+                       summary, seconds)

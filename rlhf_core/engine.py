@@ -1,0 +1,136 @@
+"""DeepSpeed ranks as a Ray actor group.
+
+`WorkerGroup` starts `num_workers` `TrainWorker` actors, joins them in one torch.distributed group
+(gloo on CPU, nccl on GPU), and drives a stage trainer inside each. The group outlives a chunk: the
+next chunk reuses it warm when it already holds the state the store would give it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from typing import Any
+
+import ray
+
+from rlhf_core.config import RunConfig, StageConfig
+
+
+def deepspeed_config(cfg: StageConfig, num_workers: int, total_steps: int) -> dict[str, Any]:
+    """DeepSpeed settings for one stage: AdamW, warmup-cosine LR, ZeRO, clipping."""
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    warmup_steps = int(round(cfg.lr_warmup_ratio * total_steps))
+    return {
+        "train_batch_size": cfg.train_batch_size,
+        "train_micro_batch_size_per_gpu": cfg.micro_train_batch_size,
+        "gradient_accumulation_steps": cfg.train_batch_size // (cfg.micro_train_batch_size * num_workers),
+        "gradient_clipping": cfg.max_norm,
+        "zero_optimization": {"stage": cfg.zero_stage},
+        "bf16": {"enabled": bool(cfg.bf16 and on_gpu)},
+        "optimizer": {
+            "type": "AdamW",
+            # FusedAdam needs CUDA; torch's AdamW is the CPU path.
+            "params": {"lr": cfg.learning_rate, "betas": [0.9, 0.95], "eps": 1e-8,
+                       "weight_decay": cfg.l2, "torch_adam": not on_gpu},
+        },
+        "scheduler": {
+            "type": "WarmupCosineLR",
+            "params": {"total_num_steps": max(total_steps, 1), "warmup_num_steps": warmup_steps,
+                       "warmup_type": "linear", "warmup_min_ratio": 0.0, "cos_min_ratio": 0.1},
+        },
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
+
+
+class TrainWorker:
+    """One DeepSpeed rank. Runs inside a Ray actor; hosts the trainer of one stage."""
+
+    def __init__(self, rank: int, world_size: int, num_threads: int):
+        import torch
+
+        self.rank, self.world_size = rank, world_size
+        torch.set_num_threads(num_threads)
+        self.trainer = None
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def join(self, master_addr: str, master_port: int) -> None:
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
+                          WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
+        import deepspeed
+        from deepspeed.utils import logger as deepspeed_logger
+
+        deepspeed_logger.setLevel(logging.WARNING)
+        deepspeed.init_distributed()
+
+    def setup(self, run: RunConfig, stage: str, total_steps: int) -> None:
+        from rlhf_core.trainers import trainer_class
+
+        self.trainer = trainer_class(stage)(run, total_steps, self.rank, self.world_size)
+
+    def load(self, directory: str) -> int:
+        return self.trainer.load(directory)
+
+    def train_until(self, target_step: int) -> list[dict[str, float]]:
+        return [self.trainer.train_step() for _ in range(self.trainer.step, target_step)]
+
+    def save(self, directory: str) -> None:
+        self.trainer.save(directory)
+
+
+class WorkerGroup:
+    """`num_workers` TrainWorker actors acting as one data-parallel DeepSpeed job."""
+
+    def __init__(self, num_workers: int, ray_address: str | None = None):
+        ensure_ray(ray_address)
+        cpus_per_worker = min(1.0, max(0.01, ray.available_resources().get("CPU", 1) / num_workers))
+        num_threads = max(1, (os.cpu_count() or 1) // num_workers)
+        remote_worker = ray.remote(TrainWorker)
+        self.workers = [
+            remote_worker.options(num_cpus=cpus_per_worker).remote(rank, num_workers, num_threads)
+            for rank in range(num_workers)
+        ]
+        master_addr, master_port = ray.get(self.workers[0].rendezvous_address.remote())
+        ray.get([worker.join.remote(master_addr, master_port) for worker in self.workers])
+        self.step = 0
+
+    def setup(self, run: RunConfig, stage: str, total_steps: int) -> None:
+        ray.get([worker.setup.remote(run, stage, total_steps) for worker in self.workers])
+
+    def load(self, directory: str) -> None:
+        steps = ray.get([worker.load.remote(directory) for worker in self.workers])
+        self.step = steps[0]
+
+    def train_until(self, target_step: int) -> list[dict[str, float]]:
+        """Per-step metrics as seen by rank 0 (already averaged over ranks)."""
+        metrics = ray.get([worker.train_until.remote(target_step) for worker in self.workers])[0]
+        self.step = target_step
+        return metrics
+
+    def save(self, directory: str) -> None:
+        ray.get([worker.save.remote(directory) for worker in self.workers])
+
+    def shutdown(self) -> None:
+        for worker in self.workers:
+            ray.kill(worker)
+        self.workers = []
+
+
+def ensure_ray(ray_address: str | None) -> None:
+    """Connect to `ray_address` (or RAY_ADDRESS), else start a local cluster, once per process."""
+    if ray.is_initialized():
+        return
+    address = ray_address or os.environ.get("RAY_ADDRESS") or None
+    ray.init(address=address, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING,
+             configure_logging=True)
