@@ -297,6 +297,7 @@ class CheckpointStore:
         manifest_bytes = self.fs.cat_file(f"{step_path}/{MANIFEST_NAME}")
         manifest = Manifest.from_bytes(manifest_bytes)
         local_paths = [os.path.join(local_dir, *entry.path.split("/")) for entry in manifest.files]
+        os.makedirs(local_dir, exist_ok=True)
         for local_path in local_paths:
             os.makedirs(os.path.dirname(local_path), exist_ok=True)
         self.fs.get([f"{step_path}/{entry.path}" for entry in manifest.files], local_paths)
@@ -404,16 +405,30 @@ class CheckpointStore:
             self._write_bytes(self._path(LATEST_NAME), step_dir_name(step).encode())
 
     def _move_aside(self, name: str) -> None:
+        """Move an uncommitted step dir under ``.aside/`` so a new commit can take its name."""
         timestamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
         aside_path = self._path(f"{ASIDE_DIR_NAME}/{name}.{timestamp}_{secrets.token_hex(2)}")
+        dir_path = self._path(name)
         self._make_parent_dirs(aside_path)
-        self.fs.mv(self._path(name), aside_path, recursive=True)
+        if self._is_local:
+            os.rename(dir_path, aside_path)
+        else:
+            # Object stores have no rename, and a recursive fs.mv trips over s3's
+            # pseudo dirs, so copy file by file before removing the original.
+            source_paths = sorted(self.fs.find(dir_path))
+            target_paths = [aside_path + path[len(dir_path):] for path in source_paths]
+            if source_paths:
+                self.fs.copy(source_paths, target_paths)
+            self._remove_step_dir(name)
         self.fs.invalidate_cache()
 
     def _remove_step_dir(self, name: str) -> None:
         dir_path = self._path(name)
         # Without its manifest a half-deleted dir reads as incomplete, never as committed.
-        self.fs.rm_file(f"{dir_path}/{MANIFEST_NAME}")
+        try:
+            self.fs.rm_file(f"{dir_path}/{MANIFEST_NAME}")
+        except FileNotFoundError:
+            pass
         self.fs.rm(dir_path, recursive=True)
         self.fs.invalidate_cache()
 

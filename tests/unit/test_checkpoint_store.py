@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
 
 from rlhf_core.checkpoint import (
     LATEST_NAME,
@@ -157,7 +158,8 @@ def test_commit_writes_manifest_after_every_file_and_latest_last(
         if path.endswith(MANIFEST_NAME):
             assert not any(info.status == "committed" for info in store.list())
             # On a local filesystem the step is staged elsewhere and renamed in after the manifest.
-            assert store._is_local != store.fs.exists(remote_path(store, "step_7"))
+            is_local = isinstance(store.fs, LocalFileSystem)
+            assert is_local != store.fs.exists(remote_path(store, "step_7"))
         if path.endswith(f"/{LATEST_NAME}"):
             assert [info.status for info in store.list(verify=True)] == ["committed"]
 
@@ -166,7 +168,8 @@ def test_commit_writes_manifest_after_every_file_and_latest_last(
 
     names = [posixpath.basename(path) for path in written_paths]
     assert names[-2:] == [MANIFEST_NAME, LATEST_NAME]
-    assert sorted(names[:-2]) == sorted(["shard_0.bin", "shard_1.bin", "state.pt", "config.json", METADATA_NAME])
+    expected_names = ["shard_0.bin", "shard_1.bin", "state.pt", "config.json", METADATA_NAME]
+    assert sorted(names[:-2]) == sorted(expected_names)
     assert all("step_7" in path for path in written_paths[:-1])
 
 
@@ -352,7 +355,8 @@ def test_commit_moves_a_leftover_step_dir_aside(store: CheckpointStore, make_loc
 
     assert info.status == "committed"
     assert not store.fs.exists(remote_path(store, "step_5/junk.bin"))
-    aside_names = [posixpath.basename(path) for path in store.fs.ls(remote_path(store, ".aside"), detail=False)]
+    aside_paths = store.fs.ls(remote_path(store, ".aside"), detail=False)
+    aside_names = [posixpath.basename(path) for path in aside_paths]
     assert len(aside_names) == 1 and aside_names[0].startswith("step_5.")
     assert read_remote(store, f".aside/{aside_names[0]}/junk.bin") == b"left by a crash"
     assert [listed.name for listed in store.list()] == ["step_5"]
@@ -456,3 +460,45 @@ def test_format_listing_and_to_json(store: CheckpointStore, commit):
     rows = to_json(infos)
     assert json.loads(json.dumps(rows)) == rows
     assert rows[0]["status"] == "committed" and rows[1]["reason"] == f"no {MANIFEST_NAME}"
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    """A moto S3 server: s3fs has no rename and lists pseudo dirs, unlike memory://."""
+    moto_server = pytest.importorskip("moto.server")
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+def test_s3_store_commits_moves_aside_verifies_retains_and_downloads(
+    s3_endpoint: str, make_local_checkpoint, tmp_path: Path
+):
+    bucket = f"ckpt-{uuid.uuid4().hex}"
+    storage_options = {"key": "x", "secret": "x", "client_kwargs": {"endpoint_url": s3_endpoint}}
+    store = CheckpointStore(f"s3://{bucket}/run/sft", storage_options)
+    store.fs.mkdir(bucket)
+    assert store.uri(1) == f"s3://{bucket}/run/sft/step_1"
+
+    for step in (1, 2):
+        store.commit(step, str(make_local_checkpoint(step)), {"global_step": step})
+    write_remote(store, "step_3/junk.bin", b"left by a crash")
+    local_dir = make_local_checkpoint(3)
+    assert store.commit(3, str(local_dir), {"global_step": 3}).status == "committed"
+
+    store.fs.invalidate_cache()
+    assert len(store.fs.ls(remote_path(store, ".aside"))) == 1
+    assert store.latest_name() == "step_3"
+    flip_byte(store)
+    assert [info.status for info in store.list(verify=True)] == ["committed", "corrupt", "committed"]
+    assert store.newest_valid(max_step=2).step == 1
+    with pytest.raises(UserError, match="model/shard_0.bin"):
+        store.download(2, str(tmp_path / "corrupt_download"))
+
+    assert store.retain(max_num=1) == ["step_1", "step_2"]
+    store.download(3, str(tmp_path / "download"))
+    downloaded, committed = local_files(tmp_path / "download"), local_files(local_dir)
+    assert downloaded.keys() - committed.keys() == {MANIFEST_NAME, METADATA_NAME}
+    assert all(downloaded[name] == data for name, data in committed.items())

@@ -1,0 +1,1 @@
+"""Prefect flows and the `rlhf` command: the outermost layer."""

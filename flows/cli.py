@@ -1,0 +1,148 @@
+"""The `rlhf` command. Flags keep OpenRLHF's names and are generated from the pydantic configs,
+so each flag's help is the field's description.
+
+    rlhf toy init DIR                 tiny model + toy data
+    rlhf train sft --pretrain ... --dataset ... [--load_checkpoint]
+    rlhf run CONFIG.yaml              the pipeline from a YAML run config
+    rlhf ckpt ls PATH [--json]        checkpoints of one stage folder
+    rlhf demo [--workdir DIR]         the whole pipeline on toy data
+
+Training commands run the Prefect flow `rlhf` (on Prefect's ephemeral server when no
+PREFECT_API_URL is set). Mistakes the user can fix print one sentence and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import types
+import typing
+from typing import Any, Sequence
+
+from pydantic import BaseModel, ValidationError
+
+from rlhf_core.config import RunConfig, SFTConfig, describe_validation_error, load_run_config
+from rlhf_core.errors import UserError
+
+STAGE_CONFIGS = {"sft": SFTConfig}
+RUN_FLAGS_EXCLUDED = {"stages", *STAGE_CONFIGS}
+
+
+def _flag_type(annotation: Any) -> tuple[Any, dict[str, Any]]:
+    """argparse keyword arguments for a pydantic field annotation."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        inner = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        return _flag_type(inner[0])
+    if annotation is bool:
+        return None, {"action": "store_true", "default": argparse.SUPPRESS}
+    if origin is list:
+        return None, {"nargs": "+", "default": argparse.SUPPRESS}
+    if origin is dict:
+        return None, {"type": json.loads, "default": argparse.SUPPRESS, "metavar": "JSON"}
+    if origin is typing.Literal:
+        choices = typing.get_args(annotation)
+        return None, {"type": type(choices[0]), "choices": choices, "default": argparse.SUPPRESS}
+    return None, {"type": annotation, "default": argparse.SUPPRESS}
+
+
+def add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel], exclude: set[str] = frozenset()) -> None:
+    for name, field in model.model_fields.items():
+        if name in exclude:
+            continue
+        _, kwargs = _flag_type(field.annotation)
+        required = " (required)" if field.is_required() else ""
+        parser.add_argument(f"--{name}", dest=name, help=(field.description or "") + required, **kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlhf", description="Resumable RLHF pipeline on Prefect, Ray and DeepSpeed.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    toy = commands.add_parser("toy", help="Toy model and data.").add_subparsers(dest="toy_command", required=True)
+    toy_init = toy.add_parser("init", help="Write a tiny HF model, tokenizer and toy datasets into DIR.")
+    toy_init.add_argument("directory", metavar="DIR")
+    toy_init.add_argument("--seed", type=int, default=0, help="Seed of the toy model and data.")
+
+    train = commands.add_parser("train", help="Train one stage.").add_subparsers(dest="stage", required=True)
+    for stage, config in STAGE_CONFIGS.items():
+        stage_parser = train.add_parser(stage, help=config.__doc__)
+        add_model_flags(stage_parser, RunConfig, exclude=RUN_FLAGS_EXCLUDED)
+        add_model_flags(stage_parser, config)
+
+    run = commands.add_parser("run", help="Run the pipeline from a YAML run config.")
+    run.add_argument("config", metavar="CONFIG.yaml")
+
+    ckpt = commands.add_parser("ckpt", help="Inspect checkpoints.").add_subparsers(dest="ckpt_command", required=True)
+    ckpt_ls = ckpt.add_parser("ls", help="List the checkpoints of a stage folder ({ckpt_path}/{run_name}/{stage}).")
+    ckpt_ls.add_argument("path", metavar="PATH")
+    ckpt_ls.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
+    ckpt_ls.add_argument("--verify", action="store_true", help="Check every file's sha256, not only its size.")
+
+    demo = commands.add_parser("demo", help="Run the pipeline on the toy model and data.")
+    demo.add_argument("--workdir", default="./demo", help="Folder for toy assets, checkpoints and outputs.")
+    demo.add_argument("--num_workers", type=int, default=1, help="DeepSpeed ranks (Ray actors).")
+    return parser
+
+
+def run_config_from_flags(stage: str, flags: dict[str, Any]) -> RunConfig:
+    stage_fields = STAGE_CONFIGS[stage].model_fields
+    stage_values = {name: value for name, value in flags.items() if name in stage_fields}
+    run_values = {name: value for name, value in flags.items() if name in RunConfig.model_fields}
+    try:
+        return RunConfig(stages=[stage], **run_values, **{stage: STAGE_CONFIGS[stage](**stage_values)})
+    except ValidationError as error:
+        raise UserError(describe_validation_error(error, f"rlhf train {stage}", flag_style=True)) from None
+
+
+def run_pipeline(run: RunConfig) -> dict:
+    """Validate what can be validated before Prefect starts, then run the flow."""
+    from rlhf_core.chunk import check_resume_allowed, plan_stage, resolve_paths
+
+    resolved = resolve_paths(run)
+    check_resume_allowed(resolved)
+    for stage in resolved.stages:
+        plan_stage(resolved, stage)
+    from flows.pipeline import rlhf
+
+    return rlhf(config=run)
+
+
+def cmd_ckpt_ls(path: str, as_json: bool, verify: bool) -> int:
+    from rlhf_core.checkpoint import CheckpointStore, format_listing, to_json
+
+    infos = CheckpointStore(path).list(verify=verify)
+    print(json.dumps(to_json(infos), indent=2) if as_json else format_listing(infos))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "toy":
+            from rlhf_core.toy import init_toy
+
+            for name, path in init_toy(args.directory, args.seed).items():
+                print(f"{name}: {path}")
+        elif args.command == "train":
+            flags = {k: v for k, v in vars(args).items() if k not in ("command", "stage")}
+            run_pipeline(run_config_from_flags(args.stage, flags))
+        elif args.command == "run":
+            run_pipeline(load_run_config(args.config))
+        elif args.command == "ckpt":
+            return cmd_ckpt_ls(args.path, args.json, args.verify)
+        elif args.command == "demo":
+            from flows.demo import run_demo
+
+            run_demo(args.workdir, args.num_workers)
+    except UserError as error:
+        print(f"rlhf: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

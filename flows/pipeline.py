@@ -1,0 +1,58 @@
+"""The flow `rlhf`: every requested stage, chunk by chunk, then its export.
+
+Each chunk is the cached task `train_chunk`; a completed chunk is skipped (state `Cached`) on any
+later run of the same run name. Progress and metrics artifacts are emitted here, in the flow body,
+because a cached task body does not run.
+"""
+
+from __future__ import annotations
+
+import re
+
+from prefect import flow, runtime
+from prefect.artifacts import create_table_artifact
+
+from rlhf_core.chunk import ChunkResult, check_resume_allowed, plan_stage, release_workers, resolve_paths
+from rlhf_core.config import RunConfig
+from tasks.chunks import chunk_task_for, export_model
+
+
+def _artifact_key(*parts: str) -> str:
+    return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
+
+
+def run_stage(run: RunConfig, stage: str, upstream_digest: str) -> dict:
+    """All chunks of one stage, then its export; returns the stage summary."""
+    plan = plan_stage(run, stage)
+    train_chunk = chunk_task_for(run)
+    rows = []
+    result = None
+    for target in plan.targets:
+        state = train_chunk(run, stage, target, upstream_digest, return_state=True)
+        result = ChunkResult(**state.result())
+        status = "cached" if state.name == "Cached" else f"trained {result.num_steps_trained} steps"
+        print(f"{stage} chunk -> step {target}/{plan.total_steps}: {status}, loss {result.metrics.get('loss', float('nan')):.4f}")
+        rows.append({"step": result.step, "status": status, **{k: round(v, 6) for k, v in result.metrics.items()},
+                     "checkpoint": result.uri})
+    save_path = export_model(run, stage, plan.total_steps)
+    print(f"{stage}: exported the final model (step {plan.total_steps}) to {save_path}")
+    create_table_artifact(key=_artifact_key(run.run_name, stage, "chunks"), table=rows,
+                          description=f"Chunks of stage {stage} in run {run.run_name}")
+    return {"final_step": plan.total_steps, "checkpoint": result.uri, "manifest_digest": result.manifest_digest,
+            "save_path": save_path, "chunks": rows}
+
+
+@flow(name="rlhf", log_prints=True)
+def rlhf(config: RunConfig) -> dict:
+    """Run the requested RLHF stages in order; each stage resumes from its newest valid checkpoint."""
+    run = resolve_paths(config)
+    if (runtime.flow_run.run_count or 1) <= 1:  # a Prefect retry of this flow run always resumes
+        check_resume_allowed(run)
+    summary, upstream_digest = {}, ""
+    try:
+        for stage in run.stages:
+            summary[stage] = run_stage(run, stage, upstream_digest)
+            upstream_digest = summary[stage]["manifest_digest"]
+    finally:
+        release_workers()
+    return summary

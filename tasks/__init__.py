@@ -1,0 +1,1 @@
+"""Prefect tasks: thin adapters (retries, cache keys, result storage) over rlhf_core."""

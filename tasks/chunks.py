@@ -1,0 +1,106 @@
+"""The chunk task: one `ensure_checkpoint` call, cached by stable identity and retried on failure.
+
+The cache key is (run name, stage, target step, semantic config hash, upstream digest, checkpoint
+format version): no flow-run id and no task source, so a new flow run of the same run name, a UI
+retry, a subflow restart and a code edit all skip completed chunks. Results are small JSON dicts
+persisted in the run's own store (`{ckpt_path}/{run_name}/_prefect/`), never pickles.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import fsspec
+from prefect import task
+from prefect.cache_policies import CachePolicy
+from prefect.filesystems import RemoteFileSystem
+
+from rlhf_core.chunk import CHECKPOINT_FORMAT_VERSION, ensure_checkpoint, open_store
+from rlhf_core.config import RunConfig, semantic_hash
+from rlhf_core.errors import UserError
+from rlhf_core.export import export_hf_model
+
+
+def chunk_cache_key(run: RunConfig, stage: str, target_step: int, upstream_digest: str) -> str:
+    identity = {
+        "run_name": run.run_name,
+        "stage": stage,
+        "target_step": target_step,
+        "config_hash": semantic_hash(run, stage),
+        "upstream_digest": upstream_digest,
+        "format_version": CHECKPOINT_FORMAT_VERSION,
+    }
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
+    return f"{run.run_name}-{stage}-step{target_step}-{digest}"
+
+
+@dataclass
+class ChunkCachePolicy(CachePolicy):
+    """Cache key of a chunk from its stable identity (see module docstring)."""
+
+    def compute_key(self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any],
+                    **kwargs: Any) -> str | None:
+        return chunk_cache_key(inputs["run"], inputs["stage"], inputs["target_step"], inputs["upstream_digest"])
+
+
+SECRET_OPTION = re.compile(r"key|secret|token|password|credential", re.IGNORECASE)
+
+
+def run_result_storage(run: RunConfig) -> Path | str:
+    """Prefect result storage inside the run's own checkpoint folder.
+
+    A local folder is passed as a Path. Prefect accepts a remote filesystem only as a saved block, so
+    one is saved per run, without secret options: workers take credentials from their environment.
+    """
+    url = f"{run.run_url()}/_prefect"
+    protocol, path = fsspec.core.split_protocol(url)
+    if protocol in (None, "file"):
+        return Path(path)
+    settings = {name: value for name, value in run.storage_options.items() if not SECRET_OPTION.search(name)}
+    block_name = "rlhf-results-" + hashlib.sha256(url.encode()).hexdigest()[:16]
+    RemoteFileSystem(basepath=url, settings=settings).save(block_name, overwrite=True)
+    return f"remote-file-system/{block_name}"
+
+
+def _retry_unless_user_error(task, task_run, state) -> bool:
+    """A user mistake will fail the same way again: don't spend retries on it."""
+    try:
+        state.result()
+    except UserError:
+        return False
+    except BaseException:
+        return True
+    return True
+
+
+@task(
+    name="train_chunk",
+    retries=2,
+    retry_delay_seconds=[5, 30],
+    retry_condition_fn=_retry_unless_user_error,
+    cache_policy=ChunkCachePolicy(),
+    persist_result=True,
+    result_serializer="json",
+    task_run_name="{stage}-to-step-{target_step}",
+)
+def train_chunk(run: RunConfig, stage: str, target_step: int, upstream_digest: str) -> dict:
+    """Train `stage` up to `target_step` and commit the checkpoint; returns a ChunkResult dict."""
+    return ensure_checkpoint(run, stage, target_step).to_dict()
+
+
+@task(name="export_model", retries=1, retry_condition_fn=_retry_unless_user_error)
+def export_model(run: RunConfig, stage: str, final_step: int) -> str:
+    """Export the stage's final checkpoint as a Hugging Face model to its save_path."""
+    ensure_checkpoint(run, stage, final_step)  # cheap when present; retrains a checkpoint that vanished
+    cfg = run.stage_config(stage)
+    return export_hf_model(open_store(run, stage), final_step, cfg.pretrain, cfg.save_path, run.storage_options)
+
+
+def chunk_task_for(run: RunConfig):
+    """The chunk task bound to this run's result storage."""
+    return train_chunk.with_options(result_storage=run_result_storage(run))
