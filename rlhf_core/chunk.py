@@ -20,6 +20,7 @@ from rlhf_core.config import RunConfig, semantic_fields, semantic_hash
 from rlhf_core.data import fingerprint
 from rlhf_core.engine import WorkerGroup
 from rlhf_core.errors import UserError
+from rlhf_core.faults import fault_point
 from rlhf_core.models import load_tokenizer
 
 CHECKPOINT_FORMAT_VERSION = 1
@@ -184,6 +185,7 @@ def ensure_checkpoint(run: RunConfig, stage: str, target_step: int) -> ChunkResu
     except BaseException:
         release_workers()  # the group's state is unknown after a failure: never reuse it
         raise
+    fault_point("after_commit", target_step)
     store.retain(run.max_ckpt_num, run.max_ckpt_mem)
     finished = time.perf_counter()
     seconds = {"plan": prepared - started, "workers_and_load": trained - prepared, "train": saved - trained,

@@ -83,7 +83,13 @@ class TrainWorker:
         return self.trainer.load(directory)
 
     def train_until(self, target_step: int) -> list[dict[str, float]]:
-        return [self.trainer.train_step() for _ in range(self.trainer.step, target_step)]
+        from rlhf_core.faults import fault_point
+
+        metrics = []
+        while self.trainer.step < target_step:
+            fault_point("train_step", self.trainer.step + 1)
+            metrics.append(self.trainer.train_step())
+        return metrics
 
     def save(self, directory: str) -> None:
         self.trainer.save(directory)
