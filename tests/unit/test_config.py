@@ -1,0 +1,87 @@
+"""Config: validators, semantic hash, YAML loading and CLI flag errors (exit code 2, one sentence)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from flows.cli import main
+from rlhf_core.config import RunConfig, SFTConfig, load_run_config, semantic_hash
+from rlhf_core.errors import UserError
+
+
+def sft(**overrides) -> SFTConfig:
+    return SFTConfig(**{"pretrain": "m", "dataset": "d.jsonl", "train_batch_size": 8,
+                        "micro_train_batch_size": 4, **overrides})
+
+
+def test_batch_sizes_must_divide_across_workers():
+    RunConfig(num_workers=2, sft=sft())
+    with pytest.raises(ValidationError, match="micro_train_batch_size x num_workers"):
+        RunConfig(num_workers=4, sft=sft())
+
+
+def test_unknown_and_unavailable_stages_are_refused():
+    with pytest.raises(ValidationError, match="unknown stage 'dpo'"):
+        RunConfig(stages=["dpo"], sft=sft())
+    with pytest.raises(ValidationError, match="not available yet"):
+        RunConfig(stages=["sft", "ppo"], sft=sft())
+    with pytest.raises(ValidationError, match="has no settings"):
+        RunConfig(stages=["sft"])
+
+
+def test_semantic_hash_ignores_operational_fields_only():
+    base = RunConfig(sft=sft())
+    same = RunConfig(sft=sft(logging_steps=7, save_path="/elsewhere"), ckpt_path="s3://b/c", max_ckpt_num=9,
+                     num_workers=2)
+    assert semantic_hash(base, "sft") == semantic_hash(same, "sft")
+    assert semantic_hash(base, "sft") != semantic_hash(RunConfig(sft=sft(train_batch_size=16)), "sft")
+    assert semantic_hash(base, "sft") != semantic_hash(RunConfig(sft=sft(), seed=1), "sft")
+
+
+def test_yaml_config_errors_name_file_and_field(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("stages: [sft]\nsft:\n  pretrain: m\n  dataset: d.jsonl\n  train_batch_size: 0\n")
+    with pytest.raises(UserError, match=r"run.yaml: sft.train_batch_size .*greater than or equal to 1"):
+        load_run_config(str(path))
+    path.write_text("stages: [sft\nsft: {}\n")
+    with pytest.raises(UserError, match=r"run.yaml line \d+: not valid YAML"):
+        load_run_config(str(path))
+    path.write_text("stages: [sft]\nsft: {pretrain: m, dataset: d.jsonl}\nwarmup: 3\n")
+    with pytest.raises(UserError, match="warmup is not a known setting"):
+        load_run_config(str(path))
+
+
+def test_yaml_config_loads(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("run_name: exp1\nstages: [sft]\nsft:\n  pretrain: m\n  dataset: d.jsonl\n  save_steps: 5\n")
+    run = load_run_config(str(path))
+    assert run.run_name == "exp1" and run.sft.save_steps == 5
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--dataset", "d.jsonl"], "--pretrain is required"),
+        (["--pretrain", "m", "--dataset", "d.jsonl", "--save_steps", "0"], "--save_steps must be a positive"),
+        (["--pretrain", "m", "--dataset", "d.jsonl", "--train_batch_size", "6", "--micro_train_batch_size", "4"],
+         "must be a multiple of micro_train_batch_size"),
+        (["--pretrain", "/no/such/model", "--dataset", "d.jsonl"], "is not a model folder"),
+    ],
+)
+def test_bad_flags_exit_2_with_one_sentence(flags, expected, capsys, tmp_path):
+    assert main(["train", "sft", "--ckpt_path", str(tmp_path), *flags]) == 2
+    err = capsys.readouterr().err
+    assert expected in err
+    assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_flags_keep_openrlhf_names():
+    from flows.cli import build_parser
+
+    help_text = build_parser()._subparsers._group_actions[0].choices["train"]._subparsers._group_actions[0] \
+        .choices["sft"].format_help()
+    for flag in ("--pretrain", "--save_steps", "--ckpt_path", "--load_checkpoint", "--max_ckpt_num",
+                 "--save_hf_ckpt", "--zero_stage", "--lora_rank", "--target_modules", "--ray_address"):
+        assert flag in help_text
+    assert SFTConfig.model_fields["save_steps"].description.split(";")[0] in " ".join(help_text.split())
