@@ -33,7 +33,7 @@ def run_stage(run: RunConfig, stage: str, upstream_digest: str) -> dict:
         status = "cached" if state.name == "Cached" else f"trained {result.num_steps_trained} steps"
         print(f"{stage} chunk -> step {target}/{plan.total_steps}: {status}, loss {result.metrics.get('loss', float('nan')):.4f}")
         rows.append({"step": result.step, "status": status, **{k: round(v, 6) for k, v in result.metrics.items()},
-                     "checkpoint": result.uri})
+                     **{f"{k}_s": round(v, 3) for k, v in result.seconds.items()}, "checkpoint": result.uri})
     save_path = export_model(run, stage, plan.total_steps)
     print(f"{stage}: exported the final model (step {plan.total_steps}) to {save_path}")
     create_table_artifact(key=_artifact_key(run.run_name, stage, "chunks"), table=rows,
