@@ -101,10 +101,11 @@ class WorkerGroup:
     def __init__(self, num_workers: int, ray_address: str | None = None):
         ensure_ray(ray_address)
         cpus_per_worker = min(1.0, max(0.01, ray.available_resources().get("CPU", 1) / num_workers))
+        gpus_per_worker = 1 if ray.cluster_resources().get("GPU", 0) >= num_workers else 0
         num_threads = max(1, (os.cpu_count() or 1) // num_workers)
         remote_worker = ray.remote(TrainWorker)
         self.workers = [
-            remote_worker.options(num_cpus=cpus_per_worker).remote(rank, num_workers, num_threads)
+            remote_worker.options(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker).remote(rank, num_workers, num_threads)
             for rank in range(num_workers)
         ]
         master_addr, master_port = ray.get(self.workers[0].rendezvous_address.remote())

@@ -3,7 +3,9 @@
     RLHF_FAULT_INJECT="after_commit@10=sleep:60,train_step@7=kill"
 
 makes the process sleep 60 s right after committing step 10, and SIGKILL itself when about to train
-step 7. Unset (the normal case), `fault_point` does nothing. Ray workers inherit the variable.
+step 7. With RLHF_FAULT_STATE set to a folder, each rule fires once (a marker file remembers it), so a
+retried chunk gets past the point. Unset (the normal case), `fault_point` does nothing. Ray workers
+inherit both variables.
 """
 
 from __future__ import annotations
@@ -11,17 +13,32 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 ENV_VAR = "RLHF_FAULT_INJECT"
+STATE_ENV_VAR = "RLHF_FAULT_STATE"
+
+
+def _first_time(point: str) -> bool:
+    state_dir = os.environ.get(STATE_ENV_VAR)
+    if not state_dir:
+        return True
+    marker = Path(state_dir) / point
+    try:
+        marker.touch(exist_ok=False)
+    except FileExistsError:
+        return False
+    return True
 
 
 def fault_point(name: str, step: int) -> None:
     spec = os.environ.get(ENV_VAR)
     if not spec:
         return
+    point = f"{name}@{step}"
     for rule in spec.split(","):
         where, _, action = rule.strip().partition("=")
-        if where != f"{name}@{step}":
+        if where != point or not _first_time(point):
             continue
         if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)

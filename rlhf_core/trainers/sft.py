@@ -41,6 +41,7 @@ class SFTTrainer(DeepSpeedTrainer):
         losses = []
         for micro_batch in rank_micro_batches(indices, self.rank, self.world_size, self.cfg.micro_train_batch_size):
             batch = collate_sft([self.samples[i] for i in micro_batch], self.tokenizer.pad_token_id)
+            batch = {name: tensor.to(self.engine.device) for name, tensor in batch.items()}
             loss = self.engine(**batch).loss
             self.engine.backward(loss)
             self.engine.step()
