@@ -1,0 +1,55 @@
+"""Run-level rules of rlhf_core.chunk: chunk layout, refusing to overwrite a run, path resolution."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from flows.cli import main
+from rlhf_core.checkpoint import CheckpointStore
+from rlhf_core.chunk import check_resume_allowed, plan_stage, resolve_paths
+from rlhf_core.config import RunConfig, SFTConfig
+from rlhf_core.errors import UserError
+
+
+def toy_run(toy_assets, **overrides) -> RunConfig:
+    settings = {"pretrain": toy_assets["model"], "dataset": toy_assets["sft"], "input_key": "prompt",
+                "output_key": "response", "max_len": 64, "train_batch_size": 8, "micro_train_batch_size": 4}
+    sft = SFTConfig(**{**settings, **overrides.pop("sft", {})})
+    return RunConfig(sft=sft, **overrides)
+
+
+def test_chunks_end_at_every_save_steps_and_at_the_last_step(toy_assets):
+    plan = plan_stage(toy_run(toy_assets, sft={"save_steps": 5}), "sft")
+    assert plan.num_samples == 256 and plan.total_steps == 32
+    assert plan.targets == [5, 10, 15, 20, 25, 30, 32]
+    assert plan_stage(toy_run(toy_assets), "sft").targets == [32]  # save_steps -1: one chunk
+    assert plan_stage(toy_run(toy_assets, sft={"max_epochs": 2, "save_steps": 40}), "sft").targets == [40, 64]
+
+
+def test_batch_larger_than_dataset_is_a_user_error(toy_assets):
+    with pytest.raises(UserError, match="--train_batch_size 512 is larger than the 256 usable samples"):
+        plan_stage(toy_run(toy_assets, sft={"train_batch_size": 512, "micro_train_batch_size": 8}), "sft")
+
+
+def test_existing_run_is_refused_without_load_checkpoint(toy_assets, tmp_path, capsys):
+    run = toy_run(toy_assets, ckpt_path=str(tmp_path))
+    check_resume_allowed(run)  # empty: fine
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    (staging / "weights.bin").write_bytes(b"x")
+    CheckpointStore(run.stage_url("sft")).commit(5, str(staging), {"step": 5})
+    with pytest.raises(UserError, match="already holds checkpoints; pass --load_checkpoint"):
+        check_resume_allowed(run)
+    check_resume_allowed(run.model_copy(update={"load_checkpoint": True}))
+    code = main(["train", "sft", "--pretrain", toy_assets["model"], "--dataset", toy_assets["sft"],
+                 "--ckpt_path", str(tmp_path)])
+    assert code == 2 and "pass --load_checkpoint" in capsys.readouterr().err
+    assert CheckpointStore(run.stage_url("sft")).newest_valid().step == 5  # nothing lost
+
+
+def test_relative_paths_become_absolute_for_workers(toy_assets):
+    run = resolve_paths(RunConfig(ckpt_path="ckpt", sft=SFTConfig(pretrain="m", dataset="s3://b/d.jsonl")))
+    assert run.ckpt_path == os.path.abspath("ckpt") and run.sft.pretrain == os.path.abspath("m")
+    assert run.sft.dataset == "s3://b/d.jsonl"
