@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt_ls.add_argument("path", metavar="PATH")
     ckpt_ls.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
     ckpt_ls.add_argument("--verify", action="store_true", help="Check every file's sha256, not only its size.")
+    ckpt_verify = ckpt.add_parser("verify", help="Check every checkpoint's sha256; exit 1 if the newest is not valid.")
+    ckpt_verify.add_argument("path", metavar="PATH")
+    ckpt_verify.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
 
     demo = commands.add_parser("demo", help="Run the pipeline on the toy model and data.")
     demo.add_argument("--workdir", default="./demo", help="Folder for toy assets, checkpoints and outputs.")
@@ -99,27 +102,36 @@ def run_config_from_flags(stage: str, flags: dict[str, Any]) -> RunConfig:
 
 def run_pipeline(run: RunConfig) -> dict:
     """Validate what can be validated before Prefect starts, then run the flow."""
-    from rlhf_core.chunk import check_resume_allowed, plan_stage, resolve_paths
+    from rlhf_core.chunk import plan_stage, resolve_paths
+    from rlhf_core.lease import RunLease
+    from rlhf_core.resume import validate_run_start
 
     resolved = resolve_paths(run)
-    check_resume_allowed(resolved)
+    validate_run_start(resolved)
     for stage in resolved.stages:
         plan_stage(resolved, stage)
+    RunLease(resolved.run_url(), resolved.storage_options).check_available()
     from flows.pipeline import rlhf
 
     return rlhf(config=run)
 
 
-def cmd_ckpt_ls(path: str, as_json: bool, verify: bool) -> int:
+def cmd_ckpt(command: str, path: str, as_json: bool, verify: bool) -> int:
+    """`ckpt ls` lists; `ckpt verify` hashes everything and fails when the newest step is not valid."""
     from rlhf_core.checkpoint import CheckpointStore, format_listing, to_json
 
-    infos = CheckpointStore(path).list(verify=verify)
+    infos = CheckpointStore(path).list(verify=verify or command == "verify")
     print(json.dumps(to_json(infos), indent=2) if as_json else format_listing(infos))
+    if command == "verify" and (not infos or not infos[-1].is_committed):
+        newest = f"{infos[-1].name} is {infos[-1].status} ({infos[-1].reason})" if infos else "no checkpoint found"
+        print(f"rlhf: newest checkpoint is not valid: {newest}.", file=sys.stderr)
+        return 1
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "rlhf_core")  # fallback and set-aside notices
     args = build_parser().parse_args(argv)
     try:
         if args.command == "toy":
@@ -133,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "run":
             run_pipeline(load_run_config(args.config))
         elif args.command == "ckpt":
-            return cmd_ckpt_ls(args.path, args.json, args.verify)
+            return cmd_ckpt(args.ckpt_command, args.path, args.json, getattr(args, "verify", False))
         elif args.command == "demo":
             from flows.demo import run_demo
 

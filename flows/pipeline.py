@@ -12,8 +12,10 @@ import re
 from prefect import flow, runtime
 from prefect.artifacts import create_table_artifact
 
-from rlhf_core.chunk import ChunkResult, check_resume_allowed, plan_stage, release_workers, resolve_paths
+from rlhf_core.chunk import ChunkResult, plan_stage, release_workers, resolve_paths
 from rlhf_core.config import RunConfig
+from rlhf_core.lease import RunLease
+from rlhf_core.resume import Lineage, begin_stage, validate_run_start
 from tasks.chunks import chunk_task_for, export_model
 
 
@@ -21,14 +23,14 @@ def _artifact_key(*parts: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
 
 
-def run_stage(run: RunConfig, stage: str, upstream_digest: str) -> dict:
+def run_stage(run: RunConfig, stage: str, upstream_digest: str, lineage: Lineage) -> dict:
     """All chunks of one stage, then its export; returns the stage summary."""
     plan = plan_stage(run, stage)
     train_chunk = chunk_task_for(run)
     rows = []
     result = None
     for target in plan.targets:
-        state = train_chunk(run, stage, target, upstream_digest, return_state=True)
+        state = train_chunk(run, stage, target, upstream_digest, lineage, return_state=True)
         result = ChunkResult(**state.result())
         status = "cached" if state.name == "Cached" else f"trained {result.num_steps_trained} steps"
         print(f"{stage} chunk -> step {target}/{plan.total_steps}: {status}, loss {result.metrics.get('loss', float('nan')):.4f}")
@@ -46,13 +48,15 @@ def run_stage(run: RunConfig, stage: str, upstream_digest: str) -> dict:
 def rlhf(config: RunConfig) -> dict:
     """Run the requested RLHF stages in order; each stage resumes from its newest valid checkpoint."""
     run = resolve_paths(config)
-    if (runtime.flow_run.run_count or 1) <= 1:  # a Prefect retry of this flow run always resumes
-        check_resume_allowed(run)
+    if (runtime.flow_run.run_count or 1) > 1:  # a Prefect retry of this flow run always resumes
+        run = run.model_copy(update={"load_checkpoint": True})
+    validate_run_start(run)
     summary, upstream_digest = {}, ""
-    try:
-        for stage in run.stages:
-            summary[stage] = run_stage(run, stage, upstream_digest)
-            upstream_digest = summary[stage]["manifest_digest"]
-    finally:
-        release_workers()
+    with RunLease(run.run_url(), run.storage_options):
+        try:
+            for stage in run.stages:
+                summary[stage] = run_stage(run, stage, upstream_digest, begin_stage(run, stage))
+                upstream_digest = summary[stage]["manifest_digest"]
+        finally:
+            release_workers()
     return summary

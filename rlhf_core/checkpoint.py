@@ -40,7 +40,8 @@ from typing import Any, BinaryIO
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
-from rlhf_core.errors import UserError
+from rlhf_core.errors import CorruptCheckpoint, UserError
+from rlhf_core.faults import fault_point
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "MANIFEST.json"
@@ -204,6 +205,37 @@ class CheckpointStore:
                 return info
         return None
 
+    def resume_point(self, max_step: int | None = None) -> tuple[CheckpointInfo | None, list[CheckpointInfo]]:
+        """The newest fully verified checkpoint at or below ``max_step``, and the newer step
+        dirs that failed verification, which are set aside (moved to ``.aside/``, never deleted)."""
+        skipped = []
+        for info in reversed(self.list(verify=False)):
+            if max_step is not None and info.step > max_step:
+                continue
+            if info.is_committed:
+                info = self._inspect(info.step, verify=True)
+                if info.is_committed:
+                    return info, skipped
+            self.set_aside(info)
+            skipped.append(info)
+        return None, skipped
+
+    def set_aside(self, info: CheckpointInfo) -> str:
+        """Move a bad step dir under ``.aside/`` with a REASON file; returns where it went."""
+        aside_path = self._move_aside(info.name)
+        self._write_bytes(f"{aside_path}/REASON.txt", f"{info.status}: {info.reason}\n".encode())
+        return aside_path
+
+    def read_json(self, name: str) -> Any:
+        """A small JSON file at the store root (not in a step dir), or None if absent or unreadable."""
+        try:
+            return json.loads(self.fs.cat_file(self._path(name)))
+        except (FileNotFoundError, UnicodeDecodeError, json.JSONDecodeError):
+            return None
+
+    def write_json(self, name: str, value: Any) -> None:
+        self._write_bytes(self._path(name), json.dumps(value, sort_keys=True).encode())
+
     def latest_name(self) -> str | None:
         """Contents of ``latest``, or None when it is absent or empty."""
         try:
@@ -261,6 +293,7 @@ class CheckpointStore:
             os.rename(staging_path, self._path(name))
         else:
             self._write_step(self._path(name), local_files, metadata_bytes, manifest)
+        fault_point("before_latest", step)
         self._advance_latest(step)
         self.fs.invalidate_cache()
         return self._inspect(step, verify=False)
@@ -303,9 +336,10 @@ class CheckpointStore:
         self.fs.get([f"{step_path}/{entry.path}" for entry in manifest.files], local_paths)
         for entry, local_path in zip(manifest.files, local_paths):
             if sha256_of_local_file(local_path) != entry.sha256:
-                raise UserError(
+                raise CorruptCheckpoint(
                     f"Downloaded {entry.path} from {info.uri} does not match its checksum; "
-                    "the checkpoint is corrupt, so resume from an earlier step."
+                    "the checkpoint is corrupt, so resume from an earlier step.",
+                    step, f"checksum mismatch in {entry.path}",
                 )
         with open(os.path.join(local_dir, MANIFEST_NAME), "wb") as stream:
             stream.write(manifest_bytes)
@@ -391,10 +425,14 @@ class CheckpointStore:
         remote_paths = [f"{dir_path}/{relative_path}" for relative_path in local_files]
         for remote_path in remote_paths:
             self._make_parent_dirs(remote_path)
+        local_paths = list(local_files.values())
         if remote_paths:
+            self.fs.put(local_paths[:1], remote_paths[:1])
+            fault_point("between_uploads", manifest.step)
             # One bulk call lets async filesystems such as s3fs upload concurrently.
-            self.fs.put(list(local_files.values()), remote_paths)
+            self.fs.put(local_paths[1:], remote_paths[1:])
         self._write_bytes(f"{dir_path}/{METADATA_NAME}", metadata_bytes)
+        fault_point("before_manifest", manifest.step)
         # The manifest goes last: its presence is what marks the step as committed.
         self._write_bytes(f"{dir_path}/{MANIFEST_NAME}", manifest.to_bytes())
 
@@ -404,7 +442,7 @@ class CheckpointStore:
         if current_step is None or step > current_step:
             self._write_bytes(self._path(LATEST_NAME), step_dir_name(step).encode())
 
-    def _move_aside(self, name: str) -> None:
+    def _move_aside(self, name: str) -> str:
         """Move an uncommitted step dir under ``.aside/`` so a new commit can take its name."""
         timestamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
         aside_path = self._path(f"{ASIDE_DIR_NAME}/{name}.{timestamp}_{secrets.token_hex(2)}")
@@ -421,6 +459,7 @@ class CheckpointStore:
                 self.fs.copy(source_paths, target_paths)
             self._remove_step_dir(name)
         self.fs.invalidate_cache()
+        return aside_path
 
     def _remove_step_dir(self, name: str) -> None:
         dir_path = self._path(name)
@@ -429,6 +468,7 @@ class CheckpointStore:
             self.fs.rm_file(f"{dir_path}/{MANIFEST_NAME}")
         except FileNotFoundError:
             pass
+        fault_point("during_removal", parse_step_dir_name(name) or 0)
         self.fs.rm(dir_path, recursive=True)
         self.fs.invalidate_cache()
 

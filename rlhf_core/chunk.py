@@ -1,9 +1,10 @@
 """One chunk of a training stage: `ensure_checkpoint(run, stage, target_step)`.
 
 The checkpoint store is the source of truth. Asking for a target already committed returns it and
-trains nothing; otherwise training starts from the newest valid checkpoint at or below the target
+trains nothing; otherwise training starts from the newest good checkpoint at or below the target
 (or from the pretrained model), runs to the target on a Ray worker group, and commits. A group left
-warm by the previous chunk is reused when it holds exactly the state the store would load.
+warm by the previous chunk is reused when it holds exactly the state the store would load, so the
+steady state pays neither a download nor a verification.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from rlhf_core.engine import WorkerGroup
 from rlhf_core.errors import UserError
 from rlhf_core.faults import fault_point
 from rlhf_core.models import load_tokenizer
+from rlhf_core.resume import Lineage, fetch_start, open_store
 
 CHECKPOINT_FORMAT_VERSION = 1
 
@@ -83,22 +85,6 @@ def plan_stage(run: RunConfig, stage: str) -> StagePlan:
     return StagePlan(stage, num_samples, total_steps, targets)
 
 
-def check_resume_allowed(run: RunConfig) -> None:
-    """Refuse to train into a run that already has checkpoints unless --load_checkpoint says resume."""
-    if run.load_checkpoint:
-        return
-    for stage in run.stages:
-        if not open_store(run, stage).is_empty():
-            raise UserError(
-                f"{run.stage_url(stage)} already holds checkpoints; pass --load_checkpoint to resume it, "
-                f"or choose another --run_name or --ckpt_path."
-            )
-
-
-def open_store(run: RunConfig, stage: str) -> CheckpointStore:
-    return CheckpointStore(run.stage_url(stage), run.storage_options)
-
-
 class _WarmGroup:
     """The worker group of the last chunk in this process, and the identity of the state it holds."""
 
@@ -117,23 +103,22 @@ def release_workers() -> None:
     _WarmGroup.release()
 
 
-def _group_at(run: RunConfig, stage: str, plan: StagePlan, start: CheckpointInfo | None,
-              store: CheckpointStore) -> WorkerGroup:
-    """A worker group holding exactly the state of `start` (or the pretrained model)."""
+def _group_at(run: RunConfig, stage: str, plan: StagePlan, store: CheckpointStore,
+              candidates: list[CheckpointInfo], lineage: Lineage) -> tuple[WorkerGroup, int]:
+    """A worker group holding the state of the newest good candidate (or of the pretrained model)."""
     identity = (run.stage_url(stage), semantic_hash(run, stage), run.num_workers, plan.total_steps)
-    start_step = start.step if start else 0
     warm = _WarmGroup.group
-    if warm is not None and _WarmGroup.identity == identity and warm.step == start_step:
-        return warm
+    if warm is not None and _WarmGroup.identity == identity and candidates and warm.step == candidates[-1].step:
+        return warm, warm.step
     release_workers()
-    group = WorkerGroup(run.num_workers, run.ray_address)
-    _WarmGroup.group, _WarmGroup.identity = group, identity
-    group.setup(run, stage, plan.total_steps)
-    if start is not None:
-        with tempfile.TemporaryDirectory(prefix="rlhf-load-") as local_dir:
-            store.download(start.step, local_dir)
-            group.load(local_dir)
-    return group
+    with tempfile.TemporaryDirectory(prefix="rlhf-load-") as local_dir:
+        start = fetch_start(run, stage, store, candidates, local_dir, lineage)
+        group = WorkerGroup(run.num_workers, run.ray_address)
+        _WarmGroup.group, _WarmGroup.identity = group, identity
+        group.setup(run, stage, plan.total_steps, load_universal=bool(start and start.universal))
+        if start is not None:
+            group.load(local_dir, start.universal, start.weights_only)
+    return group, group.step
 
 
 def _metadata(run: RunConfig, stage: str, plan: StagePlan, step: int, metrics: dict) -> dict:
@@ -161,22 +146,23 @@ def _metadata(run: RunConfig, stage: str, plan: StagePlan, step: int, metrics: d
     }
 
 
-def ensure_checkpoint(run: RunConfig, stage: str, target_step: int) -> ChunkResult:
+def ensure_checkpoint(run: RunConfig, stage: str, target_step: int, lineage: Lineage = Lineage()) -> ChunkResult:
     """Make sure a valid checkpoint at `target_step` exists (training only what is missing)."""
     started = time.perf_counter()
     plan = plan_stage(run, stage)
     target_step = min(target_step, plan.total_steps)
     store = open_store(run, stage)
-    start = store.newest_valid(max_step=target_step)
-    if start is not None and start.step == target_step:
-        return ChunkResult(stage, target_step, start.uri, start.manifest_digest, 0,
+    candidates = [info for info in store.list() if info.is_committed and info.step <= target_step]
+    if candidates and candidates[-1].step == target_step:
+        done = candidates[-1]
+        return ChunkResult(stage, target_step, done.uri, done.manifest_digest, 0,
                            store.read_metadata(target_step).get("metrics", {}))
     try:
         prepared = time.perf_counter()
-        group = _group_at(run, stage, plan, start, store)
-        trained = time.perf_counter()
+        group, start_step = _group_at(run, stage, plan, store, candidates, lineage)
+        loaded = time.perf_counter()
         step_metrics = group.train_until(target_step)
-        saved = time.perf_counter()
+        trained = time.perf_counter()
         summary = {"loss": step_metrics[-1]["loss"], "lr": step_metrics[-1]["lr"],
                    "mean_loss": sum(m["loss"] for m in step_metrics) / len(step_metrics)}
         with tempfile.TemporaryDirectory(prefix="rlhf-save-") as staging:
@@ -188,7 +174,6 @@ def ensure_checkpoint(run: RunConfig, stage: str, target_step: int) -> ChunkResu
     fault_point("after_commit", target_step)
     store.retain(run.max_ckpt_num, run.max_ckpt_mem)
     finished = time.perf_counter()
-    seconds = {"plan": prepared - started, "workers_and_load": trained - prepared, "train": saved - trained,
-               "save_and_commit": finished - saved}
-    return ChunkResult(stage, target_step, info.uri, info.manifest_digest, target_step - (start.step if start else 0),
-                       summary, seconds)
+    seconds = {"plan": prepared - started, "workers_and_load": loaded - prepared, "train": trained - loaded,
+               "save_and_commit": finished - trained}
+    return ChunkResult(stage, target_step, info.uri, info.manifest_digest, target_step - start_step, summary, seconds)

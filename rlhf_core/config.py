@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,6 +22,8 @@ from rlhf_core.errors import UserError
 
 KNOWN_STAGES = ("sft", "rm", "ppo", "merge", "export")
 IMPLEMENTED_STAGES = ("sft",)
+STEP_DIR_PATH = re.compile(r"^(.*?)/?([A-Za-z0-9._-]+)/(sft|rm|ppo)/step_(\d+)/?$")
+SECRET_OPTION = re.compile(r"secret|token|password|credential|^key$|_key$", re.IGNORECASE)
 
 
 def _operational(description: str) -> dict[str, Any]:
@@ -106,6 +109,18 @@ class RunConfig(BaseModel):
     load_checkpoint: bool = Field(
         False, **_operational("Resume from the newest valid checkpoint; without it a non-empty run is refused.")
     )
+    resume_from: int | None = Field(
+        None, ge=0,
+        **_operational("Resume from this step (e.g. 100 for step_100) instead of the newest; newer checkpoints "
+                       "are set aside, not deleted. Also set by --ckpt_path .../{run_name}/{stage}/step_100."),
+    )
+    load_weights_only: bool = Field(
+        False, **_operational("Restore only the weights of the checkpoint the run starts from, with a fresh "
+                              "optimizer (the remedy for a loss spike after resume).")
+    )
+    allow_config_change: bool = Field(
+        False, **_operational("Resume even though settings that change the math differ from the checkpoint's.")
+    )
     max_ckpt_num: int = Field(3, **_operational("Keep at most this many checkpoints per stage (<=0: all)."))
     max_ckpt_mem: float | None = Field(None, gt=0, **_operational("Keep at most this many GB of checkpoints per stage."))
     seed: int = Field(42, description="Seed from which every random draw (data order, init, sampling) is derived.")
@@ -114,6 +129,31 @@ class RunConfig(BaseModel):
         None, **_operational("Address of an existing Ray cluster; default: RAY_ADDRESS, else a local one.")
     )
     sft: SFTConfig | None = Field(None, description="Settings of the SFT stage.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _step_dir_as_ckpt_path(cls, data: Any) -> Any:
+        """OpenRLHF users resume a given step with --ckpt_path .../step_100: read it as resume_from."""
+        if isinstance(data, dict) and isinstance(data.get("ckpt_path"), str):
+            found = STEP_DIR_PATH.match(data["ckpt_path"])
+            if found and data.get("resume_from") is None:
+                root, run_name, stage, step = found.groups()
+                if data.get("run_name", run_name) != run_name:
+                    raise ValueError(f"ckpt_path names run {run_name!r} but run_name is {data['run_name']!r}")
+                data = {**data, "ckpt_path": root or ".", "run_name": run_name, "resume_from": int(step),
+                        "load_checkpoint": True}
+        return data
+
+    @field_validator("storage_options")
+    @classmethod
+    def _no_secrets(cls, options: dict[str, Any]) -> dict[str, Any]:
+        for name in options:
+            if SECRET_OPTION.search(name):
+                raise ValueError(
+                    f"must not hold the secret {name!r}: it would be stored in Prefect parameters; "
+                    "set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or your store's variables) instead"
+                )
+        return options
 
     @field_validator("stages")
     @classmethod

@@ -17,7 +17,7 @@ import ray
 from rlhf_core.config import RunConfig, StageConfig
 
 
-def deepspeed_config(cfg: StageConfig, num_workers: int, total_steps: int) -> dict[str, Any]:
+def deepspeed_config(cfg: StageConfig, num_workers: int, total_steps: int, load_universal: bool = False) -> dict[str, Any]:
     """DeepSpeed settings for one stage: AdamW, warmup-cosine LR, ZeRO, clipping."""
     import torch
 
@@ -41,6 +41,7 @@ def deepspeed_config(cfg: StageConfig, num_workers: int, total_steps: int) -> di
             "params": {"total_num_steps": max(total_steps, 1), "warmup_num_steps": warmup_steps,
                        "warmup_type": "linear", "warmup_min_ratio": 0.0, "cos_min_ratio": 0.1},
         },
+        "checkpoint": {"load_universal": load_universal},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
@@ -74,13 +75,13 @@ class TrainWorker:
         deepspeed_logger.setLevel(logging.WARNING)
         deepspeed.init_distributed()
 
-    def setup(self, run: RunConfig, stage: str, total_steps: int) -> None:
+    def setup(self, run: RunConfig, stage: str, total_steps: int, load_universal: bool) -> None:
         from rlhf_core.trainers import trainer_class
 
-        self.trainer = trainer_class(stage)(run, total_steps, self.rank, self.world_size)
+        self.trainer = trainer_class(stage)(run, total_steps, self.rank, self.world_size, load_universal)
 
-    def load(self, directory: str) -> int:
-        return self.trainer.load(directory)
+    def load(self, directory: str, universal: bool, weights_only: bool) -> int:
+        return self.trainer.load(directory, universal, weights_only)
 
     def train_until(self, target_step: int) -> list[dict[str, float]]:
         from rlhf_core.faults import fault_point
@@ -112,11 +113,11 @@ class WorkerGroup:
         ray.get([worker.join.remote(master_addr, master_port) for worker in self.workers])
         self.step = 0
 
-    def setup(self, run: RunConfig, stage: str, total_steps: int) -> None:
-        ray.get([worker.setup.remote(run, stage, total_steps) for worker in self.workers])
+    def setup(self, run: RunConfig, stage: str, total_steps: int, load_universal: bool = False) -> None:
+        ray.get([worker.setup.remote(run, stage, total_steps, load_universal) for worker in self.workers])
 
-    def load(self, directory: str) -> None:
-        steps = ray.get([worker.load.remote(directory) for worker in self.workers])
+    def load(self, directory: str, universal: bool = False, weights_only: bool = False) -> None:
+        steps = ray.get([worker.load.remote(directory, universal, weights_only) for worker in self.workers])
         self.step = steps[0]
 
     def train_until(self, target_step: int) -> list[dict[str, float]]:

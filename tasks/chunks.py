@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,14 +19,16 @@ from prefect import task
 from prefect.cache_policies import CachePolicy
 from prefect.filesystems import RemoteFileSystem
 
-from rlhf_core.chunk import CHECKPOINT_FORMAT_VERSION, ensure_checkpoint, open_store
+from rlhf_core.chunk import CHECKPOINT_FORMAT_VERSION, ensure_checkpoint
+from rlhf_core.resume import Lineage, open_store
 from rlhf_core.config import RunConfig, semantic_hash
 from rlhf_core.errors import UserError
 from rlhf_core.export import export_hf_model
 
 
-def chunk_cache_key(run: RunConfig, stage: str, target_step: int, upstream_digest: str) -> str:
+def chunk_cache_key(run: RunConfig, stage: str, target_step: int, upstream_digest: str, lineage: Lineage) -> str:
     identity = {
+        "lineage": lineage.cache_token(),
         "run_name": run.run_name,
         "stage": stage,
         "target_step": target_step,
@@ -45,25 +46,22 @@ class ChunkCachePolicy(CachePolicy):
 
     def compute_key(self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any],
                     **kwargs: Any) -> str | None:
-        return chunk_cache_key(inputs["run"], inputs["stage"], inputs["target_step"], inputs["upstream_digest"])
-
-
-SECRET_OPTION = re.compile(r"key|secret|token|password|credential", re.IGNORECASE)
+        return chunk_cache_key(inputs["run"], inputs["stage"], inputs["target_step"], inputs["upstream_digest"],
+                               inputs["lineage"])
 
 
 def run_result_storage(run: RunConfig) -> Path | str:
     """Prefect result storage inside the run's own checkpoint folder.
 
     A local folder is passed as a Path. Prefect accepts a remote filesystem only as a saved block, so
-    one is saved per run, without secret options: workers take credentials from their environment.
+    one is saved per run; RunConfig refuses secrets in storage_options, so none reach the block.
     """
     url = f"{run.run_url()}/_prefect"
     protocol, path = fsspec.core.split_protocol(url)
     if protocol in (None, "file"):
         return Path(path)
-    settings = {name: value for name, value in run.storage_options.items() if not SECRET_OPTION.search(name)}
     block_name = "rlhf-results-" + hashlib.sha256(url.encode()).hexdigest()[:16]
-    RemoteFileSystem(basepath=url, settings=settings).save(block_name, overwrite=True)
+    RemoteFileSystem(basepath=url, settings=run.storage_options).save(block_name, overwrite=True)
     return f"remote-file-system/{block_name}"
 
 
@@ -88,9 +86,9 @@ def _retry_unless_user_error(task, task_run, state) -> bool:
     result_serializer="json",
     task_run_name="{stage}-to-step-{target_step}",
 )
-def train_chunk(run: RunConfig, stage: str, target_step: int, upstream_digest: str) -> dict:
+def train_chunk(run: RunConfig, stage: str, target_step: int, upstream_digest: str, lineage: Lineage) -> dict:
     """Train `stage` up to `target_step` and commit the checkpoint; returns a ChunkResult dict."""
-    return ensure_checkpoint(run, stage, target_step).to_dict()
+    return ensure_checkpoint(run, stage, target_step, lineage).to_dict()
 
 
 @task(name="export_model", retries=1, retry_condition_fn=_retry_unless_user_error)

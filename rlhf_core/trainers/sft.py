@@ -25,8 +25,8 @@ def load_sft_samples(run: RunConfig, tokenizer) -> list[TokenizedSample]:
 class SFTTrainer(DeepSpeedTrainer):
     stage = "sft"
 
-    def __init__(self, run: RunConfig, total_steps: int, rank: int, world_size: int):
-        super().__init__(run, total_steps, rank, world_size)
+    def __init__(self, run: RunConfig, total_steps: int, rank: int, world_size: int, load_universal: bool = False):
+        super().__init__(run, total_steps, rank, world_size, load_universal)
         self.tokenizer = load_tokenizer(self.cfg.pretrain)
         self.samples = load_sft_samples(run, self.tokenizer)
         torch.manual_seed(derive_seed(run.seed, self.stage, "init"))  # LoRA adapters start identical everywhere

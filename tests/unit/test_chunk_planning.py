@@ -8,8 +8,9 @@ import pytest
 
 from flows.cli import main
 from rlhf_core.checkpoint import CheckpointStore
-from rlhf_core.chunk import check_resume_allowed, plan_stage, resolve_paths
-from rlhf_core.config import RunConfig, SFTConfig
+from rlhf_core.chunk import plan_stage, resolve_paths
+from rlhf_core.resume import validate_run_start
+from rlhf_core.config import RunConfig, SFTConfig, semantic_fields
 from rlhf_core.errors import UserError
 
 
@@ -35,14 +36,15 @@ def test_batch_larger_than_dataset_is_a_user_error(toy_assets):
 
 def test_existing_run_is_refused_without_load_checkpoint(toy_assets, tmp_path, capsys):
     run = toy_run(toy_assets, ckpt_path=str(tmp_path))
-    check_resume_allowed(run)  # empty: fine
+    validate_run_start(run)  # empty: fine
     staging = tmp_path / "staging"
     staging.mkdir()
     (staging / "weights.bin").write_bytes(b"x")
-    CheckpointStore(run.stage_url("sft")).commit(5, str(staging), {"step": 5})
+    metadata = {"step": 5, "seed": run.seed, "config": semantic_fields(run.sft)}
+    CheckpointStore(run.stage_url("sft")).commit(5, str(staging), metadata)
     with pytest.raises(UserError, match="already holds checkpoints; pass --load_checkpoint"):
-        check_resume_allowed(run)
-    check_resume_allowed(run.model_copy(update={"load_checkpoint": True}))
+        validate_run_start(run)
+    validate_run_start(run.model_copy(update={"load_checkpoint": True}))
     code = main(["train", "sft", "--pretrain", toy_assets["model"], "--dataset", toy_assets["sft"],
                  "--ckpt_path", str(tmp_path)])
     assert code == 2 and "pass --load_checkpoint" in capsys.readouterr().err

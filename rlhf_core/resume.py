@@ -1,0 +1,165 @@
+"""Where a stage resumes from, and whether it may.
+
+At the start of a run (`validate_run_start`, read-only, so the CLI can call it before Prefect starts):
+a run folder that holds checkpoints is refused without --load_checkpoint, a resume whose settings
+changed the math is refused with a field-by-field diff unless --allow_config_change, and an explicit
+--resume_from step must be a committed checkpoint. `begin_stage` then applies --resume_from (newer
+checkpoints are set aside, never deleted) and returns the stage's `Lineage`, part of every chunk's
+cache key.
+
+Loading (`fetch_start`): the newest committed candidate is downloaded and its sha256s checked; a bad
+one is set aside with one log line and the next older one is tried. Every pickle file is scanned
+before DeepSpeed reads it, and a checkpoint written at another world size is converted to DeepSpeed's
+universal format (ZeRO-1/2 partition optimizer state by rank; ZeRO-0 keeps it whole).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+
+from rlhf_core.checkpoint import METADATA_NAME, CheckpointInfo, CheckpointStore
+from rlhf_core.config import RunConfig, semantic_fields
+from rlhf_core.data import fingerprint
+from rlhf_core.errors import CorruptCheckpoint, UserError
+from rlhf_core.safe_load import check_no_pickled_code
+
+logger = logging.getLogger(__name__)
+
+DEEPSPEED_STATE_DIR = "ds"
+UNIVERSAL_STATE_DIR = "ds_universal"
+LINEAGE_MARKER = "RESUMED_FROM.json"
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """How this run's line of checkpoints starts: from an explicit step, and with weights only."""
+
+    start_step: int = 0
+    start_digest: str = ""
+    weights_only: bool = False
+
+    def cache_token(self) -> str:
+        if self == Lineage():
+            return ""
+        return f"from{self.start_step}-{self.start_digest[:12]}{'-weights' if self.weights_only else ''}"
+
+
+@dataclass(frozen=True)
+class StartState:
+    """A verified checkpoint, downloaded into `local_dir`, ready for the workers to load."""
+
+    info: CheckpointInfo
+    local_dir: str
+    universal: bool
+    weights_only: bool
+
+
+def open_store(run: RunConfig, stage: str) -> CheckpointStore:
+    return CheckpointStore(run.stage_url(stage), run.storage_options)
+
+
+def config_drift(run: RunConfig, stage: str, metadata: dict) -> list[str]:
+    """Semantic settings that differ between `run` and a checkpoint's metadata, as 'field: old -> new'."""
+    cfg = run.stage_config(stage)
+    current = {**semantic_fields(cfg), "seed": run.seed}
+    saved = {**metadata.get("config", {}), "seed": metadata.get("seed")}
+    changes = [f"{name}: {saved.get(name)!r} -> {current.get(name)!r}"
+               for name in sorted(set(current) | set(saved)) if saved.get(name) != current.get(name)]
+    dataset = getattr(cfg, "dataset", None)
+    if dataset and metadata.get("dataset_fingerprint") and metadata["dataset_fingerprint"] != fingerprint(dataset):
+        changes.append("dataset contents: changed")
+    return changes
+
+
+def check_drift(run: RunConfig, stage: str, info: CheckpointInfo, metadata: dict) -> None:
+    changes = config_drift(run, stage, metadata)
+    if changes and not run.allow_config_change:
+        raise UserError(
+            f"{info.uri} was trained with other settings ({'; '.join(changes)}); resume with the original "
+            f"settings, pass --allow_config_change to accept the change, or start a new --run_name."
+        )
+
+
+def validate_run_start(run: RunConfig) -> None:
+    """Refuse a run start that would overwrite, silently change the math, or resume from nowhere."""
+    for stage in run.stages:
+        store = open_store(run, stage)
+        committed = [info for info in store.list() if info.is_committed]
+        if committed and not run.load_checkpoint:
+            raise UserError(
+                f"{run.stage_url(stage)} already holds checkpoints; pass --load_checkpoint to resume it, "
+                f"or choose another --run_name or --ckpt_path."
+            )
+        if run.resume_from is not None and stage == run.stages[0]:
+            if run.resume_from not in {info.step for info in committed}:
+                available = ", ".join(info.name for info in committed) or "none"
+                raise UserError(f"--resume_from {run.resume_from}: {store.uri(run.resume_from)} is not a committed "
+                                f"checkpoint (committed: {available}).")
+            committed = [info for info in committed if info.step <= run.resume_from]
+        if committed and run.load_checkpoint:
+            check_drift(run, stage, committed[-1], store.read_metadata(committed[-1].step))
+
+
+def begin_stage(run: RunConfig, stage: str) -> Lineage:
+    """Apply --resume_from (set newer checkpoints aside, once) and return the stage's lineage."""
+    store = open_store(run, stage)
+    committed = [info for info in store.list() if info.is_committed]
+    explicit = run.resume_from is not None and stage == run.stages[0]
+    if explicit:
+        start = next(info for info in committed if info.step == run.resume_from)
+        marker = store.read_json(LINEAGE_MARKER)
+        if marker != {"step": start.step, "manifest_digest": start.manifest_digest}:
+            for newer in (info for info in store.list() if info.step > start.step):
+                logger.warning("--resume_from %d: setting %s aside (moved to %s)", start.step, newer.name,
+                               store.set_aside(newer))
+            store.write_json(LINEAGE_MARKER, {"step": start.step, "manifest_digest": start.manifest_digest})
+    elif run.load_weights_only and committed:
+        start = committed[-1]
+    else:
+        return Lineage()
+    return Lineage(start.step, start.manifest_digest, run.load_weights_only)
+
+
+def fetch_start(run: RunConfig, stage: str, store: CheckpointStore, candidates: list[CheckpointInfo],
+                local_dir: str, lineage: Lineage) -> StartState | None:
+    """Download and verify the newest good candidate; bad ones are set aside and skipped."""
+    for info in reversed(candidates):
+        try:
+            store.download(info.step, local_dir)
+        except CorruptCheckpoint as error:
+            logger.warning("skipping checkpoint %s (%s); set aside to %s", info.name, error.reason,
+                           store.set_aside(CheckpointInfo(**{**asdict(info), "status": "corrupt",
+                                                             "reason": error.reason})))
+            continue
+        check_no_pickled_code(local_dir)
+        with open(os.path.join(local_dir, METADATA_NAME)) as handle:
+            metadata = json.load(handle)
+        check_drift(run, stage, info, metadata)
+        universal = needs_universal(metadata, run.num_workers)
+        if universal:
+            convert_to_universal(local_dir)
+        weights_only = lineage.weights_only and info.step == lineage.start_step
+        return StartState(info, local_dir, universal, weights_only)
+    return None
+
+
+def needs_universal(metadata: dict, num_workers: int) -> bool:
+    return metadata.get("world_size", num_workers) != num_workers and metadata.get("zero_stage", 0) > 0
+
+
+def convert_to_universal(local_dir: str) -> None:
+    """Rewrite each model's per-rank ZeRO state as DeepSpeed's world-size-free universal checkpoint."""
+    for model_dir in sorted(os.listdir(local_dir)):
+        source = os.path.join(local_dir, model_dir, DEEPSPEED_STATE_DIR)
+        if not os.path.isdir(source):
+            continue
+        command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", source,
+                   "--output_folder", os.path.join(local_dir, model_dir, UNIVERSAL_STATE_DIR)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"universal checkpoint conversion of {model_dir} failed:\n{done.stderr[-2000:]}")
