@@ -104,15 +104,16 @@ def release_workers() -> None:
 
 
 def _group_at(run: RunConfig, stage: str, plan: StagePlan, store: CheckpointStore,
-              candidates: list[CheckpointInfo], lineage: Lineage) -> tuple[WorkerGroup, int]:
-    """A worker group holding the state of the newest good candidate (or of the pretrained model)."""
+              infos: list[CheckpointInfo], lineage: Lineage) -> tuple[WorkerGroup, int]:
+    """A worker group holding the state of the newest good checkpoint in `infos` (or the pretrained model)."""
     identity = (run.stage_url(stage), semantic_hash(run, stage), run.num_workers, plan.total_steps)
     warm = _WarmGroup.group
-    if warm is not None and _WarmGroup.identity == identity and candidates and warm.step == candidates[-1].step:
+    if warm is not None and _WarmGroup.identity == identity and infos and infos[-1].is_committed \
+            and warm.step == infos[-1].step:
         return warm, warm.step
     release_workers()
     with tempfile.TemporaryDirectory(prefix="rlhf-load-") as local_dir:
-        start = fetch_start(run, stage, store, candidates, local_dir, lineage)
+        start = fetch_start(run, stage, store, infos, local_dir, lineage)
         group = WorkerGroup(run.num_workers, run.ray_address)
         _WarmGroup.group, _WarmGroup.identity = group, identity
         group.setup(run, stage, plan.total_steps, load_universal=bool(start and start.universal))
@@ -152,14 +153,14 @@ def ensure_checkpoint(run: RunConfig, stage: str, target_step: int, lineage: Lin
     plan = plan_stage(run, stage)
     target_step = min(target_step, plan.total_steps)
     store = open_store(run, stage)
-    candidates = [info for info in store.list() if info.is_committed and info.step <= target_step]
-    if candidates and candidates[-1].step == target_step:
-        done = candidates[-1]
+    infos = [info for info in store.list() if info.step <= target_step]
+    if infos and infos[-1].step == target_step and infos[-1].is_committed:
+        done = infos[-1]
         return ChunkResult(stage, target_step, done.uri, done.manifest_digest, 0,
                            store.read_metadata(target_step).get("metrics", {}))
     try:
         prepared = time.perf_counter()
-        group, start_step = _group_at(run, stage, plan, store, candidates, lineage)
+        group, start_step = _group_at(run, stage, plan, store, infos, lineage)
         loaded = time.perf_counter()
         step_metrics = group.train_until(target_step)
         trained = time.perf_counter()

@@ -125,16 +125,18 @@ def begin_stage(run: RunConfig, stage: str) -> Lineage:
     return Lineage(start.step, start.manifest_digest, run.load_weights_only)
 
 
-def fetch_start(run: RunConfig, stage: str, store: CheckpointStore, candidates: list[CheckpointInfo],
+def fetch_start(run: RunConfig, stage: str, store: CheckpointStore, infos: list[CheckpointInfo],
                 local_dir: str, lineage: Lineage) -> StartState | None:
-    """Download and verify the newest good candidate; bad ones are set aside and skipped."""
-    for info in reversed(candidates):
-        try:
-            store.download(info.step, local_dir)
-        except CorruptCheckpoint as error:
-            logger.warning("skipping checkpoint %s (%s); set aside to %s", info.name, error.reason,
-                           store.set_aside(CheckpointInfo(**{**asdict(info), "status": "corrupt",
-                                                             "reason": error.reason})))
+    """Download and verify the newest good checkpoint in `infos`; bad ones are set aside and skipped."""
+    for info in reversed(infos):
+        if info.is_committed:
+            try:
+                store.download(info.step, local_dir)
+            except CorruptCheckpoint as error:
+                info = CheckpointInfo(**{**asdict(info), "status": "corrupt", "reason": error.reason})
+        if not info.is_committed:
+            logger.warning("skipping checkpoint %s (%s: %s); set aside to %s", info.name, info.status, info.reason,
+                           store.set_aside(info))
             continue
         check_no_pickled_code(local_dir)
         with open(os.path.join(local_dir, METADATA_NAME)) as handle:
