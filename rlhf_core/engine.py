@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 from typing import Any
 
 import ray
@@ -22,7 +23,8 @@ def deepspeed_config(cfg: StageConfig, num_workers: int, total_steps: int, load_
     import torch
 
     on_gpu = torch.cuda.is_available()
-    warmup_steps = int(round(cfg.lr_warmup_ratio * total_steps))
+    # DeepSpeed's WarmupCosineLR refuses zero warmup steps; one step at a tiny LR changes nothing.
+    warmup_steps = max(1, int(round(cfg.lr_warmup_ratio * total_steps)))
     return {
         "train_batch_size": cfg.train_batch_size,
         "train_micro_batch_size_per_gpu": cfg.micro_train_batch_size,
@@ -69,6 +71,9 @@ class TrainWorker:
     def join(self, master_addr: str, master_port: int) -> None:
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
+        # DeepSpeed JIT-builds an op with whichever `ninja` is first on PATH; two ninjas (system and
+        # venv) record builds differently and force a rebuild each time they alternate.
+        os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
         import deepspeed
         from deepspeed.utils import logger as deepspeed_logger
 

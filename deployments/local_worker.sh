@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Create the process work pool (if missing), deploy rlhf/sft from prefect.yaml, and run a worker in
+# the foreground. Needs a running Prefect server: PREFECT_API_URL set, or `prefect server start`.
+#
+#   deployments/local_worker.sh              # pool rlhf-local
+#   RLHF_WORK_POOL=gpu-box deployments/local_worker.sh
+#   RLHF_SKIP_DEPLOY=1 deployments/local_worker.sh   # only start a worker
+set -euo pipefail
+
+PROJECT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"
+POOL="${RLHF_WORK_POOL:-rlhf-local}"
+if [[ -x "$PROJECT_DIR/.venv/bin/prefect" ]]; then
+  PREFECT="$PROJECT_DIR/.venv/bin/prefect"   # the worker runs flows with this venv's python
+else
+  PREFECT="$(command -v prefect)"
+fi
+export PREFECT_SERVER_ANALYTICS_ENABLED="${PREFECT_SERVER_ANALYTICS_ENABLED:-false}"
+
+cd "$PROJECT_DIR"
+export PWD="$PROJECT_DIR"   # prefect.yaml records {{ $PWD }} as the folder the worker runs the flow from
+
+if "$PREFECT" work-pool inspect "$POOL" >/dev/null 2>&1; then
+  echo "work pool '$POOL' exists"
+else
+  "$PREFECT" work-pool create "$POOL" --type process
+fi
+
+if [[ -z "${RLHF_SKIP_DEPLOY:-}" ]]; then
+  "$PREFECT" --no-prompt deploy --all --pool "$POOL"
+fi
+
+exec "$PREFECT" worker start --pool "$POOL"

@@ -1,0 +1,252 @@
+"""Fixtures for integration tests: background processes that never outlive a test, and a real Prefect server.
+
+- `background`: start long-running commands (workers, servers, moto...), each in a session of its
+  own and logging to a file under tmp_path/logs. At teardown each is stopped together with
+  everything it started (also what moved to new sessions, e.g. flow runs and their Ray cluster),
+  and when the test failed their log tails are printed.
+- `prefect_server`: `prefect server start` on a free loopback port with a private PREFECT_HOME,
+  shared by the tests of one module. It yields a `PrefectServer` with `api_url`, `env` (the
+  environment any `prefect` / `rlhf` subprocess must get to talk to this server), `home` (its log
+  is home/server.log) and `cli(...)`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import pytest
+
+PROJECT_DIR = Path(__file__).resolve().parents[2]
+VENV_BIN = Path(sys.executable).parent
+PREFECT = str(VENV_BIN / "prefect")
+SERVER_STARTUP_TIMEOUT = 60.0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def tail(path: Path, chars: int = 6000) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return f"(no log at {path})"
+    return text[-chars:]
+
+
+@dataclass
+class BackgroundProcess:
+    """A command running in a session of its own (start_new_session), stdout+stderr to `log_path`."""
+
+    name: str
+    args: list[str]
+    log_path: Path
+    popen: subprocess.Popen
+
+    @classmethod
+    def start(cls, name: str, args: Sequence[str], env: dict[str, str], log_path: Path,
+              cwd: str | Path | None = None) -> "BackgroundProcess":
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
+            popen = subprocess.Popen(list(args), env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        return cls(name, list(args), log_path, popen)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, chars: int = 6000) -> str:
+        return tail(self.log_path, chars)
+
+    def stop(self, grace: float = 10.0) -> None:
+        """Stop the process and everything it started, whatever session those moved to.
+
+        SIGTERM to the process group, up to `grace` s to exit, then SIGKILL to every process left in
+        the sessions of the process tree. Sessions, not only the group: the Prefect worker runs each
+        flow run in a new session, and the Ray cluster that the flow run starts lives in that one.
+        """
+        table = _processes()
+        sessions = {self.popen.pid} | {table[pid][2] for pid in _descendants(self.popen.pid, table)}
+        _signal_group(self.popen.pid, signal.SIGTERM)
+        try:
+            self.popen.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            left = [pid for pid, (_, _, sid) in _processes().items() if sid in sessions]
+            if not left:
+                break
+            for pid in left:
+                _kill(pid, signal.SIGKILL)
+            time.sleep(0.2)
+        _signal_group(self.popen.pid, signal.SIGKILL)
+        if self.popen.poll() is None:
+            self.popen.wait(timeout=10)
+
+
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _stat(pid: int) -> tuple[int, int, int] | None:
+    """(ppid, pgid, sid) of a live, non-zombie process from /proc (Linux); None if gone or unknown."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[-1].split()  # after "pid (comm)": state ppid pgrp session ...
+    if len(fields) < 4 or fields[0] in ("Z", "X"):
+        return None
+    return int(fields[1]), int(fields[2]), int(fields[3])
+
+
+def _processes() -> dict[int, tuple[int, int, int]]:
+    """Every live process: pid -> (ppid, pgid, sid). Empty where /proc is missing."""
+    table = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        info = _stat(int(entry.name))
+        if info is not None:
+            table[int(entry.name)] = info
+    return table
+
+
+def _descendants(root: int, table: dict[int, tuple[int, int, int]]) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, stack = [], [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Keep each phase's report on the item (item.rep_setup, rep_call) so fixtures can see failures."""
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"rep_{report.when}", report)
+
+
+def _test_failed(request: pytest.FixtureRequest) -> bool:
+    return any(getattr(getattr(request.node, f"rep_{when}", None), "failed", False) for when in ("setup", "call"))
+
+
+@pytest.fixture
+def background(request, tmp_path) -> Iterator[Callable[..., BackgroundProcess]]:
+    """Start background processes: `background(name, args, env, cwd=None)`; all stopped at teardown."""
+    started: list[BackgroundProcess] = []
+
+    def start(name: str, args: Sequence[str], env: dict[str, str], cwd: str | Path | None = None) -> BackgroundProcess:
+        process = BackgroundProcess.start(name, args, env, tmp_path / "logs" / f"{name}.log", cwd=cwd)
+        started.append(process)
+        return process
+
+    yield start
+    failed = _test_failed(request)
+    for process in reversed(started):  # the last started (e.g. a worker) first: it may talk to the others
+        process.stop()
+        if failed:
+            print(f"\n===== {process.name} (pid {process.pid}, rc {process.popen.returncode}): "
+                  f"{' '.join(process.args)}\n{process.log_tail()}")
+
+
+def _healthy(api_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{api_url}/health", timeout=2) as response:
+            return response.status == 200 and json.loads(response.read() or b"null") is True
+    except (OSError, urllib.error.URLError, ValueError):
+        return False
+
+
+@dataclass
+class PrefectServer:
+    """A running Prefect server and the environment that points subprocesses at it."""
+
+    api_url: str
+    env: dict[str, str]
+    home: Path
+    process: BackgroundProcess = field(repr=False)
+
+    def cli(self, *args: str, cwd: str | Path | None = None, timeout: float = 180,
+            env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+        """Run `prefect ARGS...` against this server; with `check`, fail the test on a non-zero exit."""
+        result = subprocess.run([PREFECT, *args], env={**self.env, **(env or {})}, cwd=cwd, capture_output=True,
+                                text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        if check and result.returncode != 0:
+            pytest.fail(f"`prefect {' '.join(args)}` exited {result.returncode}\n"
+                        f"--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-4000:]}")
+        return result
+
+
+def prefect_env(home: Path, api_url: str | None) -> dict[str, str]:
+    """os.environ without any outside Prefect/Ray target, plus a private PREFECT_HOME and `api_url`."""
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("PREFECT_", "RLHF_FAULT")) and key != "RAY_ADDRESS"}
+    env.update(
+        PREFECT_HOME=str(home),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_UI_ENABLED="false",
+        PYTHONUNBUFFERED="1",
+    )
+    # PATH is left as is, on purpose: the venv's ninja (1.13) and the system's (1.11) hash commands
+    # differently, so switching between them makes DeepSpeed rebuild its JIT op (~45 s) every time.
+    if api_url:
+        env["PREFECT_API_URL"] = api_url
+    return env
+
+
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory) -> Iterator[PrefectServer]:
+    """`prefect server start` on a free loopback port with a temp PREFECT_HOME (one per test module)."""
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = free_port()
+    api_url = f"http://127.0.0.1:{port}/api"
+    env = prefect_env(home, api_url)
+    process = BackgroundProcess.start(
+        "prefect-server", [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env, home / "server.log",
+    )
+    try:
+        deadline = time.monotonic() + SERVER_STARTUP_TIMEOUT
+        while not _healthy(api_url):
+            if not process.alive():
+                pytest.fail(f"the Prefect server exited (rc {process.popen.returncode}):\n{process.log_tail()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"the Prefect server was not healthy within {SERVER_STARTUP_TIMEOUT:.0f} s:\n"
+                            f"{process.log_tail()}")
+            time.sleep(0.5)
+        yield PrefectServer(api_url=api_url, env=env, home=home, process=process)
+    finally:
+        process.stop()
