@@ -3,7 +3,8 @@
     RLHF_FAULT_INJECT="after_commit@10=sleep:60,train_step@7=kill"
 
 makes the process sleep 60 s right after committing step 10, and SIGKILL itself when about to train
-step 7. With RLHF_FAULT_STATE set to a folder, each rule fires once (a marker file remembers it), so a
+step 7. With RLHF_FAULT_JOB_PID set (a driver sets it to its own pid before starting Ray), `kill`
+in a Ray worker takes the whole job down: the driver first, then the worker. With RLHF_FAULT_STATE set to a folder, each rule fires once (a marker file remembers it), so a
 retried chunk gets past the point. Unset (the normal case), `fault_point` does nothing. Ray workers
 inherit both variables.
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 
 ENV_VAR = "RLHF_FAULT_INJECT"
 STATE_ENV_VAR = "RLHF_FAULT_STATE"
+JOB_PID_ENV_VAR = "RLHF_FAULT_JOB_PID"
 
 
 def _first_time(point: str) -> bool:
@@ -41,6 +43,9 @@ def fault_point(name: str, step: int) -> None:
         if where != point or not _first_time(point):
             continue
         if action == "kill":
+            job_pid = int(os.environ.get(JOB_PID_ENV_VAR, "0"))
+            if job_pid and job_pid != os.getpid():
+                os.kill(job_pid, signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
         elif action.startswith("sleep:"):
             time.sleep(float(action.split(":", 1)[1]))

@@ -31,5 +31,29 @@ def rlhf_env(tmp_path_factory) -> dict[str, str]:
     return env
 
 
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A real S3 endpoint on loopback (moto's server in a thread), shared by the session."""
+    moto_server = pytest.importorskip("moto.server")
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+def s3_environment(endpoint: str) -> dict[str, str]:
+    """The standard AWS variables a user would set: credentials and endpoint come from here."""
+    return {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing-secret",
+            "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint}
+
+
+def make_bucket(endpoint: str, name: str) -> None:
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing",
+                 aws_secret_access_key="testing-secret", region_name="us-east-1").create_bucket(Bucket=name)
+
+
 def run_rlhf(args: list[str], env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run([RLHF, *args], env=env, capture_output=True, text=True, timeout=timeout)

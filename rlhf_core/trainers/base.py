@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from rlhf_core.config import RunConfig, StageConfig
 from rlhf_core.engine import deepspeed_config
+from rlhf_core.faults import fault_point
 
 from rlhf_core.resume import DEEPSPEED_STATE_DIR, UNIVERSAL_STATE_DIR
 
@@ -42,6 +43,7 @@ class DeepSpeedTrainer:
         model_dir = os.path.join(directory, self.model_dir_name)
         client_state = {"step": self.step, "universal_checkpoint_info": {"universal_checkpoint_version": 0.2}}
         self.engine.save_checkpoint(model_dir, tag=DEEPSPEED_STATE_DIR, client_state=client_state, save_latest=False)
+        fault_point("local_save", self.step)
         if self.rank == 0:
             hf_dir = os.path.join(model_dir, "hf")
             self.engine.module.save_pretrained(hf_dir, safe_serialization=True)

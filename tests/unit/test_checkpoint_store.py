@@ -462,17 +462,6 @@ def test_format_listing_and_to_json(store: CheckpointStore, commit):
     assert rows[0]["status"] == "committed" and rows[1]["reason"] == f"no {MANIFEST_NAME}"
 
 
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    """A moto S3 server: s3fs has no rename and lists pseudo dirs, unlike memory://."""
-    moto_server = pytest.importorskip("moto.server")
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-
-
 def test_s3_store_commits_moves_aside_verifies_retains_and_downloads(
     s3_endpoint: str, make_local_checkpoint, tmp_path: Path
 ):

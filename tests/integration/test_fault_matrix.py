@@ -1,0 +1,124 @@
+"""The fault matrix: SIGKILL the training job at every point where a crash can hurt, on a local folder
+and on a real S3 endpoint; each time rerun it. No committed checkpoint is ever lost, and the final
+weights equal those of a run never interrupted.
+
+One chain per backend: all fault points are armed at once, each fires once (a marker file remembers
+it), so run k dies at the k-th point it reaches and run k+1 resumes from what run k committed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import fsspec
+import pytest
+from safetensors.torch import load, load_file
+
+from rlhf_core.checkpoint import CheckpointStore
+from rlhf_core.config import RunConfig, SFTConfig
+from tests.conftest import make_bucket, s3_environment
+
+pytestmark = pytest.mark.slow
+
+# In the order a run reaches them (save_steps 5, max_ckpt_num 2: the commit of step 15 removes step 5).
+FAULT_POINTS = [
+    "train_step@3",        # inside a training step (Ray worker), before any checkpoint
+    "local_save@5",        # DeepSpeed state written locally, HF copy not yet
+    "between_uploads@5",   # first file uploaded, the rest not
+    "before_manifest@5",   # every file uploaded, no MANIFEST.json
+    "before_latest@5",     # MANIFEST.json written, `latest` not moved
+    "after_commit@5",      # committed, retention not yet run
+    "train_step@8",        # mid-chunk, one checkpoint behind
+    "between_uploads@10",
+    "before_manifest@15",
+    "during_removal@5",    # retention: step_5's manifest deleted, its files not yet
+    "local_save@20",
+    "before_latest@25",
+    "during_removal@15",
+]
+# On S3 the local save and training points behave as on a local disk; what differs is the store:
+# no rename, so every upload point lands in the real step dir. These are re-run there.
+S3_FAULT_POINTS = ["between_uploads@5", "before_manifest@5", "before_latest@5", "train_step@8",
+                   "between_uploads@10", "during_removal@5", "before_latest@20"]
+
+
+def sft_run(toy: dict[str, str], ckpt: str, save_path: str) -> RunConfig:
+    return RunConfig(
+        ckpt_path=ckpt, load_checkpoint=True, max_ckpt_num=2,
+        sft=SFTConfig(pretrain=toy["model"], dataset=toy["sft"], input_key="prompt", output_key="response",
+                      max_len=64, train_batch_size=8, micro_train_batch_size=4, learning_rate=1e-3,
+                      save_steps=5, save_path=save_path),
+    )
+
+
+def run_job(run: RunConfig, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tests.integration.fault_driver", run.model_dump_json()],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[2])
+
+
+def committed_steps(run: RunConfig) -> list[int]:
+    return [info.step for info in CheckpointStore(run.stage_url("sft")).list(verify=True) if info.is_committed]
+
+
+def run_chain(run: RunConfig, env: dict[str, str], faults_dir: Path, points: list[str]) -> int:
+    """Rerun the job until it completes; check the invariants after every death. Returns the deaths."""
+    env = {**env, "RLHF_FAULT_INJECT": ",".join(f"{point}=kill" for point in points),
+           "RLHF_FAULT_STATE": str(faults_dir)}
+    num_deaths = 0
+    for _ in range(len(points) + 1):
+        before = committed_steps(run)
+        job = run_job(run, env)
+        after = committed_steps(run)
+        if before:  # retention only ever drops the oldest; the newest committed is never lost
+            assert after and after[-1] >= before[-1], (before, after)
+            assert set(before[-run.max_ckpt_num:]) <= set(after) or after[-1] > before[-1], (before, after)
+        if job.returncode == 0:
+            return num_deaths
+        assert job.returncode == -9, f"the job failed by itself (rc {job.returncode}):\n{job.stderr[-4000:]}"
+        num_deaths += 1
+    raise AssertionError("the job never completed")
+
+
+def read_weights(url: str) -> dict:
+    with fsspec.open(f"{url}/model.safetensors", "rb") as handle:
+        return load(handle.read())
+
+
+@pytest.fixture(scope="module")
+def reference_weights(toy_assets, tmp_path_factory, rlhf_env):
+    out = tmp_path_factory.mktemp("reference")
+    job = run_job(sft_run(toy_assets, str(out / "ckpt"), str(out / "model")), rlhf_env)
+    assert job.returncode == 0, job.stderr[-4000:]
+    return load_file(str(out / "model" / "model.safetensors"))
+
+
+def check_chain(run, env, faults_dir, points, reference_weights, weights_url):
+    num_deaths = run_chain(run, env, faults_dir, points)
+    fired = sorted(path.name for path in faults_dir.iterdir())
+    assert fired == sorted(points), f"never reached: {set(points) - set(fired)}"
+    assert num_deaths == len(points)
+    actual = read_weights(weights_url)
+    for name, tensor in reference_weights.items():
+        assert actual[name].equal(tensor), f"{name} differs from the uninterrupted run"
+
+
+def test_fault_matrix_local_folder(toy_assets, rlhf_env, tmp_path, reference_weights):
+    run = sft_run(toy_assets, str(tmp_path / "ckpt"), str(tmp_path / "model"))
+    (tmp_path / "faults").mkdir()
+    assert len(FAULT_POINTS) >= 12
+    check_chain(run, rlhf_env, tmp_path / "faults", FAULT_POINTS, reference_weights, str(tmp_path / "model"))
+
+
+def test_fault_matrix_s3(toy_assets, rlhf_env, tmp_path, reference_weights, s3_endpoint, monkeypatch):
+    bucket = f"rlhf-{uuid.uuid4().hex[:12]}"
+    make_bucket(s3_endpoint, bucket)
+    env = {**rlhf_env, **s3_environment(s3_endpoint)}
+    for name, value in s3_environment(s3_endpoint).items():
+        monkeypatch.setenv(name, value)  # so this process reads the same store
+    run = sft_run(toy_assets, f"s3://{bucket}/ckpt", f"s3://{bucket}/model")
+    (tmp_path / "faults").mkdir()
+    check_chain(run, env, tmp_path / "faults", S3_FAULT_POINTS, reference_weights, f"s3://{bucket}/model")
