@@ -67,6 +67,9 @@ def test_yaml_config_loads(tmp_path):
         (["--pretrain", "m", "--dataset", "d.jsonl", "--train_batch_size", "6", "--micro_train_batch_size", "4"],
          "must be a multiple of micro_train_batch_size"),
         (["--pretrain", "/no/such/model", "--dataset", "d.jsonl"], "is not a model folder"),
+        (["--pretrain", "m", "--dataset", "d.jsonl", "--storage_options", '{"secret": "s"}'],
+         "--storage_options must not hold the secret 'secret'"),
+        (["--pretrain", "m", "--dataset", "d.jsonl", "--resume_from", "5"], "--resume_from 5:"),
     ],
 )
 def test_bad_flags_exit_2_with_one_sentence(flags, expected, capsys, tmp_path):
