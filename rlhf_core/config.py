@@ -21,7 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from rlhf_core.errors import UserError
 
 KNOWN_STAGES = ("sft", "rm", "ppo", "merge", "export")
-IMPLEMENTED_STAGES = ("sft",)
+TRAINING_STAGES = ("sft", "rm", "ppo")
+IMPLEMENTED_STAGES = KNOWN_STAGES
 STEP_DIR_PATH = re.compile(r"^(.*?)/?([A-Za-z0-9._-]+)/(sft|rm|ppo)/step_(\d+)/?$")
 SECRET_OPTION = re.compile(r"secret|token|password|credential|^key$|_key$", re.IGNORECASE)
 
@@ -90,6 +91,90 @@ class SFTConfig(StageConfig):
     save_path: str = Field("./out/sft", **_operational("Where the final Hugging Face model is exported (any fsspec URL)."))
 
 
+class RMConfig(StageConfig):
+    """Reward model: a causal-LM backbone with a scalar `score` head, trained on preference pairs
+    with the Bradley-Terry loss; accuracy is measured on a held-out split."""
+
+    pretrain: str | None = Field(None, description="Backbone to start from; default: the SFT output of this run.")
+    dataset: str = Field(description="Preference data (prompt, chosen, rejected): JSONL, JSON or Parquet, any fsspec URL.")
+    prompt_key: str = Field("prompt", description="Key of the prompt in each sample.")
+    chosen_key: str = Field("chosen", description="Key of the preferred response.")
+    rejected_key: str = Field("rejected", description="Key of the dispreferred response.")
+    apply_chat_template: bool = Field(False, description="Wrap the prompt in the tokenizer's chat template.")
+    eval_split: float = Field(0.1, ge=0, lt=1, description="Fraction of the pairs held out to measure accuracy.")
+    save_path: str = Field("./out/rm", **_operational("Where the final reward model is exported (any fsspec URL)."))
+
+
+class PPOConfig(StageConfig):
+    """PPO and its critic-free variants (REINFORCE++, RLOO, GRPO) on prompts, rewarded by a reward
+    model or a Python function. One optimizer "step" here is one PPO step: a rollout and its update."""
+
+    pretrain: str | None = Field(None, description="Actor (and reference) to start from; default: the SFT output.")
+    reward_pretrain: str | None = Field(None, description="Reward model; default: the RM output of this run.")
+    reward_fn: str | None = Field(None, description="A Python reward 'module:function(prompts, responses) -> scores', "
+                                                    "used instead of a reward model (verifiable rewards).")
+    critic_pretrain: str | None = Field(None, description="Critic to start from (gae only); default: the reward model.")
+    prompt_data: str = Field(description="Prompts: JSONL, JSON or Parquet, a local path or any fsspec URL.")
+    input_key: str = Field("input", description="Key of the prompt in each sample.")
+    apply_chat_template: bool = Field(False, description="Wrap the prompt in the tokenizer's chat template.")
+    advantage_estimator: Literal["gae", "reinforce", "rloo", "group_norm"] = Field(
+        "gae", description="gae (PPO with a critic), reinforce (REINFORCE++), rloo, group_norm (GRPO).")
+    n_samples_per_prompt: int = Field(1, ge=1, description="Responses sampled per prompt.")
+    rollout_batch_size: int = Field(16, ge=1, description="Prompts per PPO step (all ranks).")
+    micro_rollout_batch_size: int = Field(8, ge=1, description="Sequences per generation / scoring pass per rank.")
+    num_episodes: int = Field(1, ge=1, description="Passes over the prompt data.")
+    max_epochs: int = Field(1, ge=1, description="Optimisation passes over each rollout.")
+    prompt_max_len: int = Field(128, ge=1, description="Prompts are truncated to this many tokens (from the left).")
+    max_new_tokens: int = Field(64, ge=1, description="Maximum tokens generated per response.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    init_kl_coef: float = Field(0.01, ge=0, description="KL penalty coefficient (initial, if kl_target is set).")
+    kl_target: float | None = Field(None, gt=0, description="Adaptive KL controller target; default: fixed coefficient.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="KL estimator: k1 (log ratio), k2, k3 (Schulman).")
+    eps_clip: float = Field(0.2, gt=0, description="PPO policy ratio clip.")
+    value_clip: float = Field(0.2, gt=0, description="PPO value clip (gae).")
+    gamma: float = Field(1.0, gt=0, le=1, description="Discount factor.")
+    lambd: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
+    critic_learning_rate: float = Field(9e-6, gt=0, description="Critic learning rate (gae).")
+    vllm_num_engines: int = Field(0, ge=0, description="vLLM engines for generation (GPU, `[vllm]` extra); 0: transformers.")
+    vllm_tensor_parallel_size: int = Field(1, ge=1, description="Tensor parallel size of each vLLM engine.")
+    vllm_gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="GPU memory fraction vLLM may take.")
+    vllm_enable_sleep: bool = Field(False, description="Let vLLM release GPU memory while the models train.")
+    colocate_all_models: bool = Field(False, description="Place actor, critic, reference, reward and vLLM on the same GPUs.")
+    save_path: str = Field("./out/ppo", **_operational("Where the final policy is exported (an adapter if LoRA)."))
+
+    @model_validator(mode="after")
+    def _reward_source(self) -> "PPOConfig":
+        if self.reward_fn is not None and not re.fullmatch(r"[\w.]+:\w+", self.reward_fn):
+            raise ValueError(f"reward_fn {self.reward_fn!r} must look like 'package.module:function'")
+        if self.advantage_estimator in ("rloo", "group_norm") and self.n_samples_per_prompt < 2:
+            raise ValueError(f"{self.advantage_estimator} compares samples of one prompt: set n_samples_per_prompt >= 2")
+        if (self.rollout_batch_size * self.n_samples_per_prompt) % self.train_batch_size:
+            raise ValueError(f"rollout_batch_size x n_samples_per_prompt ({self.rollout_batch_size * self.n_samples_per_prompt})"
+                             f" must be a multiple of train_batch_size ({self.train_batch_size})")
+        return self
+
+
+class MergeConfig(BaseModel):
+    """LoRA merge: base model + adapter -> one model, checked against base+adapter logits before writing."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_path: str | None = Field(None, description="Base model; default: the policy's pretrain in this run.")
+    lora_path: str | None = Field(None, description="Adapter; default: the last policy stage's output in this run.")
+    output_path: str = Field("./out/merged", **_operational("Where the merged model is written (any fsspec URL)."))
+    bf16: bool = Field(False, description="Write the merged weights in bfloat16.")
+
+
+class ExportConfig(BaseModel):
+    """Final Hugging Face export of the policy: config, tokenizer and safetensors, checked to load and generate."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_path: str | None = Field(None, description="Model to export; default: the merged or last policy of this run.")
+    save_path: str = Field("./out/final", **_operational("Where the final model is exported (any fsspec URL)."))
+
+
 class RunConfig(BaseModel):
     """The pipeline: which stages run, where checkpoints live, and the settings all stages share."""
 
@@ -129,6 +214,10 @@ class RunConfig(BaseModel):
         None, **_operational("Address of an existing Ray cluster; default: RAY_ADDRESS, else a local one.")
     )
     sft: SFTConfig | None = Field(None, description="Settings of the SFT stage.")
+    rm: RMConfig | None = Field(None, description="Settings of the reward-model stage.")
+    ppo: PPOConfig | None = Field(None, description="Settings of the PPO stage.")
+    merge: MergeConfig | None = Field(None, description="Settings of the LoRA merge stage.")
+    export: ExportConfig | None = Field(None, description="Settings of the final export stage.")
 
     @model_validator(mode="before")
     @classmethod
@@ -169,17 +258,64 @@ class RunConfig(BaseModel):
 
     @model_validator(mode="after")
     def _stages_configured(self) -> "RunConfig":
+        if [KNOWN_STAGES.index(stage) for stage in self.stages] != sorted(KNOWN_STAGES.index(s) for s in set(self.stages)):
+            raise ValueError(f"stages must be distinct and in pipeline order ({' -> '.join(KNOWN_STAGES)})")
         for stage in self.stages:
+            if getattr(self, stage) is None:
+                if stage not in ("merge", "export"):
+                    raise ValueError(f"stage {stage!r} is requested but has no settings (add a '{stage}:' section)")
+                setattr(self, stage, MergeConfig() if stage == "merge" else ExportConfig())
+        self._chain_stage_inputs()
+        for stage in (stage for stage in self.stages if stage in TRAINING_STAGES):
             stage_cfg = getattr(self, stage)
-            if stage_cfg is None:
-                raise ValueError(f"stage {stage!r} is requested but has no settings (add a '{stage}:' section)")
             per_pass = stage_cfg.micro_train_batch_size * self.num_workers
             if stage_cfg.train_batch_size % per_pass:
                 raise ValueError(
                     f"{stage}.train_batch_size ({stage_cfg.train_batch_size}) must be a multiple of "
                     f"micro_train_batch_size x num_workers ({per_pass})"
                 )
+        if self.ppo is not None and "ppo" in self.stages and self.ppo.rollout_batch_size % self.num_workers:
+            raise ValueError(f"ppo.rollout_batch_size ({self.ppo.rollout_batch_size}) must be a multiple of num_workers")
         return self
+
+    def _upstream(self, stage: str, field: str, producer: str) -> str:
+        """`field` of an earlier stage's output, or a clear error when no earlier stage produces it."""
+        if producer in self.stages and self.stages.index(producer) < self.stages.index(stage):
+            return getattr(getattr(self, producer), field)
+        raise ValueError(f"{stage} needs its input: set it, or run {producer} before {stage}")
+
+    def _chain_stage_inputs(self) -> None:
+        """Each stage's output feeds the next: SFT -> RM and PPO actor; RM -> PPO reward and critic."""
+        if "rm" in self.stages and self.rm.pretrain is None:
+            self.rm = self.rm.model_copy(update={"pretrain": self._upstream("rm", "save_path", "sft")})
+        if "ppo" in self.stages:
+            ppo = self.ppo
+            updates = {}
+            if ppo.pretrain is None:
+                updates["pretrain"] = self._upstream("ppo", "save_path", "sft")
+            if ppo.reward_pretrain is None and ppo.reward_fn is None:
+                updates["reward_pretrain"] = self._upstream("ppo", "save_path", "rm")
+            reward_model = updates.get("reward_pretrain", ppo.reward_pretrain)
+            if ppo.advantage_estimator == "gae" and ppo.critic_pretrain is None:
+                if reward_model is None:
+                    raise ValueError("ppo.advantage_estimator gae needs a critic: set critic_pretrain")
+                updates["critic_pretrain"] = reward_model
+            self.ppo = ppo.model_copy(update=updates)
+        policy = next((stage for stage in ("ppo", "sft") if stage in self.stages), None)
+        if "merge" in self.stages:
+            if policy is None and (self.merge.model_path is None or self.merge.lora_path is None):
+                raise ValueError("merge needs model_path and lora_path, or a policy stage (sft, ppo) before it")
+            if policy is not None and self.merge.lora_path is None and not getattr(self, policy).lora_rank:
+                raise ValueError(f"merge needs LoRA adapters: set {policy}.lora_rank > 0, or give merge.lora_path")
+            self.merge = self.merge.model_copy(update={
+                "model_path": self.merge.model_path or getattr(self, policy).pretrain,
+                "lora_path": self.merge.lora_path or getattr(self, policy).save_path,
+            })
+        if "export" in self.stages and self.export.model_path is None:
+            source = self.merge.output_path if "merge" in self.stages else None
+            if source is None and policy is None:
+                raise ValueError("export needs model_path, or a policy stage (sft, ppo) or merge before it")
+            self.export = self.export.model_copy(update={"model_path": source or getattr(self, policy).save_path})
 
     def stage_config(self, stage: str) -> StageConfig:
         return getattr(self, stage)
