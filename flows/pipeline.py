@@ -16,7 +16,7 @@ from rlhf_core.chunk import ChunkResult, plan_stage, release_workers, resolve_pa
 from rlhf_core.config import RunConfig
 from rlhf_core.lease import RunLease
 from rlhf_core.resume import Lineage, begin_stage, validate_run_start
-from tasks.chunks import chunk_task_for, export_model
+from tasks.chunks import chunk_task_for, export_final_task, export_model, merge_lora_task
 
 
 def _artifact_key(*parts: str) -> str:
@@ -33,7 +33,9 @@ def run_stage(run: RunConfig, stage: str, upstream_digest: str, lineage: Lineage
         state = train_chunk(run, stage, target, upstream_digest, lineage, return_state=True)
         result = ChunkResult(**state.result())
         status = "cached" if state.name == "Cached" else f"trained {result.num_steps_trained} steps"
-        print(f"{stage} chunk -> step {target}/{plan.total_steps}: {status}, loss {result.metrics.get('loss', float('nan')):.4f}")
+        headline = "reward" if "reward" in result.metrics else "loss"
+        print(f"{stage} chunk -> step {target}/{plan.total_steps}: {status}, "
+              f"{headline} {result.metrics.get(headline, float('nan')):.4f}")
         rows.append({"step": result.step, "status": status, **{k: round(v, 6) for k, v in result.metrics.items()},
                      **{f"{k}_s": round(v, 3) for k, v in result.seconds.items()}, "checkpoint": result.uri})
     save_path = export_model(run, stage, plan.total_steps)
@@ -55,8 +57,14 @@ def rlhf(config: RunConfig) -> dict:
     with RunLease(run.run_url(), run.storage_options):
         try:
             for stage in run.stages:
-                summary[stage] = run_stage(run, stage, upstream_digest, begin_stage(run, stage))
-                upstream_digest = summary[stage]["manifest_digest"]
+                if stage == "merge":
+                    summary[stage] = merge_lora_task(run)
+                elif stage == "export":
+                    summary[stage] = export_final_task(run)
+                else:
+                    summary[stage] = run_stage(run, stage, upstream_digest, begin_stage(run, stage))
+                    upstream_digest = summary[stage]["manifest_digest"]
+                print(f"{stage}: output in {summary[stage]['save_path']}")
         finally:
             release_workers()
     return summary

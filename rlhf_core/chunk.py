@@ -18,14 +18,16 @@ import fsspec
 
 from rlhf_core.checkpoint import CheckpointInfo, CheckpointStore
 from rlhf_core.config import RunConfig, semantic_fields, semantic_hash
-from rlhf_core.data import fingerprint
+from rlhf_core.data import dataset_fingerprint
 from rlhf_core.engine import WorkerGroup
 from rlhf_core.errors import UserError
 from rlhf_core.faults import fault_point
-from rlhf_core.models import load_tokenizer
 from rlhf_core.resume import Lineage, fetch_start, open_store
+from rlhf_core.trainers import trainer_class
 
 CHECKPOINT_FORMAT_VERSION = 1
+LOCAL_PATH_FIELDS = ("pretrain", "dataset", "prompt_data", "reward_pretrain", "critic_pretrain", "save_path",
+                     "model_path", "lora_path", "output_path")
 
 
 @dataclass(frozen=True)
@@ -62,27 +64,28 @@ def resolve_paths(run: RunConfig) -> RunConfig:
     updates: dict = {"ckpt_path": absolute(run.ckpt_path)}
     for stage in run.stages:
         cfg = run.stage_config(stage)
-        paths = {name: absolute(getattr(cfg, name)) for name in ("pretrain", "dataset", "save_path") if hasattr(cfg, name)}
+        paths = {name: absolute(getattr(cfg, name)) for name in LOCAL_PATH_FIELDS if getattr(cfg, name, None)}
         updates[stage] = cfg.model_copy(update=paths)
     return run.model_copy(update=updates)
 
 
 def plan_stage(run: RunConfig, stage: str) -> StagePlan:
     """Validate the stage's inputs and lay out its chunks; raises UserError before any training."""
-    from rlhf_core.trainers.sft import load_sft_samples
+    from rlhf_core.trainers import trainer_class
 
-    cfg = run.stage_config(stage)
-    num_samples = len(load_sft_samples(run, load_tokenizer(cfg.pretrain)))
-    steps_per_epoch = num_samples // cfg.train_batch_size
-    if steps_per_epoch == 0:
+    trainer, cfg = trainer_class(stage), run.stage_config(stage)
+    num_items, per_step = trainer.count_items(run), trainer.items_per_step(cfg)
+    steps_per_pass = num_items // per_step
+    if steps_per_pass == 0:
+        data_url = getattr(cfg, "dataset", None) or getattr(cfg, "prompt_data", None)
         raise UserError(
-            f"--train_batch_size {cfg.train_batch_size} is larger than the {num_samples} usable samples of "
-            f"{cfg.dataset}; lower it or add data."
+            f"--{trainer.step_size_flag} {per_step} is larger than the {num_items} usable samples of "
+            f"{data_url}; lower it or add data."
         )
-    total_steps = steps_per_epoch * cfg.max_epochs
+    total_steps = steps_per_pass * trainer.num_passes(cfg)
     chunk = cfg.save_steps if cfg.save_steps > 0 else total_steps
     targets = list(range(chunk, total_steps, chunk)) + [total_steps]
-    return StagePlan(stage, num_samples, total_steps, targets)
+    return StagePlan(stage, num_items, total_steps, targets)
 
 
 class _WarmGroup:
@@ -133,18 +136,26 @@ def _metadata(run: RunConfig, stage: str, plan: StagePlan, step: int, metrics: d
         "stage": stage,
         "step": step,
         "total_steps": plan.total_steps,
-        "consumed_samples": step * cfg.train_batch_size,
-        "epoch": step // max(plan.total_steps // cfg.max_epochs, 1),
+        "consumed_samples": step * trainer_class(stage).items_per_step(cfg),
+        "epoch": step // max(plan.total_steps // trainer_class(stage).num_passes(cfg), 1),
         "seed": run.seed,
         "world_size": run.num_workers,
         "zero_stage": cfg.zero_stage,
         "config_hash": semantic_hash(run, stage),
         "config": semantic_fields(cfg),
-        "dataset_fingerprint": fingerprint(cfg.dataset) if hasattr(cfg, "dataset") else "",
+        "dataset_fingerprint": dataset_fingerprint(cfg),
         "metrics": metrics,
         "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
                      "transformers": transformers.__version__},
     }
+
+
+def chunk_summary(step_metrics: list[dict[str, float]]) -> dict[str, float]:
+    """The last step's metrics, plus the chunk's mean of the headline one (loss, or reward for PPO)."""
+    summary = {name: value for name, value in step_metrics[-1].items() if name != "step"}
+    headline = "loss" if "loss" in summary else "reward"
+    summary[f"mean_{headline}"] = sum(m[headline] for m in step_metrics) / len(step_metrics)
+    return summary
 
 
 def ensure_checkpoint(run: RunConfig, stage: str, target_step: int, lineage: Lineage = Lineage()) -> ChunkResult:
@@ -164,8 +175,7 @@ def ensure_checkpoint(run: RunConfig, stage: str, target_step: int, lineage: Lin
         loaded = time.perf_counter()
         step_metrics = group.train_until(target_step)
         trained = time.perf_counter()
-        summary = {"loss": step_metrics[-1]["loss"], "lr": step_metrics[-1]["lr"],
-                   "mean_loss": sum(m["loss"] for m in step_metrics) / len(step_metrics)}
+        summary = chunk_summary(step_metrics)
         with tempfile.TemporaryDirectory(prefix="rlhf-save-") as staging:
             group.save(staging)
             info = store.commit(target_step, staging, _metadata(run, stage, plan, target_step, summary))

@@ -155,6 +155,12 @@ def rank_micro_batches(global_indices: list[int], rank: int, world_size: int, mi
     return micro_batches[rank::world_size]
 
 
+def dataset_fingerprint(cfg) -> str:
+    """Fingerprint of a stage's data file (dataset or prompt_data), or "" if it has none."""
+    url = getattr(cfg, "dataset", None) or getattr(cfg, "prompt_data", None)
+    return fingerprint(url) if url else ""
+
+
 def fingerprint(url: str, storage_options: dict | None = None) -> str:
     """sha256 of the dataset file, recorded in each checkpoint's metadata."""
     digest = hashlib.sha256()
@@ -162,3 +168,61 @@ def fingerprint(url: str, storage_options: dict | None = None) -> str:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class TokenizedPair:
+    chosen_ids: list[int]
+    rejected_ids: list[int]
+
+
+def tokenize_pairs(url: str, records: list[Record], tokenizer, prompt_key: str, chosen_key: str, rejected_key: str,
+                   max_len: int, apply_chat_template: bool) -> list[TokenizedPair]:
+    """Prompt + chosen and prompt + rejected, each ending in EOS (the reward is read there)."""
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    pairs = []
+    for record in records:
+        prompt = render_prompt(tokenizer, require_text(url, record, prompt_key, "--prompt_key"), apply_chat_template)
+        prompt_ids = bos + tokenizer(prompt, add_special_tokens=False).input_ids
+
+        def completion(key: str, flag: str) -> list[int]:
+            response = require_text(url, record, key, flag)
+            ids = prompt_ids + tokenizer(response, add_special_tokens=False).input_ids
+            return ids[: max_len - 1] + [tokenizer.eos_token_id]
+
+        pairs.append(TokenizedPair(completion(chosen_key, "--chosen_key"), completion(rejected_key, "--rejected_key")))
+    return pairs
+
+
+def collate_pairs(pairs: list[TokenizedPair], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Chosen sequences first, then rejected ones, right-padded into one batch."""
+    sequences = [pair.chosen_ids for pair in pairs] + [pair.rejected_ids for pair in pairs]
+    length = max(map(len, sequences))
+    input_ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, ids in enumerate(sequences):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        attention_mask[row, : len(ids)] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def tokenize_prompts(url: str, records: list[Record], tokenizer, input_key: str, prompt_max_len: int,
+                     apply_chat_template: bool) -> list[tuple[str, list[int]]]:
+    """(prompt text, token ids) per record; long prompts keep their end, which holds the question."""
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    prompts = []
+    for record in records:
+        text = require_text(url, record, input_key, "--input_key")
+        ids = tokenizer(render_prompt(tokenizer, text, apply_chat_template), add_special_tokens=False).input_ids
+        prompts.append((text, bos + ids[-(prompt_max_len - len(bos)):]))
+    return prompts
+
+
+def split_holdout(items: list, fraction: float, seed: int) -> tuple[list, list]:
+    """A fixed (train, held-out) split: the held-out part is drawn by `seed`, the rest keeps its order."""
+    from rlhf_core.determinism import generator
+
+    num_held_out = int(len(items) * fraction)
+    held_out = set(torch.randperm(len(items), generator=generator(seed, "holdout")).tolist()[:num_held_out])
+    return ([item for i, item in enumerate(items) if i not in held_out],
+            [item for i, item in enumerate(items) if i in held_out])

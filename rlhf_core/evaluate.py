@@ -5,16 +5,14 @@ from __future__ import annotations
 import torch
 
 from rlhf_core.data import read_records
-from rlhf_core.models import load_tokenizer, local_model_dir
+from rlhf_core.models import load_causal_lm, load_tokenizer
 from rlhf_core.toy import gold_score
 
 
 @torch.no_grad()
 def mean_gold_score(model_url: str, prompts_url: str, max_new_tokens: int = 8, num_prompts: int = 64) -> float:
-    from transformers import AutoModelForCausalLM
-
     tokenizer = load_tokenizer(model_url)
-    model = AutoModelForCausalLM.from_pretrained(local_model_dir(model_url)).eval()
+    model = load_causal_lm(model_url).eval()  # an adapter folder is merged into its base
     scores = []
     for record in read_records(prompts_url)[:num_prompts]:
         prompt = record.fields["prompt"]

@@ -1,41 +1,109 @@
-"""Hugging Face export: the final checkpoint's weights, merged if LoRA, plus the tokenizer, as safetensors.
+"""Hugging Face output: a stage's final model, the LoRA merge, and the final export.
 
-Reads only the checkpoint's `hf/` copy (safetensors and JSON), never DeepSpeed's pickles.
+Everything here reads the checkpoints' `hf/` copies (safetensors and JSON), never DeepSpeed's pickles.
+- `export_stage_output`: a training stage's final weights plus tokenizer to its save_path: the full
+  model, or the adapter alone when the stage trained LoRA (as OpenRLHF saves it).
+- `merge_lora` (`rlhf lora-combiner`): base + adapter -> one model; before writing, the merged model's
+  logits must match base+adapter within 1e-4 on a few inputs.
+- `export_final`: the policy (merged if it is an adapter) as a standalone model, loaded back and asked
+  to generate before it counts as exported.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 
 import fsspec
+import torch
 
 from rlhf_core.checkpoint import CheckpointStore
-from rlhf_core.models import is_lora_dir, load_tokenizer
+from rlhf_core.errors import UserError
+from rlhf_core.models import is_lora_dir, load_tokenizer, local_model_dir
+
+MERGE_TOLERANCE = 1e-4
 
 
-def export_hf_model(store: CheckpointStore, step: int, pretrain: str, save_path: str,
-                    storage_options: dict | None = None, model_dir_name: str = "actor_model") -> str:
-    """Write a standalone HF model (config, safetensors weights, tokenizer) to `save_path`."""
-    from transformers import AutoModelForCausalLM
+MODEL_FILE = re.compile(r"(model|adapter_model|pytorch_model).*\.(safetensors|bin)(\.index\.json)?|adapter_config\.json|"
+                        r"config\.json|generation_config\.json|tokenizer.*|special_tokens_map\.json|chat_template\.jinja")
 
+
+def upload_dir(local_dir: str, url: str, storage_options: dict | None = None) -> str:
+    """Copy the files of `local_dir` to `url`, removing model files of an older export there first
+    (a full model left beside a new adapter would be loaded instead of it); other files stay."""
+    filesystem, target = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    filesystem.makedirs(target, exist_ok=True)
+    new_names = set(os.listdir(local_dir))
+    for path in filesystem.ls(target, detail=False):
+        name = path.rstrip("/").rsplit("/", 1)[-1]
+        if MODEL_FILE.fullmatch(name) and name not in new_names and filesystem.isfile(path):
+            filesystem.rm_file(path)
+    for name in sorted(new_names):
+        filesystem.put_file(os.path.join(local_dir, name), f"{target.rstrip('/')}/{name}")
+    return url
+
+
+def export_stage_output(store: CheckpointStore, step: int, model_dir_name: str, pretrain: str, save_path: str,
+                        storage_options: dict | None = None) -> str:
+    """Copy the `hf/` folder of `model_dir_name` at `step`, plus the tokenizer, to `save_path`."""
     with tempfile.TemporaryDirectory(prefix="rlhf-export-") as local_dir:
         store.download(step, local_dir)
         hf_dir = os.path.join(local_dir, model_dir_name, "hf")
-        if is_lora_dir(hf_dir):
-            from peft import PeftModel
+        load_tokenizer(pretrain).save_pretrained(hf_dir)
+        return upload_dir(hf_dir, save_path, storage_options)
 
-            from rlhf_core.models import local_model_dir
 
-            base = AutoModelForCausalLM.from_pretrained(local_model_dir(pretrain))
-            model = PeftModel.from_pretrained(base, hf_dir).merge_and_unload()
-        else:
-            model = AutoModelForCausalLM.from_pretrained(hf_dir)
-        out_dir = os.path.join(local_dir, "export")
-        model.save_pretrained(out_dir, safe_serialization=True)
-        load_tokenizer(pretrain).save_pretrained(out_dir)
-        filesystem, target = fsspec.core.url_to_fs(save_path, **(storage_options or {}))
-        filesystem.makedirs(target, exist_ok=True)
-        for name in sorted(os.listdir(out_dir)):
-            filesystem.put_file(os.path.join(out_dir, name), f"{target.rstrip('/')}/{name}")
-    return save_path
+def _probe_inputs(tokenizer, num_inputs: int = 4) -> torch.Tensor:
+    """A few fixed token sequences covering the vocabulary, to compare two models' logits."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(0, len(tokenizer), (num_inputs, 16), generator=generator)
+
+
+@torch.no_grad()
+def merge_lora(model_path: str, lora_path: str, output_path: str, bf16: bool = False,
+               storage_options: dict | None = None) -> float:
+    """Merge the adapter at `lora_path` into `model_path`; returns the max logit difference checked."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    adapter_dir = local_model_dir(lora_path)
+    if not is_lora_dir(adapter_dir):
+        raise UserError(f"--lora_path: {lora_path} holds no LoRA adapter (adapter_config.json).")
+    base = AutoModelForCausalLM.from_pretrained(local_model_dir(model_path), dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(base, adapter_dir).eval()
+    tokenizer = load_tokenizer(lora_path if os.path.exists(os.path.join(adapter_dir, "tokenizer_config.json"))
+                               else model_path)
+    probe = _probe_inputs(tokenizer)
+    expected = adapted(input_ids=probe).logits
+    merged = adapted.merge_and_unload().eval()
+    difference = (merged(input_ids=probe).logits - expected).abs().max().item()
+    if difference > MERGE_TOLERANCE:
+        raise RuntimeError(f"merged logits differ from base+adapter by {difference:.2e} (> {MERGE_TOLERANCE}); "
+                           "nothing was written")
+    if bf16:
+        merged = merged.to(torch.bfloat16)
+    with tempfile.TemporaryDirectory(prefix="rlhf-merge-") as local_dir:
+        merged.save_pretrained(local_dir, safe_serialization=True)
+        tokenizer.save_pretrained(local_dir)
+        upload_dir(local_dir, output_path, storage_options)
+    return difference
+
+
+@torch.no_grad()
+def export_final(model_path: str, save_path: str, storage_options: dict | None = None) -> str:
+    """Write `model_path` (merged if an adapter) as a standalone model, after it loads and generates."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_core.models import load_causal_lm
+
+    model, tokenizer = load_causal_lm(model_path).eval(), load_tokenizer(model_path)
+    with tempfile.TemporaryDirectory(prefix="rlhf-final-") as local_dir:
+        model.save_pretrained(local_dir, safe_serialization=True)
+        tokenizer.save_pretrained(local_dir)
+        reloaded = AutoModelForCausalLM.from_pretrained(local_dir).eval()
+        prompt = torch.tensor([[tokenizer.bos_token_id or 0]])
+        output = reloaded.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        if output.shape[1] <= prompt.shape[1]:
+            raise RuntimeError(f"the exported model at {model_path} did not generate")
+        return upload_dir(local_dir, save_path, storage_options)

@@ -1,4 +1,10 @@
-"""Model loading: Hugging Face causal LMs from any fsspec URL, optionally wrapped in LoRA adapters."""
+"""Model loading: Hugging Face models from any fsspec URL, optionally wrapped in LoRA adapters.
+
+A folder holding a LoRA adapter (adapter_config.json) is accepted wherever a model is: its base is
+loaded and the adapter merged in memory, so a LoRA stage's output feeds the next stage directly.
+Reward models and critics are `AutoModelForSequenceClassification` with one label: a backbone and a
+linear `score` head, OpenRLHF's layout; `token_values` reads the head at every position for a critic.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 import fsspec
+import torch
 
 from rlhf_core.errors import UserError
 
@@ -20,12 +27,16 @@ def local_model_dir(url: str) -> str:
             raise UserError(f"--pretrain: {url} is not a model folder.")
         return str(Path(path).resolve())
     cache = Path(tempfile.gettempdir()) / "rlhf-model-cache" / hashlib.sha256(url.encode()).hexdigest()[:16]
-    if not (cache / "config.json").exists():
+    if not (cache / "config.json").exists() and not (cache / "adapter_config.json").exists():
         filesystem, remote_path = fsspec.core.url_to_fs(url)
         if not filesystem.exists(remote_path):
             raise UserError(f"--pretrain: {url} does not exist.")
         filesystem.get(remote_path.rstrip("/") + "/", str(cache), recursive=True)
     return str(cache)
+
+
+def is_lora_dir(directory: str) -> bool:
+    return os.path.exists(os.path.join(directory, "adapter_config.json"))
 
 
 def load_tokenizer(url: str):
@@ -37,28 +48,57 @@ def load_tokenizer(url: str):
     return tokenizer
 
 
+def _from_pretrained(auto_class, url: str, **kwargs):
+    """`auto_class` at `url`, merging a LoRA adapter into its base when `url` holds one."""
+    directory = local_model_dir(url)
+    try:
+        if not is_lora_dir(directory):
+            return auto_class.from_pretrained(directory, dtype=torch.float32, **kwargs)
+        from peft import PeftConfig, PeftModel
+
+        base = auto_class.from_pretrained(PeftConfig.from_pretrained(directory).base_model_name_or_path,
+                                          dtype=torch.float32, **kwargs)
+        return PeftModel.from_pretrained(base, directory).merge_and_unload()
+    except (OSError, ValueError) as error:
+        raise UserError(f"{url} is not a loadable Hugging Face model ({error}).") from None
+
+
+def with_lora(model, lora_rank: int, lora_alpha: int, target_modules: list[str] | None, task_type: str):
+    if lora_rank <= 0:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=0.0, task_type=task_type,
+                      target_modules=target_modules or "all-linear")
+    return get_peft_model(model, lora)
+
+
 def load_causal_lm(url: str, lora_rank: int = 0, lora_alpha: int = 16, target_modules: list[str] | None = None,
                    gradient_checkpointing: bool = False):
     """The model at `url` in float32 (DeepSpeed casts for bf16), with fresh LoRA adapters if asked."""
-    import torch
     from transformers import AutoModelForCausalLM
 
-    try:
-        model = AutoModelForCausalLM.from_pretrained(local_model_dir(url), dtype=torch.float32)
-    except (OSError, ValueError) as error:
-        raise UserError(f"--pretrain: {url} is not a loadable Hugging Face model ({error}).") from None
+    model = _from_pretrained(AutoModelForCausalLM, url)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if lora_rank > 0:
-        from peft import LoraConfig, get_peft_model
-
-        lora = LoraConfig(
-            r=lora_rank, lora_alpha=lora_alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
-            target_modules=target_modules or "all-linear",
-        )
-        model = get_peft_model(model, lora)
-    return model
+    return with_lora(model, lora_rank, lora_alpha, target_modules, "CAUSAL_LM")
 
 
-def is_lora_dir(directory: str) -> bool:
-    return os.path.exists(os.path.join(directory, "adapter_config.json"))
+def load_scalar_model(url: str, pad_token_id: int, lora_rank: int = 0, lora_alpha: int = 16,
+                      target_modules: list[str] | None = None, gradient_checkpointing: bool = False):
+    """A reward model or critic: backbone + `score` head (new if `url` is a causal LM)."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = _from_pretrained(AutoModelForSequenceClassification, url, num_labels=1)
+    model.config.pad_token_id = pad_token_id  # the score is read at the last non-pad token
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return with_lora(model, lora_rank, lora_alpha, target_modules, "SEQ_CLS")
+
+
+def token_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The `score` head at every position: a critic's per-token values, [batch, length]."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # through a LoRA wrapper
+    backbone = getattr(inner, inner.base_model_prefix)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    return inner.score(hidden).squeeze(-1)

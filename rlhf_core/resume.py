@@ -23,8 +23,8 @@ import sys
 from dataclasses import asdict, dataclass
 
 from rlhf_core.checkpoint import METADATA_NAME, CheckpointInfo, CheckpointStore
-from rlhf_core.config import RunConfig, semantic_fields
-from rlhf_core.data import fingerprint
+from rlhf_core.config import TRAINING_STAGES, RunConfig, semantic_fields
+from rlhf_core.data import dataset_fingerprint
 from rlhf_core.errors import CorruptCheckpoint, UserError
 from rlhf_core.safe_load import check_no_pickled_code
 
@@ -70,8 +70,8 @@ def config_drift(run: RunConfig, stage: str, metadata: dict) -> list[str]:
     saved = {**metadata.get("config", {}), "seed": metadata.get("seed")}
     changes = [f"{name}: {saved.get(name)!r} -> {current.get(name)!r}"
                for name in sorted(set(current) | set(saved)) if saved.get(name) != current.get(name)]
-    dataset = getattr(cfg, "dataset", None)
-    if dataset and metadata.get("dataset_fingerprint") and metadata["dataset_fingerprint"] != fingerprint(dataset):
+    saved_fingerprint = metadata.get("dataset_fingerprint")
+    if saved_fingerprint and saved_fingerprint != dataset_fingerprint(cfg):
         changes.append("dataset contents: changed")
     return changes
 
@@ -87,7 +87,7 @@ def check_drift(run: RunConfig, stage: str, info: CheckpointInfo, metadata: dict
 
 def validate_run_start(run: RunConfig) -> None:
     """Refuse a run start that would overwrite, silently change the math, or resume from nowhere."""
-    for stage in run.stages:
+    for stage in (stage for stage in run.stages if stage in TRAINING_STAGES):
         store = open_store(run, stage)
         committed = [info for info in store.list() if info.is_committed]
         if committed and not run.load_checkpoint:

@@ -94,7 +94,7 @@ def _random_digits(rng: random.Random) -> list[int]:
 def make_datasets(seed: int, num_sft: int = 256, num_prefs: int = 256, num_prompts: int = 64,
                   noise: float = 0.2) -> dict[str, list[dict]]:
     """SFT pairs (a `noise` fraction answered wrongly, so SFT alone is imperfect), preference
-    triples (chosen = right, rejected = corrupted), and held-out prompts."""
+    triples (chosen = right, rejected = corrupted), RL prompts, and held-out evaluation prompts."""
     rng = random.Random(seed)
     sft = []
     for _ in range(num_sft):
@@ -111,7 +111,8 @@ def make_datasets(seed: int, num_sft: int = 256, num_prefs: int = 256, num_promp
             "rejected": " ".join(map(str, _corrupt(right, rng))),
         })
     prompts = [{"prompt": make_prompt(_random_digits(rng))} for _ in range(num_prompts)]
-    return {"sft": sft, "prefs": prefs, "prompts": prompts}
+    eval_prompts = [{"prompt": make_prompt(_random_digits(rng))} for _ in range(num_prompts)]
+    return {"sft": sft, "prefs": prefs, "prompts": prompts, "eval_prompts": eval_prompts}
 
 
 def _write_jsonl(path: Path, records: list[dict]) -> None:
@@ -119,7 +120,7 @@ def _write_jsonl(path: Path, records: list[dict]) -> None:
 
 
 def init_toy(directory: str, seed: int = 0) -> dict[str, str]:
-    """Write model/ (HF model + tokenizer), sft.jsonl, prefs.jsonl and prompts.jsonl into `directory`."""
+    """Write model/ (HF model + tokenizer), sft.jsonl, prefs.jsonl, prompts.jsonl and eval_prompts.jsonl."""
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
@@ -131,3 +132,8 @@ def init_toy(directory: str, seed: int = 0) -> dict[str, str]:
         _write_jsonl(root / f"{name}.jsonl", records)
         paths[name] = str(root / f"{name}.jsonl")
     return paths
+
+
+def gold_reward(prompts: list[str], responses: list[str]) -> list[float]:
+    """The gold score as a verifiable reward, for `--reward_fn rlhf_core.toy:gold_reward`."""
+    return [gold_score(prompt, response) for prompt, response in zip(prompts, responses)]

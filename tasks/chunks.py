@@ -23,7 +23,8 @@ from rlhf_core.chunk import CHECKPOINT_FORMAT_VERSION, ensure_checkpoint
 from rlhf_core.resume import Lineage, open_store
 from rlhf_core.config import RunConfig, semantic_hash
 from rlhf_core.errors import UserError
-from rlhf_core.export import export_hf_model
+from rlhf_core.export import export_final, export_stage_output, merge_lora
+from rlhf_core.trainers import trainer_class
 
 
 def chunk_cache_key(run: RunConfig, stage: str, target_step: int, upstream_digest: str, lineage: Lineage) -> str:
@@ -93,10 +94,25 @@ def train_chunk(run: RunConfig, stage: str, target_step: int, upstream_digest: s
 
 @task(name="export_model", retries=1, retry_condition_fn=_retry_unless_user_error)
 def export_model(run: RunConfig, stage: str, final_step: int) -> str:
-    """Export the stage's final checkpoint as a Hugging Face model to its save_path."""
+    """Export the stage's final checkpoint as a Hugging Face model (an adapter if LoRA) to its save_path."""
     ensure_checkpoint(run, stage, final_step)  # cheap when present; retrains a checkpoint that vanished
     cfg = run.stage_config(stage)
-    return export_hf_model(open_store(run, stage), final_step, cfg.pretrain, cfg.save_path, run.storage_options)
+    return export_stage_output(open_store(run, stage), final_step, trainer_class(stage).export_model_dir,
+                               cfg.pretrain, cfg.save_path, run.storage_options)
+
+
+@task(name="merge_lora", retries=1, retry_condition_fn=_retry_unless_user_error)
+def merge_lora_task(run: RunConfig) -> dict:
+    """Merge the policy's LoRA adapter into its base (logits checked before writing)."""
+    cfg = run.merge
+    difference = merge_lora(cfg.model_path, cfg.lora_path, cfg.output_path, cfg.bf16, run.storage_options)
+    return {"save_path": cfg.output_path, "max_logit_difference": difference}
+
+
+@task(name="export_final", retries=1, retry_condition_fn=_retry_unless_user_error)
+def export_final_task(run: RunConfig) -> dict:
+    """Write the final policy as a standalone HF model that loads and generates."""
+    return {"save_path": export_final(run.export.model_path, run.export.save_path, run.storage_options)}
 
 
 def chunk_task_for(run: RunConfig):

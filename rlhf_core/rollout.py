@@ -1,0 +1,80 @@
+"""Generation and scoring of rollouts with transformers (CPU, or GPU without vLLM).
+
+Prompts are left-padded, responses right-padded; a response ends at its first EOS (kept). Sampling
+draws from torch's global generator, which the PPO trainer seeds from (seed, step, rank) before each
+rollout, so a resumed run samples exactly the same responses. vLLM engines are an optional GPU path
+(`--vllm_num_engines`, the `[vllm]` extra) and are never imported here.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from rlhf_core.errors import UserError
+from rlhf_core.ppo_math import token_logprobs
+
+
+def collate_sequences(prompts: list[list[int]], responses: list[list[int]], pad_token_id: int) -> dict:
+    """[left-padded prompt | right-padded response] rows, with masks and positions that skip padding."""
+    prompt_len, response_len = max(map(len, prompts)), max(max(map(len, responses)), 1)
+    rows = len(prompts)
+    input_ids = torch.full((rows, prompt_len + response_len), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    action_mask = torch.zeros((rows, response_len), dtype=torch.float32)
+    for row, (prompt, response) in enumerate(zip(prompts, responses)):
+        input_ids[row, prompt_len - len(prompt) : prompt_len] = torch.tensor(prompt)
+        input_ids[row, prompt_len : prompt_len + len(response)] = torch.tensor(response, dtype=torch.long)
+        attention_mask[row, prompt_len - len(prompt) : prompt_len + len(response)] = 1
+        action_mask[row, : len(response)] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+            "action_mask": action_mask, "prompt_len": prompt_len}
+
+
+def response_logprobs(model, batch: dict) -> torch.Tensor:
+    """log p(response token | prefix) for every response position, [rows, response_len]."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"]).logits
+    start = batch["prompt_len"]
+    return token_logprobs(logits[:, start - 1 : -1], batch["input_ids"][:, start:])
+
+
+@torch.no_grad()
+def generate(model, prompts: list[list[int]], pad_token_id: int, eos_token_id: int, max_new_tokens: int,
+             temperature: float, top_p: float) -> list[list[int]]:
+    """One sampled response per prompt (token ids, ending at the first EOS)."""
+    batch = collate_sequences(prompts, [[] for _ in prompts], pad_token_id)
+    prompt_len = batch["prompt_len"]
+    output = model.generate(input_ids=batch["input_ids"][:, :prompt_len],
+                            attention_mask=batch["attention_mask"][:, :prompt_len],
+                            do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
+                            max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    responses = []
+    for row in output[:, prompt_len:].tolist():
+        cut = row.index(eos_token_id) + 1 if eos_token_id in row else len(row)
+        responses.append(row[:cut])
+    return responses
+
+
+def load_reward_fn(spec: str):
+    """`package.module:function` -> the function (called as fn(prompts, responses) -> scores)."""
+    module_name, function_name = spec.split(":")
+    try:
+        return getattr(importlib.import_module(module_name), function_name)
+    except (ImportError, AttributeError) as error:
+        raise UserError(f"--reward_fn {spec}: cannot import it ({error}).") from None
+
+
+def require_vllm(num_engines: int) -> None:
+    """vLLM generation needs CUDA and the `[vllm]` extra; say so plainly instead of failing later."""
+    if num_engines == 0:
+        return
+    if not torch.cuda.is_available():
+        raise UserError("--vllm_num_engines needs a GPU; use 0 (transformers generation) on this machine.")
+    try:
+        importlib.import_module("vllm")
+    except ImportError:
+        raise UserError("--vllm_num_engines needs vLLM: pip install 'rlhf-pipeline[vllm]'.") from None
+    raise UserError("--vllm_num_engines: vLLM generation is not built yet; use 0 (transformers generation).")
