@@ -8,6 +8,7 @@ because a cached task body does not run.
 from __future__ import annotations
 
 import re
+import time
 
 from prefect import flow, runtime
 from prefect.artifacts import create_table_artifact
@@ -57,6 +58,7 @@ def rlhf(config: RunConfig) -> dict:
     with RunLease(run.run_url(), run.storage_options):
         try:
             for stage in run.stages:
+                started = time.perf_counter()
                 if stage == "merge":
                     summary[stage] = merge_lora_task(run)
                 elif stage == "export":
@@ -64,7 +66,8 @@ def rlhf(config: RunConfig) -> dict:
                 else:
                     summary[stage] = run_stage(run, stage, upstream_digest, begin_stage(run, stage))
                     upstream_digest = summary[stage]["manifest_digest"]
-                print(f"{stage}: output in {summary[stage]['save_path']}")
+                summary[stage]["seconds"] = round(time.perf_counter() - started, 1)
+                print(f"{stage}: output in {summary[stage]['save_path']} ({summary[stage]['seconds']} s)")
         finally:
             release_workers()
     return summary

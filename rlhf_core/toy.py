@@ -91,27 +91,28 @@ def _random_digits(rng: random.Random) -> list[int]:
     return [rng.randrange(10) for _ in range(rng.randint(3, 6))]
 
 
-def make_datasets(seed: int, num_sft: int = 256, num_prefs: int = 256, num_prompts: int = 64,
-                  noise: float = 0.2) -> dict[str, list[dict]]:
-    """SFT pairs (a `noise` fraction answered wrongly, so SFT alone is imperfect), preference
-    triples (chosen = right, rejected = corrupted), RL prompts, and held-out evaluation prompts."""
+def make_datasets(seed: int, num_sft: int = 256, num_prefs: int = 256, num_prompts: int = 256,
+                  num_eval_prompts: int = 64, noise: float = 0.1, verbose: float = 0.6) -> dict[str, list[dict]]:
+    """SFT pairs, preference triples, RL prompts and held-out evaluation prompts.
+
+    The SFT data carries a habit RLHF should remove: a `verbose` fraction of answers end with a
+    spurious " =" (which the gold score counts as a wrong token), and a `noise` fraction are wrong.
+    Preferences always choose the right, plain answer over a corrupted or verbose one.
+    """
     rng = random.Random(seed)
     sft = []
     for _ in range(num_sft):
         digits = _random_digits(rng)
-        answer = sorted(digits) if rng.random() >= noise else _corrupt(sorted(digits), rng)
-        sft.append({"prompt": make_prompt(digits), "response": " ".join(map(str, answer))})
+        answer = " ".join(map(str, sorted(digits) if rng.random() >= noise else _corrupt(sorted(digits), rng)))
+        sft.append({"prompt": make_prompt(digits), "response": answer + (" =" if rng.random() < verbose else "")})
     prefs = []
     for _ in range(num_prefs):
         digits = _random_digits(rng)
         right = sorted(digits)
-        prefs.append({
-            "prompt": make_prompt(digits),
-            "chosen": " ".join(map(str, right)),
-            "rejected": " ".join(map(str, _corrupt(right, rng))),
-        })
+        rejected = " ".join(map(str, right)) + " =" if rng.random() < 0.5 else " ".join(map(str, _corrupt(right, rng)))
+        prefs.append({"prompt": make_prompt(digits), "chosen": " ".join(map(str, right)), "rejected": rejected})
     prompts = [{"prompt": make_prompt(_random_digits(rng))} for _ in range(num_prompts)]
-    eval_prompts = [{"prompt": make_prompt(_random_digits(rng))} for _ in range(num_prompts)]
+    eval_prompts = [{"prompt": make_prompt(_random_digits(rng))} for _ in range(num_eval_prompts)]
     return {"sft": sft, "prefs": prefs, "prompts": prompts, "eval_prompts": eval_prompts}
 
 
