@@ -38,12 +38,11 @@ FAULT_POINTS = [
     "during_removal@5",    # retention: step_5's manifest deleted, its files not yet
     "local_save@20",
     "before_latest@25",
-    "during_removal@15",
 ]
 # On S3 the local save and training points behave as on a local disk; what differs is the store:
 # no rename, so every upload point lands in the real step dir. These are re-run there.
-S3_FAULT_POINTS = ["between_uploads@5", "before_manifest@5", "before_latest@5", "train_step@8",
-                   "between_uploads@10", "during_removal@5", "before_latest@20"]
+S3_FAULT_POINTS = ["between_uploads@5", "before_manifest@5", "before_latest@5", "between_uploads@10",
+                   "during_removal@5"]
 
 
 def sft_run(toy: dict[str, str], ckpt: str, save_path: str) -> RunConfig:

@@ -81,14 +81,16 @@ def test_commit_and_download_survive_503s_and_connection_resets(s3_endpoint, tmp
     bucket = f"rlhf-{uuid.uuid4().hex[:12]}"
     make_bucket(s3_endpoint, bucket)
     server, proxy_url, injected = flaky_proxy(s3_endpoint)
-    for name, value in s3_environment(proxy_url).items():
-        monkeypatch.setenv(name, value)  # credentials and endpoint from the standard variables
+    for name, value in s3_environment(s3_endpoint).items():
+        monkeypatch.setenv(name, value)  # credentials from the standard variables
+    # The endpoint goes in storage_options: fsspec caches filesystems by their options, and an
+    # option-less S3 filesystem made earlier in the session would skip the proxy.
     try:
         local = tmp_path / "ckpt"
         (local / "actor_model").mkdir(parents=True)
         for index in range(6):
             (local / "actor_model" / f"shard_{index}.bin").write_bytes(bytes([index]) * 200_000)
-        store = CheckpointStore(f"s3://{bucket}/run/sft")
+        store = CheckpointStore(f"s3://{bucket}/run/sft", {"client_kwargs": {"endpoint_url": proxy_url}})
         info = store.commit(5, str(local), {"step": 5})
         assert info.is_committed
         store.download(5, str(tmp_path / "back"))
