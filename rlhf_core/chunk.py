@@ -188,3 +188,20 @@ def ensure_checkpoint(run: RunConfig, stage: str, target_step: int, lineage: Lin
     seconds = {"plan": prepared - started, "workers_and_load": loaded - prepared, "train": trained - loaded,
                "save_and_commit": finished - trained}
     return ChunkResult(stage, target_step, info.uri, info.manifest_digest, target_step - start_step, summary, seconds)
+
+
+def train_stage(run: RunConfig, stage: str) -> str:
+    """Every chunk of a training stage, then its export, in this process and without Prefect (for
+    library use and tests; the flow `rlhf` does the same with caching and retries). Returns save_path."""
+    from rlhf_core.export import export_stage_output
+    from rlhf_core.resume import begin_stage
+
+    lineage, plan = begin_stage(run, stage), plan_stage(run, stage)
+    try:
+        for target in plan.targets:
+            ensure_checkpoint(run, stage, target, lineage)
+    finally:
+        release_workers()
+    cfg = run.stage_config(stage)
+    return export_stage_output(open_store(run, stage), plan.total_steps, trainer_class(stage).export_model_dir,
+                               cfg.pretrain, cfg.save_path, run.storage_options)
