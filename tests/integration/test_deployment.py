@@ -62,7 +62,19 @@ def wait_for_terminal_state(api_url: str, flow_run_id: str, worker, timeout: flo
             time.sleep(2)
 
 
-def test_sft_deployment_runs_on_a_process_worker(prefect_server, background, tmp_path):
+def ppo_config(tmp_path: Path, toy: dict[str, str], sft_model: str) -> dict:
+    return {
+        "run_name": "deploy-test", "stages": ["ppo"], "ckpt_path": str(tmp_path / "ckpt"), "load_checkpoint": True,
+        "ppo": {
+            "pretrain": sft_model, "reward_fn": "rlhf_core.toy:gold_reward", "prompt_data": toy["prompts"],
+            "input_key": "prompt", "advantage_estimator": "group_norm", "max_samples": 8, "n_samples_per_prompt": 2,
+            "rollout_batch_size": 4, "train_batch_size": 8, "micro_train_batch_size": 4, "max_new_tokens": 8,
+            "learning_rate": 1e-3, "save_steps": 1, "save_path": str(tmp_path / "out" / "ppo"),
+        },
+    }
+
+
+def test_sft_then_ppo_deployments_run_on_a_process_worker(prefect_server, background, tmp_path):
     from prefect.client.orchestration import SyncPrefectClient
     from rlhf_core.toy import init_toy
 
@@ -105,3 +117,16 @@ def test_sft_deployment_runs_on_a_process_worker(prefect_server, background, tmp
     save_path = Path(config["sft"]["save_path"])
     assert (save_path / "config.json").is_file() and (save_path / "model.safetensors").is_file(), (
         f"no exported model at {save_path}: {sorted(p.name for p in save_path.glob('*'))}")
+
+    # rlhf/ppo on the same worker, from the model the SFT deployment just exported.
+    with SyncPrefectClient(prefect_server.api_url) as client:
+        assert {d.name for d in client.read_deployments()} >= {"sft", "rm", "ppo", "full"}
+    config = ppo_config(tmp_path, toy, str(save_path))
+    started = prefect_server.cli("deployment", "run", "rlhf/ppo", "--param", f"config={json.dumps(config)}")
+    flow_run = wait_for_terminal_state(prefect_server.api_url, UUID.search(started.stdout).group(1), worker,
+                                       RUN_TIMEOUT)
+    assert flow_run.state.type.value == "COMPLETED", (
+        f"flow run ended {flow_run.state.name}: {flow_run.state.message}\n{worker.log_tail()}")
+    ppo_dir = tmp_path / "ckpt" / "deploy-test" / "ppo"
+    assert sorted(p.parent.name for p in ppo_dir.glob("step_*/MANIFEST.json")) == ["step_1", "step_2"]
+    assert (tmp_path / "out" / "ppo" / "model.safetensors").is_file()
