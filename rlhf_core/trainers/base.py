@@ -25,6 +25,16 @@ class DeepSpeedTrainer:
     """One rank of a stage: DeepSpeed engines over its trained models, at optimizer step `self.step`."""
 
     stage: str = ""
+    step_size_flag = "train_batch_size"  # the flag named when the data cannot fill one step
+
+    @staticmethod
+    def items_per_step(cfg) -> int:
+        """Samples (or pairs) one step consumes; PPO counts prompts instead."""
+        return cfg.train_batch_size
+
+    @staticmethod
+    def num_passes(cfg) -> int:
+        return cfg.max_epochs
 
     def __init__(self, run: RunConfig, total_steps: int, rank: int, world_size: int, load_universal: bool = False):
         self.run, self.cfg = run, run.stage_config(self.stage)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rlhf_core.config import RMConfig, RunConfig
+from rlhf_core.config import RunConfig
 from rlhf_core.data import TokenizedPair, collate_pairs, rank_micro_batches, read_records, split_holdout, tokenize_pairs
 from rlhf_core.determinism import derive_seed, step_sample_indices
 from rlhf_core.models import load_scalar_model, load_tokenizer
@@ -29,19 +29,10 @@ def load_pairs(run: RunConfig, tokenizer) -> tuple[list[TokenizedPair], list[Tok
 class RewardModelTrainer(DeepSpeedTrainer):
     stage = "rm"
     export_model_dir = "reward_model"
-    step_size_flag = "train_batch_size"
 
     @staticmethod
     def count_items(run: RunConfig) -> int:
         return len(load_pairs(run, load_tokenizer(run.rm.pretrain))[0])
-
-    @staticmethod
-    def items_per_step(cfg: RMConfig) -> int:
-        return cfg.train_batch_size
-
-    @staticmethod
-    def num_passes(cfg: RMConfig) -> int:
-        return cfg.max_epochs
 
     def __init__(self, run: RunConfig, total_steps: int, rank: int, world_size: int, load_universal: bool = False):
         super().__init__(run, total_steps, rank, world_size, load_universal)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf_core.config import RunConfig, SFTConfig
+from rlhf_core.config import RunConfig
 from rlhf_core.data import TokenizedSample, collate_sft, rank_micro_batches, read_records, tokenize_sft
 from rlhf_core.determinism import derive_seed, step_sample_indices
 from rlhf_core.models import load_causal_lm, load_tokenizer
@@ -25,19 +25,10 @@ def load_sft_samples(run: RunConfig, tokenizer) -> list[TokenizedSample]:
 class SFTTrainer(DeepSpeedTrainer):
     stage = "sft"
     export_model_dir = "actor_model"
-    step_size_flag = "train_batch_size"
 
     @staticmethod
     def count_items(run: RunConfig) -> int:
         return len(load_sft_samples(run, load_tokenizer(run.sft.pretrain)))
-
-    @staticmethod
-    def items_per_step(cfg: SFTConfig) -> int:
-        return cfg.train_batch_size
-
-    @staticmethod
-    def num_passes(cfg: SFTConfig) -> int:
-        return cfg.max_epochs
 
     def __init__(self, run: RunConfig, total_steps: int, rank: int, world_size: int, load_universal: bool = False):
         super().__init__(run, total_steps, rank, world_size, load_universal)

@@ -8,7 +8,6 @@ it), so run k dies at the k-th point it reaches and run k+1 resumes from what ru
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import uuid

@@ -12,7 +12,6 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlparse
 
-import pytest
 
 from rlhf_core.checkpoint import CheckpointStore
 from tests.conftest import make_bucket, s3_environment
