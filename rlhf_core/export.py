@@ -35,7 +35,11 @@ def upload_dir(local_dir: str, url: str, storage_options: dict | None = None) ->
     filesystem, target = fsspec.core.url_to_fs(url, **(storage_options or {}))
     filesystem.makedirs(target, exist_ok=True)
     new_names = set(os.listdir(local_dir))
-    for path in filesystem.ls(target, detail=False):
+    try:
+        existing = filesystem.ls(target, detail=False)
+    except FileNotFoundError:  # object stores have no empty folders: a first export finds nothing
+        existing = []
+    for path in existing:
         name = path.rstrip("/").rsplit("/", 1)[-1]
         if MODEL_FILE.fullmatch(name) and name not in new_names and filesystem.isfile(path):
             filesystem.rm_file(path)
