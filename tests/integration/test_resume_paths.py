@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,16 @@ def reference(toy_assets, tmp_path_factory) -> RunConfig:
     return run
 
 
+def copy_checkpoints(reference: RunConfig, run: RunConfig, *steps: int) -> None:
+    """Give `run` the reference's committed checkpoints (same settings, so bit-identical to training
+    them again), which saves a worker group start per test."""
+    source, target = Path(reference.stage_url("sft")), Path(run.stage_url("sft"))
+    target.mkdir(parents=True, exist_ok=True)
+    for step in steps:
+        shutil.copytree(source / f"step_{step}", target / f"step_{step}")
+    (target / "latest").write_text(f"step_{max(steps)}")
+
+
 def corrupt(step_dir: Path, kind: str) -> None:
     shard = step_dir / "actor_model" / "ds" / "mp_rank_00_model_states.pt"
     if kind == "truncate":
@@ -90,8 +101,7 @@ def corrupt(step_dir: Path, kind: str) -> None:
 @pytest.mark.parametrize("kind", ["truncate", "flip_byte", "delete_shard", "garble_manifest", "dangling_latest"])
 def test_corrupt_newest_checkpoint_falls_back_to_previous(kind, toy_assets, reference, tmp_path, caplog):
     run = make_run(toy_assets, tmp_path)
-    train(run, 5, 10)
-    release_workers()
+    copy_checkpoints(reference, run, 5, 10)
     step_10 = Path(run.stage_url("sft")) / "step_10"
     corrupt(step_10, kind)
     with caplog.at_level(logging.WARNING, logger="rlhf_core.resume"):
@@ -103,9 +113,9 @@ def test_corrupt_newest_checkpoint_falls_back_to_previous(kind, toy_assets, refe
     assert_same(weights(run, 15), weights(reference, 15))
 
 
-def test_changed_batch_size_is_refused_with_a_diff_but_logging_steps_is_not(toy_assets, tmp_path):
+def test_changed_batch_size_is_refused_with_a_diff_but_logging_steps_is_not(toy_assets, reference, tmp_path):
     run = make_run(toy_assets, tmp_path)
-    train(run, 5)
+    copy_checkpoints(reference, run, 5)
     changed = make_run(toy_assets, tmp_path, sft={"train_batch_size": 16, "micro_train_batch_size": 4})
     with pytest.raises(UserError, match=r"train_batch_size: 8 -> 16.*--allow_config_change"):
         validate_run_start(changed)
@@ -127,10 +137,9 @@ def test_resume_on_another_world_size(first, second, toy_assets, reference, tmp_
     assert_same(weights(run, 20), weights(reference, 20), atol=1e-3)
 
 
-def test_planted_pickle_payload_is_refused_and_not_executed(toy_assets, tmp_path):
+def test_planted_pickle_payload_is_refused_and_not_executed(toy_assets, reference, tmp_path):
     run = make_run(toy_assets, tmp_path)
-    train(run, 5)
-    release_workers()
+    copy_checkpoints(reference, run, 5)
     step_dir = Path(run.stage_url("sft")) / "step_5"
     marker = tmp_path / "payload-ran"
 
@@ -151,8 +160,7 @@ def test_planted_pickle_payload_is_refused_and_not_executed(toy_assets, tmp_path
 
 
 def test_resume_from_an_older_step_sets_newer_ones_aside(toy_assets, reference, tmp_path):
-    train(make_run(toy_assets, tmp_path), 5, 10, 15)
-    release_workers()
+    copy_checkpoints(reference, make_run(toy_assets, tmp_path), 5, 10, 15)
     run = make_run(toy_assets, tmp_path / "rlhf" / "sft" / "step_5")  # OpenRLHF style: --ckpt_path .../step_5
     assert run.resume_from == 5 and run.ckpt_path == str(tmp_path)
     validate_run_start(run)
@@ -166,8 +174,7 @@ def test_resume_from_an_older_step_sets_newer_ones_aside(toy_assets, reference, 
 
 
 def test_load_weights_only_restarts_the_optimizer_but_not_the_schedule(toy_assets, reference, tmp_path):
-    train(make_run(toy_assets, tmp_path), 5)
-    release_workers()
+    copy_checkpoints(reference, make_run(toy_assets, tmp_path), 5)
     run = make_run(toy_assets, tmp_path, load_weights_only=True)
     lineage = begin_stage(run, "sft")
     assert lineage.weights_only and lineage.start_step == 5
