@@ -38,11 +38,6 @@ FAULT_POINTS = [
     "local_save@20",
     "before_latest@25",
 ]
-# On S3 the local save and training points behave as on a local disk; what differs is the store:
-# no rename, so every upload point lands in the real step dir. These are re-run there.
-S3_FAULT_POINTS = ["between_uploads@5", "before_manifest@5", "before_latest@5", "between_uploads@10",
-                   "during_removal@5"]
-
 
 def sft_run(toy: dict[str, str], ckpt: str, save_path: str) -> RunConfig:
     return RunConfig(
@@ -119,4 +114,4 @@ def test_fault_matrix_s3(toy_assets, rlhf_env, tmp_path, reference_weights, s3_e
         monkeypatch.setenv(name, value)  # so this process reads the same store
     run = sft_run(toy_assets, f"s3://{bucket}/ckpt", f"s3://{bucket}/model")
     (tmp_path / "faults").mkdir()
-    check_chain(run, env, tmp_path / "faults", S3_FAULT_POINTS, reference_weights, f"s3://{bucket}/model")
+    check_chain(run, env, tmp_path / "faults", FAULT_POINTS, reference_weights, f"s3://{bucket}/model")
