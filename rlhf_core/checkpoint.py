@@ -205,21 +205,6 @@ class CheckpointStore:
                 return info
         return None
 
-    def resume_point(self, max_step: int | None = None) -> tuple[CheckpointInfo | None, list[CheckpointInfo]]:
-        """The newest fully verified checkpoint at or below ``max_step``, and the newer step
-        dirs that failed verification, which are set aside (moved to ``.aside/``, never deleted)."""
-        skipped = []
-        for info in reversed(self.list(verify=False)):
-            if max_step is not None and info.step > max_step:
-                continue
-            if info.is_committed:
-                info = self._inspect(info.step, verify=True)
-                if info.is_committed:
-                    return info, skipped
-            self.set_aside(info)
-            skipped.append(info)
-        return None, skipped
-
     def set_aside(self, info: CheckpointInfo) -> str:
         """Move a bad step dir under ``.aside/`` with a REASON file; returns where it went."""
         aside_path = self._move_aside(info.name)
