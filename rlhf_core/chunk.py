@@ -69,12 +69,22 @@ def resolve_paths(run: RunConfig) -> RunConfig:
     return run.model_copy(update=updates)
 
 
+_NUM_ITEMS: dict[tuple, int] = {}
+
+
+def _count_items(run: RunConfig, stage: str) -> int:
+    """Usable samples of a stage. Counting reads and tokenizes the whole dataset, and the CLI, the flow
+    and every chunk ask, so one process counts each (stage, seed, settings) once."""
+    key = (stage, run.seed, run.stage_config(stage).model_dump_json())
+    if key not in _NUM_ITEMS:
+        _NUM_ITEMS[key] = trainer_class(stage).count_items(run)
+    return _NUM_ITEMS[key]
+
+
 def plan_stage(run: RunConfig, stage: str) -> StagePlan:
     """Validate the stage's inputs and lay out its chunks; raises UserError before any training."""
-    from rlhf_core.trainers import trainer_class
-
     trainer, cfg = trainer_class(stage), run.stage_config(stage)
-    num_items, per_step = trainer.count_items(run), trainer.items_per_step(cfg)
+    num_items, per_step = _count_items(run, stage), trainer.items_per_step(cfg)
     steps_per_pass = num_items // per_step
     if steps_per_pass == 0:
         data_url = getattr(cfg, "dataset", None) or getattr(cfg, "prompt_data", None)
@@ -130,14 +140,14 @@ def _metadata(run: RunConfig, stage: str, plan: StagePlan, step: int, metrics: d
     import torch
     import transformers
 
-    cfg = run.stage_config(stage)
+    cfg, trainer = run.stage_config(stage), trainer_class(stage)
     return {
         "format_version": CHECKPOINT_FORMAT_VERSION,
         "stage": stage,
         "step": step,
         "total_steps": plan.total_steps,
-        "consumed_samples": step * trainer_class(stage).items_per_step(cfg),
-        "epoch": step // max(plan.total_steps // trainer_class(stage).num_passes(cfg), 1),
+        "consumed_samples": step * trainer.items_per_step(cfg),
+        "epoch": step // max(plan.total_steps // trainer.num_passes(cfg), 1),
         "seed": run.seed,
         "world_size": run.num_workers,
         "zero_stage": cfg.zero_stage,
