@@ -19,6 +19,7 @@ import uuid
 from dataclasses import asdict, dataclass
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
 from rlhf_core.errors import UserError
 
@@ -74,8 +75,17 @@ class RunLease:
 
     def _write(self) -> None:
         self.holder.heartbeat = time.time()
+        payload = json.dumps(asdict(self.holder)).encode()
         self.fs.makedirs(os.path.dirname(self.path), exist_ok=True)
-        self.fs.pipe_file(self.path, json.dumps(asdict(self.holder)).encode())
+        if isinstance(self.fs, LocalFileSystem):
+            # A plain write truncates first: a reader in between would see an empty lease, take it for
+            # free and start a second writer. A rename is atomic; an object PUT already is.
+            staging = f"{self.path}.{self.holder.id}.tmp"
+            with open(staging, "wb") as handle:
+                handle.write(payload)
+            os.replace(staging, self.path)
+        else:
+            self.fs.pipe_file(self.path, payload)
 
     def check_available(self) -> None:
         """Raise UserError naming the holder if another live run holds the lease."""

@@ -56,3 +56,10 @@ def test_lease_of_a_dead_process_on_this_host_is_taken_over_at_once(tmp_path):
     stale = json.loads((tmp_path / "run" / "LEASE.json").read_text())
     with RunLease(url, settle_s=0) as lease:
         assert lease.read().pid != stale["pid"]
+
+
+def test_a_reader_never_sees_a_half_written_lease(run_url):
+    """A reader that caught the lease between truncate and write took it for free (a CI flake did)."""
+    with RunLease(run_url, heartbeat_s=0.0005, settle_s=0) as lease:
+        num_empty_reads = sum(lease.read() is None for _ in range(3000))
+    assert num_empty_reads == 0
