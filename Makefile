@@ -12,6 +12,9 @@ $(BIN)/rlhf: pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet -e ".[test]"
+	# DeepSpeed JIT-builds its CPU communication op on first use (~80 s on 2 cores); build it now, with
+	# the venv's ninja as the workers use, so the first training run (or test) does not pay for it.
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 	touch $(BIN)/rlhf
 
 demo: $(BIN)/rlhf

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import pytest
+from safetensors.torch import load_file
 
 PROJECT_DIR = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -250,3 +251,26 @@ def prefect_server(tmp_path_factory) -> Iterator[PrefectServer]:
         yield PrefectServer(api_url=api_url, env=env, home=home, process=process)
     finally:
         process.stop()
+
+
+def train_sft_args(toy: dict[str, str], ckpt: Path, out: Path) -> list[str]:
+    """The SFT command of the README, as an OpenRLHF user would type it."""
+    return [
+        "train", "sft", "--pretrain", toy["model"], "--dataset", toy["sft"],
+        "--input_key", "prompt", "--output_key", "response", "--max_len", "128",
+        "--train_batch_size", "8", "--micro_train_batch_size", "4", "--max_epochs", "1",
+        "--learning_rate", "1e-3", "--save_steps", "5", "--ckpt_path", str(ckpt), "--max_ckpt_num", "3",
+        "--save_path", str(out), "--seed", "42", "--load_checkpoint",
+    ]
+
+
+@pytest.fixture(scope="session")
+def reference_sft_weights(toy_assets, rlhf_env, tmp_path_factory) -> dict:
+    """The final weights of `train_sft_args` run once, never interrupted (one rank): what every kill
+    test of that run must end with."""
+    from tests.conftest import run_rlhf
+
+    out = tmp_path_factory.mktemp("reference-sft")
+    reference = run_rlhf(train_sft_args(toy_assets, out / "ckpt", out / "model"), rlhf_env)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    return load_file(str(out / "model" / "model.safetensors"))

@@ -13,7 +13,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.conftest import run_rlhf
-from tests.integration.test_kill_resume import train_sft_args
+from tests.integration.conftest import train_sft_args
 
 pytestmark = pytest.mark.slow
 

@@ -17,18 +17,9 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.conftest import RLHF, run_rlhf
+from tests.integration.conftest import train_sft_args
 
 pytestmark = pytest.mark.slow
-
-
-def train_sft_args(toy: dict[str, str], ckpt: Path, out: Path) -> list[str]:
-    return [
-        "train", "sft", "--pretrain", toy["model"], "--dataset", toy["sft"],
-        "--input_key", "prompt", "--output_key", "response", "--max_len", "128",
-        "--train_batch_size", "8", "--micro_train_batch_size", "4", "--max_epochs", "1",
-        "--learning_rate", "1e-3", "--save_steps", "5", "--ckpt_path", str(ckpt), "--max_ckpt_num", "3",
-        "--save_path", str(out), "--seed", "42", "--load_checkpoint",
-    ]
 
 
 def wait_for(path: Path, process: subprocess.Popen, timeout: float) -> None:
@@ -41,10 +32,8 @@ def wait_for(path: Path, process: subprocess.Popen, timeout: float) -> None:
         time.sleep(0.2)
 
 
-def test_sigkill_mid_chunk_then_rerun_matches_uninterrupted_run(toy_assets, rlhf_env, tmp_path):
-    reference = run_rlhf(train_sft_args(toy_assets, tmp_path / "ref-ckpt", tmp_path / "ref-out"), rlhf_env)
-    assert reference.returncode == 0, reference.stderr[-3000:]
-
+def test_sigkill_mid_chunk_then_rerun_matches_uninterrupted_run(toy_assets, rlhf_env, tmp_path,
+                                                                 reference_sft_weights):
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     paused_env = {**rlhf_env, "RLHF_FAULT_INJECT": "train_step@13=sleep:600"}
     killed = subprocess.Popen([RLHF, *train_sft_args(toy_assets, ckpt, out)], env=paused_env,
@@ -70,8 +59,7 @@ def test_sigkill_mid_chunk_then_rerun_matches_uninterrupted_run(toy_assets, rlhf
     assert not (ckpt / "rlhf" / "sft" / "step_10").exists() or \
         (ckpt / "rlhf" / "sft" / "step_10" / "MANIFEST.json").read_bytes() == manifest_10
 
-    expected = load_file(str(tmp_path / "ref-out" / "model.safetensors"))
     actual = load_file(str(out / "model.safetensors"))
-    assert expected.keys() == actual.keys()
-    for name, tensor in expected.items():
+    assert reference_sft_weights.keys() == actual.keys()
+    for name, tensor in reference_sft_weights.items():
         assert actual[name].equal(tensor), f"{name} differs from the uninterrupted run"
