@@ -136,19 +136,25 @@ class PPOConfig(StageConfig):
     gamma: float = Field(1.0, gt=0, le=1, description="Discount factor.")
     lambd: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
     critic_learning_rate: float = Field(9e-6, gt=0, description="Critic learning rate (gae).")
-    vllm_num_engines: int = Field(0, ge=0, description="vLLM engines for generation (GPU, `[vllm]` extra); 0: transformers.")
-    vllm_tensor_parallel_size: int = Field(1, ge=1, description="Tensor parallel size of each vLLM engine.")
+    vllm_num_engines: int = Field(0, ge=0, description="vLLM engines for generation (GPU, `[vllm]` extra), one per rank: "
+                                                        "equal to num_workers; 0: transformers generate.")
+    vllm_tensor_parallel_size: int = Field(1, ge=1, description="Tensor parallel size of each vLLM engine "
+                                                                      "(1: engines are colocated one per rank).")
     vllm_gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="GPU memory fraction vLLM may take.")
     vllm_enable_sleep: bool = Field(False, description="Let vLLM release GPU memory while the models train.")
-    colocate_all_models: bool = Field(False, description="Place actor, critic, reference, reward and vLLM on the same GPUs.")
+    colocate_all_models: bool = Field(False, description="Accepted for OpenRLHF scripts; actor, critic, reference, "
+                                                         "reward and vLLM are always colocated on each rank here.")
     save_path: str = Field("./out/ppo", **_operational("Where the final policy is exported (an adapter if LoRA)."))
 
     @model_validator(mode="after")
-    def _reward_source(self) -> "PPOConfig":
+    def _cross_field_checks(self) -> "PPOConfig":
         if self.reward_fn is not None and not re.fullmatch(r"[\w.]+:\w+", self.reward_fn):
             raise ValueError(f"reward_fn {self.reward_fn!r} must look like 'package.module:function'")
         if self.advantage_estimator in ("rloo", "group_norm") and self.n_samples_per_prompt < 2:
             raise ValueError(f"{self.advantage_estimator} compares samples of one prompt: set n_samples_per_prompt >= 2")
+        if self.vllm_tensor_parallel_size != 1:
+            raise ValueError("vllm_tensor_parallel_size must be 1: each rank hosts a whole vLLM engine next to its "
+                             "models (use more num_workers for more engines)")
         if (self.rollout_batch_size * self.n_samples_per_prompt) % self.train_batch_size:
             raise ValueError(f"rollout_batch_size x n_samples_per_prompt ({self.rollout_batch_size * self.n_samples_per_prompt})"
                              f" must be a multiple of train_batch_size ({self.train_batch_size})")
@@ -276,6 +282,9 @@ class RunConfig(BaseModel):
                 )
         if self.ppo is not None and "ppo" in self.stages and self.ppo.rollout_batch_size % self.num_workers:
             raise ValueError(f"ppo.rollout_batch_size ({self.ppo.rollout_batch_size}) must be a multiple of num_workers")
+        if self.ppo is not None and "ppo" in self.stages and self.ppo.vllm_num_engines not in (0, self.num_workers):
+            raise ValueError(f"ppo.vllm_num_engines ({self.ppo.vllm_num_engines}) must be 0 or num_workers "
+                             f"({self.num_workers}): each rank hosts its own vLLM engine")
         return self
 
     def _upstream(self, stage: str, field: str, producer: str) -> str:

@@ -100,5 +100,6 @@ def token_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -
     """The `score` head at every position: a critic's per-token values, [batch, length]."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # through a LoRA wrapper
     backbone = getattr(inner, inner.base_model_prefix)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    device = inner.score.weight.device
+    hidden = backbone(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).last_hidden_state
     return inner.score(hidden).squeeze(-1)

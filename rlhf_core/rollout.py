@@ -2,13 +2,14 @@
 
 Prompts are left-padded, responses right-padded; a response ends at its first EOS (kept). Sampling
 draws from torch's global generator, which the PPO trainer seeds from (seed, step, rank) before each
-rollout, so a resumed run samples exactly the same responses. vLLM engines are an optional GPU path
-(`--vllm_num_engines`, the `[vllm]` extra) and are never imported here.
+rollout, so a resumed run samples exactly the same responses. vLLM engines are the optional GPU path
+(`--vllm_num_engines`, the `[vllm]` extra, `rlhf_core.vllm_engine`) and are never imported here.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 import torch
 
@@ -33,8 +34,14 @@ def collate_sequences(prompts: list[list[int]], responses: list[list[int]], pad_
             "action_mask": action_mask, "prompt_len": prompt_len}
 
 
+def on_device(batch: dict, device: torch.device) -> dict:
+    """The batch's tensors moved to `device` (batches are built on the CPU; the models may be on a GPU)."""
+    return {name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in batch.items()}
+
+
 def response_logprobs(model, batch: dict) -> torch.Tensor:
-    """log p(response token | prefix) for every response position, [rows, response_len]."""
+    """log p(response token | prefix) for every response position, [rows, response_len], on the model's device."""
+    batch = on_device(batch, model.device)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                    position_ids=batch["position_ids"]).logits
     start = batch["prompt_len"]
@@ -45,7 +52,7 @@ def response_logprobs(model, batch: dict) -> torch.Tensor:
 def generate(model, prompts: list[list[int]], pad_token_id: int, eos_token_id: int, max_new_tokens: int,
              temperature: float, top_p: float) -> list[list[int]]:
     """One sampled response per prompt (token ids, ending at the first EOS)."""
-    batch = collate_sequences(prompts, [[] for _ in prompts], pad_token_id)
+    batch = on_device(collate_sequences(prompts, [[] for _ in prompts], pad_token_id), model.device)
     prompt_len = batch["prompt_len"]
     output = model.generate(input_ids=batch["input_ids"][:, :prompt_len],
                             attention_mask=batch["attention_mask"][:, :prompt_len],
@@ -68,13 +75,10 @@ def load_reward_fn(spec: str):
 
 
 def require_vllm(num_engines: int) -> None:
-    """vLLM generation needs CUDA and the `[vllm]` extra; say so plainly instead of failing later."""
+    """vLLM generation needs CUDA and the `[vllm]` extra; say so before any worker starts."""
     if num_engines == 0:
         return
     if not torch.cuda.is_available():
         raise UserError("--vllm_num_engines needs a GPU; use 0 (transformers generation) on this machine.")
-    try:
-        importlib.import_module("vllm")
-    except ImportError:
-        raise UserError("--vllm_num_engines needs vLLM: pip install 'rlhf-pipeline[vllm]'.") from None
-    raise UserError("--vllm_num_engines: vLLM generation is not built yet; use 0 (transformers generation).")
+    if importlib.util.find_spec("vllm") is None:
+        raise UserError("--vllm_num_engines needs vLLM: pip install 'rlhf-pipeline[vllm]'.")

@@ -6,6 +6,8 @@ reward model or `--reward_fn`, computes per-token KL to the frozen reference and
 `--advantage_estimator`, then runs `max_epochs` passes of clipped-surrogate updates (and clipped value
 updates for gae). Models are colocated on each rank (actor, critic, reference, reward), a departure
 from OpenRLHF's separate actor groups that keeps one readable path; fine for toy and small models.
+Responses come from transformers `generate`, or on GPU from a colocated vLLM engine per rank
+(`--vllm_num_engines`, see `rlhf_core.vllm_engine`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from rlhf_core.config import PPOConfig, RunConfig
 from rlhf_core.data import read_records, tokenize_prompts
 from rlhf_core.determinism import derive_seed, generator, step_sample_indices
 from rlhf_core.models import load_causal_lm, load_scalar_model, load_tokenizer, token_values
-from rlhf_core.rollout import collate_sequences, generate, load_reward_fn, require_vllm, response_logprobs
+from rlhf_core.rollout import (collate_sequences, generate, load_reward_fn, on_device, require_vllm,
+                               response_logprobs)
 from rlhf_core.trainers.base import DeepSpeedTrainer
 
 
@@ -67,14 +70,21 @@ class PPOTrainer(DeepSpeedTrainer):
         actor = load_causal_lm(cfg.pretrain, cfg.lora_rank, cfg.lora_alpha, cfg.target_modules,
                                cfg.gradient_checkpointing)
         self.actor = self.build_engine("actor_model", actor, num_optimizer_steps=num_optimizer_steps)
-        self.reference = load_causal_lm(cfg.pretrain).eval().requires_grad_(False)
+        # The frozen models follow the actor onto its device; on CPU that is a no-op.
+        self.reference = load_causal_lm(cfg.pretrain).eval().requires_grad_(False).to(self.actor.device)
         self.critic = None
         if cfg.advantage_estimator == "gae":
             critic = load_scalar_model(cfg.critic_pretrain, self.tokenizer.pad_token_id)
             self.critic = self.build_engine("critic_model", critic, cfg.critic_learning_rate, num_optimizer_steps)
         self.reward_fn = load_reward_fn(cfg.reward_fn) if cfg.reward_fn else None
         self.reward_model = None if self.reward_fn else \
-            load_scalar_model(cfg.reward_pretrain, self.tokenizer.pad_token_id).eval().requires_grad_(False)
+            load_scalar_model(cfg.reward_pretrain, self.tokenizer.pad_token_id).eval().requires_grad_(False) \
+            .to(self.actor.device)
+        self.vllm = None
+        if cfg.vllm_num_engines:
+            from rlhf_core.vllm_engine import VLLMGenerator
+
+            self.vllm = VLLMGenerator(cfg, run.seed, rank)
 
     def controller_state(self) -> dict:
         return {"kl_coef": self.kl.coef}
@@ -112,11 +122,7 @@ class PPOTrainer(DeepSpeedTrainer):
             texts += [text] * cfg.n_samples_per_prompt
             prompts += [ids] * cfg.n_samples_per_prompt
         self.actor.eval()
-        responses = []
-        for start in range(0, len(prompts), cfg.micro_rollout_batch_size):
-            responses += generate(self.actor.module, prompts[start : start + cfg.micro_rollout_batch_size],
-                                  self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, cfg.max_new_tokens,
-                                  cfg.temperature, cfg.top_p)
+        responses = self.sample(prompts)
         rows: dict[str, list] = {"old_logprobs": [], "ref_logprobs": [], "values": [], "scores": []}
         for start in range(0, len(prompts), cfg.micro_rollout_batch_size):
             part = slice(start, start + cfg.micro_rollout_batch_size)
@@ -130,19 +136,32 @@ class PPOTrainer(DeepSpeedTrainer):
                                                 cfg.kl_estimator) * experience["mask"]
         return experience
 
+    def sample(self, prompts: list[list[int]]) -> list[list[int]]:
+        cfg, eos_token_id = self.cfg, self.tokenizer.eos_token_id
+        if self.vllm is not None:
+            return self.vllm.generate(self.actor.module, prompts, self.step, eos_token_id)
+        responses = []
+        for start in range(0, len(prompts), cfg.micro_rollout_batch_size):
+            responses += generate(self.actor.module, prompts[start : start + cfg.micro_rollout_batch_size],
+                                  self.tokenizer.pad_token_id, eos_token_id, cfg.max_new_tokens, cfg.temperature,
+                                  cfg.top_p)
+        return responses
+
     def score_micro_batch(self, prompts, responses, texts, rows: dict) -> None:
+        # Experience is kept on the CPU in float32, whatever device and precision the models use.
         batch = collate_sequences(prompts, responses, self.tokenizer.pad_token_id)
-        rows["old_logprobs"] += list(response_logprobs(self.actor.module, batch))
-        rows["ref_logprobs"] += list(response_logprobs(self.reference, batch))
+        rows["old_logprobs"] += list(response_logprobs(self.actor.module, batch).cpu())
+        rows["ref_logprobs"] += list(response_logprobs(self.reference, batch).cpu())
         if self.critic is not None:
             values = token_values(self.critic.module, batch["input_ids"], batch["attention_mask"])
-            rows["values"] += list(values[:, batch["prompt_len"] - 1 : -1])
+            rows["values"] += list(values[:, batch["prompt_len"] - 1 : -1].float().cpu())
         if self.reward_fn is not None:
             decoded = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
             rows["scores"] += [float(score) for score in self.reward_fn(texts, decoded)]
         else:
-            rows["scores"] += self.reward_model(input_ids=batch["input_ids"],
-                                                attention_mask=batch["attention_mask"]).logits.squeeze(-1).tolist()
+            inputs = on_device(batch, self.reward_model.device)
+            rows["scores"] += self.reward_model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]
+                                                ).logits.squeeze(-1).float().tolist()
 
     def update(self, experience: dict) -> dict[str, list[float]]:
         """max_epochs passes of micro-batch updates; DeepSpeed steps at each accumulation boundary."""
@@ -166,9 +185,9 @@ class PPOTrainer(DeepSpeedTrainer):
         width = batch["action_mask"].shape[1]
 
         def take(name: str) -> torch.Tensor:
-            return experience[name][rows, :width]
+            return experience[name][rows, :width].to(self.actor.device)
 
-        mask = batch["action_mask"]
+        mask = batch["action_mask"].to(self.actor.device)
         logprobs = response_logprobs(self.actor, batch)
         loss, clip_fraction = ppo_math.policy_loss(logprobs, take("old_logprobs"), take("advantages"), mask,
                                                    cfg.eps_clip)
@@ -180,7 +199,7 @@ class PPOTrainer(DeepSpeedTrainer):
         result = {"policy_loss": loss.item(), "clip_fraction": clip_fraction.item()}
         if self.critic is not None:
             values = token_values(self.critic.module, batch["input_ids"], batch["attention_mask"])
-            values = values[:, batch["prompt_len"] - 1 : -1]
+            values = values[:, batch["prompt_len"] - 1 : -1].float()
             critic_loss = ppo_math.value_loss(values, take("values"), take("returns"), mask, cfg.value_clip)
             self.critic.backward(critic_loss)
             self.critic.step()

@@ -88,3 +88,35 @@ def test_flags_keep_openrlhf_names():
                  "--save_hf_ckpt", "--zero_stage", "--lora_rank", "--target_modules", "--ray_address"):
         assert flag in help_text
     assert SFTConfig.model_fields["save_steps"].description.split(";")[0] in " ".join(help_text.split())
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--num_workers", "1", "--vllm_num_engines", "2"], "vllm_num_engines (2) must be 0 or num_workers (1)"),
+        (["--vllm_tensor_parallel_size", "2"], "vllm_tensor_parallel_size must be 1"),
+    ],
+)
+def test_vllm_layouts_we_do_not_run_are_refused(flags, expected, capsys, tmp_path, toy_assets):
+    ppo = ["train", "ppo", "--pretrain", toy_assets["model"], "--reward_pretrain", toy_assets["model"],
+           "--prompt_data", toy_assets["prompts"], "--input_key", "prompt", "--ckpt_path", str(tmp_path),
+           "--train_batch_size", "16", "--micro_train_batch_size", "4"]
+    assert main([*ppo, *flags]) == 2
+    err = capsys.readouterr().err
+    assert expected in err, err
+    assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_vllm_without_a_gpu_is_refused_before_training(capsys, tmp_path, toy_assets):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    ppo = ["train", "ppo", "--pretrain", toy_assets["model"], "--reward_pretrain", toy_assets["model"],
+           "--prompt_data", toy_assets["prompts"], "--input_key", "prompt", "--ckpt_path", str(tmp_path),
+           "--train_batch_size", "16", "--micro_train_batch_size", "4",
+           "--vllm_num_engines", "1"]
+    assert main(ppo) == 2
+    err = capsys.readouterr().err
+    assert "--vllm_num_engines needs a GPU" in err, err
+    assert not any(tmp_path.iterdir())  # refused before anything was written
