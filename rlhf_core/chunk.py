@@ -22,6 +22,7 @@ from rlhf_core.data import dataset_fingerprint
 from rlhf_core.engine import WorkerGroup
 from rlhf_core.errors import UserError
 from rlhf_core.faults import fault_point
+from rlhf_core.models import input_model_fingerprints
 from rlhf_core.resume import Lineage, fetch_start, open_store
 from rlhf_core.trainers import trainer_class
 
@@ -154,6 +155,7 @@ def _metadata(run: RunConfig, stage: str, plan: StagePlan, step: int, metrics: d
         "config_hash": semantic_hash(run, stage),
         "config": semantic_fields(cfg),
         "dataset_fingerprint": dataset_fingerprint(cfg),
+        "input_models": input_model_fingerprints(cfg),
         "metrics": metrics,
         "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
                      "transformers": transformers.__version__},

@@ -161,12 +161,32 @@ def dataset_fingerprint(cfg) -> str:
     return fingerprint(url) if url else ""
 
 
+_FINGERPRINTS: dict[tuple, str] = {}
+
+
+def _version_of(url: str, storage_options: dict | None) -> tuple | None:
+    """(url, size, modification stamp or ETag) of a file, or None when the store tells neither."""
+    try:
+        filesystem, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        info = filesystem.info(path)
+    except (OSError, ValueError):
+        return None
+    stamp = info.get("mtime") or info.get("ETag") or info.get("LastModified")
+    return (url, info.get("size"), str(stamp)) if stamp is not None else None
+
+
 def fingerprint(url: str, storage_options: dict | None = None) -> str:
-    """sha256 of the dataset file, recorded in each checkpoint's metadata."""
+    """sha256 of the dataset file, recorded in each checkpoint's metadata. Hashed once per process
+    and file version (size and mtime or ETag): every commit asks, and a dataset can be large."""
+    version = _version_of(url, storage_options)
+    if version in _FINGERPRINTS:
+        return _FINGERPRINTS[version]
     digest = hashlib.sha256()
     with _open(url, storage_options) as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
+    if version is not None:
+        _FINGERPRINTS[version] = digest.hexdigest()
     return digest.hexdigest()
 
 

@@ -11,6 +11,8 @@ Everything here reads the checkpoints' `hf/` copies (safetensors and JSON), neve
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import tempfile
@@ -20,13 +22,15 @@ import torch
 
 from rlhf_core.checkpoint import CheckpointStore
 from rlhf_core.errors import UserError
-from rlhf_core.models import is_lora_dir, load_tokenizer, local_model_dir
+from rlhf_core.checkpoint import MANIFEST_NAME
+from rlhf_core.models import SOURCE_NAME, is_lora_dir, load_tokenizer, local_model_dir
 
 MERGE_TOLERANCE = 1e-4
 
 
 MODEL_FILE = re.compile(r"(model|adapter_model|pytorch_model).*\.(safetensors|bin)(\.index\.json)?|adapter_config\.json|"
-                        r"config\.json|generation_config\.json|tokenizer.*|special_tokens_map\.json|chat_template\.jinja")
+                        r"config\.json|generation_config\.json|tokenizer.*|special_tokens_map\.json|chat_template\.jinja|"
+                        + re.escape(SOURCE_NAME))
 
 
 def upload_dir(local_dir: str, url: str, storage_options: dict | None = None) -> str:
@@ -50,11 +54,16 @@ def upload_dir(local_dir: str, url: str, storage_options: dict | None = None) ->
 
 def export_stage_output(store: CheckpointStore, step: int, model_dir_name: str, pretrain: str, save_path: str,
                         storage_options: dict | None = None) -> str:
-    """Copy the `hf/` folder of `model_dir_name` at `step`, plus the tokenizer, to `save_path`."""
+    """Copy the `hf/` folder of `model_dir_name` at `step`, plus the tokenizer, to `save_path`, with a
+    SOURCE_NAME file naming the checkpoint (a later stage's drift guard compares it on resume)."""
     with tempfile.TemporaryDirectory(prefix="rlhf-export-") as local_dir:
         store.download(step, local_dir)
         hf_dir = os.path.join(local_dir, model_dir_name, "hf")
         load_tokenizer(pretrain).save_pretrained(hf_dir)
+        with open(os.path.join(local_dir, MANIFEST_NAME), "rb") as manifest:
+            source = {"checkpoint": store.uri(step), "manifest_digest": hashlib.sha256(manifest.read()).hexdigest()}
+        with open(os.path.join(hf_dir, SOURCE_NAME), "w") as handle:
+            json.dump(source, handle, indent=1)
         return upload_dir(hf_dir, save_path, storage_options)
 
 

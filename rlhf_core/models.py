@@ -9,6 +9,7 @@ linear `score` head, OpenRLHF's layout; `token_values` reads the head at every p
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -33,6 +34,32 @@ def local_model_dir(url: str) -> str:
             raise UserError(f"--pretrain: {url} does not exist.")
         filesystem.get(remote_path.rstrip("/") + "/", str(cache), recursive=True)
     return str(cache)
+
+
+SOURCE_NAME = "rlhf_source.json"  # written by export: the checkpoint a stage's output came from
+INPUT_MODEL_FIELDS = ("pretrain", "reward_pretrain", "critic_pretrain")
+
+
+def model_fingerprint(url: str, storage_options: dict | None = None) -> str:
+    """Identity of the model folder at `url`, cheap enough to take at every commit: the manifest digest
+    of the checkpoint it was exported from (our own stage outputs), else its file names and sizes."""
+    filesystem, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    try:
+        source = json.loads(filesystem.cat_file(f"{path.rstrip('/')}/{SOURCE_NAME}"))
+        return f"checkpoint:{source['manifest_digest']}"
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        pass
+    try:
+        listing = sorted((entry["name"].rsplit("/", 1)[-1], entry.get("size"))
+                         for entry in filesystem.ls(path, detail=True) if entry.get("type") == "file")
+    except FileNotFoundError:
+        return ""
+    return "files:" + hashlib.sha256(repr(listing).encode()).hexdigest()
+
+
+def input_model_fingerprints(cfg) -> dict[str, str]:
+    """`model_fingerprint` of each model a stage starts from (pretrain, reward, critic)."""
+    return {name: model_fingerprint(getattr(cfg, name)) for name in INPUT_MODEL_FIELDS if getattr(cfg, name, None)}
 
 
 def is_lora_dir(directory: str) -> bool:

@@ -26,6 +26,7 @@ from rlhf_core.checkpoint import METADATA_NAME, CheckpointInfo, CheckpointStore
 from rlhf_core.config import TRAINING_STAGES, RunConfig, semantic_fields
 from rlhf_core.data import dataset_fingerprint
 from rlhf_core.errors import CorruptCheckpoint, UserError
+from rlhf_core.models import input_model_fingerprints
 from rlhf_core.safe_load import check_no_pickled_code
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,11 @@ def config_drift(run: RunConfig, stage: str, metadata: dict) -> list[str]:
     saved_fingerprint = metadata.get("dataset_fingerprint")
     if saved_fingerprint and saved_fingerprint != dataset_fingerprint(cfg):
         changes.append("dataset contents: changed")
+    # Same path, other model: e.g. SFT retrained into the save_path this stage started from.
+    current_models = input_model_fingerprints(cfg)
+    for name, saved_model in sorted(metadata.get("input_models", {}).items()):
+        if saved_model and current_models.get(name, saved_model) != saved_model:
+            changes.append(f"{name} model contents: changed")
     return changes
 
 
@@ -106,10 +112,15 @@ def validate_run_start(run: RunConfig) -> None:
 
 
 def begin_stage(run: RunConfig, stage: str) -> Lineage:
-    """Apply --resume_from (set newer checkpoints aside, once) and return the stage's lineage."""
+    """Check the stage's checkpoints against its inputs as they are now (an earlier stage of this run
+    may have rewritten them since the run began), apply --resume_from (set newer checkpoints aside,
+    once) and return the stage's lineage."""
     store = open_store(run, stage)
     committed = [info for info in store.list() if info.is_committed]
     explicit = run.resume_from is not None and stage == run.stages[0]
+    usable = [info for info in committed if not explicit or info.step <= run.resume_from]
+    if usable and run.load_checkpoint:
+        check_drift(run, stage, usable[-1], store.read_metadata(usable[-1].step))
     if explicit:
         start = next(info for info in committed if info.step == run.resume_from)
         marker = store.read_json(LINEAGE_MARKER)

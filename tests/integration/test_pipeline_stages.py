@@ -147,3 +147,25 @@ def test_ppo_sigkill_mid_chunk_then_rerun_matches_uninterrupted_run(pipeline, tm
         for name, tensor in expected.items():
             assert actual[name].equal(tensor), f"{model}/{name} differs from the uninterrupted run"
     assert final_metadata(run, "ppo")["metrics"]["kl_coef"] == final_metadata(reference, "ppo")["metrics"]["kl_coef"]
+
+
+def test_reward_model_checkpoints_are_refused_once_the_sft_output_they_started_from_changes(pipeline):
+    from rlhf_core.errors import UserError
+    from rlhf_core.export import export_stage_output
+    from rlhf_core.resume import open_store
+
+    run = pipeline["run"]
+    sft_store = open_store(run, "sft")
+    final, earlier = [info.step for info in sft_store.list() if info.is_committed][:-3:-1]
+    begin_stage(run, "rm")  # the output RM trained from: accepted
+
+    def export_sft(step: int) -> None:
+        export_stage_output(sft_store, step, "actor_model", run.sft.pretrain, run.sft.save_path)
+
+    try:
+        export_sft(earlier)  # as if SFT had been retrained into the same save_path
+        with pytest.raises(UserError, match="pretrain model contents: changed"):
+            begin_stage(run, "rm")
+    finally:
+        export_sft(final)
+    begin_stage(run, "rm")  # the same checkpoint exported again is the same input

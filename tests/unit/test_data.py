@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -89,3 +90,18 @@ def test_data_order_is_the_same_at_any_world_size():
     # Steps of one epoch never repeat a sample.
     epoch = sum((step_sample_indices(s, 8, 50, 42) for s in range(6)), [])
     assert len(set(epoch)) == 48
+
+
+def test_dataset_fingerprint_is_hashed_once_per_file_version(tmp_path, monkeypatch):
+    from rlhf_core import data
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"a": "1"}\n')
+    opened = []
+    real_open = data._open
+    monkeypatch.setattr(data, "_open", lambda *args, **kwargs: opened.append(args[0]) or real_open(*args, **kwargs))
+    first = data.fingerprint(str(path))
+    assert data.fingerprint(str(path)) == first and len(opened) == 1  # unchanged: not read again
+    path.write_text('{"a": "2"}\n')  # same size, new contents
+    os.utime(path, ns=(path.stat().st_mtime_ns + 10**9,) * 2)  # a coarse clock could give the same mtime
+    assert data.fingerprint(str(path)) != first and len(opened) == 2
