@@ -110,10 +110,14 @@ class WorkerGroup:
         gpus_per_worker = 1 if ray.cluster_resources().get("GPU", 0) >= num_workers else 0
         num_threads = max(1, (os.cpu_count() or 1) // num_workers)
         remote_worker = ray.remote(TrainWorker)
-        self.workers = [
-            remote_worker.options(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker).remote(rank, num_workers, num_threads)
-            for rank in range(num_workers)
-        ]
+        # Workers of an existing cluster inherit its environment, not this process's: the test fault
+        # hooks (RLHF_FAULT_*) must travel with the job.
+        fault_hooks = {name: value for name, value in os.environ.items() if name.startswith("RLHF_FAULT_")}
+        options = {"num_cpus": cpus_per_worker, "num_gpus": gpus_per_worker}
+        if fault_hooks:
+            options["runtime_env"] = {"env_vars": fault_hooks}
+        self.workers = [remote_worker.options(**options).remote(rank, num_workers, num_threads)
+                        for rank in range(num_workers)]
         master_addr, master_port = ray.get(self.workers[0].rendezvous_address.remote())
         ray.get([worker.join.remote(master_addr, master_port) for worker in self.workers])
         self.step = 0

@@ -70,8 +70,9 @@ class PPOTrainer(DeepSpeedTrainer):
         actor = load_causal_lm(cfg.pretrain, cfg.lora_rank, cfg.lora_alpha, cfg.target_modules,
                                cfg.gradient_checkpointing)
         self.actor = self.build_engine("actor_model", actor, num_optimizer_steps=num_optimizer_steps)
-        # The frozen models follow the actor onto its device; on CPU that is a no-op.
-        self.reference = load_causal_lm(cfg.pretrain).eval().requires_grad_(False).to(self.actor.device)
+        # The frozen models follow the actor onto its device and precision (bf16 on GPU if asked).
+        placement = {"device": self.actor.device, "dtype": next(self.actor.module.parameters()).dtype}
+        self.reference = load_causal_lm(cfg.pretrain).eval().requires_grad_(False).to(**placement)
         self.critic = None
         if cfg.advantage_estimator == "gae":
             critic = load_scalar_model(cfg.critic_pretrain, self.tokenizer.pad_token_id)
@@ -79,7 +80,7 @@ class PPOTrainer(DeepSpeedTrainer):
         self.reward_fn = load_reward_fn(cfg.reward_fn) if cfg.reward_fn else None
         self.reward_model = None if self.reward_fn else \
             load_scalar_model(cfg.reward_pretrain, self.tokenizer.pad_token_id).eval().requires_grad_(False) \
-            .to(self.actor.device)
+            .to(**placement)
         self.vllm = None
         if cfg.vllm_num_engines:
             from rlhf_core.vllm_engine import VLLMGenerator

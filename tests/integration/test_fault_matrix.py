@@ -4,13 +4,18 @@ weights equal those of a run never interrupted.
 
 One chain per backend: all fault points are armed at once, each fires once (a marker file remembers
 it), so run k dies at the k-th point it reaches and run k+1 resumes from what run k committed. The
-two chains run side by side (each job is mostly process start-up, so two share the 2 cores well).
+two chains run side by side, their jobs on one long-lived Ray cluster (`ray start --head`), as on a
+real cluster where the job dies and Ray stays; the kill tests of test_kill_resume, test_chunk_retry
+and test_pipeline_stages kill jobs that own a local Ray instead.
 """
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+import tempfile
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,6 +27,7 @@ from safetensors.torch import load
 from rlhf_core.checkpoint import CheckpointStore
 from rlhf_core.config import RunConfig, SFTConfig
 from tests.conftest import make_bucket, s3_environment
+from tests.integration.conftest import VENV_BIN, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -94,9 +100,31 @@ def check_chain(run, env, faults_dir, points, reference_weights, weights_url):
         assert actual[name].equal(tensor), f"{name} differs from the uninterrupted run"
 
 
+@pytest.fixture
+def ray_cluster(background, rlhf_env) -> str:
+    """A Ray head on a free loopback port; its address. A temp dir of its own keeps it from becoming
+    the machine's default cluster (Ray records `ray start` clusters under /tmp/ray)."""
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    temp_dir = tempfile.mkdtemp(prefix="rlhf-ray-")  # short: Ray's socket paths live under it
+    env = {**rlhf_env, "RAY_AUTH_MODE": "disabled"}  # `ray start` turns token auth on by default
+    head = background("ray-head", [str(VENV_BIN / "ray"), "start", "--head", "--block", f"--port={port}",
+                                   "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats",
+                                   f"--temp-dir={temp_dir}"], env)
+    deadline = time.monotonic() + 120
+    while "Active:" not in subprocess.run([str(VENV_BIN / "ray"), "status", f"--address={address}"], env=env,
+                                          capture_output=True, text=True).stdout:
+        assert head.alive() and time.monotonic() < deadline, f"the Ray head did not start:\n{head.log_tail()}"
+        time.sleep(1)
+    yield address
+    head.stop()
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
 def test_fault_matrix_on_a_local_folder_and_on_s3(toy_assets, rlhf_env, tmp_path, reference_sft_weights,
-                                                  s3_endpoint, monkeypatch):
+                                                  s3_endpoint, monkeypatch, ray_cluster):
     assert len(FAULT_POINTS) >= 12
+    rlhf_env = {**rlhf_env, "RAY_ADDRESS": ray_cluster}
     bucket = f"rlhf-{uuid.uuid4().hex[:12]}"
     make_bucket(s3_endpoint, bucket)
     for name, value in s3_environment(s3_endpoint).items():
