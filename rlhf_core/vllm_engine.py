@@ -28,19 +28,29 @@ from rlhf_core.determinism import derive_seed
 from rlhf_core.models import is_lora_dir, local_model_dir
 
 
+@torch.no_grad()
 def inference_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model's weights under Hugging Face names, LoRA adapters merged in (what vLLM loads)."""
-    if not hasattr(model, "merge_adapter"):
+    """The model's weights under Hugging Face names, LoRA adapters merged in (what vLLM loads).
+
+    The merge is computed out of place (base + delta per layer): merging into the trained weights and
+    unmerging again, as `merge_adapter` does, would round them a little differently at every step in bf16.
+    """
+    if not hasattr(model, "peft_config"):
         yield from model.state_dict().items()
         return
-    model.merge_adapter()
-    try:
-        for name, tensor in model.state_dict().items():
-            if "lora_" in name:
-                continue
-            yield name.removeprefix("base_model.model.").replace(".base_layer.", "."), tensor
-    finally:
-        model.unmerge_adapter()
+    from peft.tuners.lora import LoraLayer
+
+    merged = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer):
+            weight = module.base_layer.weight
+            for adapter in module.active_adapters:
+                weight = weight + module.get_delta_weight(adapter).to(weight.dtype)
+            merged[f"{name}.base_layer.weight"] = weight
+    for name, tensor in model.state_dict().items():
+        if "lora_" not in name:
+            hf_name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+            yield hf_name, merged.get(name, tensor)
 
 
 def _load_weights(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
