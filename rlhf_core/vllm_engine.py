@@ -75,17 +75,21 @@ class VLLMGenerator:
         # Imported here: the `[vllm]` extra is optional and GPU-only.
         from vllm import LLM
 
+        from transformers import AutoConfig
+
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine stays in this process
         self.cfg, self.seed, self.rank = cfg, seed, rank
+        model_dir = _engine_model_dir(cfg.pretrain)
+        longest = getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", None)
         self.llm = LLM(
-            model=_engine_model_dir(cfg.pretrain),
+            model=model_dir,
             load_format="dummy",  # the actor's weights are loaded before the first rollout
             skip_tokenizer_init=True,  # prompts and responses travel as token ids
             dtype="bfloat16" if cfg.bf16 else "float32",
             tensor_parallel_size=1,
             distributed_executor_backend="external_launcher",
             gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-            max_model_len=cfg.prompt_max_len + cfg.max_new_tokens,
+            max_model_len=min(cfg.prompt_max_len + cfg.max_new_tokens, longest or 1 << 30),
             enable_sleep_mode=cfg.vllm_enable_sleep,
             enforce_eager=True,
             seed=seed,
