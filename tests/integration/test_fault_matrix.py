@@ -117,7 +117,7 @@ def ray_cluster(background, rlhf_env) -> str:
         assert head.alive() and time.monotonic() < deadline, f"the Ray head did not start:\n{head.log_tail()}"
         time.sleep(1)
     yield address
-    head.stop()
+    head.stop(grace=3)
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
