@@ -3,6 +3,10 @@
 `WorkerGroup` starts `num_workers` `TrainWorker` actors, joins them in one torch.distributed group
 (gloo on CPU, nccl on GPU), and drives a stage trainer inside each. The group outlives a chunk: the
 next chunk reuses it warm when it already holds the state the store would give it.
+
+Every rank must run on the driver's host: ranks save into and load from folders on the driver's
+disk, which the driver uploads and downloads. A group placed across hosts is refused; per-rank
+uploads (multi-node) are not built yet.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any
 import ray
 
 from rlhf_core.config import RunConfig, StageConfig
+from rlhf_core.errors import UserError
 
 
 def deepspeed_config(cfg: StageConfig, num_workers: int, total_steps: int, load_universal: bool = False) -> dict[str, Any]:
@@ -64,6 +69,9 @@ class TrainWorker:
         self.rank, self.world_size = rank, world_size
         torch.set_num_threads(num_threads)
         self.trainer = None
+
+    def hostname(self) -> str:
+        return socket.gethostname()
 
     def rendezvous_address(self) -> tuple[str, int]:
         return ray.util.get_node_ip_address(), _free_port()
@@ -118,6 +126,11 @@ class WorkerGroup:
             options["runtime_env"] = {"env_vars": fault_hooks}
         self.workers = [remote_worker.options(**options).remote(rank, num_workers, num_threads)
                         for rank in range(num_workers)]
+        try:
+            require_driver_host(socket.gethostname(), ray.get([worker.hostname.remote() for worker in self.workers]))
+        except UserError:
+            self.shutdown()
+            raise
         master_addr, master_port = ray.get(self.workers[0].rendezvous_address.remote())
         ray.get([worker.join.remote(master_addr, master_port) for worker in self.workers])
         self.step = 0
@@ -142,6 +155,17 @@ class WorkerGroup:
         for worker in self.workers:
             ray.kill(worker)
         self.workers = []
+
+
+def require_driver_host(driver_host: str, worker_hosts: list[str]) -> None:
+    """Ranks save into, and load from, folders on the driver's disk: they must run on its host."""
+    elsewhere = sorted(set(worker_hosts) - {driver_host})
+    if elsewhere:
+        raise UserError(
+            f"--num_workers {len(worker_hosts)}: ranks were placed on {', '.join(elsewhere)}, but checkpoints are "
+            f"staged on the driver's disk ({driver_host}), so every rank must run on the driver's host; run the "
+            f"job on a node with enough CPUs/GPUs (multi-node groups are not supported yet)."
+        )
 
 
 def ensure_ray(ray_address: str | None) -> None:

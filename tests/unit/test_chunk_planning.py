@@ -55,3 +55,11 @@ def test_relative_paths_become_absolute_for_workers(toy_assets):
     run = resolve_paths(RunConfig(ckpt_path="ckpt", sft=SFTConfig(pretrain="m", dataset="s3://b/d.jsonl")))
     assert run.ckpt_path == os.path.abspath("ckpt") and run.sft.pretrain == os.path.abspath("m")
     assert run.sft.dataset == "s3://b/d.jsonl"
+
+
+def test_a_worker_group_across_hosts_is_refused_with_the_hosts_named():
+    from rlhf_core.engine import require_driver_host
+
+    require_driver_host("node-a", ["node-a", "node-a"])
+    with pytest.raises(UserError, match=r"--num_workers 2: ranks were placed on node-b, .*driver's disk \(node-a\)"):
+        require_driver_host("node-a", ["node-a", "node-b"])
