@@ -83,6 +83,11 @@ def sha256_of_stream(stream: BinaryIO) -> str:
     return digest.hexdigest()
 
 
+def manifest_digest(manifest_bytes: bytes) -> str:
+    """A committed checkpoint's identity: the sha256 of its MANIFEST.json bytes."""
+    return hashlib.sha256(manifest_bytes).hexdigest()
+
+
 def sha256_of_local_file(path: str) -> str:
     with open(path, "rb") as stream:
         return sha256_of_stream(stream)
@@ -384,7 +389,7 @@ class CheckpointStore:
         defect = self._find_defect(dir_path, step, manifest, sizes, verify)
         if defect:
             return info(STATUS_CORRUPT, defect)
-        return info(STATUS_COMMITTED, manifest_digest=hashlib.sha256(manifest_bytes).hexdigest())
+        return info(STATUS_COMMITTED, manifest_digest=manifest_digest(manifest_bytes))
 
     def _find_defect(
         self, dir_path: str, step: int, manifest: Manifest, sizes: dict[str, int], verify: bool

@@ -111,11 +111,16 @@ def render_prompt(tokenizer, prompt: str, apply_chat_template: bool) -> str:
     )
 
 
+def _bos_ids(tokenizer) -> list[int]:
+    """The BOS token to put before a prompt, or nothing for tokenizers without one."""
+    return [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+
+
 def tokenize_sft(url: str, records: list[Record], tokenizer, input_key: str, output_key: str,
                  max_len: int, apply_chat_template: bool) -> list[TokenizedSample]:
     """Prompt + response + EOS, truncated to max_len; samples with no response token left are dropped."""
     samples = []
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    bos = _bos_ids(tokenizer)
     for record in records:
         prompt = render_prompt(tokenizer, require_text(url, record, input_key, "--input_key"), apply_chat_template)
         response = require_text(url, record, output_key, "--output_key")
@@ -199,7 +204,7 @@ class TokenizedPair:
 def tokenize_pairs(url: str, records: list[Record], tokenizer, prompt_key: str, chosen_key: str, rejected_key: str,
                    max_len: int, apply_chat_template: bool) -> list[TokenizedPair]:
     """Prompt + chosen and prompt + rejected, each ending in EOS (the reward is read there)."""
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    bos = _bos_ids(tokenizer)
     pairs = []
     for record in records:
         prompt = render_prompt(tokenizer, require_text(url, record, prompt_key, "--prompt_key"), apply_chat_template)
@@ -229,7 +234,7 @@ def collate_pairs(pairs: list[TokenizedPair], pad_token_id: int) -> dict[str, to
 def tokenize_prompts(url: str, records: list[Record], tokenizer, input_key: str, prompt_max_len: int,
                      apply_chat_template: bool) -> list[tuple[str, list[int]]]:
     """(prompt text, token ids) per record; long prompts keep their end, which holds the question."""
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    bos = _bos_ids(tokenizer)
     prompts = []
     for record in records:
         text = require_text(url, record, input_key, "--input_key")

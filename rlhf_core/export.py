@@ -11,7 +11,6 @@ Everything here reads the checkpoints' `hf/` copies (safetensors and JSON), neve
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -20,10 +19,9 @@ import tempfile
 import fsspec
 import torch
 
-from rlhf_core.checkpoint import CheckpointStore
+from rlhf_core.checkpoint import MANIFEST_NAME, CheckpointStore, manifest_digest
 from rlhf_core.errors import UserError
-from rlhf_core.checkpoint import MANIFEST_NAME
-from rlhf_core.models import SOURCE_NAME, is_lora_dir, load_tokenizer, local_model_dir
+from rlhf_core.models import SOURCE_NAME, is_lora_dir, load_causal_lm, load_tokenizer, local_model_dir
 
 MERGE_TOLERANCE = 1e-4
 
@@ -61,7 +59,7 @@ def export_stage_output(store: CheckpointStore, step: int, model_dir_name: str, 
         hf_dir = os.path.join(local_dir, model_dir_name, "hf")
         load_tokenizer(pretrain).save_pretrained(hf_dir)
         with open(os.path.join(local_dir, MANIFEST_NAME), "rb") as manifest:
-            source = {"checkpoint": store.uri(step), "manifest_digest": hashlib.sha256(manifest.read()).hexdigest()}
+            source = {"checkpoint": store.uri(step), "manifest_digest": manifest_digest(manifest.read())}
         with open(os.path.join(hf_dir, SOURCE_NAME), "w") as handle:
             json.dump(source, handle, indent=1)
         return upload_dir(hf_dir, save_path, storage_options)
@@ -107,8 +105,6 @@ def merge_lora(model_path: str, lora_path: str, output_path: str, bf16: bool = F
 def export_final(model_path: str, save_path: str, storage_options: dict | None = None) -> str:
     """Write `model_path` (merged if an adapter) as a standalone model, after it loads and generates."""
     from transformers import AutoModelForCausalLM
-
-    from rlhf_core.models import load_causal_lm
 
     model, tokenizer = load_causal_lm(model_path).eval(), load_tokenizer(model_path)
     with tempfile.TemporaryDirectory(prefix="rlhf-final-") as local_dir:
