@@ -41,6 +41,9 @@ def _flag_type(annotation: Any) -> tuple[Any, dict[str, Any]]:
         return _flag_type(inner[0])
     if annotation is bool:
         return None, {"action": "store_true", "default": argparse.SUPPRESS}
+    if origin is tuple:
+        item_types = typing.get_args(annotation)
+        return None, {"nargs": len(item_types), "type": item_types[0], "default": argparse.SUPPRESS}
     if origin is list:
         return None, {"nargs": "+", "default": argparse.SUPPRESS}
     if origin is dict:

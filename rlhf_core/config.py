@@ -37,24 +37,50 @@ class StageConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    pretrain: str = Field(description="Model to start from: a local folder or fsspec URL in Hugging Face format.")
+    pretrain: str = Field(description="Model to start from: a local folder, an fsspec URL, or a Hugging Face hub id "
+                                      "(resolved from the local cache when offline) in Hugging Face format.")
     max_len: int = Field(2048, ge=8, description="Maximum tokens per sample; longer samples are truncated.")
     max_samples: int | None = Field(None, ge=1, description="Use at most this many samples of the dataset.")
     train_batch_size: int = Field(128, ge=1, description="Global batch size: samples per optimizer step, all ranks.")
     micro_train_batch_size: int = Field(8, ge=1, description="Samples per rank per forward/backward pass.")
     max_epochs: int = Field(1, ge=1, description="Passes over the dataset.")
-    learning_rate: float = Field(5e-6, gt=0, description="Peak learning rate of the warmup-cosine schedule.")
+    learning_rate: float = Field(5e-6, gt=0, description="Peak learning rate of the schedule (PPO: the actor's).")
     lr_warmup_ratio: float = Field(0.03, ge=0, le=1, description="Fraction of the steps spent warming the LR up.")
+    lr_scheduler: Literal["cosine_with_min_lr", "cosine", "linear", "constant", "constant_with_warmup"] = Field(
+        "cosine_with_min_lr", description="LR schedule after warmup: cosine_with_min_lr (down to 10% of the peak, "
+                                          "OpenRLHF's default), cosine (down to 0), linear (to 0), constant.")
     l2: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas (beta1 beta2).")
     max_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
-    zero_stage: Literal[0, 1, 2] = Field(2, description="DeepSpeed ZeRO stage (0, 1 or 2).")
-    bf16: bool = Field(False, description="Train in bfloat16 (needs a GPU; ignored with a warning on CPU).")
+    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage (0, 1, 2 or 3).")
+    param_dtype: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="Training precision: fp32; bf16 (bf16 weights on a GPU, bf16 autocast on a CPU with "
+                            "bf16 support, else fp32 with a warning); fp16 needs a GPU.")
+    attn_implementation: str | None = Field(
+        None, description="Attention kernel (eager, sdpa, flash_attention_2, ...); default: transformers' choice. "
+                          "flash_attention_* without flash-attn falls back to sdpa with a warning.")
+    adam_offload: bool = Field(False, description="Keep the AdamW states on the CPU (DeepSpeed optimizer offload).")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    gradient_checkpointing_use_reentrant: bool = Field(False, description="Use torch's reentrant activation "
+                                                                          "checkpointing variant.")
+    packing_samples: bool = Field(False, description="Pack several samples into one row without padding "
+                                                     "(attention kept within each sample).")
     lora_rank: int = Field(0, ge=0, description="LoRA rank; 0 trains the full model.")
     lora_alpha: int = Field(16, ge=1, description="LoRA scaling numerator (alpha / rank).")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA adapters' input.")
     target_modules: list[str] | None = Field(
         None, description="Modules that get LoRA adapters; default: all linear layers."
     )
+    input_template: str | None = Field(
+        None, description="Template with one '{}' that wraps each prompt when no chat template is applied "
+                          "(e.g. 'User: {}\\nAssistant: '); default: the prompt as is.")
+    dataset_probs: str | None = Field(None, description="Sampling weights of several comma-separated datasets "
+                                                        "(e.g. '0.7,0.3'); default: equal.")
+    dataset_split: str = Field("train", description="Split of a dataset given by hub name (or a dataset dict).")
+    eval_dataset: str | None = Field(None, **_operational("Evaluation data (path, URL or hub name); evaluated every "
+                                                          "eval_steps and at each checkpoint."))
+    eval_split: str = Field("train", **_operational("Split of eval_dataset to evaluate on."))
+    eval_steps: int = Field(-1, **_operational("Evaluate every N steps; -1: at each checkpoint only."))
     save_steps: int = Field(
         -1, description="Optimizer steps per chunk; each chunk ends with a committed checkpoint. -1: one chunk."
     )
@@ -62,7 +88,25 @@ class StageConfig(BaseModel):
     save_hf_ckpt: bool = Field(
         False, **_operational("Make each checkpoint's actor_model/hf a standalone HF model (adds tokenizer).")
     )
-    logging_steps: int = Field(1, ge=1, **_operational("Log training metrics every N steps."))
+    disable_ds_ckpt: bool = Field(
+        False, **_operational("Checkpoints keep the weights only (no DeepSpeed optimizer state); a resume restores "
+                              "the weights with a fresh optimizer, as --load_weights_only.")
+    )
+    logging_steps: int = Field(1, ge=1, **_operational("Log training metrics (console and trackers) every N steps."))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bf16_flag(cls, data: Any) -> Any:
+        """`bf16: true`, the older spelling (OpenRLHF <= 0.8 and the seed guide), means param_dtype bf16."""
+        if isinstance(data, dict) and "bf16" in data:
+            data = dict(data)
+            if data.pop("bf16"):
+                data.setdefault("param_dtype", "bf16")
+        return data
+
+    @property
+    def bf16(self) -> bool:
+        return self.param_dtype == "bf16"
 
     @field_validator("save_steps")
     @classmethod
@@ -101,7 +145,12 @@ class RMConfig(StageConfig):
     chosen_key: str = Field("chosen", description="Key of the preferred response.")
     rejected_key: str = Field("rejected", description="Key of the dispreferred response.")
     apply_chat_template: bool = Field(False, description="Wrap the prompt in the tokenizer's chat template.")
-    eval_split: float = Field(0.1, ge=0, lt=1, description="Fraction of the pairs held out to measure accuracy.")
+    eval_holdout: float = Field(0.1, ge=0, lt=1, description="Without eval_dataset: fraction of the pairs held out "
+                                                             "to measure accuracy.")
+    loss: Literal["sigmoid", "logexploss"] = Field("sigmoid", description="Pairwise loss: sigmoid (Bradley-Terry, "
+                                                                         "-log sigmoid(r_c - r_r)) or logexploss "
+                                                                         "(log(1 + exp(r_r - r_c))).")
+    margin_loss: bool = Field(False, description="Subtract each pair's 'margin' field from r_c - r_r in the loss.")
     save_path: str = Field("./out/rm", **_operational("Where the final reward model is exported (any fsspec URL)."))
 
 
@@ -117,8 +166,9 @@ class PPOConfig(StageConfig):
     prompt_data: str = Field(description="Prompts: JSONL, JSON or Parquet, a local path or any fsspec URL.")
     input_key: str = Field("input", description="Key of the prompt in each sample.")
     apply_chat_template: bool = Field(False, description="Wrap the prompt in the tokenizer's chat template.")
-    advantage_estimator: Literal["gae", "reinforce", "rloo", "group_norm"] = Field(
-        "gae", description="gae (PPO with a critic), reinforce (REINFORCE++), rloo, group_norm (GRPO).")
+    advantage_estimator: Literal["gae", "reinforce", "rloo", "reinforce_baseline", "group_norm", "dr_grpo"] = Field(
+        "gae", description="gae (PPO with a critic), reinforce (REINFORCE++), rloo, reinforce_baseline, group_norm "
+                           "(GRPO), dr_grpo (GRPO without std normalization).")
     n_samples_per_prompt: int = Field(1, ge=1, description="Responses sampled per prompt.")
     rollout_batch_size: int = Field(16, ge=1, description="Prompts per PPO step (all ranks).")
     micro_rollout_batch_size: int = Field(8, ge=1, description="Sequences per generation / scoring pass per rank.")
@@ -136,6 +186,28 @@ class PPOConfig(StageConfig):
     gamma: float = Field(1.0, gt=0, le=1, description="Discount factor.")
     lambd: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
     critic_learning_rate: float = Field(9e-6, gt=0, description="Critic learning rate (gae).")
+    remote_rm_url: str | None = Field(None, description="OpenRLHF's reward function: a .py file defining "
+                                                        "reward_func(queries, prompts, labels, **kwargs), or an HTTP "
+                                                        "reward server URL (as serve_remote_rm.sh); replaces the "
+                                                        "reward model.")
+    label_key: str | None = Field(None, description="Key of each prompt's label (e.g. the answer), passed to the "
+                                                    "reward function as `labels`.")
+    prompt_split: str = Field("train", description="Split of prompt_data when it is a hub dataset name.")
+    normalize_reward: bool = Field(False, description="Normalize reward-model scores with the mean and std the "
+                                                      "reward model recorded in its config at training time.")
+    reward_clip_range: tuple[float, float] = Field((-10.0, 10.0), description="Rewards are clipped to [low, high].")
+    use_kl_loss: bool = Field(False, description="Put the KL to the reference in the loss (GRPO style, with "
+                                                 "kl_estimator) instead of in the reward.")
+    dynamic_filtering: bool = Field(False, description="Drop prompts whose samples' mean score lies outside "
+                                                       "dynamic_filtering_reward_range (all right or all wrong).")
+    dynamic_filtering_reward_range: tuple[float, float] = Field(
+        (0.0, 1.0), description="Keep a prompt only when its samples' mean score is strictly inside (low, high).")
+    freezing_actor_steps: int = Field(-1, description="Train only the critic for the first N PPO steps (gae).")
+    save_value_network: bool = Field(False, **_operational("Also export the critic, to {save_path}_critic."))
+    deepspeed_enable_sleep: bool = Field(False, **_operational("Offload the models' states while they are idle "
+                                                               "(GPU; no effect on CPU)."))
+    eval_temperature: float = Field(0.6, gt=0, **_operational("Sampling temperature of the evaluation rollouts."))
+    eval_n_samples_per_prompt: int = Field(1, ge=1, **_operational("Samples per evaluation prompt."))
     vllm_num_engines: int = Field(0, ge=0, description="vLLM engines for generation (GPU, `[vllm]` extra), one per rank: "
                                                         "equal to num_workers; 0: transformers generate.")
     vllm_tensor_parallel_size: int = Field(1, ge=1, description="Tensor parallel size of each vLLM engine "
@@ -150,7 +222,9 @@ class PPOConfig(StageConfig):
     def _cross_field_checks(self) -> "PPOConfig":
         if self.reward_fn is not None and not re.fullmatch(r"[\w.]+:\w+", self.reward_fn):
             raise ValueError(f"reward_fn {self.reward_fn!r} must look like 'package.module:function'")
-        if self.advantage_estimator in ("rloo", "group_norm") and self.n_samples_per_prompt < 2:
+        if self.reward_fn is not None and self.remote_rm_url is not None:
+            raise ValueError("reward_fn and remote_rm_url both replace the reward model: give one of them")
+        if self.advantage_estimator in ("rloo", "reinforce_baseline", "group_norm", "dr_grpo") and self.n_samples_per_prompt < 2:
             raise ValueError(f"{self.advantage_estimator} compares samples of one prompt: set n_samples_per_prompt >= 2")
         if self.vllm_tensor_parallel_size != 1:
             raise ValueError("vllm_tensor_parallel_size must be 1: each rank hosts a whole vLLM engine next to its "
@@ -219,6 +293,15 @@ class RunConfig(BaseModel):
     ray_address: str | None = Field(
         None, **_operational("Address of an existing Ray cluster; default: RAY_ADDRESS, else a local one.")
     )
+    use_tensorboard: str | None = Field(None, **_operational("TensorBoard log folder; each stage writes its "
+                                                             "metrics under {use_tensorboard}/{run_name}/{stage}."))
+    use_wandb: bool = Field(False, **_operational("Log metrics to Weights & Biases (WANDB_API_KEY from the "
+                                                  "environment; WANDB_MODE=offline works without network). A "
+                                                  "resumed run continues the same wandb run."))
+    wandb_org: str | None = Field(None, **_operational("wandb entity (organization or user)."))
+    wandb_group: str | None = Field(None, **_operational("wandb group."))
+    wandb_project: str = Field("rlhf", **_operational("wandb project."))
+    wandb_run_name: str | None = Field(None, **_operational("wandb run name; default: {run_name}-{stage}."))
     sft: SFTConfig | None = Field(None, description="Settings of the SFT stage.")
     rm: RMConfig | None = Field(None, description="Settings of the reward-model stage.")
     ppo: PPOConfig | None = Field(None, description="Settings of the PPO stage.")
@@ -302,7 +385,7 @@ class RunConfig(BaseModel):
             updates = {}
             if ppo.pretrain is None:
                 updates["pretrain"] = self._upstream("ppo", "save_path", "sft")
-            if ppo.reward_pretrain is None and ppo.reward_fn is None:
+            if ppo.reward_pretrain is None and ppo.reward_fn is None and ppo.remote_rm_url is None:
                 updates["reward_pretrain"] = self._upstream("ppo", "save_path", "rm")
             reward_model = updates.get("reward_pretrain", ppo.reward_pretrain)
             if ppo.advantage_estimator == "gae" and ppo.critic_pretrain is None:
@@ -338,13 +421,9 @@ class RunConfig(BaseModel):
 
 def semantic_fields(model: BaseModel) -> dict[str, Any]:
     """The fields of `model` that change the trained weights, as plain JSON values."""
-    values = {}
-    for name, field in type(model).model_fields.items():
-        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
-        if extra.get("affects_training", True):
-            value = getattr(model, name)
-            values[name] = value.model_dump(mode="json") if isinstance(value, BaseModel) else value
-    return values
+    dumped = model.model_dump(mode="json")
+    return {name: dumped[name] for name, field in type(model).model_fields.items()
+            if (field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}).get("affects_training", True)}
 
 
 def semantic_hash(run: RunConfig, stage: str) -> str:
