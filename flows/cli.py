@@ -60,7 +60,7 @@ def add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel], exc
             continue
         _, kwargs = _flag_type(field.annotation)
         required = " (required)" if field.is_required() else ""
-        parser.add_argument(f"--{name}", dest=name, help=(field.description or "") + required, **kwargs)
+        parser.add_argument(f"--{name}", dest=name, help=((field.description or "") + required).replace("%", "%%"), **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:
