@@ -1,30 +1,61 @@
-"""Datasets from any fsspec URL: read, validate, tokenize, and batch in a deterministic order.
+"""Datasets from files, folders or hub names: read, validate, tokenize, and batch in a deterministic order.
 
-Records come from JSONL, JSON (a list of objects) or Parquet. Every problem a user can fix (missing
-file, bad JSON, missing key, nothing left after truncation) stops before training with one sentence
-that names the file and line. Tokenization follows OpenRLHF's SFT dataset: the prompt (optionally
-through the chat template) followed by the response and EOS; prompt tokens are masked out of the loss.
+`read_records` accepts what OpenRLHF's `blending_datasets` (v0.9.10) accepts, each source read into the
+same `Record`s:
+- a JSONL, JSON (a list of objects, or JSON lines in a .json file), CSV or Parquet file at any fsspec URL;
+- a folder written by `datasets`' `save_to_disk` (any fsspec URL); a local folder of data files
+  (`datasets.load_dataset(folder)`);
+- a hub name (`Open-Orca/OpenOrca`) through `datasets.load_dataset(name, split=...)`, which works offline
+  (HF_HUB_OFFLINE=1) from the dataset cache a previous load left; failing that, from a snapshot of the
+  dataset repository in the hub cache (`hf download --repo-type dataset`), which `datasets` alone does not
+  read offline.
+Several comma-separated sources are concatenated, or, with `probs`, interleaved as OpenRLHF does
+(`datasets.interleave_datasets`, stopping when every source is exhausted, seeded by the run's seed).
+Departures: probabilities are normalised (OpenRLHF needs them to sum to 1); `max_samples` caps each
+source and then the mixture, as OpenRLHF; a DatasetDict's missing split is an error (OpenRLHF uses the
+whole dict); OpenRLHF's `name@data_dir` and dataset scripts are not supported.
+
+Every problem a user can fix (missing file or name, bytes that are not UTF-8, bad JSON, missing key,
+nothing left after truncation) stops before training with one sentence that names the file and the
+line (JSONL), item (JSON array) or row (Parquet, datasets). Tokenization follows OpenRLHF's datasets:
+the prompt (through the chat template, or else `input_template`) followed by the response and EOS;
+prompt tokens are masked out of the loss. A template without '{}' is refused (OpenRLHF drops it with a
+warning).
 """
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
-from dataclasses import dataclass
+import logging
+import os
+from dataclasses import dataclass, replace
 from typing import Any
 
 import fsspec
 import torch
 
 from rlhf_core.errors import UserError
+from rlhf_core.hub import is_hub_id, not_cached, store_unreachable
 
 IGNORE_INDEX = -100
+SPLIT_FLAGS = {"--dataset": "--dataset_split", "--prompt_data": "--prompt_split", "--eval_dataset": "--eval_split"}
+SAVED_DATASET_FILES = ("dataset_dict.json", "state.json")  # what `save_to_disk` writes at the top
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Record:
-    line: int  # 1-based line (JSONL), item (JSON) or row (Parquet) number, for messages
+    line: int  # 1-based line (JSONL), item (JSON array) or row (Parquet, datasets) number, for messages
     fields: dict[str, Any]
+    unit: str = "line"  # what `line` counts: "line", "item" or "row"
+    source: str | None = None  # the dataset it came from, when several are mixed
+
+    def where(self, url: str) -> str:
+        """`file line N` (or item/row), for messages."""
+        return f"{self.source or url} {self.unit} {self.line}"
 
 
 @dataclass(frozen=True)
@@ -33,27 +64,116 @@ class TokenizedSample:
     loss_mask: list[int]  # 1 where the token is a training target
 
 
-def _open(url: str, storage_options: dict | None, mode: str = "rb"):
+def _open(url: str, storage_options: dict | None, mode: str = "rb", flag: str = "--dataset"):
     try:
         return fsspec.open(url, mode, **(storage_options or {})).open()
     except FileNotFoundError:
         raise UserError(f"{url}: dataset file not found.") from None
-    except (OSError, ValueError) as error:
-        raise UserError(f"{url}: cannot open the dataset ({error}).") from None
+    except IsADirectoryError:
+        raise UserError(f"{flag}: {url} is a folder that holds no dataset saved by datasets.") from None
+    except Exception as error:  # noqa: BLE001 - a store's own error types; re-raised unless understood
+        raise _as_user_error(error, url, flag, storage_options) from None
 
 
-def read_records(url: str, storage_options: dict | None = None, max_samples: int | None = None) -> list[Record]:
-    """All records of a dataset file; raises UserError on anything unreadable."""
+def _as_user_error(error: Exception, url: str, flag: str, storage_options: dict | None) -> Exception:
+    if isinstance(error, UserError):
+        return error
+    unreachable = store_unreachable(error, flag, url, storage_options)
+    if unreachable is not None:
+        return unreachable
+    if isinstance(error, (OSError, ValueError)):
+        return UserError(f"{url}: cannot open the dataset ({error}).")
+    return error
+
+
+def read_records(url: str, storage_options: dict | None = None, max_samples: int | None = None, *,
+                 split: str = "train", probs: str | None = None, seed: int = 0,
+                 flag: str = "--dataset") -> list[Record]:
+    """All records of the dataset(s) at `url` (comma-separated for a mixture, weighted by `probs`);
+    raises UserError on anything unreadable, naming `flag` where no file can be named."""
+    sources = [part.strip() for part in url.split(",") if part.strip()]
+    if not sources:
+        raise UserError(f"{flag}: no dataset given.")
+    weights = _parse_probs(probs, len(sources))
+    per_source = []
+    for source in sources:
+        try:
+            records = _read_source(source, storage_options, max_samples, split, flag)
+        except Exception as error:  # noqa: BLE001 - translated when understood, else re-raised as is
+            raise _as_user_error(error, source, flag, storage_options) from None
+        if not records:
+            raise UserError(f"{source}: the dataset is empty.")
+        per_source.append([replace(record, source=source) for record in records] if len(sources) > 1 else records)
+    if len(per_source) == 1:
+        records = per_source[0]
+    elif weights is None:  # OpenRLHF concatenates when no probabilities are given
+        records = [record for records in per_source for record in records]
+    else:
+        records = _interleave(per_source, weights, seed)
+    return records[:max_samples] if max_samples else records
+
+
+def _parse_probs(probs: str | None, num_sources: int) -> list[float] | None:
+    if probs is None or (isinstance(probs, str) and not probs.strip()):
+        return None
+    try:
+        weights = [float(part) for part in str(probs).split(",")]
+    except ValueError:
+        raise UserError(f"--dataset_probs {probs!r}: expected comma-separated numbers such as 0.7,0.3.") from None
+    if len(weights) != num_sources:
+        raise UserError(f"--dataset_probs {probs!r} has {len(weights)} weights for {num_sources} comma-separated "
+                        "datasets; give one weight per dataset.")
+    if any(weight < 0 for weight in weights) or sum(weights) <= 0:
+        raise UserError(f"--dataset_probs {probs!r}: weights must be non-negative and not all zero.")
+    return [weight / sum(weights) for weight in weights]
+
+
+def _interleave(per_source: list[list[Record]], weights: list[float], seed: int) -> list[Record]:
+    """OpenRLHF's mixture: `interleave_datasets` with these probabilities, run on (source, row) indices so
+    that sources with different columns mix."""
+    import datasets
+
+    indices = [datasets.Dataset.from_dict({"source": [k] * len(records), "row": list(range(len(records)))})
+               for k, records in enumerate(per_source)]
+    mixed = datasets.interleave_datasets(indices, probabilities=weights, seed=seed, stopping_strategy="all_exhausted")
+    return [per_source[source][row] for source, row in zip(mixed["source"], mixed["row"])]
+
+
+def _read_source(source: str, storage_options: dict | None, max_samples: int | None, split: str,
+                 flag: str) -> list[Record]:
+    protocol, path = fsspec.core.split_protocol(source)
+    if protocol in (None, "file") and not os.path.exists(path) and is_hub_id(source):
+        return _dataset_records(_hub_dataset(source, split, flag), max_samples)
+    filesystem, fs_path = fsspec.core.url_to_fs(source, **(storage_options or {}))
+    if filesystem.isdir(fs_path):
+        return _dataset_records(_folder_dataset(source, filesystem, fs_path, split, storage_options, flag),
+                                max_samples)
+    return _read_file(source, storage_options, flag)
+
+
+def _read_file(url: str, storage_options: dict | None, flag: str) -> list[Record]:
     lower = url.lower()
     if lower.endswith(".parquet"):
-        records = _read_parquet(url, storage_options)
-    else:
-        with _open(url, storage_options) as handle:
-            text = handle.read().decode("utf-8", errors="replace")
-        records = _parse_json_array(url, text) if lower.endswith(".json") else _parse_jsonl(url, text)
-    if not records:
-        raise UserError(f"{url}: the dataset is empty.")
-    return records[:max_samples] if max_samples else records
+        return _read_table(url, storage_options, "parquet")
+    if lower.endswith(".csv"):
+        return _read_table(url, storage_options, "csv")
+    with _open(url, storage_options, flag=flag) as handle:
+        text = _decode(url, handle.read())
+    if lower.endswith(".json") and text.lstrip().startswith("["):
+        return _parse_json_array(url, text)
+    return _parse_jsonl(url, text)  # JSONL, and JSON lines in a .json file (as datasets' json loader reads)
+
+
+def _decode(url: str, data: bytes) -> str:
+    """UTF-8 text (a BOM is skipped); bytes that are not UTF-8 are an error naming line and byte offset."""
+    start = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    try:
+        return data[start:].decode("utf-8")
+    except UnicodeDecodeError as error:
+        offset = start + error.start
+        line = data.count(b"\n", 0, offset) + 1
+        raise UserError(f"{url} line {line}: bytes that are not UTF-8 at byte offset {offset} "
+                        f"({data[offset:start + error.end]!r}); save the file as UTF-8.") from None
 
 
 def _parse_jsonl(url: str, text: str) -> list[Record]:
@@ -76,34 +196,122 @@ def _parse_json_array(url: str, text: str) -> list[Record]:
         value = json.loads(text)
     except json.JSONDecodeError as error:
         raise UserError(f"{url} line {error.lineno}: invalid JSON ({error.msg}).") from None
-    if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
-        raise UserError(f"{url}: a .json dataset must be a list of objects.")
-    return [Record(index, item) for index, item in enumerate(value, start=1)]
+    if not isinstance(value, list):
+        raise UserError(f"{url}: a .json dataset must be a list of objects (or one object per line).")
+    for index, item in enumerate(value, start=1):
+        if not isinstance(item, dict):
+            raise UserError(f"{url} item {index}: expected a JSON object, got {type(item).__name__}.")
+    return [Record(index, item, "item") for index, item in enumerate(value, start=1)]
 
 
-def _read_parquet(url: str, storage_options: dict | None) -> list[Record]:
-    import pyarrow.parquet as parquet
+def _read_table(url: str, storage_options: dict | None, kind: str) -> list[Record]:
+    import pyarrow.csv
+    import pyarrow.parquet
 
     with _open(url, storage_options) as handle:
         try:
-            table = parquet.read_table(handle)
+            table = pyarrow.parquet.read_table(handle) if kind == "parquet" else pyarrow.csv.read_csv(handle)
         except Exception as error:  # pyarrow raises several unrelated types for a bad file
-            raise UserError(f"{url}: not a readable Parquet file ({error}).") from None
-    return [Record(index, row) for index, row in enumerate(table.to_pylist(), start=1)]
+            raise UserError(f"{url}: not a readable {kind.capitalize()} file ({error}).") from None
+    return [Record(index, row, "row") for index, row in enumerate(table.to_pylist(), start=1)]
+
+
+def _dataset_records(dataset, max_samples: int | None) -> list[Record]:
+    if max_samples:
+        dataset = dataset.select(range(min(max_samples, len(dataset))))
+    return [Record(index, row, "row") for index, row in enumerate(dataset.to_list(), start=1)]
+
+
+def _pick_split(name: str, dataset, split: str, flag: str):
+    """The `split` of a DatasetDict; a plain Dataset is used whole (OpenRLHF does the same)."""
+    if not hasattr(dataset, "keys"):
+        return dataset
+    if split not in dataset:
+        raise UserError(f"{flag}: {name} has no split {split!r} (it has {', '.join(dataset.keys())}); "
+                        f"choose one with {SPLIT_FLAGS.get(flag, '--dataset_split')}.")
+    return dataset[split]
+
+
+def _load_dataset(name: str, split: str, flag: str, **kwargs):
+    """`datasets.load_dataset(name, split=split)`, an unknown split named as the user's flag."""
+    import datasets
+
+    try:
+        return datasets.load_dataset(name, split=split, **kwargs)
+    except ValueError as error:
+        if "split" not in str(error).lower():
+            raise
+        raise UserError(f"{flag}: {name}: {error} Choose the split with {SPLIT_FLAGS.get(flag, '--dataset_split')}."
+                        ) from None
+
+
+def _hub_dataset(name: str, split: str, flag: str):
+    """A hub dataset from `datasets`' cache (or the hub when online), else from a cached hub snapshot."""
+    from rlhf_core.hub import hub_snapshot
+
+    try:
+        return _load_dataset(name, split, flag)
+    except (ConnectionError, FileNotFoundError) as error:  # offline / not on the hub / unreachable
+        snapshot = hub_snapshot(name, repo_type="dataset", download=False)
+        if snapshot is None:
+            raise not_cached(flag, name, "dataset") from error
+    return _load_dataset(snapshot, split, flag)
+
+
+def _folder_dataset(url: str, filesystem, path: str, split: str, storage_options: dict | None, flag: str):
+    """A folder written by `save_to_disk` (any store), or a local folder of data files."""
+    import datasets
+
+    if any(filesystem.exists(f"{path.rstrip('/')}/{name}") for name in SAVED_DATASET_FILES):
+        try:
+            return _pick_split(url, datasets.load_from_disk(url, storage_options=storage_options), split, flag)
+        except (FileNotFoundError, ValueError) as error:
+            raise UserError(f"{flag}: {url} is not a readable dataset saved by datasets ({error}).") from None
+    if fsspec.core.split_protocol(url)[0] not in (None, "file"):
+        raise UserError(f"{flag}: {url} is a folder that holds no dataset saved by datasets (save_to_disk); "
+                        "give a file or a hub name.")
+    try:
+        return _load_dataset(path, split, flag)
+    except FileNotFoundError as error:
+        raise UserError(f"{flag}: {url} is a folder without data files datasets can read ({error}).") from None
 
 
 def require_text(url: str, record: Record, key: str, flag: str) -> str:
     value = record.fields.get(key)
     if value is None:
-        raise UserError(f"{url} line {record.line}: no key {key!r} (choose the key with {flag}).")
+        raise UserError(f"{record.where(url)}: no key {key!r} (choose the key with {flag}).")
     if not isinstance(value, str):
-        raise UserError(f"{url} line {record.line}: {key!r} must be a string, got {type(value).__name__}.")
+        raise UserError(f"{record.where(url)}: {key!r} must be a string, got {type(value).__name__}.")
     return value
 
 
-def render_prompt(tokenizer, prompt: str, apply_chat_template: bool) -> str:
+_TEMPLATES_CHECKED: set[str] = set()
+
+
+def check_input_template(template: str) -> None:
+    """A template must hold one '{}' for the prompt and nothing else str.format would read."""
+    if template in _TEMPLATES_CHECKED:
+        return
+    if "{}" not in template:
+        raise UserError(f"--input_template {template!r} has no '{{}}' where the prompt goes "
+                        "(e.g. 'User: {}\\nAssistant: ').")
+    try:
+        template.format("")
+    except (IndexError, KeyError, ValueError) as error:
+        raise UserError(f"--input_template {template!r} is not a str.format template with one '{{}}' ({error!r}); "
+                        "write other braces as '{{' and '}}'.") from None
+    if "\\n" in template:  # as OpenRLHF: a shell quoting slip, not an error
+        logger.warning("--input_template contains the two characters \\n, not a newline; in bash pass $'...\\n...'.")
+    _TEMPLATES_CHECKED.add(template)
+
+
+def render_prompt(tokenizer, prompt: str, apply_chat_template: bool, input_template: str | None = None) -> str:
+    """The prompt through the tokenizer's chat template, else through `input_template` (OpenRLHF's order)."""
     if not apply_chat_template:
-        return prompt
+        if not input_template:
+            return prompt
+        check_input_template(input_template)
+        return input_template.format(prompt)
     if not getattr(tokenizer, "chat_template", None):
         raise UserError("--apply_chat_template: the tokenizer of --pretrain has no chat template.")
     return tokenizer.apply_chat_template(
@@ -117,12 +325,13 @@ def _bos_ids(tokenizer) -> list[int]:
 
 
 def tokenize_sft(url: str, records: list[Record], tokenizer, input_key: str, output_key: str,
-                 max_len: int, apply_chat_template: bool) -> list[TokenizedSample]:
+                 max_len: int, apply_chat_template: bool, input_template: str | None = None) -> list[TokenizedSample]:
     """Prompt + response + EOS, truncated to max_len; samples with no response token left are dropped."""
     samples = []
     bos = _bos_ids(tokenizer)
     for record in records:
-        prompt = render_prompt(tokenizer, require_text(url, record, input_key, "--input_key"), apply_chat_template)
+        prompt = render_prompt(tokenizer, require_text(url, record, input_key, "--input_key"), apply_chat_template,
+                               input_template)
         response = require_text(url, record, output_key, "--output_key")
         prompt_ids = bos + tokenizer(prompt, add_special_tokens=False).input_ids
         response_ids = tokenizer(response, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
@@ -160,10 +369,13 @@ def rank_micro_batches(global_indices: list[int], rank: int, world_size: int, mi
     return micro_batches[rank::world_size]
 
 
-def dataset_fingerprint(cfg) -> str:
-    """Fingerprint of a stage's data file (dataset or prompt_data), or "" if it has none."""
-    url = getattr(cfg, "dataset", None) or getattr(cfg, "prompt_data", None)
-    return fingerprint(url) if url else ""
+def dataset_fingerprint(cfg, storage_options: dict | None = None) -> str:
+    """Fingerprint of a stage's data (dataset or prompt_data, with its split), or "" if it has none."""
+    if getattr(cfg, "dataset", None):
+        return fingerprint(cfg.dataset, storage_options, split=getattr(cfg, "dataset_split", "train"))
+    if getattr(cfg, "prompt_data", None):
+        return fingerprint(cfg.prompt_data, storage_options, split=getattr(cfg, "prompt_split", "train"))
+    return ""
 
 
 _FINGERPRINTS: dict[tuple, str] = {}
@@ -180,9 +392,35 @@ def _version_of(url: str, storage_options: dict | None) -> tuple | None:
     return (url, info.get("size"), str(stamp)) if stamp is not None else None
 
 
-def fingerprint(url: str, storage_options: dict | None = None) -> str:
-    """sha256 of the dataset file, recorded in each checkpoint's metadata. Hashed once per process
-    and file version (size and mtime or ETag): every commit asks, and a dataset can be large."""
+def fingerprint(url: str, storage_options: dict | None = None, *, split: str = "train") -> str:
+    """Identity of the data at `url`, recorded in each checkpoint's metadata: the sha256 of a file (of
+    every file of a folder), datasets' own fingerprint of a hub dataset's split, and a hash of the parts'
+    fingerprints for a comma-separated mixture. Files are hashed once per process and version (size and
+    mtime or ETag): every commit asks, and a dataset can be large."""
+    sources = [part.strip() for part in url.split(",") if part.strip()]
+    if len(sources) > 1:
+        parts = "\n".join(fingerprint(source, storage_options, split=split) for source in sources)
+        return hashlib.sha256(parts.encode()).hexdigest()
+    protocol, path = fsspec.core.split_protocol(url)
+    if protocol in (None, "file") and not os.path.exists(path) and is_hub_id(url):
+        key = ("hub", url, split)
+        if key not in _FINGERPRINTS:
+            _FINGERPRINTS[key] = "hub:" + _hub_dataset(url, split, "--dataset")._fingerprint
+        return _FINGERPRINTS[key]
+    try:
+        filesystem, fs_path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        if filesystem.isdir(fs_path):
+            names = sorted(filesystem.find(fs_path))
+            protocol_prefix = f"{protocol}://" if protocol not in (None, "file") else ""
+            parts = "\n".join(f"{name[len(fs_path):]}:{_file_fingerprint(protocol_prefix + name, storage_options)}"
+                               for name in names)
+            return hashlib.sha256(parts.encode()).hexdigest()
+    except (OSError, ValueError) as error:
+        raise _as_user_error(error, url, "--dataset", storage_options) from None
+    return _file_fingerprint(url, storage_options)
+
+
+def _file_fingerprint(url: str, storage_options: dict | None) -> str:
     version = _version_of(url, storage_options)
     if version in _FINGERPRINTS:
         return _FINGERPRINTS[version]
@@ -202,12 +440,13 @@ class TokenizedPair:
 
 
 def tokenize_pairs(url: str, records: list[Record], tokenizer, prompt_key: str, chosen_key: str, rejected_key: str,
-                   max_len: int, apply_chat_template: bool) -> list[TokenizedPair]:
+                   max_len: int, apply_chat_template: bool, input_template: str | None = None) -> list[TokenizedPair]:
     """Prompt + chosen and prompt + rejected, each ending in EOS (the reward is read there)."""
     bos = _bos_ids(tokenizer)
     pairs = []
     for record in records:
-        prompt = render_prompt(tokenizer, require_text(url, record, prompt_key, "--prompt_key"), apply_chat_template)
+        prompt = render_prompt(tokenizer, require_text(url, record, prompt_key, "--prompt_key"), apply_chat_template,
+                               input_template)
         prompt_ids = bos + tokenizer(prompt, add_special_tokens=False).input_ids
 
         def completion(key: str, flag: str) -> list[int]:
@@ -232,13 +471,14 @@ def collate_pairs(pairs: list[TokenizedPair], pad_token_id: int) -> dict[str, to
 
 
 def tokenize_prompts(url: str, records: list[Record], tokenizer, input_key: str, prompt_max_len: int,
-                     apply_chat_template: bool) -> list[tuple[str, list[int]]]:
+                     apply_chat_template: bool, input_template: str | None = None) -> list[tuple[str, list[int]]]:
     """(prompt text, token ids) per record; long prompts keep their end, which holds the question."""
     bos = _bos_ids(tokenizer)
     prompts = []
     for record in records:
         text = require_text(url, record, input_key, "--input_key")
-        ids = tokenizer(render_prompt(tokenizer, text, apply_chat_template), add_special_tokens=False).input_ids
+        rendered = render_prompt(tokenizer, text, apply_chat_template, input_template)
+        ids = tokenizer(rendered, add_special_tokens=False).input_ids
         prompts.append((text, bos + ids[-(prompt_max_len - len(bos)):]))
     return prompts
 
