@@ -1,13 +1,20 @@
 """The arithmetic of PPO and its critic-free variants, as pure tensor functions.
 
 Shapes: [batch, response_len] per token, with `mask` marking real response tokens (1) and padding (0);
-`scores` is one reward per sequence. Follows OpenRLHF's conventions:
-- the KL penalty is folded into per-token rewards (`init_kl_coef`), except for group_norm (GRPO), which
-  keeps it out of the reward and adds it to the loss, as the GRPO paper does;
-- gae: advantages by GAE(gamma, lambda) over the critic's values, returns = advantages + values;
+`scores` is one reward per sequence. Follows OpenRLHF 0.9.10 (experience_maker.py):
+- the sequence rewards first get the estimator's group baseline (rloo, reinforce_baseline, group_norm,
+  dr_grpo), are then clipped to `reward_clip_range`, and land on the last response token;
+- the KL penalty (`init_kl_coef` x per-token KL, estimator `kl_estimator`, clamped to [-10, 10]) is
+  folded into the per-token rewards for every estimator, group_norm included, unless `use_kl_loss`
+  moves it into the actor loss (the caller then passes a zero KL here);
+- gae: advantages by GAE(gamma, lambda) over the critic's values, returns = advantages + values
+  (departure: OpenRLHF also whitens gae advantages over the batch; we keep them as GAE gives them);
 - reinforce (REINFORCE++): discounted returns of the shaped rewards, whitened over the batch;
 - rloo: each sample's score minus the mean score of the other samples of its prompt;
-- group_norm: score normalised by its prompt group's mean and std, broadcast to every token.
+- reinforce_baseline: score minus its prompt group's mean, returns whitened over the batch;
+- group_norm (GRPO): score minus its group's mean, divided by the group's std (+1e-9);
+- dr_grpo (Dr. GRPO): score minus its group's mean, no std division and no whitening;
+- the group estimators use gamma = 1 whatever `gamma` says, as OpenRLHF forces it.
 """
 
 from __future__ import annotations
@@ -29,12 +36,14 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
     """Per-token estimate of KL(policy || reference) from sampled tokens (Schulman's k1, k2, k3)."""
     log_ratio = logprobs - ref_logprobs
     if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio**2
-    if estimator == "k3":
-        return torch.exp(-log_ratio) - 1 + log_ratio
-    raise ValueError(f"unknown KL estimator {estimator!r}")
+        pass  # the log ratio itself
+    elif estimator == "k2":
+        log_ratio = 0.5 * log_ratio**2
+    elif estimator == "k3":
+        log_ratio = torch.exp(-log_ratio) - 1 + log_ratio
+    else:
+        raise ValueError(f"unknown KL estimator {estimator!r}")
+    return log_ratio.clamp(-10, 10)  # as OpenRLHF: one wild token must not dominate the penalty
 
 
 def last_token_index(mask: torch.Tensor) -> torch.Tensor:
@@ -82,27 +91,51 @@ def rloo_scores(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     return (grouped - baseline).flatten()
 
 
-def group_norm_scores(scores: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+def group_mean_scores(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Each score minus the mean score of its prompt group (reinforce_baseline, dr_grpo)."""
+    grouped = scores.view(-1, group_size)
+    return (grouped - grouped.mean(dim=1, keepdim=True)).flatten()
+
+
+def group_norm_scores(scores: torch.Tensor, group_size: int, eps: float = 1e-9) -> torch.Tensor:
+    """Each score minus its group's mean, over its group's (unbiased) std (GRPO)."""
     grouped = scores.view(-1, group_size)
     return ((grouped - grouped.mean(dim=1, keepdim=True)) / (grouped.std(dim=1, keepdim=True) + eps)).flatten()
 
 
+GROUP_BASELINES = {"rloo": rloo_scores, "reinforce_baseline": group_mean_scores, "group_norm": group_norm_scores,
+                   "dr_grpo": group_mean_scores}
+WHITENED_ESTIMATORS = ("reinforce", "reinforce_baseline")
+ESTIMATORS = ("gae", "reinforce") + tuple(GROUP_BASELINES)
+
+
+def group_filter(scores: torch.Tensor, group_size: int, low: float, high: float) -> torch.Tensor:
+    """Dynamic filtering: 1.0 for each sample whose prompt group's mean score lies strictly inside
+    (low, high), else 0.0 (groups all right or all wrong teach nothing to a group baseline)."""
+    means = scores.view(-1, group_size).mean(dim=1, keepdim=True)
+    keep = (means > low) & (means < high)
+    return keep.expand(-1, group_size).flatten().float()
+
+
 def advantages_and_returns(estimator: str, scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor,
                            values: torch.Tensor | None, kl_coef: float, gamma: float, lambd: float,
-                           group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token (advantages, returns) for one rollout batch; returns are the critic's targets (gae)."""
+                           group_size: int, clip_range: tuple[float, float] | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token (advantages, returns) for one rollout batch; returns are the critic's targets (gae).
+    Rows whose `mask` is all zero (padding, or filtered out) get zero advantages and stay out of the
+    whitening statistics."""
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {estimator!r}")
+    rewards = GROUP_BASELINES[estimator](scores, group_size) if estimator in GROUP_BASELINES else scores
+    if clip_range is not None:
+        rewards = rewards.clamp(*clip_range)
+    shaped = shaped_rewards(rewards, kl, kl_coef, mask)
     if estimator == "gae":
-        return gae(shaped_rewards(scores, kl, kl_coef, mask), values, mask, gamma, lambd)
-    if estimator == "reinforce":
-        returns = discounted_returns(shaped_rewards(scores, kl, kl_coef, mask), mask, gamma)
+        return gae(shaped, values, mask, gamma, lambd)
+    returns = discounted_returns(shaped, mask, 1.0 if estimator in GROUP_BASELINES else gamma)
+    if estimator in WHITENED_ESTIMATORS:
         return masked_whiten(returns, mask), returns
-    if estimator == "rloo":
-        returns = discounted_returns(shaped_rewards(rloo_scores(scores, group_size), kl, kl_coef, mask), mask, gamma)
-        return returns, returns
-    if estimator == "group_norm":
-        advantages = group_norm_scores(scores, group_size)[:, None] * mask
-        return advantages, advantages
-    raise ValueError(f"unknown advantage estimator {estimator!r}")
+    return returns, returns
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,

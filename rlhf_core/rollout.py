@@ -8,7 +8,6 @@ rollout, so a resumed run samples exactly the same responses. vLLM engines are t
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 
 import torch
@@ -63,15 +62,6 @@ def generate(model, prompts: list[list[int]], pad_token_id: int, eos_token_id: i
         cut = row.index(eos_token_id) + 1 if eos_token_id in row else len(row)
         responses.append(row[:cut])
     return responses
-
-
-def load_reward_fn(spec: str):
-    """`package.module:function` -> the function (called as fn(prompts, responses) -> scores)."""
-    module_name, function_name = spec.split(":")
-    try:
-        return getattr(importlib.import_module(module_name), function_name)
-    except (ImportError, AttributeError) as error:
-        raise UserError(f"--reward_fn {spec}: cannot import it ({error}).") from None
 
 
 def require_vllm(num_engines: int) -> None:

@@ -1,34 +1,100 @@
-"""PPO with its critic-free variants, one rank's share: rollout, score, advantages, update.
+"""PPO with its critic-free variants, one rank's share: rollout, score, advantages, update, evaluation.
 
 One PPO step takes `rollout_batch_size` prompts (from the (seed, episode) order; this rank takes its
 contiguous share), samples `n_samples_per_prompt` responses each with the actor, scores them with the
-reward model or `--reward_fn`, computes per-token KL to the frozen reference and the advantages of
+reward model, `--reward_fn` or OpenRLHF's `--remote_rm_url` (a reward_func file or a reward server,
+see `rlhf_core.rewards`), computes per-token KL to the frozen reference and the advantages of
 `--advantage_estimator`, then runs `max_epochs` passes of clipped-surrogate updates (and clipped value
 updates for gae). Models are colocated on each rank (actor, critic, reference, reward), a departure
 from OpenRLHF's separate actor groups that keeps one readable path; fine for toy and small models.
 Responses come from transformers `generate`, or on GPU from a colocated vLLM engine per rank
-(`--vllm_num_engines`, see `rlhf_core.vllm_engine`).
+(`--vllm_num_engines`, see `rlhf_core.vllm_engine`); evaluation always samples with `generate`.
+
+OpenRLHF's reward options, as built here:
+- `--normalize_reward`: reward-model scores become (score - mean) / std with the mean and std recorded
+  in the reward model's config.json; a reward model without them, or a reward function, warns once.
+- `--reward_clip_range`, `--use_kl_loss` / `--kl_estimator`: see `rlhf_core.ppo_math`. The KL is in the
+  reward for every estimator unless `--use_kl_loss` (OpenRLHF 0.9.10 does the same for group_norm).
+- `--dynamic_filtering`: prompts whose samples' mean score lies outside the range are dropped from the
+  update. Departure: OpenRLHF draws replacement prompts until the batch is full; our rollout is a fixed
+  slice of the (seed, step) prompt order (so a resumed run replays it), so dropped samples are masked
+  out of the loss instead, and a step where no sample survives on any rank skips the update (the step
+  still counts; `dynamic_filtering_pass_rate` reports 0).
+- `--freezing_actor_steps N`: the first N PPO steps train only the critic.
+- With ZeRO-3, generation and scoring with a trained model run inside `GatheredParameters`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
 import torch
+import torch.distributed as dist
 
 from rlhf_core import ppo_math
 from rlhf_core.config import PPOConfig, RunConfig
-from rlhf_core.data import read_records, tokenize_prompts
+from rlhf_core.data import Record, read_records, tokenize_prompts
 from rlhf_core.determinism import derive_seed, generator, step_sample_indices
+from rlhf_core.errors import UserError
 from rlhf_core.models import load_causal_lm, load_scalar_model, load_tokenizer, token_values
-from rlhf_core.rollout import (collate_sequences, generate, load_reward_fn, on_device, require_vllm,
-                               response_logprobs)
+from rlhf_core.rewards import RewardBatch, RewardInputs, reward_function
+from rlhf_core.rollout import collate_sequences, generate, on_device, require_vllm, response_logprobs
 from rlhf_core.trainers.base import DeepSpeedTrainer
 
+logger = logging.getLogger(__name__)
 
-def load_prompts(run: RunConfig, tokenizer) -> list[tuple[str, list[int]]]:
+
+@dataclass(frozen=True)
+class PromptItem:
+    text: str  # the prompt field as written in the data
+    ids: list[int]  # the tokens the model sees (BOS, template, truncated from the left)
+    label: Any  # the --label_key value; "" without --label_key, as OpenRLHF
+
+
+def record_label(url: str, record: Record, label_key: str | None) -> Any:
+    if label_key is None:
+        return ""
+    if label_key not in record.fields:
+        raise UserError(f"{url} line {record.line}: no key {label_key!r} (choose the key with --label_key).")
+    return record.fields[label_key]
+
+
+def load_prompts(run: RunConfig, tokenizer, url: str | None = None) -> list[PromptItem]:
+    """The prompts of `url` (default: prompt_data) with their labels; max_samples applies to prompt_data."""
     cfg = run.ppo
-    records = read_records(cfg.prompt_data, max_samples=cfg.max_samples)
-    return tokenize_prompts(cfg.prompt_data, records, tokenizer, cfg.input_key, cfg.prompt_max_len,
-                            cfg.apply_chat_template)
+    records = read_records(url, max_samples=None) if url else read_records(cfg.prompt_data, max_samples=cfg.max_samples)
+    url = url or cfg.prompt_data
+    tokenized = tokenize_prompts(url, records, tokenizer, cfg.input_key, cfg.prompt_max_len, cfg.apply_chat_template)
+    assert len(tokenized) == len(records), "tokenize_prompts must keep one prompt per record"
+    return [PromptItem(text, ids, record_label(url, record, cfg.label_key))
+            for (text, ids), record in zip(tokenized, records)]
+
+
+def reward_inputs(tokenizer, items: list[PromptItem], responses: list[list[int]]) -> RewardInputs:
+    """Every form's arguments: OpenRLHF's prompt and query are decoded from the tokens the model saw
+    (without the BOS we add), so each query starts with its prompt."""
+    skip = 1 if tokenizer.bos_token_id is not None else 0
+    prompts = [tokenizer.decode(item.ids[skip:], skip_special_tokens=False) for item in items]
+    queries = [tokenizer.decode(item.ids[skip:] + response, skip_special_tokens=False)
+               for item, response in zip(items, responses)]
+    return RewardInputs(raw_prompts=[item.text for item in items], prompts=prompts, queries=queries,
+                        responses=tokenizer.batch_decode(responses, skip_special_tokens=True),
+                        labels=[item.label for item in items])
+
+
+def check_reward_setup(run: RunConfig, tokenizer, sample: PromptItem) -> None:
+    """Before any training: the reward function loads and scores one real prompt with an empty response."""
+    cfg = run.ppo
+    function = reward_function(cfg.reward_fn, cfg.remote_rm_url)
+    if function is None:
+        return
+    if cfg.normalize_reward:
+        logger.warning("--normalize_reward has no effect with a reward function (%s); as in OpenRLHF, only "
+                       "reward-model scores are normalized.", function.name)
+    function(reward_inputs(tokenizer, [sample], [[tokenizer.eos_token_id]]))
 
 
 def optimizer_steps_per_ppo_step(cfg: PPOConfig) -> int:
@@ -47,9 +113,10 @@ class PPOTrainer(DeepSpeedTrainer):
     @staticmethod
     def count_items(run: RunConfig) -> int:
         require_vllm(run.ppo.vllm_num_engines)
-        if run.ppo.reward_fn:
-            load_reward_fn(run.ppo.reward_fn)
-        return len(load_prompts(run, load_tokenizer(run.ppo.pretrain)))
+        tokenizer = load_tokenizer(run.ppo.pretrain)
+        prompts = load_prompts(run, tokenizer)
+        check_reward_setup(run, tokenizer, prompts[0])
+        return len(prompts)
 
     @staticmethod
     def items_per_step(cfg: PPOConfig) -> int:
@@ -64,6 +131,7 @@ class PPOTrainer(DeepSpeedTrainer):
         cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.pretrain)
         self.prompts = load_prompts(run, self.tokenizer)
+        self.eval_prompts = load_prompts(run, self.tokenizer, cfg.eval_dataset) if cfg.eval_dataset else []
         self.kl = ppo_math.KLController(cfg.init_kl_coef, cfg.kl_target)
         num_optimizer_steps = total_steps * optimizer_steps_per_ppo_step(cfg)
         torch.manual_seed(derive_seed(run.seed, self.stage, "init"))
@@ -77,15 +145,27 @@ class PPOTrainer(DeepSpeedTrainer):
         if cfg.advantage_estimator == "gae":
             critic = load_scalar_model(cfg.critic_pretrain, self.tokenizer.pad_token_id)
             self.critic = self.build_engine("critic_model", critic, cfg.critic_learning_rate, num_optimizer_steps)
-        self.reward_fn = load_reward_fn(cfg.reward_fn) if cfg.reward_fn else None
-        self.reward_model = None if self.reward_fn else \
-            load_scalar_model(cfg.reward_pretrain, self.tokenizer.pad_token_id).eval().requires_grad_(False) \
-            .to(**placement)
+        self.reward_fn = reward_function(cfg.reward_fn, cfg.remote_rm_url)
+        self.reward_model, self.reward_normalization = None, None
+        if self.reward_fn is None:
+            self.reward_model = load_scalar_model(cfg.reward_pretrain, self.tokenizer.pad_token_id).eval() \
+                .requires_grad_(False).to(**placement)
+            self.reward_normalization = self.recorded_reward_statistics() if cfg.normalize_reward else None
         self.vllm = None
         if cfg.vllm_num_engines:
             from rlhf_core.vllm_engine import VLLMGenerator
 
             self.vllm = VLLMGenerator(cfg, run.seed, rank)
+
+    def recorded_reward_statistics(self) -> tuple[float, float] | None:
+        """(mean, std) the RM stage recorded in the reward model's config.json, or None (warned once)."""
+        mean, std = (getattr(self.reward_model.config, name, None) for name in ("mean", "std"))
+        if mean is None or std is None or not std > 0:
+            if self.rank == 0:
+                logger.warning("--normalize_reward: %s records no reward mean/std in its config.json; scores are "
+                               "used as they are.", self.cfg.reward_pretrain)
+            return None
+        return float(mean), float(std)
 
     def controller_state(self) -> dict:
         return {"kl_coef": self.kl.coef}
@@ -93,62 +173,85 @@ class PPOTrainer(DeepSpeedTrainer):
     def restore_controller_state(self, state: dict) -> None:
         self.kl.coef = state.get("kl_coef", self.kl.coef)
 
-    def rank_prompts(self) -> list[tuple[str, list[int]]]:
+    def whole(self, engine):
+        """With ZeRO-3, each rank holds a slice of every parameter: gather them for generation and scoring."""
+        if engine is None or self.cfg.zero_stage != 3:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
+
+    def rank_prompts(self) -> list[PromptItem]:
         indices = step_sample_indices(self.step, self.cfg.rollout_batch_size, len(self.prompts), self.run.seed)
         share = len(indices) // self.world_size
         return [self.prompts[i] for i in indices[self.rank * share : (self.rank + 1) * share]]
 
     def train_step(self) -> dict[str, float]:
+        cfg = self.cfg
         experience = self.make_experience()
+        mask = experience["mask"] * experience["keep"][:, None]  # filtered samples leave the update
+        kl_in_reward = torch.zeros_like(experience["kl"]) if cfg.use_kl_loss else experience["kl"]
         advantages, returns = ppo_math.advantages_and_returns(
-            self.cfg.advantage_estimator, experience["scores"], experience["kl"], experience["mask"],
-            experience.get("values"), self.kl.coef, self.cfg.gamma, self.cfg.lambd, self.cfg.n_samples_per_prompt)
-        experience.update(advantages=advantages, returns=returns)
-        losses = self.update(experience)
+            cfg.advantage_estimator, experience["rewards"], kl_in_reward, mask, experience.get("values"),
+            self.kl.coef, cfg.gamma, cfg.lambd, cfg.n_samples_per_prompt, tuple(cfg.reward_clip_range))
+        experience.update(advantages=advantages, returns=returns, loss_mask=mask)
+        kept = self.sum_over_ranks(experience["keep"].sum().item())
+        losses = self.update(experience) if kept > 0 else {}
         observed_kl = ppo_math.masked_mean(experience["kl"], experience["mask"]).item()
-        self.kl.update(observed_kl, len(experience["scores"]))
+        self.kl.update(observed_kl, len(experience["rewards"]))
         self.step += 1
-        return {"step": self.step, "reward": self.mean_over_ranks(experience["scores"].tolist()),
-                "kl": self.mean_over_ranks([observed_kl]), "kl_coef": self.kl.coef,
-                "response_length": self.mean_over_ranks(experience["mask"].sum(-1).tolist()),
-                "lr": self.actor.get_lr()[0], **{k: self.mean_over_ranks(v) for k, v in losses.items()}}
+        metrics = {**self.mean_logs_over_ranks(experience["extra_logs"]),
+                   "step": self.step, "reward": self.mean_over_ranks(experience["rewards"].tolist()),
+                   "kl": self.mean_over_ranks([observed_kl]), "kl_coef": self.kl.coef,
+                   "response_length": self.mean_over_ranks(experience["mask"].sum(-1).tolist()),
+                   "lr": self.actor.get_lr()[0], **{k: self.mean_over_ranks(v) for k, v in losses.items()}}
+        if cfg.dynamic_filtering:
+            metrics["dynamic_filtering_pass_rate"] = 100 * kept / self.sum_over_ranks(len(experience["keep"]))
+        if self.evaluation_due():
+            metrics["eval_reward"] = self.evaluate()
+        return metrics
 
     @torch.no_grad()
     def make_experience(self) -> dict:
-        """Sample, then score: old and reference log-probs, values, rewards, per-token KL."""
+        """Sample, then score: old and reference log-probs, values, rewards, per-token KL, filtering."""
         cfg = self.cfg
         torch.manual_seed(derive_seed(self.run.seed, self.stage, self.step, self.rank, "rollout"))
-        texts, prompts = [], []
-        for text, ids in self.rank_prompts():
-            texts += [text] * cfg.n_samples_per_prompt
-            prompts += [ids] * cfg.n_samples_per_prompt
+        items = [item for item in self.rank_prompts() for _ in range(cfg.n_samples_per_prompt)]
+        prompts = [item.ids for item in items]
         self.actor.eval()
-        responses = self.sample(prompts)
-        rows: dict[str, list] = {"old_logprobs": [], "ref_logprobs": [], "values": [], "scores": []}
-        for start in range(0, len(prompts), cfg.micro_rollout_batch_size):
-            part = slice(start, start + cfg.micro_rollout_batch_size)
-            self.score_micro_batch(prompts[part], responses[part], texts[part], rows)
+        responses = self.sample(prompts, cfg.temperature, use_vllm=True)
+        rows: dict[str, list] = {"old_logprobs": [], "ref_logprobs": [], "values": []}
+        with self.whole(self.actor), self.whole(self.critic):
+            for start in range(0, len(prompts), cfg.micro_rollout_batch_size):
+                part = slice(start, start + cfg.micro_rollout_batch_size)
+                self.score_micro_batch(prompts[part], responses[part], rows)
+        rewarded = self.rewards(items, responses)
         lengths = [len(response) for response in responses]
-        experience = {"prompts": prompts, "responses": responses, "scores": torch.tensor(rows["scores"]),
-                      "mask": pad_rows([torch.ones(n) for n in lengths])}
+        experience = {"prompts": prompts, "responses": responses, "rewards": torch.tensor(rewarded.rewards),
+                      "mask": pad_rows([torch.ones(n) for n in lengths]), "extra_logs": rewarded.extra_logs,
+                      "keep": torch.ones(len(items))}
+        if cfg.dynamic_filtering:
+            experience["keep"] = ppo_math.group_filter(torch.tensor(rewarded.scores), cfg.n_samples_per_prompt,
+                                                       *cfg.dynamic_filtering_reward_range)
         for name in ("old_logprobs", "ref_logprobs") + (("values",) if self.critic else ()):
             experience[name] = pad_rows([row[:n] for row, n in zip(rows[name], lengths)])
         experience["kl"] = ppo_math.kl_estimate(experience["old_logprobs"], experience["ref_logprobs"],
                                                 cfg.kl_estimator) * experience["mask"]
         return experience
 
-    def sample(self, prompts: list[list[int]]) -> list[list[int]]:
+    def sample(self, prompts: list[list[int]], temperature: float, use_vllm: bool) -> list[list[int]]:
         cfg, eos_token_id = self.cfg, self.tokenizer.eos_token_id
-        if self.vllm is not None:
-            return self.vllm.generate(self.actor.module, prompts, self.step, eos_token_id)
-        responses = []
-        for start in range(0, len(prompts), cfg.micro_rollout_batch_size):
-            responses += generate(self.actor.module, prompts[start : start + cfg.micro_rollout_batch_size],
-                                  self.tokenizer.pad_token_id, eos_token_id, cfg.max_new_tokens, cfg.temperature,
-                                  cfg.top_p)
+        with self.whole(self.actor):
+            if self.vllm is not None and use_vllm:
+                return self.vllm.generate(self.actor.module, prompts, self.step, eos_token_id)
+            responses = []
+            for start in range(0, len(prompts), cfg.micro_rollout_batch_size):
+                responses += generate(self.actor.module, prompts[start : start + cfg.micro_rollout_batch_size],
+                                      self.tokenizer.pad_token_id, eos_token_id, cfg.max_new_tokens, temperature,
+                                      cfg.top_p)
         return responses
 
-    def score_micro_batch(self, prompts, responses, texts, rows: dict) -> None:
+    def score_micro_batch(self, prompts, responses, rows: dict) -> None:
         # Experience is kept on the CPU in float32, whatever device and precision the models use.
         batch = collate_sequences(prompts, responses, self.tokenizer.pad_token_id)
         rows["old_logprobs"] += list(response_logprobs(self.actor.module, batch).cpu())
@@ -156,18 +259,44 @@ class PPOTrainer(DeepSpeedTrainer):
         if self.critic is not None:
             values = token_values(self.critic.module, batch["input_ids"], batch["attention_mask"])
             rows["values"] += list(values[:, batch["prompt_len"] - 1 : -1].float().cpu())
-        if self.reward_fn is not None:
-            decoded = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
-            rows["scores"] += [float(score) for score in self.reward_fn(texts, decoded)]
-        else:
-            inputs = on_device(batch, self.reward_model.device)
-            rows["scores"] += self.reward_model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]
-                                                ).logits.squeeze(-1).float().tolist()
+
+    @torch.no_grad()
+    def rewards(self, items: list[PromptItem], responses: list[list[int]]) -> RewardBatch:
+        """Rewards of this rank's samples. A reward function's mistake on any rank stops every rank with the
+        same sentence (a rank left behind would wait in the next collective forever)."""
+        problem, result = "", RewardBatch([], [])
+        try:
+            if self.reward_fn is not None and items:
+                result = self.reward_fn(reward_inputs(self.tokenizer, items, responses))
+            elif self.reward_fn is None:
+                scores = self.reward_model_scores([item.ids for item in items], responses)
+                result = RewardBatch(scores, list(scores))
+        except UserError as error:
+            problem = str(error)
+        problems: list[str] = [""] * self.world_size
+        dist.all_gather_object(problems, problem)
+        if any(problems):
+            raise UserError(next(text for text in problems if text))
+        return result
+
+    def reward_model_scores(self, prompts: list[list[int]], responses: list[list[int]]) -> list[float]:
+        scores = []
+        for start in range(0, len(prompts), self.cfg.micro_rollout_batch_size):
+            part = slice(start, start + self.cfg.micro_rollout_batch_size)
+            inputs = on_device(collate_sequences(prompts[part], responses[part], self.tokenizer.pad_token_id),
+                               self.reward_model.device)
+            scores += self.reward_model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]
+                                        ).logits.squeeze(-1).float().tolist()
+        if self.reward_normalization is not None:
+            mean, std = self.reward_normalization
+            scores = [(score - mean) / std for score in scores]
+        return scores
 
     def update(self, experience: dict) -> dict[str, list[float]]:
         """max_epochs passes of micro-batch updates; DeepSpeed steps at each accumulation boundary."""
         cfg, num_rows = self.cfg, len(experience["prompts"])
-        losses: dict[str, list[float]] = {"policy_loss": [], "clip_fraction": []} | (
+        train_actor = self.step >= cfg.freezing_actor_steps  # OpenRLHF: global step (1-based) > N
+        losses: dict[str, list[float]] = ({"policy_loss": [], "clip_fraction": []} if train_actor else {}) | (
             {"critic_loss": []} if self.critic else {})
         self.actor.train()
         for epoch in range(cfg.max_epochs):
@@ -175,11 +304,11 @@ class PPOTrainer(DeepSpeedTrainer):
                                                                   epoch)).tolist()
             for start in range(0, num_rows, cfg.micro_train_batch_size):
                 rows = order[start : start + cfg.micro_train_batch_size]
-                for name, value in self.update_micro_batch(experience, rows).items():
+                for name, value in self.update_micro_batch(experience, rows, train_actor).items():
                     losses[name].append(value)
         return losses
 
-    def update_micro_batch(self, experience: dict, rows: list[int]) -> dict[str, float]:
+    def update_micro_batch(self, experience: dict, rows: list[int], train_actor: bool) -> dict[str, float]:
         cfg = self.cfg
         batch = collate_sequences([experience["prompts"][i] for i in rows],
                                   [experience["responses"][i] for i in rows], self.tokenizer.pad_token_id)
@@ -188,16 +317,18 @@ class PPOTrainer(DeepSpeedTrainer):
         def take(name: str) -> torch.Tensor:
             return experience[name][rows, :width].to(self.actor.device)
 
-        mask = batch["action_mask"].to(self.actor.device)
-        logprobs = response_logprobs(self.actor, batch)
-        loss, clip_fraction = ppo_math.policy_loss(logprobs, take("old_logprobs"), take("advantages"), mask,
-                                                   cfg.eps_clip)
-        if cfg.advantage_estimator == "group_norm":  # GRPO keeps the KL out of the reward, in the loss
-            loss = loss + self.kl.coef * ppo_math.masked_mean(
-                ppo_math.kl_estimate(logprobs, take("ref_logprobs"), "k3"), mask)
-        self.actor.backward(loss)
-        self.actor.step()
-        result = {"policy_loss": loss.item(), "clip_fraction": clip_fraction.item()}
+        mask = take("loss_mask")
+        result = {}
+        if train_actor:
+            logprobs = response_logprobs(self.actor, batch)
+            loss, clip_fraction = ppo_math.policy_loss(logprobs, take("old_logprobs"), take("advantages"), mask,
+                                                       cfg.eps_clip)
+            if cfg.use_kl_loss:  # GRPO style: the KL to the reference in the loss, not in the reward
+                loss = loss + self.kl.coef * ppo_math.masked_mean(
+                    ppo_math.kl_estimate(logprobs, take("ref_logprobs"), cfg.kl_estimator), mask)
+            self.actor.backward(loss)
+            self.actor.step()
+            result = {"policy_loss": loss.item(), "clip_fraction": clip_fraction.item()}
         if self.critic is not None:
             values = token_values(self.critic.module, batch["input_ids"], batch["attention_mask"])
             values = values[:, batch["prompt_len"] - 1 : -1].float()
@@ -206,3 +337,40 @@ class PPOTrainer(DeepSpeedTrainer):
             self.critic.step()
             result["critic_loss"] = critic_loss.item()
         return result
+
+    def evaluation_due(self) -> bool:
+        """Every eval_steps steps, and at the last step of each chunk (where a checkpoint is committed)."""
+        cfg = self.cfg
+        if not cfg.eval_dataset:
+            return False
+        chunk_end = self.step == self.total_steps or (cfg.save_steps > 0 and self.step % cfg.save_steps == 0)
+        return chunk_end or (cfg.eval_steps > 0 and self.step % cfg.eval_steps == 0)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean reward of eval_n_samples_per_prompt samples per eval prompt at eval_temperature, all ranks."""
+        cfg = self.cfg
+        torch.manual_seed(derive_seed(self.run.seed, self.stage, self.step, self.rank, "eval"))
+        items = [item for item in self.eval_prompts[self.rank :: self.world_size]
+                 for _ in range(cfg.eval_n_samples_per_prompt)]
+        self.actor.eval()
+        # Every rank samples, even with no prompt left to it: with ZeRO-3 the gather is a collective.
+        responses = self.sample([item.ids for item in items], cfg.eval_temperature, use_vllm=False)
+        return self.mean_over_ranks(self.rewards(items, responses).rewards)
+
+    def sum_over_ranks(self, value: float) -> float:
+        total = torch.tensor([float(value)], dtype=torch.float64)
+        dist.all_reduce(total)
+        return total.item()
+
+    def mean_logs_over_ranks(self, logs: dict[str, list[float]]) -> dict[str, float]:
+        """extra_logs of the reward function, each averaged over every value of every rank."""
+        gathered: list[dict] = [{}] * self.world_size
+        dist.all_gather_object(gathered, {key: (sum(values), len(values)) for key, values in logs.items()})
+        totals: dict[str, list[float]] = {}
+        for rank_logs in gathered:
+            for key, (total, count) in rank_logs.items():
+                totals.setdefault(key, [0.0, 0])
+                totals[key][0] += total
+                totals[key][1] += count
+        return {key: total / count for key, (total, count) in sorted(totals.items()) if count}

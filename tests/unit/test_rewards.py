@@ -1,0 +1,193 @@
+"""Reward functions in every form (module, OpenRLHF file, OpenRLHF HTTP server on loopback), every
+accepted return shape, and every mistake stopping with one sentence that names the function."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from rlhf_core import rewards
+from rlhf_core.errors import UserError
+from rlhf_core.rewards import RewardInputs, parse_reward_output, reward_function
+
+INPUTS = RewardInputs(raw_prompts=["sort : 2 1 =", "sort : 3 1 ="], prompts=["sort : 2 1 =", "sort : 3 1 ="],
+                      queries=["sort : 2 1 = 1 2 </s>", "sort : 3 1 = 3 1 </s>"], responses=["1 2", "3 1"],
+                      labels=["1 2", "1 3"])
+
+REWARD_FILE = '''
+import torch
+
+def reward_func(queries, prompts, labels, **kwargs):
+    answers = [query[len(prompt):].replace("</s>", "").strip() for query, prompt in zip(queries, prompts)]
+    correct = torch.tensor([float(answer == label) for answer, label in zip(answers, labels)])
+    return {"rewards": correct * 2, "scores": correct, "extra_logs": {"accuracy": correct, "batch": correct.mean()}}
+'''
+
+
+def write_reward_file(tmp_path, body: str) -> str:
+    path = tmp_path / "reward_func.py"
+    path.write_text(body)
+    return str(path)
+
+
+def test_openrlhf_reward_file_gets_queries_prompts_labels_and_returns_the_dict_form(tmp_path):
+    function = reward_function(None, write_reward_file(tmp_path, REWARD_FILE))
+    result = function(INPUTS)
+    assert result.rewards == [2.0, 0.0] and result.scores == [1.0, 0.0]
+    assert result.extra_logs == {"accuracy": [1.0, 0.0], "batch": [0.5]}
+
+
+@pytest.mark.parametrize("output", [torch.tensor([0.5, 1.0]), [0.5, 1], torch.tensor([[0.5], [1.0]]),
+                                    {"rewards": [0.5, 1.0]}])
+def test_tensor_list_and_dict_forms_are_accepted_and_scores_default_to_rewards(output):
+    result = parse_reward_output("f", output, 2)
+    assert result.rewards == result.scores == [0.5, 1.0] and result.extra_logs == {}
+
+
+def test_module_reward_fn_keeps_our_form():
+    function = reward_function("rlhf_core.toy:gold_reward", None)
+    assert function(INPUTS).rewards == [1.0, 0.0]  # gold_reward(raw prompts, responses)
+
+
+@pytest.mark.parametrize("output, problem", [
+    ([1.0], "returned 1 rewards for 2 samples"),
+    (torch.tensor([1.0, math.nan]), "rewards[1] = nan"),
+    ([1.0, math.inf], "rewards[1] = inf"),
+    (["good", 1.0], "rewards[0] = 'good', not a number"),
+    ([None, 1.0], "rewards[0] = None, not a number"),
+    (None, "returned rewards of type NoneType"),
+    ({"scores": [1.0, 1.0]}, "a dict without 'rewards'"),
+    ({"rewards": [1.0, 1.0], "scores": [1.0]}, "returned 1 scores for 2 samples"),
+    ({"rewards": [1.0, 1.0], "extra_logs": {"x": [math.nan]}}, "extra_logs['x'][0] = nan"),
+])
+def test_malformed_rewards_are_one_sentence_naming_the_function(tmp_path, output, problem):
+    path = write_reward_file(tmp_path, "def reward_func(queries, prompts, labels, **kwargs):\n    return OUTPUT\n")
+    function = reward_function(None, path)
+    function._call = lambda inputs: output  # the same checks whatever the output came from
+    with pytest.raises(UserError) as error:
+        function(INPUTS)
+    message = str(error.value)
+    assert problem in message and path in message and "reward_func" in message and "\n" not in message
+
+
+def test_an_exception_in_the_function_names_the_file_and_the_error(tmp_path):
+    path = write_reward_file(tmp_path, "def reward_func(queries, prompts, labels, **kwargs):\n    return 1 / 0\n")
+    with pytest.raises(UserError, match=r"--remote_rm_url .*reward_func\.py \(reward_func\) raised "
+                                        r"ZeroDivisionError: division by zero\."):
+        reward_function(None, path)(INPUTS)
+
+
+@pytest.mark.parametrize("body, problem", [
+    ("def reward_func(:\n", "cannot load it (SyntaxError"),
+    ("import no_such_module_here\n", "cannot load it (ModuleNotFoundError"),
+    ("def other(queries, prompts, labels):\n    return queries\n", "defines no function reward_func"),
+    ("reward_func = 3\n", "defines no function reward_func"),
+])
+def test_a_reward_file_that_does_not_load_is_refused_at_load(tmp_path, body, problem):
+    with pytest.raises(UserError) as error:
+        reward_function(None, write_reward_file(tmp_path, body))
+    assert problem in str(error.value) and "--remote_rm_url" in str(error.value)
+
+
+def test_a_missing_reward_file_or_module_is_refused(tmp_path):
+    with pytest.raises(UserError, match="no such file"):
+        reward_function(None, str(tmp_path / "missing.py"))
+    with pytest.raises(UserError, match=r"--reward_fn no_such_module:f: cannot import it \(ModuleNotFoundError"):
+        reward_function("no_such_module:f", None)
+    with pytest.raises(UserError, match="--reward_fn rlhf_core.toy:DIGITS: DIGITS is a list, not a function"):
+        reward_function("rlhf_core.toy:DIGITS", None)
+
+
+class RewardServer:
+    """OpenRLHF's serve_rm reply format on loopback; `reply` decides each answer (status, body)."""
+
+    def __init__(self, reply):
+        self.requests: list[dict] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.requests.append({"path": self.path, "body": body})
+                status, answer = reply(body, len(server.requests))
+                data = answer.encode() if isinstance(answer, str) else json.dumps(answer).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/get_reward"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def serve_rm_reply(body, _):
+    """What openrlhf.cli.serve_rm answers: rewards, scores and extra_logs."""
+    scores = [float(len(query)) for query in body["query"]]
+    return 200, {"rewards": scores, "scores": scores, "extra_logs": {"dummy_scores": scores}}
+
+
+def test_http_reward_server_gets_openrlhf_body_and_its_reply_is_read():
+    with RewardServer(serve_rm_reply) as server:
+        result = reward_function(None, server.url)(INPUTS)
+    assert server.requests == [{"path": "/get_reward", "body": {"query": INPUTS.queries, "prompts": INPUTS.prompts,
+                                                                 "labels": INPUTS.labels}}]
+    lengths = [float(len(query)) for query in INPUTS.queries]
+    assert result.rewards == result.scores == lengths and result.extra_logs == {"dummy_scores": lengths}
+
+
+def test_http_server_errors_are_retried_then_answered(monkeypatch):
+    monkeypatch.setattr(rewards, "HTTP_RETRY_DELAY_S", 0.0)
+    with RewardServer(lambda body, n: (503, "busy") if n < 3 else (200, [1.0, 2.0])) as server:
+        assert reward_function(None, server.url)(INPUTS).rewards == [1.0, 2.0]
+    assert len(server.requests) == 3
+
+
+def test_http_server_that_keeps_failing_stops_with_one_sentence(monkeypatch):
+    monkeypatch.setattr(rewards, "HTTP_RETRY_DELAY_S", 0.0)
+    with RewardServer(lambda body, n: (500, "boom")) as server:
+        with pytest.raises(UserError, match=rf"reward server {server.url} did not answer after 5 attempts \(HTTP 500\)"):
+            reward_function(None, server.url)(INPUTS)
+    assert len(server.requests) == rewards.HTTP_ATTEMPTS
+
+
+@pytest.mark.parametrize("reply, problem", [
+    (lambda body, n: (404, "no such route"), "answered HTTP 404"),
+    (lambda body, n: (200, "<html>"), "not JSON"),
+    (lambda body, n: (200, {"rewards": [1.0]}), "returned 1 rewards for 2 samples"),
+    (lambda body, n: (200, {"rewards": [1.0, "NaN"]}), "rewards[1] = 'NaN', not a number"),
+])
+def test_http_refusals_and_bad_replies_stop_without_retry(monkeypatch, reply, problem):
+    monkeypatch.setattr(rewards, "HTTP_RETRY_DELAY_S", 0.0)
+    with RewardServer(reply) as server:
+        with pytest.raises(UserError) as error:
+            reward_function(None, server.url)(INPUTS)
+    assert problem in str(error.value) and server.url in str(error.value) and len(server.requests) == 1
+
+
+def test_unreachable_reward_server_is_named(monkeypatch):
+    import socket
+
+    monkeypatch.setattr(rewards, "HTTP_RETRY_DELAY_S", 0.0)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{probe.getsockname()[1]}/get_reward"  # bound, not listening: refused
+        with pytest.raises(UserError, match=rf"reward server {url} did not answer after 5 attempts \(ConnectionError"):
+            reward_function(None, url)(INPUTS)
