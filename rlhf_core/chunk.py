@@ -5,6 +5,12 @@ trains nothing; otherwise training starts from the newest good checkpoint at or 
 (or from the pretrained model), runs to the target on a Ray worker group, and commits. A group left
 warm by the previous chunk is reused when it holds exactly the state the store would load, so the
 steady state pays neither a download nor a verification.
+
+With --use_tensorboard / --use_wandb, the driver logs each step's metrics to the stage's trackers
+(`rlhf_core.trackers`) as they come back: the group trains to each multiple of logging_steps in turn
+(one round trip per logged step), and each checkpoint's metadata records the tracker ids, so a
+resumed stage continues the same tracker runs. Trackers close with the stage's last chunk, on a
+failure, and in `release_workers`.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from rlhf_core.errors import UserError
 from rlhf_core.faults import fault_point
 from rlhf_core.models import input_model_fingerprints
 from rlhf_core.resume import Lineage, fetch_start, open_store
+from rlhf_core.trackers import (StageTrackers, close_trackers, open_stage_trackers, require_tracker_packages,
+                                stage_trackers, tracking_enabled)
 from rlhf_core.trainers import trainer_class
 
 CHECKPOINT_FORMAT_VERSION = 1
@@ -113,8 +121,10 @@ class _WarmGroup:
 
 
 def release_workers() -> None:
-    """Stop the warm worker group, if any (end of a flow, or before a test starts another)."""
+    """Stop the warm worker group, if any, and close every open tracker (end of a flow, or before a
+    test starts another)."""
     _WarmGroup.release()
+    close_trackers()
 
 
 def _group_at(run: RunConfig, stage: str, plan: StagePlan, store: CheckpointStore,
@@ -125,7 +135,7 @@ def _group_at(run: RunConfig, stage: str, plan: StagePlan, store: CheckpointStor
     if warm is not None and _WarmGroup.identity == identity and infos and infos[-1].is_committed \
             and warm.step == infos[-1].step:
         return warm, warm.step
-    release_workers()
+    _WarmGroup.release()
     with tempfile.TemporaryDirectory(prefix="rlhf-load-") as local_dir:
         start = fetch_start(run, stage, store, infos, local_dir, lineage)
         group = WorkerGroup(run.num_workers, run.ray_address)
@@ -136,7 +146,8 @@ def _group_at(run: RunConfig, stage: str, plan: StagePlan, store: CheckpointStor
     return group, group.step
 
 
-def _metadata(run: RunConfig, stage: str, plan: StagePlan, step: int, metrics: dict) -> dict:
+def _metadata(run: RunConfig, stage: str, plan: StagePlan, step: int, metrics: dict,
+              trackers: StageTrackers | None) -> dict:
     import deepspeed
     import torch
     import transformers
@@ -157,6 +168,7 @@ def _metadata(run: RunConfig, stage: str, plan: StagePlan, step: int, metrics: d
         "dataset_fingerprint": dataset_fingerprint(cfg),
         "input_models": input_model_fingerprints(cfg),
         "metrics": metrics,
+        "trackers": trackers.tracker_ids() if trackers is not None else {},
         "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
                      "transformers": transformers.__version__},
     }
@@ -170,6 +182,43 @@ def chunk_summary(step_metrics: list[dict[str, float]]) -> dict[str, float]:
     return summary
 
 
+def _saved_tracker_ids(run: RunConfig, stage: str, store: CheckpointStore, start_step: int) -> dict:
+    """The tracker ids to continue: those open for this stage, else those the start checkpoint recorded
+    (else the newest committed checkpoint's, when training starts over below all of them)."""
+    trackers = stage_trackers(run, stage)
+    if trackers is not None:
+        return trackers.tracker_ids()
+    committed = [info.step for info in store.list() if info.is_committed]
+    source = start_step or (committed[-1] if committed else 0)
+    return store.read_metadata(source).get("trackers", {}) if source else {}
+
+
+def _trackers_at(run: RunConfig, stage: str, store: CheckpointStore, start_step: int,
+                 warm: bool) -> StageTrackers | None:
+    """The stage's trackers, ready to log the steps after `start_step`; reopened when the group started
+    cold, so that TensorBoard hides whatever an earlier attempt logged past `start_step`."""
+    if not tracking_enabled(run):
+        return None
+    trackers = stage_trackers(run, stage)
+    if trackers is not None and warm:
+        return trackers
+    return open_stage_trackers(run, stage, _saved_tracker_ids(run, stage, store, start_step), start_step)
+
+
+def _train_and_log(group: WorkerGroup, start_step: int, target_step: int, trackers: StageTrackers | None,
+                   logging_steps: int) -> list[dict[str, float]]:
+    """Train to `target_step`; with trackers, stop at each logged step so its metrics show while the chunk runs."""
+    if trackers is None:
+        return group.train_until(target_step)
+    stops = [step for step in range(start_step + 1, target_step) if step % logging_steps == 0] + [target_step]
+    step_metrics = []
+    for stop in stops:
+        new_metrics = group.train_until(stop)
+        trackers.log(new_metrics)
+        step_metrics += new_metrics
+    return step_metrics
+
+
 def ensure_checkpoint(run: RunConfig, stage: str, target_step: int, lineage: Lineage = Lineage()) -> ChunkResult:
     """Make sure a valid checkpoint at `target_step` exists (training only what is missing)."""
     started = time.perf_counter()
@@ -179,21 +228,29 @@ def ensure_checkpoint(run: RunConfig, stage: str, target_step: int, lineage: Lin
     infos = [info for info in store.list() if info.step <= target_step]
     if infos and infos[-1].step == target_step and infos[-1].is_committed:
         done = infos[-1]
+        if target_step == plan.total_steps:
+            close_trackers(run, stage)
         return ChunkResult(stage, target_step, done.uri, done.manifest_digest, 0,
                            store.read_metadata(target_step).get("metrics", {}))
     try:
+        require_tracker_packages(run)  # before the workers start, not after a chunk of training
         prepared = time.perf_counter()
+        warm_group = _WarmGroup.group
         group, start_step = _group_at(run, stage, plan, store, infos, lineage)
+        trackers = _trackers_at(run, stage, store, start_step, warm=group is warm_group)
         loaded = time.perf_counter()
-        step_metrics = group.train_until(target_step)
+        step_metrics = _train_and_log(group, start_step, target_step, trackers, run.stage_config(stage).logging_steps)
         trained = time.perf_counter()
         summary = chunk_summary(step_metrics)
         with tempfile.TemporaryDirectory(prefix="rlhf-save-") as staging:
             group.save(staging)
-            info = store.commit(target_step, staging, _metadata(run, stage, plan, target_step, summary))
+            info = store.commit(target_step, staging, _metadata(run, stage, plan, target_step, summary, trackers))
     except BaseException:
+        close_trackers(run, stage, failed=True)
         release_workers()  # the group's state is unknown after a failure: never reuse it
         raise
+    if target_step == plan.total_steps:
+        close_trackers(run, stage)
     fault_point("after_commit", target_step)
     store.retain(run.max_ckpt_num, run.max_ckpt_mem)
     finished = time.perf_counter()
