@@ -62,12 +62,18 @@ def record_label(url: str, record: Record, label_key: str | None) -> Any:
     return record.fields[label_key]
 
 
-def load_prompts(run: RunConfig, tokenizer, url: str | None = None) -> list[PromptItem]:
-    """The prompts of `url` (default: prompt_data) with their labels; max_samples applies to prompt_data."""
+def load_prompts(run: RunConfig, tokenizer, eval_data: bool = False) -> list[PromptItem]:
+    """The prompts (or with `eval_data`, the evaluation prompts) with their labels."""
     cfg = run.ppo
-    records = read_records(url, max_samples=None) if url else read_records(cfg.prompt_data, max_samples=cfg.max_samples)
-    url = url or cfg.prompt_data
-    tokenized = tokenize_prompts(url, records, tokenizer, cfg.input_key, cfg.prompt_max_len, cfg.apply_chat_template)
+    if eval_data:
+        url = cfg.eval_dataset
+        records = read_records(url, run.storage_options, split=cfg.eval_split, flag="--eval_dataset")
+    else:
+        url = cfg.prompt_data
+        records = read_records(url, run.storage_options, cfg.max_samples, split=cfg.prompt_split,
+                               probs=cfg.dataset_probs, seed=run.seed, flag="--prompt_data")
+    tokenized = tokenize_prompts(url, records, tokenizer, cfg.input_key, cfg.prompt_max_len, cfg.apply_chat_template,
+                                 cfg.input_template)
     assert len(tokenized) == len(records), "tokenize_prompts must keep one prompt per record"
     return [PromptItem(text, ids, record_label(url, record, cfg.label_key))
             for (text, ids), record in zip(tokenized, records)]
@@ -113,7 +119,7 @@ class PPOTrainer(DeepSpeedTrainer):
     @staticmethod
     def count_items(run: RunConfig) -> int:
         require_vllm(run.ppo.vllm_num_engines)
-        tokenizer = load_tokenizer(run.ppo.pretrain)
+        tokenizer = load_tokenizer(run.ppo.pretrain, run.storage_options)
         prompts = load_prompts(run, tokenizer)
         check_reward_setup(run, tokenizer, prompts[0])
         return len(prompts)
@@ -129,27 +135,30 @@ class PPOTrainer(DeepSpeedTrainer):
     def __init__(self, run: RunConfig, total_steps: int, rank: int, world_size: int, load_universal: bool = False):
         super().__init__(run, total_steps, rank, world_size, load_universal)
         cfg = self.cfg
-        self.tokenizer = load_tokenizer(cfg.pretrain)
+        self.tokenizer = load_tokenizer(cfg.pretrain, run.storage_options)
         self.prompts = load_prompts(run, self.tokenizer)
-        self.eval_prompts = load_prompts(run, self.tokenizer, cfg.eval_dataset) if cfg.eval_dataset else []
+        self.eval_prompts = load_prompts(run, self.tokenizer, eval_data=True) if cfg.eval_dataset else []
         self.kl = ppo_math.KLController(cfg.init_kl_coef, cfg.kl_target)
         num_optimizer_steps = total_steps * optimizer_steps_per_ppo_step(cfg)
         torch.manual_seed(derive_seed(run.seed, self.stage, "init"))
+        loading = {"attn_implementation": cfg.attn_implementation, "storage_options": run.storage_options}
         actor = load_causal_lm(cfg.pretrain, cfg.lora_rank, cfg.lora_alpha, cfg.target_modules,
-                               cfg.gradient_checkpointing)
+                               cfg.gradient_checkpointing, lora_dropout=cfg.lora_dropout, **loading)
         self.actor = self.build_engine("actor_model", actor, num_optimizer_steps=num_optimizer_steps)
         # The frozen models follow the actor onto its device and precision (bf16 on GPU if asked).
         placement = {"device": self.actor.device, "dtype": next(self.actor.module.parameters()).dtype}
-        self.reference = load_causal_lm(cfg.pretrain).eval().requires_grad_(False).to(**placement)
+        self.reference = load_causal_lm(cfg.pretrain, **loading).eval().requires_grad_(False).to(**placement)
         self.critic = None
         if cfg.advantage_estimator == "gae":
-            critic = load_scalar_model(cfg.critic_pretrain, self.tokenizer.pad_token_id)
+            critic = load_scalar_model(cfg.critic_pretrain, self.tokenizer.pad_token_id, flag="--critic_pretrain",
+                                       **loading)
             self.critic = self.build_engine("critic_model", critic, cfg.critic_learning_rate, num_optimizer_steps)
         self.reward_fn = reward_function(cfg.reward_fn, cfg.remote_rm_url)
         self.reward_model, self.reward_normalization = None, None
         if self.reward_fn is None:
-            self.reward_model = load_scalar_model(cfg.reward_pretrain, self.tokenizer.pad_token_id).eval() \
-                .requires_grad_(False).to(**placement)
+            self.reward_model = load_scalar_model(cfg.reward_pretrain, self.tokenizer.pad_token_id,
+                                                  flag="--reward_pretrain", **loading)
+            self.reward_model = self.reward_model.eval().requires_grad_(False).to(**placement)
             self.reward_normalization = self.recorded_reward_statistics() if cfg.normalize_reward else None
         self.vllm = None
         if cfg.vllm_num_engines:
