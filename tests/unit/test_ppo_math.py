@@ -45,7 +45,7 @@ def test_group_baselines():
     assert normalized[0] < 0 < normalized[1] and normalized[2] == normalized[3] == 0
 
 
-@pytest.mark.parametrize("estimator", ["gae", "reinforce", "rloo", "group_norm"])
+@pytest.mark.parametrize("estimator", ppo_math.ESTIMATORS)
 def test_every_estimator_rewards_the_better_sample(estimator):
     mask = torch.ones(4, 3)
     scores = torch.tensor([1.0, 0.0, 1.0, 0.0])
@@ -75,3 +75,61 @@ def test_adaptive_kl_controller_moves_towards_the_target():
     fixed = ppo_math.KLController(0.1, target=None)
     fixed.update(5.0, 10)
     assert fixed.coef == 0.1
+
+
+def test_kl_estimates_are_clamped_like_openrlhf():
+    assert ppo_math.kl_estimate(torch.tensor([[0.0]]), torch.tensor([[-20.0]]), "k1").item() == 10.0
+    assert ppo_math.kl_estimate(torch.tensor([[-20.0]]), torch.tensor([[0.0]]), "k3").item() == 10.0
+
+
+def advantages(estimator, scores, mask=None, kl=None, kl_coef=0.0, gamma=1.0, clip_range=None):
+    mask = torch.ones(len(scores), 3) if mask is None else mask
+    kl = torch.zeros_like(mask) if kl is None else kl
+    return ppo_math.advantages_and_returns(estimator, torch.tensor(scores), kl, mask, None, kl_coef, gamma, 0.95,
+                                           group_size=2, clip_range=clip_range)
+
+
+def test_dr_grpo_is_the_score_minus_its_group_mean_on_every_token_without_std_or_discount():
+    adv, returns = advantages("dr_grpo", [1.0, 0.0, 4.0, 2.0], gamma=0.5)  # gamma is forced to 1, as OpenRLHF
+    assert torch.allclose(adv, torch.tensor([[0.5] * 3, [-0.5] * 3, [1.0] * 3, [-1.0] * 3]))
+    assert torch.equal(adv, returns)
+
+
+def test_group_norm_divides_by_the_group_std():
+    adv, _ = advantages("group_norm", [1.0, 0.0, 4.0, 2.0])
+    expected = 0.5 / math.sqrt(0.5)  # unbiased std of a pair (a, b) is |a - b| / sqrt(2)
+    assert torch.allclose(adv[:, 0], torch.tensor([expected, -expected, expected, -expected]))
+
+
+def test_reinforce_baseline_subtracts_the_group_mean_then_whitens_over_the_batch():
+    adv, returns = advantages("reinforce_baseline", [1.0, 0.0, 4.0, 2.0])
+    assert torch.allclose(returns[:, 0], torch.tensor([0.5, -0.5, 1.0, -1.0]))
+    assert adv.mean().abs() < 1e-6 and adv.std(unbiased=False).sub(1).abs() < 1e-4
+    assert adv[2, 0] > adv[0, 0] > 0 > adv[1, 0] > adv[3, 0]
+
+
+def test_group_estimators_fold_the_kl_into_the_reward_unless_it_is_zeroed():
+    kl = torch.ones(4, 3)
+    with_kl, _ = advantages("group_norm", [1.0, 0.0, 1.0, 0.0], kl=kl, kl_coef=0.1)
+    without, _ = advantages("group_norm", [1.0, 0.0, 1.0, 0.0])
+    # each token's return carries the KL penalty of itself and every later token
+    assert torch.allclose(with_kl - without, torch.tensor([[-0.3, -0.2, -0.1]] * 4))
+
+
+def test_rewards_are_clipped_after_the_group_baseline():
+    _, returns = advantages("reinforce", [5.0, -5.0, 0.5, 0.0], clip_range=(-1.0, 1.0))
+    assert torch.allclose(returns[:, 0], torch.tensor([1.0, -1.0, 0.5, 0.0]))
+    _, returns = advantages("dr_grpo", [10.0, 0.0, 0.0, 0.0], clip_range=(-2.0, 2.0))  # +-5 around the mean of 5
+    assert torch.allclose(returns[:, 0], torch.tensor([2.0, -2.0, 0.0, 0.0]))
+
+
+def test_dynamic_filtering_keeps_groups_whose_mean_score_is_strictly_inside_the_range():
+    keep = ppo_math.group_filter(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0]), 2, 0.0, 1.0)
+    assert keep.tolist() == [0.0, 0.0, 1.0, 1.0, 0.0, 0.0]
+
+
+def test_filtered_rows_get_no_advantage_and_stay_out_of_the_whitening():
+    mask = torch.tensor([[1.0] * 3, [1.0] * 3, [0.0] * 3, [0.0] * 3])
+    adv, _ = advantages("reinforce", [1.0, 0.0, 100.0, -100.0], mask=mask)
+    assert torch.equal(adv[2:], torch.zeros(2, 3))
+    assert torch.allclose(adv[0], torch.ones(3), atol=1e-4) and torch.allclose(adv[1], -torch.ones(3), atol=1e-4)

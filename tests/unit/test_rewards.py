@@ -191,3 +191,64 @@ def test_unreachable_reward_server_is_named(monkeypatch):
         url = f"http://127.0.0.1:{probe.getsockname()[1]}/get_reward"  # bound, not listening: refused
         with pytest.raises(UserError, match=rf"reward server {url} did not answer after 5 attempts \(ConnectionError"):
             reward_function(None, url)(INPUTS)
+
+
+# --- the PPO trainer's side: what the function is given, labels, and the check before training ---
+
+def ppo_run(toy_assets, tmp_path, **settings):
+    from rlhf_core.config import PPOConfig, RunConfig
+
+    ppo = PPOConfig(pretrain=toy_assets["model"], prompt_data=settings.pop("prompt_data", toy_assets["prompts"]),
+                    input_key="prompt", rollout_batch_size=4, train_batch_size=4, micro_train_batch_size=4,
+                    advantage_estimator="reinforce", reward_pretrain=toy_assets["model"], save_path=str(tmp_path / "out"), **settings)
+    return RunConfig(stages=["ppo"], ckpt_path=str(tmp_path / "ckpt"), ppo=ppo)
+
+
+def test_openrlhf_arguments_query_is_prompt_plus_response_with_special_tokens(toy_assets, tmp_path):
+    from rlhf_core.models import load_tokenizer
+    from rlhf_core.trainers.ppo import PromptItem, reward_inputs
+
+    tokenizer = load_tokenizer(toy_assets["model"])
+    item = PromptItem("sort : 2 1 =", [tokenizer.bos_token_id] + tokenizer("sort : 2 1 =").input_ids, "1 2")
+    response = tokenizer("1 2", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+    inputs = reward_inputs(tokenizer, [item], [response])
+    assert inputs.prompts == ["sort : 2 1 ="] and inputs.queries == ["sort : 2 1 = 1 2 </s>"]
+    assert inputs.responses == ["1 2"] and inputs.raw_prompts == ["sort : 2 1 ="] and inputs.labels == ["1 2"]
+
+
+def test_labels_come_from_label_key_and_a_missing_one_names_the_line(toy_assets, tmp_path):
+    from rlhf_core.models import load_tokenizer
+    from rlhf_core.trainers.ppo import load_prompts
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "sort : 2 1 =", "answer": "1 2"}\n{"prompt": "sort : 3 1 ="}\n')
+    tokenizer = load_tokenizer(toy_assets["model"])
+    assert [item.label for item in load_prompts(ppo_run(toy_assets, tmp_path, prompt_data=str(data)), tokenizer)] \
+        == ["", ""]  # no --label_key: "" as OpenRLHF's prompts dataset gives
+    with pytest.raises(UserError, match=rf"{data} line 2: no key 'answer' \(choose the key with --label_key\)"):
+        load_prompts(ppo_run(toy_assets, tmp_path, prompt_data=str(data), label_key="answer"), tokenizer)
+    data.write_text('{"prompt": "sort : 2 1 =", "answer": "1 2"}\n')
+    items = load_prompts(ppo_run(toy_assets, tmp_path, prompt_data=str(data), label_key="answer"), tokenizer)
+    assert [item.label for item in items] == ["1 2"]
+
+
+def test_a_broken_reward_function_fails_before_training(toy_assets, tmp_path):
+    from rlhf_core.trainers.ppo import PPOTrainer
+
+    calls = tmp_path / "calls.txt"
+    path = write_reward_file(tmp_path, f"def reward_func(queries, prompts, labels, **kwargs):\n"
+                                       f"    open({str(calls)!r}, 'a').write(repr((queries, prompts, labels)))\n"
+                                       f"    return [float('nan')] * len(queries)\n")
+    with pytest.raises(UserError, match=r"\(reward_func\) returned rewards\[0\] = nan"):
+        PPOTrainer.count_items(ppo_run(toy_assets, tmp_path, remote_rm_url=path))
+    queries, prompts, labels = eval(calls.read_text())
+    assert len(queries) == 1 and queries[0] == prompts[0] + " </s>" and prompts[0].startswith("sort :")
+
+
+def test_normalize_reward_with_a_reward_function_warns_that_it_does_nothing(toy_assets, tmp_path, caplog):
+    from rlhf_core.trainers.ppo import PPOTrainer
+
+    run = ppo_run(toy_assets, tmp_path, reward_fn="rlhf_core.toy:gold_reward", normalize_reward=True)
+    assert PPOTrainer.count_items(run) == 256
+    assert "--normalize_reward has no effect with a reward function (--reward_fn rlhf_core.toy:gold_reward)" \
+        in caplog.text
