@@ -7,6 +7,10 @@ next chunk reuses it warm when it already holds the state the store would give i
 Every rank must run on the driver's host: ranks save into and load from folders on the driver's
 disk, which the driver uploads and downloads. A group placed across hosts is refused; per-rank
 uploads (multi-node) are not built yet.
+
+A UserError raised inside a rank (a bad dataset, reward function, flag) reaches the driver as that
+same UserError with its one-sentence message, not as Ray's RayTaskError with a remote traceback.
+The DeepSpeed config lives in `rlhf_core.ds_config`, which the ranks import without this module.
 """
 
 from __future__ import annotations
@@ -15,43 +19,12 @@ import logging
 import os
 import socket
 import sys
-from typing import Any
+import warnings
 
 import ray
 
-from rlhf_core.config import RunConfig, StageConfig
+from rlhf_core.config import RunConfig
 from rlhf_core.errors import UserError
-
-
-def deepspeed_config(cfg: StageConfig, num_workers: int, total_steps: int, load_universal: bool = False) -> dict[str, Any]:
-    """DeepSpeed settings for one stage: AdamW, warmup-cosine LR, ZeRO, clipping."""
-    import torch
-
-    on_gpu = torch.cuda.is_available()
-    # DeepSpeed's WarmupCosineLR refuses zero warmup steps; one step at a tiny LR changes nothing.
-    warmup_steps = max(1, int(round(cfg.lr_warmup_ratio * total_steps)))
-    return {
-        "train_batch_size": cfg.train_batch_size,
-        "train_micro_batch_size_per_gpu": cfg.micro_train_batch_size,
-        "gradient_accumulation_steps": cfg.train_batch_size // (cfg.micro_train_batch_size * num_workers),
-        "gradient_clipping": cfg.max_norm,
-        "zero_optimization": {"stage": cfg.zero_stage},
-        "bf16": {"enabled": bool(cfg.bf16 and on_gpu)},
-        "optimizer": {
-            "type": "AdamW",
-            # FusedAdam needs CUDA; torch's AdamW is the CPU path.
-            "params": {"lr": cfg.learning_rate, "betas": [0.9, 0.95], "eps": 1e-8,
-                       "weight_decay": cfg.l2, "torch_adam": not on_gpu},
-        },
-        "scheduler": {
-            "type": "WarmupCosineLR",
-            "params": {"total_num_steps": max(total_steps, 1), "warmup_num_steps": warmup_steps,
-                       "warmup_type": "linear", "warmup_min_ratio": 0.0, "cos_min_ratio": 0.1},
-        },
-        "checkpoint": {"load_universal": load_universal},
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
 
 
 def _free_port() -> int:
@@ -86,6 +59,8 @@ class TrainWorker:
         from deepspeed.utils import logger as deepspeed_logger
 
         deepspeed_logger.setLevel(logging.WARNING)
+        # ZeRO-3 on torch >= 2.13 calls a collective torch deprecated, once per step and rank.
+        warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.* is deprecated")
         deepspeed.init_distributed()
 
     def setup(self, run: RunConfig, stage: str, total_steps: int, load_universal: bool) -> None:
@@ -127,34 +102,45 @@ class WorkerGroup:
         self.workers = [remote_worker.options(**options).remote(rank, num_workers, num_threads)
                         for rank in range(num_workers)]
         try:
-            require_driver_host(socket.gethostname(), ray.get([worker.hostname.remote() for worker in self.workers]))
+            require_driver_host(socket.gethostname(), gather([worker.hostname.remote() for worker in self.workers]))
         except UserError:
             self.shutdown()
             raise
-        master_addr, master_port = ray.get(self.workers[0].rendezvous_address.remote())
-        ray.get([worker.join.remote(master_addr, master_port) for worker in self.workers])
+        master_addr, master_port = gather(self.workers[0].rendezvous_address.remote())
+        gather([worker.join.remote(master_addr, master_port) for worker in self.workers])
         self.step = 0
 
     def setup(self, run: RunConfig, stage: str, total_steps: int, load_universal: bool = False) -> None:
-        ray.get([worker.setup.remote(run, stage, total_steps, load_universal) for worker in self.workers])
+        gather([worker.setup.remote(run, stage, total_steps, load_universal) for worker in self.workers])
 
     def load(self, directory: str, universal: bool = False, weights_only: bool = False) -> None:
-        steps = ray.get([worker.load.remote(directory, universal, weights_only) for worker in self.workers])
+        steps = gather([worker.load.remote(directory, universal, weights_only) for worker in self.workers])
         self.step = steps[0]
 
     def train_until(self, target_step: int) -> list[dict[str, float]]:
         """Per-step metrics as seen by rank 0 (already averaged over ranks)."""
-        metrics = ray.get([worker.train_until.remote(target_step) for worker in self.workers])[0]
+        metrics = gather([worker.train_until.remote(target_step) for worker in self.workers])[0]
         self.step = target_step
         return metrics
 
     def save(self, directory: str) -> None:
-        ray.get([worker.save.remote(directory) for worker in self.workers])
+        gather([worker.save.remote(directory) for worker in self.workers])
 
     def shutdown(self) -> None:
         for worker in self.workers:
             ray.kill(worker)
         self.workers = []
+
+
+def gather(refs):
+    """`ray.get(refs)`, re-raising a rank's UserError as itself (Ray wraps it in a RayTaskError)."""
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayTaskError as error:
+        cause = getattr(error, "cause", None)
+        if isinstance(cause, UserError):
+            raise cause from None
+        raise
 
 
 def require_driver_host(driver_host: str, worker_hosts: list[str]) -> None:

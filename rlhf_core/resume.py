@@ -10,7 +10,8 @@ cache key.
 Loading (`fetch_start`): the newest committed candidate is downloaded and its sha256s checked; a bad
 one is set aside with one log line and the next older one is tried. Every pickle file is scanned
 before DeepSpeed reads it, and a checkpoint written at another world size is converted to DeepSpeed's
-universal format (ZeRO-1/2 partition optimizer state by rank; ZeRO-0 keeps it whole).
+universal format (ZeRO-1/2 partition optimizer state by rank, ZeRO-3 the weights too; ZeRO-0 keeps
+it whole).
 """
 
 from __future__ import annotations
@@ -25,14 +26,13 @@ from dataclasses import asdict, dataclass
 from rlhf_core.checkpoint import METADATA_NAME, CheckpointInfo, CheckpointStore
 from rlhf_core.config import TRAINING_STAGES, RunConfig, semantic_fields
 from rlhf_core.data import dataset_fingerprint
+from rlhf_core.ds_config import DEEPSPEED_STATE_DIR, UNIVERSAL_STATE_DIR
 from rlhf_core.errors import CorruptCheckpoint, UserError
 from rlhf_core.models import input_model_fingerprints
 from rlhf_core.safe_load import check_no_pickled_code
 
 logger = logging.getLogger(__name__)
 
-DEEPSPEED_STATE_DIR = "ds"
-UNIVERSAL_STATE_DIR = "ds_universal"
 LINEAGE_MARKER = "RESUMED_FROM.json"
 
 
@@ -153,20 +153,22 @@ def fetch_start(run: RunConfig, stage: str, store: CheckpointStore, infos: list[
         with open(os.path.join(local_dir, METADATA_NAME)) as handle:
             metadata = json.load(handle)
         check_drift(run, stage, info, metadata)
-        universal = needs_universal(metadata, run.num_workers)
-        if universal:
-            convert_to_universal(local_dir)
+        universal = needs_universal(metadata, run.num_workers) and convert_to_universal(local_dir)
         weights_only = lineage.weights_only and info.step == lineage.start_step
         return StartState(info, local_dir, universal, weights_only)
     return None
 
 
 def needs_universal(metadata: dict, num_workers: int) -> bool:
+    """ZeRO 1-3 partition state by rank (stage 3 the weights too): another world size reads it through the
+    universal format. ZeRO-0 state is whole on every rank and loads anywhere as it is."""
     return metadata.get("world_size", num_workers) != num_workers and metadata.get("zero_stage", 0) > 0
 
 
-def convert_to_universal(local_dir: str) -> None:
-    """Rewrite each model's per-rank ZeRO state as DeepSpeed's world-size-free universal checkpoint."""
+def convert_to_universal(local_dir: str) -> bool:
+    """Rewrite each model's per-rank ZeRO state as DeepSpeed's world-size-free universal checkpoint; False
+    when there was none to convert (a checkpoint saved with --disable_ds_ckpt holds weights only)."""
+    converted = False
     for model_dir in sorted(os.listdir(local_dir)):
         source = os.path.join(local_dir, model_dir, DEEPSPEED_STATE_DIR)
         if not os.path.isdir(source):
@@ -176,3 +178,5 @@ def convert_to_universal(local_dir: str) -> None:
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"universal checkpoint conversion of {model_dir} failed:\n{done.stderr[-2000:]}")
+        converted = True
+    return converted

@@ -1,11 +1,18 @@
-"""Reward model: Bradley-Terry on preference pairs, loss = -log sigmoid(r_chosen - r_rejected).
+"""Reward model on preference pairs: backbone + scalar `score` head read at the last token (EOS), as OpenRLHF.
 
-The model is the backbone with a scalar `score` head read at the last token (EOS), as in OpenRLHF.
-A fixed held-out split (`eval_split`, drawn from the seed) measures pairwise accuracy after every
-chunk; training steps walk the rest in the usual (seed, epoch) order.
+Loss (--loss): `sigmoid`, Bradley-Terry -log sigmoid(r_c - r_r - margin), with each pair's `margin`
+field when --margin_loss; or `logexploss`, log(1 + exp(r_r - r_c)), which ignores margins as in
+OpenRLHF. Evaluation (every --eval_steps steps and at every checkpoint step) reports `eval_accuracy`,
+`eval_loss` and the mean/std of the rewards (chosen and rejected) on --eval_dataset, else on a fixed
+held-out fraction (--eval_holdout, drawn from the seed); training steps walk the rest in the usual
+(seed, epoch) order. The reward mean/std are stored in the model config (`config.mean`, `config.std`,
+as OpenRLHF) for PPO's --normalize_reward; without any eval pairs they are measured on the training pairs.
+With --packing_samples each micro-batch's chosen and rejected sequences share one row.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -13,17 +20,52 @@ import torch.nn.functional as F
 from rlhf_core.config import RunConfig
 from rlhf_core.data import TokenizedPair, collate_pairs, rank_micro_batches, read_records, split_holdout, tokenize_pairs
 from rlhf_core.determinism import derive_seed, step_sample_indices
+from rlhf_core.ds_config import warn_once
+from rlhf_core.errors import UserError
 from rlhf_core.models import load_scalar_model, load_tokenizer
+from rlhf_core.packing import pack_sequences, packed_scores, score_positions
 from rlhf_core.trainers.base import DeepSpeedTrainer
 
+MARGIN_KEY = "margin"
 
-def load_pairs(run: RunConfig, tokenizer) -> tuple[list[TokenizedPair], list[TokenizedPair]]:
-    """(train, held-out) preference pairs."""
+
+@dataclass(frozen=True)
+class Pair:
+    tokens: TokenizedPair
+    margin: float
+
+
+def read_pairs(run: RunConfig, tokenizer, url: str) -> list[Pair]:
     cfg = run.rm
-    records = read_records(cfg.dataset, max_samples=cfg.max_samples)
-    pairs = tokenize_pairs(cfg.dataset, records, tokenizer, cfg.prompt_key, cfg.chosen_key, cfg.rejected_key,
-                           cfg.max_len, cfg.apply_chat_template)
-    return split_holdout(pairs, cfg.eval_split, run.seed)
+    records = read_records(url, max_samples=cfg.max_samples)
+    tokenized = tokenize_pairs(url, records, tokenizer, cfg.prompt_key, cfg.chosen_key, cfg.rejected_key,
+                               cfg.max_len, cfg.apply_chat_template)
+    return [Pair(tokens, pair_margin(url, record, cfg.margin_loss)) for tokens, record in zip(tokenized, records)]
+
+
+def pair_margin(url: str, record, required: bool) -> float:
+    value = record.fields.get(MARGIN_KEY)
+    if not required:
+        return 0.0
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise UserError(f"{url} line {record.line}: --margin_loss needs a numeric {MARGIN_KEY!r} field in every "
+                        f"pair (got {value!r}); add it or drop --margin_loss.")
+    return float(value)
+
+
+def load_pairs(run: RunConfig, tokenizer) -> tuple[list[Pair], list[Pair]]:
+    """(train, eval) preference pairs: eval from --eval_dataset, else held out of the training data."""
+    cfg = run.rm
+    pairs = read_pairs(run, tokenizer, cfg.dataset)
+    if cfg.eval_dataset:
+        return pairs, read_pairs(run, tokenizer, cfg.eval_dataset)
+    return split_holdout(pairs, cfg.eval_holdout, run.seed)
+
+
+def pairwise_loss(kind: str, chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor) -> torch.Tensor:
+    if kind == "logexploss":
+        return torch.log(1 + torch.exp(rejected - chosen)).mean()
+    return -F.logsigmoid(chosen - rejected - margin).mean()
 
 
 class RewardModelTrainer(DeepSpeedTrainer):
@@ -38,15 +80,30 @@ class RewardModelTrainer(DeepSpeedTrainer):
         super().__init__(run, total_steps, rank, world_size, load_universal)
         self.tokenizer = load_tokenizer(self.cfg.pretrain)
         self.train_pairs, self.eval_pairs = load_pairs(run, self.tokenizer)
+        if self.cfg.margin_loss and self.cfg.loss == "logexploss":
+            warn_once("--margin_loss has no effect with --loss logexploss (as in OpenRLHF).")
         torch.manual_seed(derive_seed(run.seed, self.stage, "init"))  # the new score head starts identical everywhere
         model = load_scalar_model(self.cfg.pretrain, self.tokenizer.pad_token_id, self.cfg.lora_rank,
                                   self.cfg.lora_alpha, self.cfg.target_modules, self.cfg.gradient_checkpointing)
         self.engine = self.build_engine(self.export_model_dir, model)
 
-    def rewards(self, pairs: list[TokenizedPair]) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = collate_pairs(pairs, self.tokenizer.pad_token_id)
-        scores = self.engine(**{name: t.to(self.engine.device) for name, t in batch.items()}).logits.squeeze(-1)
+    def rewards(self, pairs: list[Pair]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen, rejected) rewards of `pairs`, from one padded batch or one packed row."""
+        sequences = [pair.tokens.chosen_ids for pair in pairs] + [pair.tokens.rejected_ids for pair in pairs]
+        with self.autocast():
+            if self.cfg.packing_samples:
+                packed = pack_sequences(sequences)
+                positions = score_positions(packed["input_ids"], packed["ends"], self.tokenizer.pad_token_id)
+                scores = packed_scores(self.engine.module, packed["input_ids"], packed["position_ids"], positions)
+            else:
+                batch = collate_pairs([pair.tokens for pair in pairs], self.tokenizer.pad_token_id)
+                scores = self.engine(**{name: t.to(self.engine.device) for name, t in batch.items()}).logits.squeeze(-1)
+        scores = scores.float()
         return scores[: len(pairs)], scores[len(pairs):]
+
+    def loss(self, pairs: list[Pair], chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+        margins = torch.tensor([pair.margin for pair in pairs], device=chosen.device)
+        return pairwise_loss(self.cfg.loss, chosen, rejected, margins)
 
     def train_step(self) -> dict[str, float]:
         torch.manual_seed(derive_seed(self.run.seed, self.stage, self.step, self.rank, "dropout"))
@@ -54,8 +111,9 @@ class RewardModelTrainer(DeepSpeedTrainer):
         self.engine.train()
         losses, accuracies = [], []
         for micro_batch in rank_micro_batches(indices, self.rank, self.world_size, self.cfg.micro_train_batch_size):
-            chosen, rejected = self.rewards([self.train_pairs[i] for i in micro_batch])
-            loss = -F.logsigmoid(chosen - rejected).mean()
+            pairs = [self.train_pairs[i] for i in micro_batch]
+            chosen, rejected = self.rewards(pairs)
+            loss = self.loss(pairs, chosen, rejected)
             self.engine.backward(loss)
             self.engine.step()
             losses.append(loss.item())
@@ -63,17 +121,37 @@ class RewardModelTrainer(DeepSpeedTrainer):
         self.step += 1
         metrics = {"step": self.step, "loss": self.mean_over_ranks(losses), "lr": self.engine.get_lr()[0],
                    "accuracy": self.mean_over_ranks(accuracies)}
-        if self.step == self.total_steps or self.step % max(self.cfg.save_steps, 1) == 0:
-            metrics["eval_accuracy"] = self.eval_accuracy()
+        if self.is_eval_step():
+            metrics.update(self.evaluate())
         return metrics
 
     @torch.no_grad()
-    def eval_accuracy(self) -> float:
-        """Pairwise accuracy on the held-out split (each rank scores a share of it)."""
+    def evaluate(self) -> dict[str, float]:
+        """Accuracy, loss and reward mean/std on the eval pairs (each rank scores a share of them); the
+        mean/std go into the model config, so each checkpoint's hf/config.json carries them."""
         self.engine.eval()
-        share = self.eval_pairs[self.rank :: self.world_size]
-        correct = []
-        for start in range(0, len(share), self.cfg.micro_train_batch_size):
-            chosen, rejected = self.rewards(share[start : start + self.cfg.micro_train_batch_size])
-            correct += (chosen > rejected).float().tolist()
-        return self.mean_over_ranks(correct) if self.eval_pairs else float("nan")
+        pairs = self.eval_pairs or self.train_pairs
+        correct = loss_sum = reward_sum = reward_square_sum = 0.0
+        num_pairs = 0
+        for share, counted in self.eval_micro_batches(pairs):
+            chosen, rejected = self.rewards(share)
+            if counted:
+                rewards = torch.cat([chosen, rejected]).double()
+                correct += (chosen > rejected).sum().item()
+                loss_sum += self.loss(share, chosen, rejected).item() * len(share)
+                reward_sum += rewards.sum().item()
+                reward_square_sum += rewards.square().sum().item()
+                num_pairs += len(share)
+        correct, loss_sum, reward_sum, reward_square_sum, num_pairs = self.sum_over_ranks(
+            correct, loss_sum, reward_sum, reward_square_sum, num_pairs)
+        num_rewards = 2 * num_pairs
+        mean = reward_sum / num_rewards
+        variance = (reward_square_sum - num_rewards * mean**2) / max(num_rewards - 1, 1)  # unbiased, as torch.std
+        std = max(variance, 0.0) ** 0.5
+        config = (self.engine.module.get_base_model() if hasattr(self.engine.module, "get_base_model")
+                  else self.engine.module).config
+        config.mean, config.std = mean, max(std, 1e-8)
+        metrics = {"reward_mean": mean, "reward_std": std}
+        if self.eval_pairs:
+            metrics.update(eval_accuracy=correct / num_pairs, eval_loss=loss_sum / num_pairs)
+        return metrics

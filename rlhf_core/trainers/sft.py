@@ -2,23 +2,29 @@
 
 Step `s` trains on the global batch `step_sample_indices(s, ...)`, split across ranks in micro-batches;
 dropout is seeded from (seed, stage, step, rank), so a resumed run replays exactly the same step.
+With --packing_samples a micro-batch is one packed row (`rlhf_core.packing`). With --eval_dataset,
+`eval_loss` (the mean loss per response token over the whole eval set) is reported every --eval_steps
+steps and at every checkpoint step; OpenRLHF's SFT also evaluates only when given an eval dataset.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from rlhf_core.config import RunConfig
-from rlhf_core.data import TokenizedSample, collate_sft, rank_micro_batches, read_records, tokenize_sft
+from rlhf_core.data import IGNORE_INDEX, TokenizedSample, collate_sft, rank_micro_batches, read_records, tokenize_sft
 from rlhf_core.determinism import derive_seed, step_sample_indices
 from rlhf_core.models import load_causal_lm, load_tokenizer
+from rlhf_core.packing import pack_sft
 from rlhf_core.trainers.base import DeepSpeedTrainer
 
 
-def load_sft_samples(run: RunConfig, tokenizer) -> list[TokenizedSample]:
+def load_sft_samples(run: RunConfig, tokenizer, url: str | None = None) -> list[TokenizedSample]:
+    """The training samples, or those of `url` (the eval dataset)."""
     cfg = run.sft
-    records = read_records(cfg.dataset, max_samples=cfg.max_samples)
-    return tokenize_sft(cfg.dataset, records, tokenizer, cfg.input_key, cfg.output_key, cfg.max_len,
+    records = read_records(url or cfg.dataset, max_samples=cfg.max_samples)
+    return tokenize_sft(url or cfg.dataset, records, tokenizer, cfg.input_key, cfg.output_key, cfg.max_len,
                         cfg.apply_chat_template)
 
 
@@ -34,10 +40,18 @@ class SFTTrainer(DeepSpeedTrainer):
         super().__init__(run, total_steps, rank, world_size, load_universal)
         self.tokenizer = load_tokenizer(self.cfg.pretrain)
         self.samples = load_sft_samples(run, self.tokenizer)
+        self.eval_samples = load_sft_samples(run, self.tokenizer, self.cfg.eval_dataset) if self.cfg.eval_dataset else []
         torch.manual_seed(derive_seed(run.seed, self.stage, "init"))  # LoRA adapters start identical everywhere
         model = load_causal_lm(self.cfg.pretrain, self.cfg.lora_rank, self.cfg.lora_alpha, self.cfg.target_modules,
                                self.cfg.gradient_checkpointing)
         self.engine = self.build_engine("actor_model", model)
+
+    def batch(self, samples: list[TokenizedSample]) -> dict[str, torch.Tensor]:
+        if self.cfg.packing_samples:
+            batch = pack_sft(samples)
+        else:
+            batch = collate_sft(samples, self.tokenizer.pad_token_id)
+        return {name: tensor.to(self.engine.device) for name, tensor in batch.items()}
 
     def train_step(self) -> dict[str, float]:
         torch.manual_seed(derive_seed(self.run.seed, self.stage, self.step, self.rank, "dropout"))
@@ -45,11 +59,31 @@ class SFTTrainer(DeepSpeedTrainer):
         self.engine.train()
         losses = []
         for micro_batch in rank_micro_batches(indices, self.rank, self.world_size, self.cfg.micro_train_batch_size):
-            batch = collate_sft([self.samples[i] for i in micro_batch], self.tokenizer.pad_token_id)
-            batch = {name: tensor.to(self.engine.device) for name, tensor in batch.items()}
-            loss = self.engine(**batch).loss
+            with self.autocast():
+                loss = self.engine(**self.batch([self.samples[i] for i in micro_batch])).loss
             self.engine.backward(loss)
             self.engine.step()
             losses.append(loss.item())
         self.step += 1
-        return {"step": self.step, "loss": self.mean_over_ranks(losses), "lr": self.engine.get_lr()[0]}
+        metrics = {"step": self.step, "loss": self.mean_over_ranks(losses), "lr": self.engine.get_lr()[0]}
+        if self.eval_samples and self.is_eval_step():
+            metrics["eval_loss"] = self.eval_loss()
+        return metrics
+
+    @torch.no_grad()
+    def eval_loss(self) -> float:
+        """Mean cross-entropy per response token over the eval set (each rank scores a share of it)."""
+        self.engine.eval()
+        loss_sum, num_tokens = 0.0, 0
+        for samples, counted in self.eval_micro_batches(self.eval_samples):
+            batch = self.batch(samples)
+            labels = batch.pop("labels")
+            with self.autocast():
+                logits = self.engine(**batch).logits
+            token_losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                                           ignore_index=IGNORE_INDEX, reduction="sum")
+            if counted:
+                loss_sum += token_losses.item()
+                num_tokens += int((labels[:, 1:] != IGNORE_INDEX).sum())
+        total_loss, total_tokens = self.sum_over_ranks(loss_sum, num_tokens)
+        return total_loss / max(total_tokens, 1)
