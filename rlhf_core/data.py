@@ -30,6 +30,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -232,17 +233,19 @@ def _pick_split(name: str, dataset, split: str, flag: str):
     return dataset[split]
 
 
-def _load_dataset(name: str, split: str, flag: str, **kwargs):
-    """`datasets.load_dataset(name, split=split)`, an unknown split named as the user's flag."""
+def _load_dataset(path: str, split: str, flag: str, name: str | None = None):
+    """`datasets.load_dataset(path, split=split)`, an unknown split named with the user's flag and `name`."""
     import datasets
 
     try:
-        return datasets.load_dataset(name, split=split, **kwargs)
+        return datasets.load_dataset(path, split=split)
     except ValueError as error:
         if "split" not in str(error).lower():
             raise
-        raise UserError(f"{flag}: {name}: {error} Choose the split with {SPLIT_FLAGS.get(flag, '--dataset_split')}."
-                        ) from None
+        choices = re.search(r"one of \[(.*)\]", str(error))
+        has = f"it has {choices.group(1)}" if choices else str(error).rstrip(".")
+        raise UserError(f"{flag}: {name or path} has no split {split!r} ({has}); choose one with "
+                        f"{SPLIT_FLAGS.get(flag, '--dataset_split')}.") from None
 
 
 def _hub_dataset(name: str, split: str, flag: str):
@@ -255,7 +258,7 @@ def _hub_dataset(name: str, split: str, flag: str):
         snapshot = hub_snapshot(name, repo_type="dataset", download=False)
         if snapshot is None:
             raise not_cached(flag, name, "dataset") from error
-    return _load_dataset(snapshot, split, flag)
+    return _load_dataset(snapshot, split, flag, name)
 
 
 def _folder_dataset(url: str, filesystem, path: str, split: str, storage_options: dict | None, flag: str):

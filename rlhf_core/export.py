@@ -7,6 +7,9 @@ Everything here reads the checkpoints' `hf/` copies (safetensors and JSON), neve
   logits must match base+adapter within 1e-4 on a few inputs.
 - `export_final`: the policy (merged if it is an adapter) as a standalone model, loaded back and asked
   to generate before it counts as exported.
+- `check_writable`: an output location is probed (a small file written and removed) before training
+  starts, so a read-only `--save_path` is refused up front rather than after all the training.
+Every model read passes the run's storage_options; errors name the flag the path came from.
 """
 
 from __future__ import annotations
@@ -15,13 +18,16 @@ import json
 import os
 import re
 import tempfile
+import uuid
 
 import fsspec
 import torch
 
 from rlhf_core.checkpoint import MANIFEST_NAME, CheckpointStore, manifest_digest
 from rlhf_core.errors import UserError
-from rlhf_core.models import SOURCE_NAME, is_lora_dir, load_causal_lm, load_tokenizer, local_model_dir
+from rlhf_core.hub import store_unreachable
+from rlhf_core.models import (SOURCE_NAME, check_model_dir, is_lora_dir, load_causal_lm, load_tokenizer,
+                              local_model_dir)
 
 MERGE_TOLERANCE = 1e-4
 
@@ -29,6 +35,30 @@ MERGE_TOLERANCE = 1e-4
 MODEL_FILE = re.compile(r"(model|adapter_model|pytorch_model).*\.(safetensors|bin)(\.index\.json)?|adapter_config\.json|"
                         r"config\.json|generation_config\.json|tokenizer.*|special_tokens_map\.json|chat_template\.jinja|"
                         + re.escape(SOURCE_NAME))
+
+
+def check_writable(url: str, flag: str, storage_options: dict | None = None) -> None:
+    """Write and remove a small probe file at `url` (created if missing); a location that cannot be
+    written is a UserError naming `flag`."""
+    probe_name = f".rlhf-write-probe-{uuid.uuid4().hex[:12]}"
+    try:
+        filesystem, target = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        if filesystem.isfile(target):
+            raise UserError(f"{flag}: {url} is a file; give a folder.")
+        filesystem.makedirs(target, exist_ok=True)
+        probe = f"{target.rstrip('/')}/{probe_name}"
+        filesystem.pipe_file(probe, b"rlhf write probe\n")
+        filesystem.rm_file(probe)
+    except UserError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a store's own error types; re-raised unless understood
+        unreachable = store_unreachable(error, flag, url, storage_options)
+        if unreachable is not None:
+            raise unreachable from None
+        if isinstance(error, (OSError, ValueError)):
+            raise UserError(f"{flag}: cannot write to {url} ({type(error).__name__}: {error}); choose a writable "
+                            "location.") from None
+        raise
 
 
 def upload_dir(local_dir: str, url: str, storage_options: dict | None = None) -> str:
@@ -57,7 +87,7 @@ def export_stage_output(store: CheckpointStore, step: int, model_dir_name: str, 
     with tempfile.TemporaryDirectory(prefix="rlhf-export-") as local_dir:
         store.download(step, local_dir)
         hf_dir = os.path.join(local_dir, model_dir_name, "hf")
-        load_tokenizer(pretrain).save_pretrained(hf_dir)
+        load_tokenizer(pretrain, storage_options).save_pretrained(hf_dir)
         with open(os.path.join(local_dir, MANIFEST_NAME), "rb") as manifest:
             source = {"checkpoint": store.uri(step), "manifest_digest": manifest_digest(manifest.read())}
         with open(os.path.join(hf_dir, SOURCE_NAME), "w") as handle:
@@ -78,13 +108,17 @@ def merge_lora(model_path: str, lora_path: str, output_path: str, bf16: bool = F
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    adapter_dir = local_model_dir(lora_path)
+    adapter_dir = local_model_dir(lora_path, storage_options, flag="--lora_path")
     if not is_lora_dir(adapter_dir):
         raise UserError(f"--lora_path: {lora_path} holds no LoRA adapter (adapter_config.json).")
-    base = AutoModelForCausalLM.from_pretrained(local_model_dir(model_path), dtype=torch.float32)
+    check_model_dir(adapter_dir, lora_path, "--lora_path")
+    base_dir = local_model_dir(model_path, storage_options, flag="--model_path")
+    check_model_dir(base_dir, model_path, "--model_path")
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     adapted = PeftModel.from_pretrained(base, adapter_dir).eval()
-    tokenizer = load_tokenizer(lora_path if os.path.exists(os.path.join(adapter_dir, "tokenizer_config.json"))
-                               else model_path)
+    tokenizer = (load_tokenizer(lora_path, storage_options, flag="--lora_path")
+                 if os.path.exists(os.path.join(adapter_dir, "tokenizer_config.json"))
+                 else load_tokenizer(model_path, storage_options, flag="--model_path"))
     probe = _probe_inputs(tokenizer)
     expected = adapted(input_ids=probe).logits
     merged = adapted.merge_and_unload().eval()
@@ -106,7 +140,8 @@ def export_final(model_path: str, save_path: str, storage_options: dict | None =
     """Write `model_path` (merged if an adapter) as a standalone model, after it loads and generates."""
     from transformers import AutoModelForCausalLM
 
-    model, tokenizer = load_causal_lm(model_path).eval(), load_tokenizer(model_path)
+    model = load_causal_lm(model_path, storage_options=storage_options, flag="--model_path").eval()
+    tokenizer = load_tokenizer(model_path, storage_options, flag="--model_path")
     with tempfile.TemporaryDirectory(prefix="rlhf-final-") as local_dir:
         model.save_pretrained(local_dir, safe_serialization=True)
         tokenizer.save_pretrained(local_dir)
