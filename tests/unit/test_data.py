@@ -105,3 +105,75 @@ def test_dataset_fingerprint_is_hashed_once_per_file_version(tmp_path, monkeypat
     path.write_text('{"a": "2"}\n')  # same size, new contents
     os.utime(path, ns=(path.stat().st_mtime_ns + 10**9,) * 2)  # a coarse clock could give the same mtime
     assert data.fingerprint(str(path)) != first and len(opened) == 2
+
+
+def test_bytes_that_are_not_utf8_name_file_line_and_offset(tmp_path):
+    path = tmp_path / "d.jsonl"
+    good = b'{"prompt": "a", "response": "b"}\n'
+    path.write_bytes(good + b'{"prompt": "caf\xe9", "response": "b"}\n')
+    offset = len(good) + len(b'{"prompt": "caf')
+    with pytest.raises(UserError, match=rf"d\.jsonl line 2: bytes that are not UTF-8 at byte offset {offset} "):
+        read_records(str(path))
+    path.write_bytes(b"\xef\xbb\xbf" + good)  # a UTF-8 BOM is fine
+    assert read_records(str(path))[0].fields["prompt"] == "a"
+
+
+def test_json_array_problems_name_the_item_and_syntax_errors_the_line(tmp_path, tokenizer):
+    url = write(tmp_path / "d.json", json.dumps([{"prompt": "sort : 1 =", "response": "1"}, {"prompt": "x"}]))
+    with pytest.raises(UserError, match=r"d\.json item 2: no key 'response'"):
+        tokenize_sft(url, read_records(url), tokenizer, "prompt", "response", 64, False)
+    with pytest.raises(UserError, match=r"d\.json item 2: expected a JSON object, got int"):
+        read_records(write(tmp_path / "d.json", '[{"prompt": "a"}, 3]'))
+    with pytest.raises(UserError, match=r"d\.json line 3: invalid JSON"):
+        read_records(write(tmp_path / "d.json", '[\n{"prompt": "a"},\n{"prompt": }\n]'))
+    # JSON lines in a .json file, as datasets' json loader reads them
+    lines = read_records(write(tmp_path / "l.json", '{"prompt": "a"}\n{"prompt": "b"}\n'))
+    assert [record.fields["prompt"] for record in lines] == ["a", "b"] and lines[1].where("x") == "x line 2"
+
+
+def test_csv_rows(tmp_path):
+    records = read_records(write(tmp_path / "d.csv", "prompt,response\nsort : 2 1 =,1 2\n"))
+    assert records[0].fields == {"prompt": "sort : 2 1 =", "response": "1 2"} and records[0].unit == "row"
+
+
+def test_input_template_wraps_the_prompt_unless_a_chat_template_applies(tmp_path, tokenizer):
+    from rlhf_core.data import render_prompt, tokenize_pairs, tokenize_prompts
+
+    template = "sort : {} ="
+    assert render_prompt(tokenizer, "2 1", False, template) == "sort : 2 1 ="
+    assert render_prompt(tokenizer, "2 1", True, template).startswith("user : 2 1")  # the chat template wins
+    url = write(tmp_path / "d.jsonl", json.dumps({"prompt": "2 1", "response": "1 2", "bad": "1"}) + "\n")
+    records = read_records(url)
+    [sample] = tokenize_sft(url, records, tokenizer, "prompt", "response", 64, False, input_template=template)
+    assert tokenizer.decode(sample.input_ids).startswith("<s> sort : 2 1 =")
+    [(text, ids)] = tokenize_prompts(url, records, tokenizer, "prompt", 64, False, input_template=template)
+    assert text == "2 1" and tokenizer.decode(ids) == "<s> sort : 2 1 ="
+    [pair] = tokenize_pairs(url, records, tokenizer, "prompt", "response", "bad", 64, False, input_template=template)
+    assert tokenizer.decode(pair.chosen_ids).startswith("<s> sort : 2 1 =")
+    with pytest.raises(UserError, match=r"^--input_template 'User: ' has no '\{\}' where the prompt goes"):
+        render_prompt(tokenizer, "2 1", False, "User: ")
+    with pytest.raises(UserError, match=r"^--input_template 'Q \{\} \{name\}' is not a str\.format template"):
+        render_prompt(tokenizer, "2 1", False, "Q {} {name}")
+
+
+def test_unreachable_s3_dataset_names_flag_url_and_endpoint(monkeypatch):
+    pytest.importorskip("s3fs")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing-secret")
+    options = {"endpoint_url": "http://127.0.0.1:9", "config_kwargs": {"retries": {"max_attempts": 1}}}
+    with pytest.raises(UserError, match=r"^--prompt_data: cannot reach the store of s3://bucket/d\.jsonl at "
+                                        r"http://127\.0\.0\.1:9 \(EndpointConnectionError\)"):
+        read_records("s3://bucket/d.jsonl", options, flag="--prompt_data")
+
+
+def test_fingerprints_of_folders_and_mixtures(tmp_path):
+    from rlhf_core.data import fingerprint
+
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text('{"a": "1"}\n')
+    before = fingerprint(str(folder))
+    (folder / "b.jsonl").write_text('{"a": "2"}\n')
+    assert fingerprint(str(folder)) != before
+    first, second = write(tmp_path / "1.jsonl", '{"a": "1"}\n'), write(tmp_path / "2.jsonl", '{"a": "2"}\n')
+    assert fingerprint(f"{first},{second}") != fingerprint(f"{second},{first}") != fingerprint(first)
