@@ -1,8 +1,9 @@
 """Sample packing (`--packing_samples`): a micro-batch's sequences laid end to end in one row, no padding.
 
-`position_ids` restart at 0 for each sequence. With no attention mask, transformers detects the
-restarts (`masking_utils.find_packed_sequence_indices`) and keeps attention inside each sequence, for
-sdpa and eager alike. SFT labels ignore each sequence's first token, so no token is predicted from
+`position_ids` restart at 0 for each sequence. With no attention mask and no KV cache (callers pass
+`use_cache=False`: a model in eval mode builds a cache otherwise, and transformers then skips the
+check), transformers detects the restarts (`masking_utils.find_packed_sequence_indices`) and keeps
+attention inside each sequence, for sdpa and eager alike. SFT labels ignore each sequence's first token, so no token is predicted from
 the previous sequence's end: the loss covers the same tokens as the padded batch and equals its loss
 within float rounding. A reward model reads each sequence's score where the padded model would (its
 last token that is not the pad token).
@@ -51,5 +52,6 @@ def packed_scores(model, input_ids: torch.Tensor, position_ids: torch.Tensor, po
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # through a LoRA wrapper
     backbone = getattr(inner, inner.base_model_prefix)
     device = inner.score.weight.device
-    hidden = backbone(input_ids=input_ids.to(device), position_ids=position_ids.to(device)).last_hidden_state
+    hidden = backbone(input_ids=input_ids.to(device), position_ids=position_ids.to(device),
+                      use_cache=False).last_hidden_state
     return inner.score(hidden[0, positions.to(device)]).squeeze(-1)

@@ -255,7 +255,8 @@ def apply_schedule(engine) -> None:
 
 
 def continue_schedule(engine, global_steps: int) -> None:
-    """A fresh optimizer whose LR schedule continues after `global_steps` optimizer steps."""
-    engine.global_steps = global_steps
-    engine.lr_scheduler.last_epoch = global_steps - 1
-    engine.lr_scheduler.step()
+    """A fresh optimizer whose LR schedule (a LambdaLR) continues after `global_steps` optimizer steps."""
+    scheduler = engine.lr_scheduler
+    engine.global_steps = scheduler.last_epoch = global_steps
+    scheduler._last_lr = [base * factor(global_steps) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    apply_schedule(engine)

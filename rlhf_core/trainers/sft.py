@@ -46,11 +46,11 @@ class SFTTrainer(DeepSpeedTrainer):
                                self.cfg.gradient_checkpointing)
         self.engine = self.build_engine("actor_model", model)
 
-    def batch(self, samples: list[TokenizedSample]) -> dict[str, torch.Tensor]:
+    def batch(self, samples: list[TokenizedSample]) -> dict:
+        """Model inputs of a micro-batch: one packed row (no KV cache, see rlhf_core.packing) or a padded batch."""
         if self.cfg.packing_samples:
-            batch = pack_sft(samples)
-        else:
-            batch = collate_sft(samples, self.tokenizer.pad_token_id)
+            return {**{name: t.to(self.engine.device) for name, t in pack_sft(samples).items()}, "use_cache": False}
+        batch = collate_sft(samples, self.tokenizer.pad_token_id)
         return {name: tensor.to(self.engine.device) for name, tensor in batch.items()}
 
     def train_step(self) -> dict[str, float]:
