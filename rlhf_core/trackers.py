@@ -5,9 +5,11 @@ OpenRLHF (openrlhf/utils/logging_utils.py and its trainers) logs from rank 0: `t
 wandb, or, only when wandb is off, to TensorBoard under `{use_tensorboard}/{wandb_run_name}`.
 
 Here the ranks hand their per-step metrics (rank 0's, already averaged over ranks) back to the driver
-(`rlhf_core.chunk`), which logs them through the `StageTrackers` of that (run, stage). Departures:
-- Both trackers may be on together. TensorBoard writes to `{use_tensorboard}/{run_name}/{stage}`;
-  the wandb run is named `--wandb_run_name`, else `{run_name}-{stage}`: one wandb run per stage.
+(`rlhf_core.chunk`, which trains to each logged step in turn), and the driver logs them through the
+`StageTrackers` of that (run, stage); nothing is printed per step. Departures:
+- Both trackers may be on together (OpenRLHF drops TensorBoard when wandb is on). TensorBoard
+  writes to `{use_tensorboard}/{run_name}/{stage}`; the wandb run is named `--wandb_run_name`, else
+  `{run_name}-{stage}`: one wandb run per stage, its metrics `train/*` and `eval/*` as OpenRLHF's.
 - A trainer reports evaluation results as `eval_<name>` on the steps it evaluates; they are logged
   as `eval/<name>` whenever present (not thinned by logging_steps, as OpenRLHF's evaluate()).
 - Resume: every checkpoint's training_metadata.json records `tracker_ids()`; a stage that resumes

@@ -79,10 +79,10 @@ def test_tensorboard_logs_every_logging_steps_and_every_eval(tmp_path):
 
 
 def test_tensorboard_resume_shows_each_step_once_with_the_retrained_values(tmp_path):
-    """A run logged to step 8, died, and resumes from its step-5 checkpoint: TensorBoard must show
+    """A run logged to step 6, died, and resumes from its step-5 checkpoint: TensorBoard must show
     steps 1-5 of the first session and 6-10 of the second, each once."""
     run = make_run(tmp_path, use_tensorboard=str(tmp_path / "tb"))
-    open_stage_trackers(run, "sft", {}, start_step=0).log(fake_stream(1, 8))
+    open_stage_trackers(run, "sft", {}, start_step=0).log(fake_stream(1, 6))
     close_trackers(run, "sft", failed=True)
     open_stage_trackers(run, "sft", {}, start_step=5).log(fake_stream(6, 10, offset=100.0))
     close_trackers(run, "sft")
