@@ -27,6 +27,7 @@ from rlhf_core.config import (
     TRAINING_STAGES, MergeConfig, PPOConfig, RMConfig, RunConfig, SFTConfig, describe_validation_error,
     load_run_config,
 )
+from flows.openrlhf_flags import flags_for
 from rlhf_core.errors import UserError
 
 STAGE_CONFIGS = {"sft": SFTConfig, "rm": RMConfig, "ppo": PPOConfig}
@@ -54,13 +55,80 @@ def _flag_type(annotation: Any) -> tuple[Any, dict[str, Any]]:
     return None, {"type": annotation, "default": argparse.SUPPRESS}
 
 
-def add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel], exclude: set[str] = frozenset()) -> None:
+def add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel], exclude: set[str] = frozenset(),
+                    aliases: dict[str, list[str]] | None = None) -> None:
+    """One flag per field of `model`, its help the field's description; `aliases` adds other spellings."""
     for name, field in model.model_fields.items():
         if name in exclude:
             continue
         _, kwargs = _flag_type(field.annotation)
         required = " (required)" if field.is_required() else ""
-        parser.add_argument(f"--{name}", dest=name, help=((field.description or "") + required).replace("%", "%%"), **kwargs)
+        spellings = [f"--{name}"] + [f"--{alias}" for alias in (aliases or {}).get(name, []) if alias != name]
+        parser.add_argument(*spellings, dest=name, help=((field.description or "") + required).replace("%", "%%"),
+                            **kwargs)
+
+
+OPENRLHF_DEST = "openrlhf:"
+_TAKES = {"switch": {"action": "store_true"}, "value": {}, "pair": {"nargs": 2}, "list": {"nargs": "*"}}
+
+
+def add_openrlhf_flags(parser: argparse.ArgumentParser, cli: str, models: Sequence[type[BaseModel]],
+                       exclude: set[str] = frozenset()) -> None:
+    """Our fields' flags, with OpenRLHF's spellings (0.9 and 0.11's dotted ones) from `openrlhf_flags` as aliases,
+    and one flag per OpenRLHF flag that is mapped, refused or converted (checked in `apply_openrlhf_flags`)."""
+    aliases: dict[str, list[str]] = {}
+    own_flags = _own_openrlhf_flags(cli, _field_names(models, exclude))
+    for flag in flags_for(cli):
+        if flag not in own_flags:
+            aliases.setdefault(flag.field, []).extend(flag.spellings(cli))
+    claimed = {name for flag in own_flags for name in flag.spellings(cli)}
+    for model in models:
+        add_model_flags(parser, model, exclude | claimed, aliases)
+    group = parser.add_argument_group("OpenRLHF flags mapped or refused here (see docs/openrlhf-flags.md)")
+    for index, flag in enumerate(own_flags):
+        kwargs = dict(_TAKES[flag.takes])
+        if flag.takes != "switch":
+            kwargs.update(type=flag.value_type, metavar=("LOW", "HIGH") if flag.takes == "pair" else "VALUE")
+        help_text = f"{flag.kind}: {flag.note or flag.field}".replace("%", "%%")
+        group.add_argument(*(f"--{name}" for name in flag.spellings(cli)), dest=f"{OPENRLHF_DEST}{index}",
+                           default=argparse.SUPPRESS, help=help_text, **kwargs)
+
+
+def _field_names(models: Sequence[type[BaseModel]], exclude: set[str]) -> set[str]:
+    return {name for model in models for name in model.model_fields} - exclude
+
+
+def _own_openrlhf_flags(cli: str, fields: set[str]) -> list:
+    """The OpenRLHF flags of `cli` that get a flag of their own: all but plain spellings of one of our fields."""
+    from flows.openrlhf_flags import IMPLEMENTED, flags_for
+
+    return [flag for flag in flags_for(cli)
+            if not (flag.kind == IMPLEMENTED and flag.convert is None and flag.field in fields)]
+
+
+def apply_openrlhf_flags(cli: str, flags: dict[str, Any], models: Sequence[type[BaseModel]],
+                         exclude: set[str] = frozenset()) -> dict[str, Any]:
+    """Our field values from parsed flags: refused OpenRLHF flags at a non-default value are a UserError, mapped
+    ones print their note once, and OpenRLHF's rank counts become --num_workers."""
+    from flows.openrlhf_flags import MAPPED, REFUSED
+
+    own_flags = _own_openrlhf_flags(cli, _field_names(models, exclude))
+    values = {name: value for name, value in flags.items() if not name.startswith(OPENRLHF_DEST)}
+    for index, flag in enumerate(own_flags):
+        if f"{OPENRLHF_DEST}{index}" not in flags:
+            continue
+        value = flags[f"{OPENRLHF_DEST}{index}"]
+        spelled = " / ".join(f"--{name}" for name in flag.spellings(cli))
+        if flag.kind == REFUSED and value != flag.default and not (flag.takes == "pair" and
+                                                                   tuple(value) == tuple(flag.default or ())):
+            raise UserError(f"{spelled} {value!r} is not supported here: {flag.note}.")
+        if flag.kind == MAPPED:
+            print(f"rlhf: note: {spelled}: {flag.note}.", file=sys.stderr)
+        values.update(flag.updates(value))
+    nodes, gpus = values.pop("_num_nodes", None), values.pop("_num_gpus_per_node", None)
+    if (nodes or gpus) and "num_workers" not in values:
+        values["num_workers"] = (nodes or 1) * (gpus or 1)
+    return values
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,8 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="Train one stage.").add_subparsers(dest="stage", required=True)
     for stage, config in STAGE_CONFIGS.items():
         stage_parser = train.add_parser(stage, help=config.__doc__)
-        add_model_flags(stage_parser, RunConfig, exclude=RUN_FLAGS_EXCLUDED)
-        add_model_flags(stage_parser, config)
+        add_openrlhf_flags(stage_parser, stage, (RunConfig, config), exclude=RUN_FLAGS_EXCLUDED)
 
     run = commands.add_parser("run", help="Run the pipeline from a YAML run config.")
     run.add_argument("config", metavar="CONFIG.yaml")
@@ -91,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt_verify.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
 
     combiner = commands.add_parser("lora-combiner", help="Merge a LoRA adapter into its base model.")
-    add_model_flags(combiner, MergeConfig)
+    add_openrlhf_flags(combiner, "lora-combiner", (MergeConfig,))
 
     demo = commands.add_parser("demo", help="Run the pipeline on the toy model and data.")
     demo.add_argument("--workdir", default="./demo", help="Folder for toy assets, checkpoints and outputs.")
@@ -100,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_config_from_flags(stage: str, flags: dict[str, Any]) -> RunConfig:
+    flags = apply_openrlhf_flags(stage, flags, (RunConfig, STAGE_CONFIGS[stage]), RUN_FLAGS_EXCLUDED)
     stage_fields = STAGE_CONFIGS[stage].model_fields
     stage_values = {name: value for name, value in flags.items() if name in stage_fields}
     run_values = {name: value for name, value in flags.items() if name in RunConfig.model_fields}
@@ -174,7 +242,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "ckpt":
             return cmd_ckpt(args.ckpt_command, args.path, args.json, getattr(args, "verify", False))
         elif args.command == "lora-combiner":
-            cmd_lora_combiner({k: v for k, v in vars(args).items() if k in MergeConfig.model_fields})
+            flags = apply_openrlhf_flags("lora-combiner", {k: v for k, v in vars(args).items() if k != "command"},
+                                         (MergeConfig,))
+            cmd_lora_combiner(flags)
         elif args.command == "demo":
             from flows.demo import run_demo
 

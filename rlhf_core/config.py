@@ -214,8 +214,6 @@ class PPOConfig(StageConfig):
                                                                       "(1: engines are colocated one per rank).")
     vllm_gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="GPU memory fraction vLLM may take.")
     vllm_enable_sleep: bool = Field(False, description="Let vLLM release GPU memory while the models train.")
-    colocate_all_models: bool = Field(False, description="Accepted for OpenRLHF scripts; actor, critic, reference, "
-                                                         "reward and vLLM are always colocated on each rank here.")
     save_path: str = Field("./out/ppo", **_operational("Where the final policy is exported (an adapter if LoRA)."))
 
     @model_validator(mode="after")
@@ -226,7 +224,7 @@ class PPOConfig(StageConfig):
             raise ValueError("reward_fn and remote_rm_url both replace the reward model: give one of them")
         if self.advantage_estimator in ("rloo", "reinforce_baseline", "group_norm", "dr_grpo") and self.n_samples_per_prompt < 2:
             raise ValueError(f"{self.advantage_estimator} compares samples of one prompt: set n_samples_per_prompt >= 2")
-        if self.vllm_tensor_parallel_size != 1:
+        if self.vllm_num_engines and self.vllm_tensor_parallel_size != 1:
             raise ValueError("vllm_tensor_parallel_size must be 1: each rank hosts a whole vLLM engine next to its "
                              "models (use more num_workers for more engines)")
         if (self.rollout_batch_size * self.n_samples_per_prompt) % self.train_batch_size:

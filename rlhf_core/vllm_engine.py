@@ -8,7 +8,7 @@ engine releases its GPU memory (weights and KV cache, sleep level 2) while the m
 
 Departures from OpenRLHF, which runs vLLM engines as separate Ray actors synced over NCCL:
 `vllm_num_engines` must equal `num_workers` and `vllm_tensor_parallel_size` must be 1 (the config
-refuses anything else); models are always colocated, whatever `colocate_all_models` says.
+refuses anything else); models are always colocated (OpenRLHF's `--colocate_all_models` is accepted as a no-op).
 Sampling uses one seed per sequence, derived from (run seed, step, rank, index), so a resumed run asks
 for the same samples; vLLM's kernels are not bit-reproducible across GPUs, so PPO resume is exact on
 CPU (transformers generation) and only statistically equal with vLLM.

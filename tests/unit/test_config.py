@@ -94,7 +94,7 @@ def test_flags_keep_openrlhf_names():
     ("flags", "expected"),
     [
         (["--num_workers", "1", "--vllm_num_engines", "2"], "vllm_num_engines (2) must be 0 or num_workers (1)"),
-        (["--vllm_tensor_parallel_size", "2"], "vllm_tensor_parallel_size must be 1"),
+        (["--vllm_num_engines", "1", "--vllm_tensor_parallel_size", "2"], "vllm_tensor_parallel_size must be 1"),
     ],
 )
 def test_vllm_layouts_we_do_not_run_are_refused(flags, expected, capsys, tmp_path, toy_assets):
