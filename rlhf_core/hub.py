@@ -85,7 +85,8 @@ def _endpoint(error: BaseException, storage_options: dict | None) -> str:
     options = storage_options or {}
     endpoint = options.get("endpoint_url") or (options.get("client_kwargs") or {}).get("endpoint_url")
     found = re.search(r"https?://[^\s\"']+", str(error))
-    return endpoint or (found.group(0) if found else None) or os.environ.get("AWS_ENDPOINT_URL") or "the default endpoint"
+    named = found.group(0).rstrip(".") if found else None
+    return endpoint or named or os.environ.get("AWS_ENDPOINT_URL") or "the default endpoint"
 
 
 def store_unreachable(error: BaseException, flag: str, url: str, storage_options: dict | None = None
