@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import types
 import typing
 from typing import Any, Sequence
@@ -24,7 +25,7 @@ from typing import Any, Sequence
 from pydantic import BaseModel, ValidationError
 
 from rlhf_core.config import (
-    TRAINING_STAGES, MergeConfig, PPOConfig, RMConfig, RunConfig, SFTConfig, describe_validation_error,
+    MergeConfig, PPOConfig, RMConfig, RunConfig, SFTConfig, describe_validation_error,
     load_run_config,
 )
 from flows.openrlhf_flags import flags_for
@@ -178,20 +179,11 @@ def run_config_from_flags(stage: str, flags: dict[str, Any]) -> RunConfig:
 
 
 def run_pipeline(run: RunConfig) -> dict:
-    """Validate what can be validated before Prefect starts, then run the flow."""
-    from rlhf_core.chunk import plan_stage, resolve_paths
-    from rlhf_core.lease import RunLease
-    from rlhf_core.resume import validate_run_start
+    """Check everything that can be checked before Prefect starts (rlhf_core.preflight), then run the flow."""
+    from rlhf_core.chunk import resolve_paths
+    from rlhf_core.preflight import preflight
 
-    resolved = resolve_paths(run)
-    validate_run_start(resolved)
-    produced = set()
-    for stage in (stage for stage in resolved.stages if stage in TRAINING_STAGES):
-        cfg = resolved.stage_config(stage)
-        if cfg.pretrain not in produced:  # a chained stage's inputs exist only once its upstream has run
-            plan_stage(resolved, stage)
-        produced.add(cfg.save_path)
-    RunLease(resolved.run_url(), resolved.storage_options).check_available()
+    preflight(resolve_paths(run))
     from flows.pipeline import rlhf
 
     return rlhf(config=run)
@@ -219,9 +211,29 @@ def cmd_lora_combiner(flags: dict[str, Any]) -> None:
         raise UserError(describe_validation_error(error, "rlhf lora-combiner", flag_style=True)) from None
     if cfg.model_path is None or cfg.lora_path is None:
         raise UserError("rlhf lora-combiner: --model_path and --lora_path are required.")
-    difference = merge_lora(cfg.model_path, cfg.lora_path, cfg.output_path, cfg.bf16)
+    with tempfile.TemporaryDirectory(prefix="rlhf-adapter-") as local_dir:
+        adapter = checkpoint_adapter(cfg.lora_path, local_dir) or cfg.lora_path
+        difference = merge_lora(cfg.model_path, adapter, cfg.output_path, cfg.bf16)
     print(f"merged {cfg.lora_path} into {cfg.model_path} -> {cfg.output_path} "
           f"(max logit difference vs base+adapter: {difference:.2e})")
+
+
+def checkpoint_adapter(lora_path: str, local_dir: str) -> str | None:
+    """The seed's `--lora_path {ckpt_path}/latest` (or `.../step_N`): the policy adapter of that checkpoint,
+    verified and downloaded into `local_dir`; None when `lora_path` names no checkpoint."""
+    from rlhf_core.checkpoint import CheckpointStore, parse_step_dir_name
+
+    parent, _, name = lora_path.rstrip("/").rpartition("/")
+    if not parent or (name != "latest" and parse_step_dir_name(name) is None):
+        return None
+    store = CheckpointStore(parent)
+    committed = [info for info in store.list(verify=True) if info.is_committed]
+    chosen = committed[-1:] if name == "latest" else [info for info in committed if info.name == name]
+    if not chosen:
+        raise UserError(f"--lora_path {lora_path}: {parent} holds no valid checkpoint "
+                        f"{'at all' if name == 'latest' else name} (see `rlhf ckpt ls {parent}`).")
+    store.download(chosen[0].step, local_dir)
+    return os.path.join(local_dir, "actor_model", "hf")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -387,9 +387,9 @@ class RunConfig(BaseModel):
                 updates["reward_pretrain"] = self._upstream("ppo", "save_path", "rm")
             reward_model = updates.get("reward_pretrain", ppo.reward_pretrain)
             if ppo.advantage_estimator == "gae" and ppo.critic_pretrain is None:
-                if reward_model is None and "rm" not in self.stages[: self.stages.index("ppo")]:
-                    raise ValueError("ppo.advantage_estimator gae needs a critic: set critic_pretrain or run rm first")
-                updates["critic_pretrain"] = reward_model or self.rm.save_path
+                # As OpenRLHF: the critic starts from the reward model, or from the actor when a function rewards.
+                produced_rm = self.rm.save_path if "rm" in self.stages[: self.stages.index("ppo")] else None
+                updates["critic_pretrain"] = reward_model or produced_rm or updates.get("pretrain", ppo.pretrain)
             self.ppo = ppo.model_copy(update=updates)
         policy = next((stage for stage in ("ppo", "sft") if stage in self.stages), None)
         if "merge" in self.stages:

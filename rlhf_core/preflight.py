@@ -1,0 +1,77 @@
+"""Everything about a run that can be checked before any training starts, each failure one UserError sentence.
+
+A mistake found after hours of training (a read-only --save_path, a reward function that raises, a model folder
+with no tokenizer) costs those hours; found here it costs seconds. Checked, in order: resume rules (an existing run
+needs --load_checkpoint, settings drift), every output location writable (a probe file, written and removed: this
+also proves an object store reachable), every input model a loadable Hugging Face folder, each training stage's
+data, tokenizer and reward function (the planner reads and tokenizes the data and calls the reward function on
+one sample), tracker packages, and the run lease. Inputs that an earlier stage of this run produces are checked
+when that stage has run.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import fsspec
+
+from rlhf_core.config import TRAINING_STAGES, RunConfig
+
+MODEL_INPUTS = ("pretrain", "reward_pretrain", "critic_pretrain", "model_path", "lora_path")
+OUTPUTS = {"sft": "save_path", "rm": "save_path", "ppo": "save_path", "merge": "output_path", "export": "save_path"}
+
+
+def preflight(run: RunConfig) -> None:
+    """Refuse, before Prefect starts a flow run, a run that would fail on its inputs or outputs."""
+    from rlhf_core.chunk import plan_stage
+    from rlhf_core.lease import RunLease
+    from rlhf_core.resume import validate_run_start
+    from rlhf_core.trackers import require_tracker_packages
+
+    validate_run_start(run)
+    outputs = [(run.run_url(), "--ckpt_path")] + [
+        (getattr(run.stage_config(stage), OUTPUTS[stage]), f"--{OUTPUTS[stage]}") for stage in run.stages]
+    for url, flag in outputs:
+        probe_writable(url, flag, run.storage_options)
+    produced: set[str] = set()
+    for stage in run.stages:
+        cfg = run.stage_config(stage)
+        for field in MODEL_INPUTS:
+            url = getattr(cfg, field, None)
+            if url and url not in produced:
+                check_model(url, f"--{field}", run.storage_options)
+        if stage in TRAINING_STAGES and cfg.pretrain not in produced:
+            plan_stage(run, stage)
+        produced.add(getattr(cfg, OUTPUTS[stage]))
+    require_tracker_packages(run)
+    RunLease(run.run_url(), run.storage_options).check_available()
+
+
+def probe_writable(url: str, flag: str, storage_options: dict | None) -> None:
+    """export.check_writable, leaving no folder behind on a local disk: a refused run writes nothing."""
+    from rlhf_core.export import check_writable
+
+    protocol, path = fsspec.core.split_protocol(url)
+    first_missing = None
+    if protocol in (None, "file"):
+        for folder in [Path(path).absolute(), *Path(path).absolute().parents]:
+            if folder.exists():
+                break
+            first_missing = folder
+    try:
+        check_writable(url, flag, storage_options)
+    finally:
+        if first_missing is not None and first_missing.is_dir():
+            shutil.rmtree(first_missing, ignore_errors=True)
+
+
+def check_model(url: str, flag: str, storage_options: dict | None) -> None:
+    """A model (or adapter) folder transformers can load, and for an adapter its base too."""
+    from rlhf_core.models import check_model_dir, is_lora_dir, lora_base_dir, local_model_dir
+
+    directory = local_model_dir(url, storage_options, flag=flag)
+    check_model_dir(directory, url, flag)
+    if is_lora_dir(directory):
+        base = lora_base_dir(directory, storage_options, flag=flag)
+        check_model_dir(base, base, f"{flag} (its base model)")
