@@ -1,0 +1,83 @@
+"""ZeRO-3 kill tests: `rlhf train sft --zero_stage 3` on 2 ranks, SIGKILLed mid-chunk, then finished by a
+rerun on 2 ranks (bit-exact against an uninterrupted 2-rank run) and on 1 rank (through DeepSpeed's
+universal format; equal within float rounding, since the reduction order changes with the world size).
+
+The toy model's matrices are partitioned across the ranks (ZeRO-3 keeps only tensors smaller than
+10 x hidden_size whole), so the hf/ export really gathers.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.conftest import RLHF, run_rlhf
+from tests.integration.conftest import train_sft_args
+from tests.integration.test_kill_resume import wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def zero3_args(toy: dict, ckpt: Path, out: Path, num_workers: int) -> list[str]:
+    return train_sft_args(toy, ckpt, out) + ["--zero_stage", "3", "--num_workers", str(num_workers)]
+
+
+@pytest.fixture(scope="module")
+def reference_zero3_weights(toy_assets, rlhf_env, tmp_path_factory) -> dict:
+    """The final weights of the 2-rank ZeRO-3 run, never interrupted."""
+    out = tmp_path_factory.mktemp("reference-zero3")
+    reference = run_rlhf(zero3_args(toy_assets, out / "ckpt", out / "model", 2), rlhf_env)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    return load_file(str(out / "model" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def killed_zero3_ckpt(toy_assets, rlhf_env, tmp_path_factory) -> Path:
+    """The checkpoint folder of a 2-rank ZeRO-3 run SIGKILLed inside step 13 (steps 5 and 10 committed)."""
+    root = tmp_path_factory.mktemp("killed-zero3")
+    ckpt = root / "ckpt"
+    paused_env = {**rlhf_env, "RLHF_FAULT_INJECT": "train_step@13=sleep:600"}
+    killed = subprocess.Popen([RLHF, *zero3_args(toy_assets, ckpt, root / "out", 2)], env=paused_env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for(ckpt / "rlhf" / "sft" / "step_10" / "MANIFEST.json", killed, timeout=400)
+        time.sleep(2)  # let the third chunk start training
+    finally:
+        os.killpg(killed.pid, signal.SIGKILL)
+        killed.wait()
+    assert sorted(p.name for p in (ckpt / "rlhf" / "sft").glob("step_*")) == ["step_10", "step_5"]
+    return ckpt
+
+
+def rerun(toy_assets, rlhf_env, killed_ckpt: Path, tmp_path: Path, num_workers: int) -> dict:
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    shutil.copytree(killed_ckpt, ckpt)
+    resumed = run_rlhf(zero3_args(toy_assets, ckpt, out, num_workers), rlhf_env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    log = resumed.stdout + resumed.stderr
+    assert "step 10/32: cached" in log and "step 15/32: trained 5 steps" in log, log[-3000:]
+    return load_file(str(out / "model.safetensors"))
+
+
+def test_zero3_sigkill_mid_chunk_then_rerun_matches_uninterrupted_run(toy_assets, rlhf_env, tmp_path,
+                                                                      killed_zero3_ckpt, reference_zero3_weights):
+    actual = rerun(toy_assets, rlhf_env, killed_zero3_ckpt, tmp_path, num_workers=2)
+    assert actual.keys() == reference_zero3_weights.keys()
+    for name, tensor in reference_zero3_weights.items():
+        assert actual[name].dtype == tensor.dtype and actual[name].equal(tensor), f"{name} differs"
+
+
+def test_zero3_checkpoint_of_two_ranks_finishes_on_one(toy_assets, rlhf_env, tmp_path, killed_zero3_ckpt,
+                                                       reference_zero3_weights):
+    actual = rerun(toy_assets, rlhf_env, killed_zero3_ckpt, tmp_path, num_workers=1)
+    assert actual.keys() == reference_zero3_weights.keys()
+    for name, tensor in reference_zero3_weights.items():
+        difference = (actual[name] - tensor).abs().max().item()
+        assert difference <= 1e-3, f"{name}: max |diff| {difference}"
