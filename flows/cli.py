@@ -25,14 +25,14 @@ from typing import Any, Sequence
 from pydantic import BaseModel, ValidationError
 
 from rlhf_core.config import (
-    MergeConfig, PPOConfig, RMConfig, RunConfig, SFTConfig, describe_validation_error,
+    STAGES, MergeConfig, RunConfig, describe_validation_error,
     load_run_config,
 )
 from flows.openrlhf_flags import flags_for
 from rlhf_core.errors import UserError
 
-STAGE_CONFIGS = {"sft": SFTConfig, "rm": RMConfig, "ppo": PPOConfig}
-RUN_FLAGS_EXCLUDED = {"stages", "sft", "rm", "ppo", "merge", "export"}
+STAGE_CONFIGS = {name: stage.config for name, stage in STAGES.items() if stage.kind == "train"}
+RUN_FLAGS_EXCLUDED = {"stages", *STAGES}
 
 
 def _flag_type(annotation: Any) -> tuple[Any, dict[str, Any]]:
@@ -178,17 +178,6 @@ def run_config_from_flags(stage: str, flags: dict[str, Any]) -> RunConfig:
         raise UserError(describe_validation_error(error, f"rlhf train {stage}", flag_style=True)) from None
 
 
-def run_pipeline(run: RunConfig) -> dict:
-    """Check everything that can be checked before Prefect starts (rlhf_core.preflight), then run the flow."""
-    from rlhf_core.chunk import resolve_paths
-    from rlhf_core.preflight import preflight
-
-    preflight(resolve_paths(run))
-    from flows.pipeline import rlhf
-
-    return rlhf(config=run)
-
-
 def cmd_ckpt(command: str, path: str, as_json: bool, verify: bool) -> int:
     """`ckpt ls` lists; `ckpt verify` hashes everything and fails when the newest step is not valid."""
     from rlhf_core.checkpoint import CheckpointStore, format_listing, to_json
@@ -248,8 +237,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{name}: {path}")
         elif args.command == "train":
             flags = {k: v for k, v in vars(args).items() if k not in ("command", "stage")}
+            from flows.pipeline import run_pipeline
+
             run_pipeline(run_config_from_flags(args.stage, flags))
         elif args.command == "run":
+            from flows.pipeline import run_pipeline
+
             run_pipeline(load_run_config(args.config))
         elif args.command == "ckpt":
             return cmd_ckpt(args.ckpt_command, args.path, args.json, getattr(args, "verify", False))

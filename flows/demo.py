@@ -45,7 +45,7 @@ def demo_config(workdir: str, num_workers: int, stages: list[str] | None = None)
 
 
 def run_demo(workdir: str, num_workers: int = 1) -> None:
-    from flows.cli import run_pipeline
+    from flows.pipeline import run_pipeline
     from rlhf_core.evaluate import mean_gold_score
 
     started = time.perf_counter()

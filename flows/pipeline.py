@@ -14,7 +14,7 @@ from prefect import flow, runtime
 from prefect.artifacts import create_table_artifact
 
 from rlhf_core.chunk import ChunkResult, plan_stage, release_workers, resolve_paths
-from rlhf_core.config import RunConfig
+from rlhf_core.config import STAGES, RunConfig
 from rlhf_core.lease import RunLease
 from rlhf_core.resume import Lineage, begin_stage, validate_run_start
 from tasks.chunks import chunk_task_for, export_final_task, export_model, merge_lora_task
@@ -59,9 +59,10 @@ def rlhf(config: RunConfig) -> dict:
         try:
             for stage in run.stages:
                 started = time.perf_counter()
-                if stage == "merge":
+                kind = STAGES[stage].kind
+                if kind == "merge":
                     summary[stage] = merge_lora_task(run)
-                elif stage == "export":
+                elif kind == "export":
                     summary[stage] = export_final_task(run)
                 else:
                     summary[stage] = run_stage(run, stage, upstream_digest, begin_stage(run, stage))
@@ -71,3 +72,12 @@ def rlhf(config: RunConfig) -> dict:
         finally:
             release_workers()
     return summary
+
+
+def run_pipeline(run: RunConfig) -> dict:
+    """The flow `rlhf` run in this process, after everything that can be checked before Prefect starts has been
+    (rlhf_core.preflight): a user mistake is then one sentence, not a failed flow run's traceback."""
+    from rlhf_core.preflight import preflight
+
+    preflight(resolve_paths(run))
+    return rlhf(config=run)

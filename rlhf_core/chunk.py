@@ -23,11 +23,12 @@ from dataclasses import asdict, dataclass, field
 import fsspec
 
 from rlhf_core.checkpoint import CheckpointInfo, CheckpointStore
-from rlhf_core.config import RunConfig, semantic_fields, semantic_hash
+from rlhf_core.config import STAGES, RunConfig, fields_with_role, semantic_fields, semantic_hash
 from rlhf_core.data import dataset_fingerprint
 from rlhf_core.engine import WorkerGroup
 from rlhf_core.errors import UserError
 from rlhf_core.faults import fault_point
+from rlhf_core.hub import is_hub_id
 from rlhf_core.models import input_model_fingerprints
 from rlhf_core.resume import Lineage, fetch_start, open_store
 from rlhf_core.trackers import (StageTrackers, close_trackers, open_stage_trackers, require_tracker_packages,
@@ -35,8 +36,6 @@ from rlhf_core.trackers import (StageTrackers, close_trackers, open_stage_tracke
 from rlhf_core.trainers import trainer_class
 
 CHECKPOINT_FORMAT_VERSION = 1
-LOCAL_PATH_FIELDS = ("pretrain", "dataset", "prompt_data", "reward_pretrain", "critic_pretrain", "save_path",
-                     "model_path", "lora_path", "output_path")
 
 
 @dataclass(frozen=True)
@@ -64,16 +63,25 @@ class ChunkResult:
 
 
 def resolve_paths(run: RunConfig) -> RunConfig:
-    """Make local paths absolute, so Ray workers (other working directories) see the same files."""
+    """Make local paths absolute, so Ray workers (other working directories) see the same files. The fields
+    to resolve are those `rlhf_core.config.STAGES` tags with a role; several comma-separated datasets are
+    resolved one by one, and a hub id (`org/name`, no such local path) stays a hub id."""
 
-    def absolute(url: str) -> str:
+    outputs = {getattr(run.stage_config(stage), STAGES[stage].output_field) for stage in run.stages}
+
+    def absolute(url: str, may_name_a_hub_repo: bool = False) -> str:
         protocol, _ = fsspec.core.split_protocol(url)
-        return url if protocol else os.path.abspath(url)
+        if protocol or (may_name_a_hub_repo and url not in outputs and is_hub_id(url)):
+            return url
+        return os.path.abspath(url)
 
     updates: dict = {"ckpt_path": absolute(run.ckpt_path)}
     for stage in run.stages:
-        cfg = run.stage_config(stage)
-        paths = {name: absolute(getattr(cfg, name)) for name in LOCAL_PATH_FIELDS if getattr(cfg, name, None)}
+        cfg, config_class = run.stage_config(stage), STAGES[stage].config
+        paths = {name: absolute(getattr(cfg, name), role == "model") for role in ("model", "path", "output")
+                 for name in fields_with_role(config_class, role) if getattr(cfg, name, None)}
+        paths |= {name: ",".join(absolute(part, True) for part in getattr(cfg, name).split(","))
+                  for name in fields_with_role(config_class, "data") if getattr(cfg, name, None)}
         updates[stage] = cfg.model_copy(update=paths)
     return run.model_copy(update=updates)
 
@@ -165,8 +173,8 @@ def _metadata(run: RunConfig, stage: str, plan: StagePlan, step: int, metrics: d
         "zero_stage": cfg.zero_stage,
         "config_hash": semantic_hash(run, stage),
         "config": semantic_fields(cfg),
-        "dataset_fingerprint": dataset_fingerprint(cfg),
-        "input_models": input_model_fingerprints(cfg),
+        "dataset_fingerprint": dataset_fingerprint(cfg, run.storage_options),
+        "input_models": input_model_fingerprints(cfg, run.storage_options),
         "metrics": metrics,
         "trackers": trackers.tracker_ids() if trackers is not None else {},
         "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__,

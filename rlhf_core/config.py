@@ -10,8 +10,10 @@ Prefect cache and guards a resume against config drift.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,16 +22,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from rlhf_core.errors import UserError
 
-KNOWN_STAGES = ("sft", "rm", "ppo", "merge", "export")
-TRAINING_STAGES = ("sft", "rm", "ppo")
-IMPLEMENTED_STAGES = KNOWN_STAGES
 STEP_DIR_PATH = re.compile(r"^(.*?)/?([A-Za-z0-9._-]+)/(sft|rm|ppo)/step_(\d+)/?$")
 SECRET_OPTION = re.compile(r"secret|token|password|credential|^key$|_key$", re.IGNORECASE)
 
 
-def _operational(description: str) -> dict[str, Any]:
+def _operational(description: str, role: str | None = None) -> dict[str, Any]:
     """Field kwargs for a setting that does not change the math (kept out of the semantic hash)."""
-    return {"description": description, "json_schema_extra": {"affects_training": False}}
+    return {"description": description, "json_schema_extra": {"affects_training": False, **({"role": role} if role else {})}}
+
+
+def _input(description: str, role: str) -> dict[str, Any]:
+    """Field kwargs for an input location: `role` is "model", "data" or "path" (see `fields_with_role`)."""
+    return {"description": description, "json_schema_extra": {"role": role}}
 
 
 class StageConfig(BaseModel):
@@ -37,8 +41,8 @@ class StageConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    pretrain: str = Field(description="Model to start from: a local folder, an fsspec URL, or a Hugging Face hub id "
-                                      "(resolved from the local cache when offline) in Hugging Face format.")
+    pretrain: str = Field(**_input("Model to start from: a local folder, an fsspec URL, or a Hugging Face hub id "
+                                      "(resolved from the local cache when offline) in Hugging Face format.", role="model"))
     max_len: int = Field(2048, ge=8, description="Maximum tokens per sample; longer samples are truncated.")
     max_samples: int | None = Field(None, ge=1, description="Use at most this many samples of the dataset.")
     train_batch_size: int = Field(128, ge=1, description="Global batch size: samples per optimizer step, all ranks.")
@@ -75,16 +79,18 @@ class StageConfig(BaseModel):
         None, description="Template with one '{}' that wraps each prompt when no chat template is applied "
                           "(e.g. 'User: {}\\nAssistant: '); default: the prompt as is.")
     dataset_probs: str | None = Field(None, description="Sampling weights of several comma-separated datasets "
-                                                        "(e.g. '0.7,0.3'); default: equal.")
+                                                        "(e.g. '0.7,0.3'), interleaved until each is exhausted; "
+                                                        "default: concatenated.")
     dataset_split: str = Field("train", description="Split of a dataset given by hub name (or a dataset dict).")
     eval_dataset: str | None = Field(None, **_operational("Evaluation data (path, URL or hub name); evaluated every "
-                                                          "eval_steps and at each checkpoint."))
+                                                          "eval_steps and at each checkpoint.", role="data"))
     eval_split: str = Field("train", **_operational("Split of eval_dataset to evaluate on."))
     eval_steps: int = Field(-1, **_operational("Evaluate every N steps; -1: at each checkpoint only."))
     save_steps: int = Field(
         -1, description="Optimizer steps per chunk; each chunk ends with a committed checkpoint. -1: one chunk."
     )
-    save_path: str = Field("./out/model", **_operational("Where the final Hugging Face model is exported (any fsspec URL)."))
+    save_path: str = Field("./out/model", **_operational("Where the final Hugging Face model is exported (any fsspec "
+                                                         "URL).", role="output"))
     save_hf_ckpt: bool = Field(
         False, **_operational("Make each checkpoint's actor_model/hf a standalone HF model (adds tokenizer).")
     )
@@ -128,19 +134,24 @@ class StageConfig(BaseModel):
 class SFTConfig(StageConfig):
     """Supervised fine-tuning on (prompt, response) pairs; the loss covers response tokens only."""
 
-    dataset: str = Field(description="Training data: JSONL, JSON or Parquet, a local path or any fsspec URL.")
+    dataset: str = Field(**_input("Training data (prompt, response): JSONL, JSON, CSV or Parquet at a local path or "
+                                  "fsspec URL, a `datasets` folder, or a hub dataset name; several, comma-separated, "
+                                  "are mixed by dataset_probs.", role="data"))
     input_key: str = Field("input", description="Key of the prompt in each sample.")
     output_key: str = Field("output", description="Key of the response in each sample.")
     apply_chat_template: bool = Field(False, description="Wrap the prompt in the tokenizer's chat template.")
-    save_path: str = Field("./out/sft", **_operational("Where the final Hugging Face model is exported (any fsspec URL)."))
+    save_path: str = Field("./out/sft", **_operational("Where the final Hugging Face model is exported (any fsspec "
+                                                       "URL).", role="output"))
 
 
 class RMConfig(StageConfig):
     """Reward model: a causal-LM backbone with a scalar `score` head, trained on preference pairs
     with the Bradley-Terry loss; accuracy is measured on a held-out split."""
 
-    pretrain: str | None = Field(None, description="Backbone to start from; default: the SFT output of this run.")
-    dataset: str = Field(description="Preference data (prompt, chosen, rejected): JSONL, JSON or Parquet, any fsspec URL.")
+    pretrain: str | None = Field(None, **_input("Backbone to start from; default: the SFT output of this run.",
+                                                role="model"))
+    dataset: str = Field(**_input("Preference data (prompt, chosen, rejected), in any form --dataset of SFT takes.",
+                                  role="data"))
     prompt_key: str = Field("prompt", description="Key of the prompt in each sample.")
     chosen_key: str = Field("chosen", description="Key of the preferred response.")
     rejected_key: str = Field("rejected", description="Key of the dispreferred response.")
@@ -151,19 +162,24 @@ class RMConfig(StageConfig):
                                                                          "-log sigmoid(r_c - r_r)) or logexploss "
                                                                          "(log(1 + exp(r_r - r_c))).")
     margin_loss: bool = Field(False, description="Subtract each pair's 'margin' field from r_c - r_r in the loss.")
-    save_path: str = Field("./out/rm", **_operational("Where the final reward model is exported (any fsspec URL)."))
+    save_path: str = Field("./out/rm", **_operational("Where the final reward model is exported (any fsspec URL).",
+                                                      role="output"))
 
 
 class PPOConfig(StageConfig):
     """PPO and its critic-free variants (REINFORCE++, RLOO, GRPO) on prompts, rewarded by a reward
     model or a Python function. One optimizer "step" here is one PPO step: a rollout and its update."""
 
-    pretrain: str | None = Field(None, description="Actor (and reference) to start from; default: the SFT output.")
-    reward_pretrain: str | None = Field(None, description="Reward model; default: the RM output of this run.")
+    pretrain: str | None = Field(None, **_input("Actor (and reference) to start from; default: the SFT output.",
+                                                role="model"))
+    reward_pretrain: str | None = Field(None, **_input("Reward model; default: the RM output of this run.",
+                                                       role="model"))
     reward_fn: str | None = Field(None, description="A Python reward 'module:function(prompts, responses) -> scores', "
                                                     "used instead of a reward model (verifiable rewards).")
-    critic_pretrain: str | None = Field(None, description="Critic to start from (gae only); default: the reward model.")
-    prompt_data: str = Field(description="Prompts: JSONL, JSON or Parquet, a local path or any fsspec URL.")
+    critic_pretrain: str | None = Field(None, **_input("Critic to start from (gae only); default: the reward model, "
+                                                       "else the actor (a new value head).", role="model"))
+    prompt_data: str = Field(**_input("Prompts, in any form --dataset takes (several, comma-separated, are mixed by "
+                                      "dataset_probs).", role="data"))
     input_key: str = Field("input", description="Key of the prompt in each sample.")
     apply_chat_template: bool = Field(False, description="Wrap the prompt in the tokenizer's chat template.")
     advantage_estimator: Literal["gae", "reinforce", "rloo", "reinforce_baseline", "group_norm", "dr_grpo"] = Field(
@@ -186,10 +202,10 @@ class PPOConfig(StageConfig):
     gamma: float = Field(1.0, gt=0, le=1, description="Discount factor.")
     lambd: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
     critic_learning_rate: float = Field(9e-6, gt=0, description="Critic learning rate (gae).")
-    remote_rm_url: str | None = Field(None, description="OpenRLHF's reward function: a .py file defining "
+    remote_rm_url: str | None = Field(None, **_input("OpenRLHF's reward function: a .py file defining "
                                                         "reward_func(queries, prompts, labels, **kwargs), or an HTTP "
                                                         "reward server URL (as serve_remote_rm.sh); replaces the "
-                                                        "reward model.")
+                                                        "reward model.", role="path"))
     label_key: str | None = Field(None, description="Key of each prompt's label (e.g. the answer), passed to the "
                                                     "reward function as `labels`.")
     prompt_split: str = Field("train", description="Split of prompt_data when it is a hub dataset name.")
@@ -214,7 +230,8 @@ class PPOConfig(StageConfig):
                                                                       "(1: engines are colocated one per rank).")
     vllm_gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="GPU memory fraction vLLM may take.")
     vllm_enable_sleep: bool = Field(False, description="Let vLLM release GPU memory while the models train.")
-    save_path: str = Field("./out/ppo", **_operational("Where the final policy is exported (an adapter if LoRA)."))
+    save_path: str = Field("./out/ppo", **_operational("Where the final policy is exported (an adapter if LoRA).",
+                                                       role="output"))
 
     @model_validator(mode="after")
     def _cross_field_checks(self) -> "PPOConfig":
@@ -238,9 +255,12 @@ class MergeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model_path: str | None = Field(None, description="Base model; default: the policy's pretrain in this run.")
-    lora_path: str | None = Field(None, description="Adapter; default: the last policy stage's output in this run.")
-    output_path: str = Field("./out/merged", **_operational("Where the merged model is written (any fsspec URL)."))
+    model_path: str | None = Field(None, **_input("Base model; default: the policy's pretrain in this run.",
+                                                  role="model"))
+    lora_path: str | None = Field(None, **_input("Adapter; default: the last policy stage's output in this run.",
+                                                 role="model"))
+    output_path: str = Field("./out/merged", **_operational("Where the merged model is written (any fsspec URL).",
+                                                            role="output"))
     bf16: bool = Field(False, description="Write the merged weights in bfloat16.")
 
 
@@ -249,8 +269,45 @@ class ExportConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model_path: str | None = Field(None, description="Model to export; default: the merged or last policy of this run.")
-    save_path: str = Field("./out/final", **_operational("Where the final model is exported (any fsspec URL)."))
+    model_path: str | None = Field(None, **_input("Model to export; default: the merged or last policy of this run.",
+                                                  role="model"))
+    save_path: str = Field("./out/final", **_operational("Where the final model is exported (any fsspec URL).",
+                                                         role="output"))
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage, declared once. The CLI (`rlhf train NAME`), path resolution, input fingerprints,
+    preflight checks and the flow's dispatch all read this table; a stage's fields carry their roles
+    (`role`: model, data, path, output) in their metadata, as `affects_training` marks the semantic ones."""
+
+    name: str
+    config: type[BaseModel]
+    kind: Literal["train", "merge", "export"]
+    trainer: str = ""  # "module:Class" of the rank-side trainer (train stages), imported where ranks run
+    output_field: str = "save_path"  # the field naming where the stage's result is written
+
+    def trainer_class(self):
+        module_name, class_name = self.trainer.split(":")
+        return getattr(importlib.import_module(module_name), class_name)
+
+
+STAGES: dict[str, Stage] = {stage.name: stage for stage in (
+    Stage("sft", SFTConfig, "train", "rlhf_core.trainers.sft:SFTTrainer"),
+    Stage("rm", RMConfig, "train", "rlhf_core.trainers.rm:RewardModelTrainer"),
+    Stage("ppo", PPOConfig, "train", "rlhf_core.trainers.ppo:PPOTrainer"),
+    Stage("merge", MergeConfig, "merge", output_field="output_path"),
+    Stage("export", ExportConfig, "export"),
+)}
+KNOWN_STAGES = tuple(STAGES)
+TRAINING_STAGES = tuple(name for name, stage in STAGES.items() if stage.kind == "train")
+
+
+def fields_with_role(config: type[BaseModel], role: str) -> list[str]:
+    """The fields of a stage config tagged with `role` (model: an input model; data: a dataset; path: another
+    input file; output: where the stage writes)."""
+    return [name for name, field in config.model_fields.items()
+            if isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get("role") == role]
 
 
 class RunConfig(BaseModel):
@@ -337,8 +394,6 @@ class RunConfig(BaseModel):
         for stage in stages:
             if stage not in KNOWN_STAGES:
                 raise ValueError(f"unknown stage {stage!r}; choose from {', '.join(KNOWN_STAGES)}")
-            if stage not in IMPLEMENTED_STAGES:
-                raise ValueError(f"stage {stage!r} is not available yet; available: {', '.join(IMPLEMENTED_STAGES)}")
         if not stages:
             raise ValueError("name at least one stage")
         return stages
@@ -349,9 +404,9 @@ class RunConfig(BaseModel):
             raise ValueError(f"stages must be distinct and in pipeline order ({' -> '.join(KNOWN_STAGES)})")
         for stage in self.stages:
             if getattr(self, stage) is None:
-                if stage not in ("merge", "export"):
+                if STAGES[stage].kind == "train":
                     raise ValueError(f"stage {stage!r} is requested but has no settings (add a '{stage}:' section)")
-                setattr(self, stage, MergeConfig() if stage == "merge" else ExportConfig())
+                setattr(self, stage, STAGES[stage].config())
         self._chain_stage_inputs()
         for stage in (stage for stage in self.stages if stage in TRAINING_STAGES):
             stage_cfg = getattr(self, stage)

@@ -16,10 +16,8 @@ from pathlib import Path
 
 import fsspec
 
-from rlhf_core.config import TRAINING_STAGES, RunConfig
+from rlhf_core.config import STAGES, TRAINING_STAGES, RunConfig, fields_with_role
 
-MODEL_INPUTS = ("pretrain", "reward_pretrain", "critic_pretrain", "model_path", "lora_path")
-OUTPUTS = {"sft": "save_path", "rm": "save_path", "ppo": "save_path", "merge": "output_path", "export": "save_path"}
 
 
 def preflight(run: RunConfig) -> None:
@@ -31,19 +29,20 @@ def preflight(run: RunConfig) -> None:
 
     validate_run_start(run)
     outputs = [(run.run_url(), "--ckpt_path")] + [
-        (getattr(run.stage_config(stage), OUTPUTS[stage]), f"--{OUTPUTS[stage]}") for stage in run.stages]
+        (getattr(run.stage_config(stage), STAGES[stage].output_field), f"--{STAGES[stage].output_field}")
+        for stage in run.stages]
     for url, flag in outputs:
         probe_writable(url, flag, run.storage_options)
     produced: set[str] = set()
     for stage in run.stages:
         cfg = run.stage_config(stage)
-        for field in MODEL_INPUTS:
+        for field in fields_with_role(STAGES[stage].config, "model"):
             url = getattr(cfg, field, None)
             if url and url not in produced:
                 check_model(url, f"--{field}", run.storage_options)
         if stage in TRAINING_STAGES and cfg.pretrain not in produced:
             plan_stage(run, stage)
-        produced.add(getattr(cfg, OUTPUTS[stage]))
+        produced.add(getattr(cfg, STAGES[stage].output_field))
     require_tracker_packages(run)
     RunLease(run.run_url(), run.storage_options).check_available()
 

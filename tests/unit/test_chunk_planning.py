@@ -10,7 +10,7 @@ from flows.cli import main
 from rlhf_core.checkpoint import CheckpointStore
 from rlhf_core.chunk import plan_stage, resolve_paths
 from rlhf_core.resume import validate_run_start
-from rlhf_core.config import RunConfig, SFTConfig, semantic_fields
+from rlhf_core.config import RMConfig, RunConfig, SFTConfig, semantic_fields
 from rlhf_core.errors import UserError
 
 
@@ -51,10 +51,18 @@ def test_existing_run_is_refused_without_load_checkpoint(toy_assets, tmp_path, c
     assert CheckpointStore(run.stage_url("sft")).newest_valid().step == 5  # nothing lost
 
 
-def test_relative_paths_become_absolute_for_workers(toy_assets):
-    run = resolve_paths(RunConfig(ckpt_path="ckpt", sft=SFTConfig(pretrain="m", dataset="s3://b/d.jsonl")))
-    assert run.ckpt_path == os.path.abspath("ckpt") and run.sft.pretrain == os.path.abspath("m")
-    assert run.sft.dataset == "s3://b/d.jsonl"
+def test_relative_paths_become_absolute_for_workers(toy_assets, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m").mkdir()
+    run = resolve_paths(RunConfig(ckpt_path="ckpt", stages=["sft", "rm"],
+                                  sft=SFTConfig(pretrain="m", dataset="s3://b/d.jsonl,local.jsonl", save_path="out"),
+                                  rm=RMConfig(dataset="org/prefs")))
+    assert run.ckpt_path == str(tmp_path / "ckpt") and run.sft.pretrain == str(tmp_path / "m")
+    assert run.sft.dataset == f"s3://b/d.jsonl,{tmp_path / 'local.jsonl'}"
+    # a stage's output feeds the next as a path even before it exists; names that are not paths stay hub ids
+    assert run.rm.pretrain == run.sft.save_path == str(tmp_path / "out") and run.rm.dataset == "org/prefs"
+    hub = resolve_paths(RunConfig(sft=SFTConfig(pretrain="OpenRLHF/Llama-3-8b-sft-mixture", dataset="d.jsonl")))
+    assert hub.sft.pretrain == "OpenRLHF/Llama-3-8b-sft-mixture"
 
 
 def test_a_worker_group_across_hosts_is_refused_with_the_hosts_named():

@@ -120,3 +120,19 @@ def test_vllm_without_a_gpu_is_refused_before_training(capsys, tmp_path, toy_ass
     err = capsys.readouterr().err
     assert "--vllm_num_engines needs a GPU" in err, err
     assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_the_stage_table_is_the_one_source_of_stages():
+    from flows.cli import STAGE_CONFIGS
+    from rlhf_core.config import STAGES, TRAINING_STAGES, fields_with_role
+    from rlhf_core.trainers.base import DeepSpeedTrainer
+
+    assert [name for name in RunConfig.model_fields if name in STAGES] == list(STAGES)
+    for name, stage in STAGES.items():
+        assert RunConfig.model_fields[name].annotation == stage.config | None
+        assert stage.output_field in fields_with_role(stage.config, "output")
+    assert tuple(STAGE_CONFIGS) == TRAINING_STAGES
+    for name in TRAINING_STAGES:
+        trainer = STAGES[name].trainer_class()
+        assert issubclass(trainer, DeepSpeedTrainer) and trainer.stage == name
+        assert "pretrain" in fields_with_role(STAGES[name].config, "model")
