@@ -20,7 +20,6 @@ import abc
 import contextlib
 import glob
 import json
-import logging
 import os
 from typing import Any
 
@@ -32,7 +31,6 @@ from rlhf_core.ds_config import (DEEPSPEED_STATE_DIR, HF_WEIGHTS_DIR, TRAINER_ST
                                  deepspeed_config, lr_scheduler_factory, resolve_precision, warn_once)
 from rlhf_core.faults import fault_point
 
-logger = logging.getLogger(__name__)
 
 
 def configure_gradient_checkpointing(model, cfg) -> None:
@@ -158,9 +156,16 @@ class DeepSpeedTrainer(abc.ABC):
         if not os.path.isdir(os.path.join(directory, first, DEEPSPEED_STATE_DIR)):
             return self.load_hf_weights(directory)
         client_states = []
+        tag = UNIVERSAL_STATE_DIR if universal else DEEPSPEED_STATE_DIR
         for name, engine in self.engines.items():
+            if weights_only and engine.zero_optimization_stage() == 3 and self.rank == 0:
+                # ZeRO-3's module-only load consolidates the fp32 partitions through zero_to_fp32, which
+                # finds the tag in the `latest` file only (we save without it).
+                with open(os.path.join(directory, name, "latest"), "w") as handle:
+                    handle.write(tag)
+            dist.barrier()
             _, client_state = engine.load_checkpoint(
-                os.path.join(directory, name), tag=UNIVERSAL_STATE_DIR if universal else DEEPSPEED_STATE_DIR,
+                os.path.join(directory, name), tag=tag,
                 load_optimizer_states=not weights_only, load_lr_scheduler_states=not weights_only,
                 load_module_only=weights_only,
             )

@@ -35,30 +35,35 @@ class Pair:
     margin: float
 
 
-def read_pairs(run: RunConfig, tokenizer, url: str) -> list[Pair]:
+def read_pairs(run: RunConfig, tokenizer, evaluation: bool = False) -> list[Pair]:
+    """The training pairs (the dataset mixture), or with `evaluation` those of --eval_dataset."""
     cfg = run.rm
-    records = read_records(url, max_samples=cfg.max_samples)
+    url = cfg.eval_dataset if evaluation else cfg.dataset
+    records = read_records(url, run.storage_options, cfg.max_samples, seed=run.seed,
+                           split=cfg.eval_split if evaluation else cfg.dataset_split,
+                           probs=None if evaluation else cfg.dataset_probs,
+                           flag="--eval_dataset" if evaluation else "--dataset")
     tokenized = tokenize_pairs(url, records, tokenizer, cfg.prompt_key, cfg.chosen_key, cfg.rejected_key,
-                               cfg.max_len, cfg.apply_chat_template)
+                               cfg.max_len, cfg.apply_chat_template, cfg.input_template)
     return [Pair(tokens, pair_margin(url, record, cfg.margin_loss)) for tokens, record in zip(tokenized, records)]
 
 
 def pair_margin(url: str, record, required: bool) -> float:
-    value = record.fields.get(MARGIN_KEY)
     if not required:
         return 0.0
+    value = record.fields.get(MARGIN_KEY)
     if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise UserError(f"{url} line {record.line}: --margin_loss needs a numeric {MARGIN_KEY!r} field in every "
-                        f"pair (got {value!r}); add it or drop --margin_loss.")
+        raise UserError(f"{record.where(url)}: --margin_loss needs a numeric {MARGIN_KEY!r} field in every pair "
+                        f"(got {value!r}); add it or drop --margin_loss.")
     return float(value)
 
 
 def load_pairs(run: RunConfig, tokenizer) -> tuple[list[Pair], list[Pair]]:
     """(train, eval) preference pairs: eval from --eval_dataset, else held out of the training data."""
     cfg = run.rm
-    pairs = read_pairs(run, tokenizer, cfg.dataset)
+    pairs = read_pairs(run, tokenizer)
     if cfg.eval_dataset:
-        return pairs, read_pairs(run, tokenizer, cfg.eval_dataset)
+        return pairs, read_pairs(run, tokenizer, evaluation=True)
     return split_holdout(pairs, cfg.eval_holdout, run.seed)
 
 
@@ -74,17 +79,19 @@ class RewardModelTrainer(DeepSpeedTrainer):
 
     @staticmethod
     def count_items(run: RunConfig) -> int:
-        return len(load_pairs(run, load_tokenizer(run.rm.pretrain))[0])
+        return len(load_pairs(run, load_tokenizer(run.rm.pretrain, run.storage_options))[0])
 
     def __init__(self, run: RunConfig, total_steps: int, rank: int, world_size: int, load_universal: bool = False):
         super().__init__(run, total_steps, rank, world_size, load_universal)
-        self.tokenizer = load_tokenizer(self.cfg.pretrain)
+        self.tokenizer = load_tokenizer(self.cfg.pretrain, run.storage_options)
         self.train_pairs, self.eval_pairs = load_pairs(run, self.tokenizer)
         if self.cfg.margin_loss and self.cfg.loss == "logexploss":
             warn_once("--margin_loss has no effect with --loss logexploss (as in OpenRLHF).")
         torch.manual_seed(derive_seed(run.seed, self.stage, "init"))  # the new score head starts identical everywhere
-        model = load_scalar_model(self.cfg.pretrain, self.tokenizer.pad_token_id, self.cfg.lora_rank,
-                                  self.cfg.lora_alpha, self.cfg.target_modules, self.cfg.gradient_checkpointing)
+        cfg = self.cfg
+        model = load_scalar_model(cfg.pretrain, self.tokenizer.pad_token_id, cfg.lora_rank, cfg.lora_alpha,
+                                  cfg.target_modules, cfg.gradient_checkpointing, lora_dropout=cfg.lora_dropout,
+                                  attn_implementation=cfg.attn_implementation, storage_options=run.storage_options)
         self.engine = self.build_engine(self.export_model_dir, model)
 
     def rewards(self, pairs: list[Pair]) -> tuple[torch.Tensor, torch.Tensor]:

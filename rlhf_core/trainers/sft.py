@@ -20,12 +20,16 @@ from rlhf_core.packing import pack_sft
 from rlhf_core.trainers.base import DeepSpeedTrainer
 
 
-def load_sft_samples(run: RunConfig, tokenizer, url: str | None = None) -> list[TokenizedSample]:
-    """The training samples, or those of `url` (the eval dataset)."""
+def load_sft_samples(run: RunConfig, tokenizer, evaluation: bool = False) -> list[TokenizedSample]:
+    """The training samples (the dataset mixture), or with `evaluation` those of --eval_dataset."""
     cfg = run.sft
-    records = read_records(url or cfg.dataset, max_samples=cfg.max_samples)
-    return tokenize_sft(url or cfg.dataset, records, tokenizer, cfg.input_key, cfg.output_key, cfg.max_len,
-                        cfg.apply_chat_template)
+    url = cfg.eval_dataset if evaluation else cfg.dataset
+    records = read_records(url, run.storage_options, cfg.max_samples, seed=run.seed,
+                           split=cfg.eval_split if evaluation else cfg.dataset_split,
+                           probs=None if evaluation else cfg.dataset_probs,
+                           flag="--eval_dataset" if evaluation else "--dataset")
+    return tokenize_sft(url, records, tokenizer, cfg.input_key, cfg.output_key, cfg.max_len,
+                        cfg.apply_chat_template, cfg.input_template)
 
 
 class SFTTrainer(DeepSpeedTrainer):
@@ -34,16 +38,18 @@ class SFTTrainer(DeepSpeedTrainer):
 
     @staticmethod
     def count_items(run: RunConfig) -> int:
-        return len(load_sft_samples(run, load_tokenizer(run.sft.pretrain)))
+        return len(load_sft_samples(run, load_tokenizer(run.sft.pretrain, run.storage_options)))
 
     def __init__(self, run: RunConfig, total_steps: int, rank: int, world_size: int, load_universal: bool = False):
         super().__init__(run, total_steps, rank, world_size, load_universal)
-        self.tokenizer = load_tokenizer(self.cfg.pretrain)
+        self.tokenizer = load_tokenizer(self.cfg.pretrain, run.storage_options)
         self.samples = load_sft_samples(run, self.tokenizer)
-        self.eval_samples = load_sft_samples(run, self.tokenizer, self.cfg.eval_dataset) if self.cfg.eval_dataset else []
+        self.eval_samples = load_sft_samples(run, self.tokenizer, evaluation=True) if self.cfg.eval_dataset else []
         torch.manual_seed(derive_seed(run.seed, self.stage, "init"))  # LoRA adapters start identical everywhere
-        model = load_causal_lm(self.cfg.pretrain, self.cfg.lora_rank, self.cfg.lora_alpha, self.cfg.target_modules,
-                               self.cfg.gradient_checkpointing)
+        cfg = self.cfg
+        model = load_causal_lm(cfg.pretrain, cfg.lora_rank, cfg.lora_alpha, cfg.target_modules,
+                               cfg.gradient_checkpointing, lora_dropout=cfg.lora_dropout, attn_implementation=cfg.attn_implementation,
+                               storage_options=run.storage_options)
         self.engine = self.build_engine("actor_model", model)
 
     def batch(self, samples: list[TokenizedSample]) -> dict:
