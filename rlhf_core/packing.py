@@ -4,9 +4,9 @@
 `use_cache=False`: a model in eval mode builds a cache otherwise, and transformers then skips the
 check), transformers detects the restarts (`masking_utils.find_packed_sequence_indices`) and keeps
 attention inside each sequence, for sdpa and eager alike. SFT labels ignore each sequence's first
-token, so no token is predicted from the previous sequence's end: the loss covers the same tokens as the padded batch and equals its loss
-within float rounding. A reward model reads each sequence's score where the padded model would (its
-last token that is not the pad token).
+token, so no token is predicted from the previous sequence's end: the loss covers the same tokens
+as the padded batch and equals its loss within float rounding. A reward model reads each sequence's
+score where the padded model would (its last token that is not the pad token).
 """
 
 from __future__ import annotations
