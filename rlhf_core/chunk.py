@@ -270,7 +270,6 @@ def ensure_checkpoint(run: RunConfig, stage: str, target_step: int, lineage: Lin
 def train_stage(run: RunConfig, stage: str) -> str:
     """Every chunk of a training stage, then its export, in this process and without Prefect (for
     library use and tests; the flow `rlhf` does the same with caching and retries). Returns save_path."""
-    from rlhf_core.export import export_stage_output
     from rlhf_core.resume import begin_stage
 
     lineage, plan = begin_stage(run, stage), plan_stage(run, stage)
@@ -279,6 +278,17 @@ def train_stage(run: RunConfig, stage: str) -> str:
             ensure_checkpoint(run, stage, target, lineage)
     finally:
         release_workers()
-    cfg = run.stage_config(stage)
-    return export_stage_output(open_store(run, stage), plan.total_steps, trainer_class(stage).export_model_dir,
-                               cfg.pretrain, cfg.save_path, run.storage_options)
+    return export_stage(run, stage, plan.total_steps)
+
+
+def export_stage(run: RunConfig, stage: str, final_step: int) -> str:
+    """The stage's final checkpoint as a Hugging Face model (an adapter if LoRA) in its save_path; with PPO's
+    --save_value_network, the critic too, in {save_path}_critic (as OpenRLHF). Returns save_path."""
+    from rlhf_core.export import export_stage_output
+
+    cfg, store = run.stage_config(stage), open_store(run, stage)
+    if getattr(cfg, "save_value_network", False) and getattr(cfg, "critic_pretrain", None):
+        export_stage_output(store, final_step, "critic_model", cfg.pretrain, f"{cfg.save_path.rstrip('/')}_critic",
+                            run.storage_options)
+    return export_stage_output(store, final_step, trainer_class(stage).export_model_dir, cfg.pretrain,
+                               cfg.save_path, run.storage_options)

@@ -19,12 +19,11 @@ from prefect import task
 from prefect.cache_policies import CachePolicy
 from prefect.filesystems import RemoteFileSystem
 
-from rlhf_core.chunk import CHECKPOINT_FORMAT_VERSION, ensure_checkpoint
-from rlhf_core.resume import Lineage, open_store
+from rlhf_core.chunk import CHECKPOINT_FORMAT_VERSION, ensure_checkpoint, export_stage
 from rlhf_core.config import RunConfig, semantic_hash
 from rlhf_core.errors import UserError
-from rlhf_core.export import export_final, export_stage_output, merge_lora
-from rlhf_core.trainers import trainer_class
+from rlhf_core.export import export_final, merge_lora
+from rlhf_core.resume import Lineage
 
 
 def chunk_cache_key(run: RunConfig, stage: str, target_step: int, upstream_digest: str, lineage: Lineage) -> str:
@@ -96,9 +95,7 @@ def train_chunk(run: RunConfig, stage: str, target_step: int, upstream_digest: s
 def export_model(run: RunConfig, stage: str, final_step: int) -> str:
     """Export the stage's final checkpoint as a Hugging Face model (an adapter if LoRA) to its save_path."""
     ensure_checkpoint(run, stage, final_step)  # cheap when present; retrains a checkpoint that vanished
-    cfg = run.stage_config(stage)
-    return export_stage_output(open_store(run, stage), final_step, trainer_class(stage).export_model_dir,
-                               cfg.pretrain, cfg.save_path, run.storage_options)
+    return export_stage(run, stage, final_step)
 
 
 @task(name="merge_lora", retries=1, retry_condition_fn=_retry_unless_user_error)
