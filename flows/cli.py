@@ -182,7 +182,9 @@ def cmd_ckpt(command: str, path: str, as_json: bool, verify: bool) -> int:
     """`ckpt ls` lists; `ckpt verify` hashes everything and fails when the newest step is not valid."""
     from rlhf_core.checkpoint import CheckpointStore, format_listing, to_json
 
-    infos = CheckpointStore(path).list(verify=verify or command == "verify")
+    store = CheckpointStore(path)
+    store.require_folder()  # a mistyped path is a mistake (exit 2), not an empty listing
+    infos = store.list(verify=verify or command == "verify")
     print(json.dumps(to_json(infos), indent=2) if as_json else format_listing(infos))
     if command == "verify" and (not infos or not infos[-1].is_committed):
         newest = f"{infos[-1].name} is {infos[-1].status} ({infos[-1].reason})" if infos else "no checkpoint found"

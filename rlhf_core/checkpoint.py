@@ -42,6 +42,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from rlhf_core.errors import CorruptCheckpoint, UserError
 from rlhf_core.faults import fault_point
+from rlhf_core.hub import store_unreachable
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "MANIFEST.json"
@@ -226,6 +227,19 @@ class CheckpointStore:
     def write_json(self, name: str, value: Any) -> None:
         self._write_bytes(self._path(name), json.dumps(value, sort_keys=True).encode())
 
+    def require_folder(self) -> None:
+        """A UserError naming the URL when it is not a folder: `rlhf ckpt ls` on a mistyped path."""
+        if self._is_local and os.path.isfile(self.root):
+            raise UserError(f"{self.url} is a file; give a stage folder {{ckpt_path}}/{{run_name}}/{{stage}}.")
+        try:
+            exists = self.fs.isdir(self.root)
+        except Exception as error:  # noqa: BLE001 - a store's own error types; re-raised unless understood
+            _raise_if_unreachable(error, self.url)
+            raise
+        if not exists:
+            raise UserError(f"{self.url}: no such folder; give a stage folder {{ckpt_path}}/{{run_name}}/{{stage}} "
+                            "(e.g. ./ckpt/rlhf/sft).")
+
     def latest_name(self) -> str | None:
         """Contents of ``latest``, or None when it is absent or empty."""
         try:
@@ -344,8 +358,11 @@ class CheckpointStore:
         self.fs.invalidate_cache()
         try:
             entries = self.fs.ls(self.root, detail=True)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # nothing yet; a file in the way is the writer's problem
             return []
+        except Exception as error:  # noqa: BLE001 - a store's own error types; re-raised unless understood
+            _raise_if_unreachable(error, self.url)
+            raise
         steps = (
             parse_step_dir_name(posixpath.basename(entry["name"].rstrip("/")))
             for entry in entries
@@ -470,6 +487,13 @@ class CheckpointStore:
         # Object stores have no directories; only a local filesystem needs them made.
         if self._is_local:
             self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+
+
+def _raise_if_unreachable(error: Exception, url: str) -> None:
+    """A failure to connect to the store as a UserError naming --ckpt_path, the URL and the endpoint."""
+    unreachable = store_unreachable(error, "--ckpt_path", url)
+    if unreachable is not None:
+        raise unreachable from None
 
 
 def _list_local_files(local_dir: str) -> dict[str, str]:

@@ -377,58 +377,63 @@ def dataset_fingerprint(cfg, storage_options: dict | None = None) -> str:
     if getattr(cfg, "dataset", None):
         return fingerprint(cfg.dataset, storage_options, split=getattr(cfg, "dataset_split", "train"))
     if getattr(cfg, "prompt_data", None):
-        return fingerprint(cfg.prompt_data, storage_options, split=getattr(cfg, "prompt_split", "train"))
+        return fingerprint(cfg.prompt_data, storage_options, split=getattr(cfg, "prompt_split", "train"),
+                           flag="--prompt_data")
     return ""
 
 
 _FINGERPRINTS: dict[tuple, str] = {}
 
 
-def _version_of(url: str, storage_options: dict | None) -> tuple | None:
+def _version_of(url: str, storage_options: dict | None, flag: str) -> tuple | None:
     """(url, size, modification stamp or ETag) of a file, or None when the store tells neither."""
     try:
         filesystem, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
         info = filesystem.info(path)
-    except (OSError, ValueError):
+    except Exception as error:  # noqa: BLE001 - a store's own error types: unknown version, unless unreachable
+        unreachable = store_unreachable(error, flag, url, storage_options)
+        if unreachable is not None:
+            raise unreachable from None
         return None
     stamp = info.get("mtime") or info.get("ETag") or info.get("LastModified")
     return (url, info.get("size"), str(stamp)) if stamp is not None else None
 
 
-def fingerprint(url: str, storage_options: dict | None = None, *, split: str = "train") -> str:
+def fingerprint(url: str, storage_options: dict | None = None, *, split: str = "train",
+                flag: str = "--dataset") -> str:
     """Identity of the data at `url`, recorded in each checkpoint's metadata: the sha256 of a file (of
     every file of a folder), datasets' own fingerprint of a hub dataset's split, and a hash of the parts'
     fingerprints for a comma-separated mixture. Files are hashed once per process and version (size and
     mtime or ETag): every commit asks, and a dataset can be large."""
     sources = [part.strip() for part in url.split(",") if part.strip()]
     if len(sources) > 1:
-        parts = "\n".join(fingerprint(source, storage_options, split=split) for source in sources)
+        parts = "\n".join(fingerprint(source, storage_options, split=split, flag=flag) for source in sources)
         return hashlib.sha256(parts.encode()).hexdigest()
     protocol, path = fsspec.core.split_protocol(url)
     if protocol in (None, "file") and not os.path.exists(path) and is_hub_id(url):
         key = ("hub", url, split)
         if key not in _FINGERPRINTS:
-            _FINGERPRINTS[key] = "hub:" + _hub_dataset(url, split, "--dataset")._fingerprint
+            _FINGERPRINTS[key] = "hub:" + _hub_dataset(url, split, flag)._fingerprint
         return _FINGERPRINTS[key]
     try:
         filesystem, fs_path = fsspec.core.url_to_fs(url, **(storage_options or {}))
         if filesystem.isdir(fs_path):
             names = sorted(filesystem.find(fs_path))
             protocol_prefix = f"{protocol}://" if protocol not in (None, "file") else ""
-            parts = "\n".join(f"{name[len(fs_path):]}:{_file_fingerprint(protocol_prefix + name, storage_options)}"
-                               for name in names)
+            parts = "\n".join(f"{name[len(fs_path):]}:"
+                               f"{_file_fingerprint(protocol_prefix + name, storage_options, flag)}" for name in names)
             return hashlib.sha256(parts.encode()).hexdigest()
-    except (OSError, ValueError) as error:
-        raise _as_user_error(error, url, "--dataset", storage_options) from None
-    return _file_fingerprint(url, storage_options)
+    except Exception as error:  # noqa: BLE001 - a store's own error types; re-raised unless understood
+        raise _as_user_error(error, url, flag, storage_options) from None
+    return _file_fingerprint(url, storage_options, flag)
 
 
-def _file_fingerprint(url: str, storage_options: dict | None) -> str:
-    version = _version_of(url, storage_options)
+def _file_fingerprint(url: str, storage_options: dict | None, flag: str) -> str:
+    version = _version_of(url, storage_options, flag)
     if version in _FINGERPRINTS:
         return _FINGERPRINTS[version]
     digest = hashlib.sha256()
-    with _open(url, storage_options) as handle:
+    with _open(url, storage_options, flag=flag) as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     if version is not None:

@@ -19,9 +19,11 @@ import os
 import re
 import tempfile
 import uuid
+from pathlib import Path
 
 import fsspec
 import torch
+from fsspec.implementations.local import LocalFileSystem
 
 from rlhf_core.checkpoint import MANIFEST_NAME, CheckpointStore, manifest_digest
 from rlhf_core.errors import UserError
@@ -45,6 +47,9 @@ def check_writable(url: str, flag: str, storage_options: dict | None = None) -> 
         filesystem, target = fsspec.core.url_to_fs(url, **(storage_options or {}))
         if filesystem.isfile(target):
             raise UserError(f"{flag}: {url} is a file; give a folder.")
+        blocking = _file_above(target) if isinstance(filesystem, LocalFileSystem) else None
+        if blocking is not None:
+            raise UserError(f"{flag}: {url} cannot be a folder because {blocking} is a file; give another path.")
         filesystem.makedirs(target, exist_ok=True)
         probe = f"{target.rstrip('/')}/{probe_name}"
         filesystem.pipe_file(probe, b"rlhf write probe\n")
@@ -59,6 +64,14 @@ def check_writable(url: str, flag: str, storage_options: dict | None = None) -> 
             raise UserError(f"{flag}: cannot write to {url} ({type(error).__name__}: {error}); choose a writable "
                             "location.") from None
         raise
+
+
+def _file_above(path: str) -> str | None:
+    """The nearest existing ancestor of a local `path` when it is a file (no folder can be made below it)."""
+    for parent in Path(path).absolute().parents:
+        if parent.exists():
+            return str(parent) if parent.is_file() else None
+    return None
 
 
 def upload_dir(local_dir: str, url: str, storage_options: dict | None = None) -> str:
@@ -108,6 +121,9 @@ def merge_lora(model_path: str, lora_path: str, output_path: str, bf16: bool = F
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from rlhf_core.preflight import probe_writable
+
+    probe_writable(output_path, "--output_path", storage_options)  # before the merge, not after it
     adapter_dir = local_model_dir(lora_path, storage_options, flag="--lora_path")
     if not is_lora_dir(adapter_dir):
         raise UserError(f"--lora_path: {lora_path} holds no LoRA adapter (adapter_config.json).")

@@ -84,7 +84,7 @@ def hub_model_dir(repo_id: str, flag: str) -> str:
 def _endpoint(error: BaseException, storage_options: dict | None) -> str:
     options = storage_options or {}
     endpoint = options.get("endpoint_url") or (options.get("client_kwargs") or {}).get("endpoint_url")
-    found = re.search(r"https?://[^\s\"']+", str(error))
+    found = re.search(r"https?://[^\s\"'/?]+", str(error))  # scheme and host of the request, not its path
     named = found.group(0).rstrip(".") if found else None
     return endpoint or named or os.environ.get("AWS_ENDPOINT_URL") or "the default endpoint"
 

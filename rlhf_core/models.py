@@ -105,7 +105,7 @@ def model_fingerprint(url: str, storage_options: dict | None = None, *, flag: st
             pass
         listing = sorted((entry["name"].rsplit("/", 1)[-1], entry.get("size"))
                          for entry in filesystem.ls(path, detail=True) if entry.get("type") == "file")
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # nothing (or a file) there: the folder check names it
         return ""
     except Exception as error:  # noqa: BLE001 - a store's own error types; re-raised unless understood
         unreachable = store_unreachable(error, flag, url, storage_options)
@@ -154,15 +154,15 @@ def check_model_dir(directory: str, url: str, flag: str) -> None:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     config_path = os.path.join(directory, "config.json")
-    if not is_lora_dir(directory):
-        if not os.path.exists(config_path):
-            raise UserError(f"{flag}: {url} has no config.json (nor adapter_config.json); it is not a Hugging Face "
-                            "model folder.")
-        model_type = _read_json(config_path, flag).get("model_type")
-        if model_type not in CONFIG_MAPPING_NAMES:
-            raise UserError(f"{flag}: {config_path} has model_type {model_type!r}, an architecture transformers "
-                            f"{transformers_version} does not know; fix the file or install a transformers that "
-                            "knows it (models with custom code are not supported).")
+    if is_lora_dir(directory):  # its own file first: a broken adapter_config.json explains what follows
+        _read_json(os.path.join(directory, "adapter_config.json"), flag)
+    elif not os.path.exists(config_path):
+        raise UserError(f"{flag}: {url} has no config.json (nor adapter_config.json); it is not a Hugging Face "
+                        "model folder.")
+    elif (model_type := _read_json(config_path, flag).get("model_type")) not in CONFIG_MAPPING_NAMES:
+        raise UserError(f"{flag}: {config_path} has model_type {model_type!r}, an architecture transformers "
+                        f"{transformers_version} does not know; fix the file or install a transformers that "
+                        "knows it (models with custom code are not supported).")
     weights = sorted(path for pattern in WEIGHT_PATTERNS for path in glob.glob(os.path.join(directory, pattern)))
     if not weights:
         raise UserError(f"{flag}: {url} has no weights (model.safetensors or pytorch_model.bin).")

@@ -4,13 +4,14 @@ A mistake found after hours of training (a read-only --save_path, a reward funct
 with no tokenizer) costs those hours; found here it costs seconds. Checked, in order: resume rules (an existing run
 needs --load_checkpoint, settings drift), every output location writable (a probe file, written and removed: this
 also proves an object store reachable), every input model a loadable Hugging Face folder, each training stage's
-data, tokenizer and reward function (the planner reads and tokenizes the data and calls the reward function on
-one sample), tracker packages, and the run lease. Inputs that an earlier stage of this run produces are checked
-when that stage has run.
+data, eval data, tokenizer and reward function (the planner reads and tokenizes the data and calls the reward
+function on one sample), precision and attention settings this machine can run, tracker packages, and the run
+lease. Inputs that an earlier stage of this run produces are checked when that stage has run.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -40,8 +41,11 @@ def preflight(run: RunConfig) -> None:
             url = getattr(cfg, field, None)
             if url and url not in produced:
                 check_model(url, f"--{field}", run.storage_options)
-        if stage in TRAINING_STAGES and cfg.pretrain not in produced:
-            plan_stage(run, stage)
+        if stage in TRAINING_STAGES:
+            check_compute_settings(run, stage)
+            if cfg.pretrain not in produced:
+                plan_stage(run, stage)
+                check_eval_data(run, stage)
         produced.add(getattr(cfg, STAGES[stage].output_field))
     require_tracker_packages(run)
     RunLease(run.run_url(), run.storage_options).check_available()
@@ -74,3 +78,35 @@ def check_model(url: str, flag: str, storage_options: dict | None) -> None:
     if is_lora_dir(directory):
         base = lora_base_dir(directory, storage_options, flag=flag)
         check_model_dir(base, base, f"{flag} (its base model)")
+
+
+def check_compute_settings(run: RunConfig, stage: str) -> None:
+    """Settings the ranks would refuse only after Ray and DeepSpeed started: fp16 without a GPU (on a local
+    Ray, whose ranks run here) and an attention kernel transformers does not know."""
+    import torch
+
+    from rlhf_core.ds_config import resolve_precision
+    from rlhf_core.models import resolve_attn_implementation
+
+    cfg = run.stage_config(stage)
+    if not (run.ray_address or os.environ.get("RAY_ADDRESS")):
+        resolve_precision(cfg.param_dtype, on_gpu=torch.cuda.is_available(), cpu_bf16=True)
+    resolve_attn_implementation(cfg.attn_implementation)
+
+
+def check_eval_data(run: RunConfig, stage: str) -> None:
+    """--eval_dataset read, keyed and tokenized as the ranks will (PPO's planner already does this)."""
+    cfg = run.stage_config(stage)
+    if stage == "ppo" or not getattr(cfg, "eval_dataset", None):
+        return
+    from rlhf_core.models import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.pretrain, run.storage_options)
+    if stage == "sft":
+        from rlhf_core.trainers.sft import load_sft_samples
+
+        load_sft_samples(run, tokenizer, evaluation=True)
+    else:
+        from rlhf_core.trainers.rm import read_pairs
+
+        read_pairs(run, tokenizer, evaluation=True)

@@ -191,7 +191,9 @@ def data_blank_lines_only(w):
 
 @case
 def data_truncated_away_by_max_len(w):
-    return Bad(w.sft(max_len="2"), [w.toy["sft"], "--max_len 2"])
+    long_prompt = {"prompt": "sort : " + "9 " * 12 + "=", "response": "9 " * 12}
+    return Bad(w.sft(dataset=w.jsonl("long.jsonl", *[long_prompt] * 16), max_len="8"),  # 8: the least allowed
+               ["long.jsonl", "--max_len 8"])
 
 
 @case
@@ -314,21 +316,17 @@ def model_hub_id_not_cached_offline(w):
 
 @case
 def model_adapter_config_corrupt(w):
-    adapter = w.tmp / "adapter"
-    adapter.mkdir()
-    (adapter / "adapter_config.json").write_text("{not json")
-    (adapter / "adapter_model.safetensors").write_bytes(b"")
-    return Bad(w.sft(pretrain=str(adapter)), ["--pretrain", "adapter_config.json"])
+    adapter = Path(_adapter(w))
+    (adapter / "adapter_config.json").write_text('{"base_model_name_or_path": ')
+    return Bad(w.sft(pretrain=str(adapter)), ["--pretrain", str(adapter / "adapter_config.json"), "line 1"])
 
 
 @case
 def model_adapter_base_missing(w):
-    adapter = w.tmp / "adapter"
-    adapter.mkdir()
-    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": w.path("gone_base"),
-                                                             "peft_type": "LORA"}))
-    (adapter / "adapter_model.safetensors").write_bytes(b"")
-    return Bad(w.sft(pretrain=str(adapter)), ["--pretrain", "base_model_name_or_path", "gone_base"])
+    adapter = Path(_adapter(w))
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": w.path("gone")}))
+    return Bad(w.sft(pretrain=str(adapter)), ["--pretrain", "base_model_name_or_path", w.path("gone")])
 
 
 @case
@@ -466,33 +464,44 @@ def path_save_read_only(w):
 
 # --------------------------------------------------------------------------------------------- object stores
 
+UNREACHABLE_ENDPOINT = f"http://127.0.0.1:{closed_port()}"  # one per session: fsspec caches its S3 clients
+
+
 def _unreachable_store(w) -> tuple[str, dict[str, str]]:
-    endpoint = f"http://127.0.0.1:{closed_port()}"
-    options = json.dumps({"endpoint_url": endpoint, "config_kwargs": {"retries": {"max_attempts": 1},
-                                                                      "connect_timeout": 2}})
+    """An S3 endpoint on a closed loopback port, one attempt per request: as --storage_options, and as the
+    standard environment (credentials, endpoint), which also reaches --dataset and --save_path."""
+    endpoint = UNREACHABLE_ENDPOINT
+    options = json.dumps({"endpoint_url": endpoint, "config_kwargs": {"retries": {"max_attempts": 1}}})
     return options, {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing-secret",
-                     "AWS_DEFAULT_REGION": "us-east-1"}
+                     "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint, "AWS_MAX_ATTEMPTS": "1"}
 
 
 @case
 def store_ckpt_unreachable(w):
     options, env = _unreachable_store(w)
     return Bad(w.sft(ckpt_path="s3://bucket/ckpt", storage_options=options),
-               ["--ckpt_path", "s3://bucket/ckpt", "127.0.0.1"], env=env, subprocess=True)
+               ["--ckpt_path", "s3://bucket/ckpt", env["AWS_ENDPOINT_URL"]], env=env, subprocess=True)
 
 
 @case
 def store_dataset_unreachable(w):
-    options, env = _unreachable_store(w)
-    return Bad(w.sft(dataset="s3://bucket/sft.jsonl", storage_options=options, ckpt_path="s3://bucket/ckpt"),
-               ["s3://bucket"], env=env)
+    _, env = _unreachable_store(w)
+    return Bad(w.sft(dataset="s3://bucket/sft.jsonl"), ["--dataset", "s3://bucket/sft.jsonl", env["AWS_ENDPOINT_URL"]],
+               env=env)
 
 
 @case
 def store_save_path_unreachable(w):
-    options, env = _unreachable_store(w)
-    return Bad(w.sft(save_path="s3://bucket/out", storage_options=options, ckpt_path="s3://bucket/ckpt"),
-               ["s3://bucket"], env=env)
+    _, env = _unreachable_store(w)
+    return Bad(w.sft(save_path="s3://bucket/out"), ["--save_path", "s3://bucket/out", env["AWS_ENDPOINT_URL"]],
+               env=env)
+
+
+@case
+def store_pretrain_unreachable(w):
+    _, env = _unreachable_store(w)
+    return Bad(w.sft(pretrain="s3://bucket/model"), ["--pretrain", "s3://bucket/model", env["AWS_ENDPOINT_URL"]],
+               env=env)
 
 
 # ------------------------------------------------------------------------------------------ reward functions

@@ -94,8 +94,8 @@ def assert_refused(code: int, out: str, err: str, names: list[str]) -> str:
     assert code == 2, f"exit {code}: {line}"
     missing = [name for name in names if name not in line]
     assert not missing, f"{missing} not named in: {line}"
-    if line.startswith("rlhf: error: "):  # ours, not argparse's: one sentence
-        assert line.endswith("."), line
+    if "usage: rlhf" not in err:  # ours, not argparse's: one sentence
+        assert line.endswith((".", "?")), line
     return line
 
 
