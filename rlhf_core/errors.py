@@ -12,6 +12,9 @@ class CorruptCheckpoint(UserError):
         super().__init__(message)
         self.step, self.reason = step, reason
 
+    def __reduce__(self):  # Ray pickles a rank's exception to the driver; __init__ takes three arguments
+        return (type(self), (self.args[0], self.step, self.reason))
+
 
 class UnsafeCheckpoint(UserError):
     """A checkpoint file would run code when unpickled; it is refused, never loaded."""

@@ -115,13 +115,8 @@ def test_trainer_base_is_abstract():
     assert {"count_items", "train_step", "export_model_dir"} <= DeepSpeedTrainer.__abstractmethods__
 
 
-CORRUPT_NEEDS_REDUCE = pytest.mark.xfail(strict=True, reason="errors.py: CorruptCheckpoint needs __reduce__ (its "
-                                                              "__init__ takes three arguments); the lead applies it")
-
-
 @pytest.mark.parametrize("error", [UserError("bad flag."), UnsafeCheckpoint("bad file."),
-                                   pytest.param(CorruptCheckpoint("bad bytes.", 5, "sha256 mismatch"),
-                                                marks=CORRUPT_NEEDS_REDUCE)])
+                                   CorruptCheckpoint("bad bytes.", 5, "sha256 mismatch")])
 def test_user_errors_survive_pickling(error):
     """Ray pickles a rank's exception to the driver; it must come back as the same class and sentence."""
     copy = pickle.loads(pickle.dumps(error))
