@@ -492,10 +492,15 @@ def _field_names() -> set[str]:
 
 
 def _spell_fields(message: str, prefix: str) -> str:
-    """Setting names inside a validator's message as the user writes them: `--name` or `sft.name`."""
+    """Setting names inside a validator's message as the user writes them: `--name` (a stage's `ppo.name` too,
+    on the command line) or `sft.name`."""
     known = _field_names()
-    return re.sub(r"(?<![\w.-])[a-z][a-z0-9]*(?:_[a-z0-9]+)+(?![\w-])",
-                  lambda found: prefix + found.group(0) if found.group(0) in known else found.group(0), message)
+    stage = "" if prefix != "--" else r"(?:(?:sft|rm|ppo|merge|export)\.)?"
+
+    def spell(found: re.Match) -> str:
+        return prefix + found.group(1) if found.group(1) in known else found.group(0)
+
+    return re.sub(rf"(?<![\w.-]){stage}([a-z][a-z0-9]*(?:_[a-z0-9]+)+)(?![\w-])", spell, message)
 
 
 def describe_validation_error(error: ValidationError, source: str, flag_style: bool,

@@ -20,7 +20,6 @@ import fsspec
 from rlhf_core.config import STAGES, TRAINING_STAGES, RunConfig, fields_with_role
 
 
-
 def preflight(run: RunConfig) -> None:
     """Refuse, before Prefect starts a flow run, a run that would fail on its inputs or outputs."""
     from rlhf_core.chunk import plan_stage
