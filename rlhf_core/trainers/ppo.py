@@ -121,6 +121,8 @@ class PPOTrainer(DeepSpeedTrainer):
         require_vllm(run.ppo.vllm_num_engines)
         tokenizer = load_tokenizer(run.ppo.pretrain, run.storage_options)
         prompts = load_prompts(run, tokenizer)
+        if run.ppo.eval_dataset:  # its keys and labels are checked here, not at the first evaluation
+            load_prompts(run, tokenizer, eval_data=True)
         check_reward_setup(run, tokenizer, prompts[0])
         return len(prompts)
 
