@@ -26,6 +26,7 @@ of each script is printed (run with -s to see it); nothing is asserted on time.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import tempfile
@@ -40,7 +41,14 @@ from rlhf_core.ds_config import cpu_supports_bf16
 from tests.conftest import RLHF
 from tests.integration.conftest import VENV_BIN, BackgroundProcess, free_port
 from tests.integration.openrlhf_scripts import (
-    DATA_DIR, RELEASES, Command, ScriptEdits, changed_flags, dotted_name, edit_command, parse_script,
+    DATA_DIR,
+    RELEASES,
+    Command,
+    ScriptEdits,
+    changed_flags,
+    dotted_name,
+    edit_command,
+    parse_script,
 )
 
 SCRIPTS = {"sft": "train_sft.sh", "rm": "train_rm.sh", "ppo": "train_ppo_with_reward_fn.sh"}
@@ -130,7 +138,7 @@ def reward_func(queries, prompts, labels, **kwargs):
 '''
 
 
-def ppo_working_dir(root: Path, release: str) -> tuple[Path, Path]:
+def ppo_working_dir(root: Path, release: str) -> None:
     """A working_dir laid out as the script's /openrlhf: the script itself and examples/python/reward_func.py.
     (Each release's copy differs, so Ray unpacks each into a folder of its own.)"""
     scripts, python = root / "examples" / "scripts", root / "examples" / "python"
@@ -138,7 +146,6 @@ def ppo_working_dir(root: Path, release: str) -> tuple[Path, Path]:
     python.mkdir(parents=True)
     shutil.copyfile(DATA_DIR / release / SCRIPTS["ppo"], scripts / SCRIPTS["ppo"])
     (python / "reward_func.py").write_text(REWARD_FUNC)
-    return root, python / "reward_func.py"
 
 
 def test_edits_touch_only_allowed_flags(tmp_path):
@@ -184,13 +191,15 @@ class RayHead:
     def wait_until_ready(self, env: dict[str, str], timeout_s: float = 120) -> None:
         deadline = time.monotonic() + timeout_s
         while subprocess.run([str(VENV_BIN / "ray"), "job", "list", f"--address={self.dashboard}"], env=env,
-                             capture_output=True, text=True).returncode != 0:
+                             capture_output=True, text=True, check=False).returncode != 0:
             assert self.process.alive() and time.monotonic() < deadline, \
                 f"the Ray head's job server did not start:\n{self.process.log_tail()}"
             time.sleep(1)
 
     def unpacked_working_dirs(self) -> list[Path]:
-        return list(self.temp_dir.glob("session_*/runtime_resources/working_dir_files/*"))
+        """Folders into which Ray unpacked jobs' working_dirs (beside them: the .zip packages and their locks)."""
+        return list({path.resolve() for path in self.temp_dir.glob("session_*/runtime_resources/working_dir_files/*")
+                     if path.is_dir()})  # resolved: session_latest links to the session
 
     def stop(self) -> None:
         self.process.stop(grace=3)  # SIGKILL follows: after SIGTERM, gcs_server and raylet stay alive
@@ -254,7 +263,7 @@ def run_script(stage: str, release: str, toy: dict[str, str], root: Path, rlhf_e
     workdir.mkdir(exist_ok=True)
     if stage == "ppo":
         head, env = request.getfixturevalue("ray_head")
-        working_dir, _ = ppo_working_dir(root / f"openrlhf-{release}", release)
+        ppo_working_dir(root / f"openrlhf-{release}", release)
         before = set(head.unpacked_working_dirs())
         original, edits = _edited_scripts(toy, root, release, head.dashboard)["ppo"]
     else:
@@ -263,13 +272,15 @@ def run_script(stage: str, release: str, toy: dict[str, str], root: Path, rlhf_e
     command = edit_command(original, edits, release)
     started = time.monotonic()
     result = subprocess.run(command.argv(), cwd=workdir, env=env, capture_output=True, text=True,
-                            timeout=RUN_TIMEOUT_S, stdin=subprocess.DEVNULL)
+                            timeout=RUN_TIMEOUT_S, stdin=subprocess.DEVNULL, check=False)
     wall_s = time.monotonic() - started
-    print(f"\n{release} {SCRIPTS[stage]}: exit {result.returncode}, wall time {wall_s:.1f} s")
+    stage_s = re.search(rf"{stage}: output in \S+ \(([\d.]+) s\)", result.stdout + result.stderr)
+    print(f"\n{release} {SCRIPTS[stage]}: exit {result.returncode}, wall time {wall_s:.1f} s "
+          f"(the stage itself: {stage_s.group(1) + ' s' if stage_s else 'not reported'})")
     if stage == "ppo":  # the job ran in Ray's unpacked copy of the working_dir: OpenRLHF's relative paths go there
-        unpacked = set(head.unpacked_working_dirs()) - before
-        assert len(unpacked) == 1, (unpacked, result.stdout[-3000:])
-        ckpt_root = unpacked.pop()
+        unpacked = [path for path in set(head.unpacked_working_dirs()) - before if (path / "ckpt").is_dir()]
+        assert len(unpacked) == 1, f"expected one unpacked working_dir holding ckpt/, found {unpacked}"
+        ckpt_root = unpacked[0]
     else:
         ckpt_root = workdir
     return command, result, wall_s, ckpt_root / "ckpt" / "rlhf" / stage
