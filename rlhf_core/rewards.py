@@ -26,8 +26,9 @@ import importlib
 import importlib.util
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from rlhf_core.errors import UserError
 

@@ -75,7 +75,8 @@ def test_grpo_with_an_openrlhf_reward_func_beats_the_sft_policy(sft_policy, toy_
     train_stage(run, "ppo")
 
     last = plan_stage(run, "ppo").total_steps
-    metrics = json.loads((Path(run.stage_url("ppo")) / f"step_{last}" / "training_metadata.json").read_text())["metrics"]
+    metadata = Path(run.stage_url("ppo")) / f"step_{last}" / "training_metadata.json"
+    metrics = json.loads(metadata.read_text())["metrics"]
     assert {"exact_match", "dynamic_filtering_pass_rate", "eval_reward"} <= set(metrics), metrics
     sft_score = mean_gold_score(sft, toy_assets["eval_prompts"])
     grpo_score = mean_gold_score(run.ppo.save_path, toy_assets["eval_prompts"])

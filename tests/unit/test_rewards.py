@@ -163,7 +163,8 @@ def test_http_server_errors_are_retried_then_answered(monkeypatch):
 def test_http_server_that_keeps_failing_stops_with_one_sentence(monkeypatch):
     monkeypatch.setattr(rewards, "HTTP_RETRY_DELAY_S", 0.0)
     with RewardServer(lambda body, n: (500, "boom")) as server:
-        with pytest.raises(UserError, match=rf"reward server {server.url} did not answer after 5 attempts \(HTTP 500\)"):
+        expected = rf"reward server {server.url} did not answer after 5 attempts \(HTTP 500\)"
+        with pytest.raises(UserError, match=expected):
             reward_function(None, server.url)(INPUTS)
     assert len(server.requests) == rewards.HTTP_ATTEMPTS
 
@@ -198,7 +199,8 @@ def test_unreachable_reward_server_is_named(monkeypatch):
 def ppo_run(toy_assets, tmp_path, **settings):
     from rlhf_core.config import PPOConfig, RunConfig
 
-    ppo = PPOConfig(pretrain=toy_assets["model"], prompt_data=settings.pop("prompt_data", toy_assets["prompts"]),
+    prompt_data = settings.pop("prompt_data", toy_assets["prompts"])
+    ppo = PPOConfig(pretrain=toy_assets["model"], prompt_data=prompt_data,
                     input_key="prompt", rollout_batch_size=4, train_batch_size=4, micro_train_batch_size=4,
                     advantage_estimator="reinforce", reward_pretrain=toy_assets["model"], save_path=str(tmp_path / "out"), **settings)
     return RunConfig(stages=["ppo"], ckpt_path=str(tmp_path / "ckpt"), ppo=ppo)
