@@ -98,7 +98,8 @@ class StageConfig(BaseModel):
         False, **_operational("Checkpoints keep the weights only (no DeepSpeed optimizer state); a resume restores "
                               "the weights with a fresh optimizer, as --load_weights_only.")
     )
-    logging_steps: int = Field(1, ge=1, **_operational("Log training metrics (console and trackers) every N steps."))
+    logging_steps: int = Field(1, ge=1, **_operational("Log training metrics to the trackers (--use_tensorboard, "
+                                                       "--use_wandb) every N steps."))
 
     @model_validator(mode="before")
     @classmethod
@@ -237,6 +238,10 @@ class PPOConfig(StageConfig):
     def _cross_field_checks(self) -> "PPOConfig":
         if self.reward_fn is not None and not re.fullmatch(r"[\w.]+:\w+", self.reward_fn):
             raise ValueError(f"reward_fn {self.reward_fn!r} must look like 'package.module:function'")
+        low, high = self.dynamic_filtering_reward_range
+        if self.dynamic_filtering and (self.n_samples_per_prompt < 2 or not low < high):
+            raise ValueError("dynamic_filtering compares the samples of one prompt: set n_samples_per_prompt >= 2 "
+                             "and dynamic_filtering_reward_range LOW HIGH with LOW < HIGH")
         if self.reward_fn is not None and self.remote_rm_url is not None:
             raise ValueError("reward_fn and remote_rm_url both replace the reward model: give one of them")
         if self.advantage_estimator in ("rloo", "reinforce_baseline", "group_norm", "dr_grpo") and self.n_samples_per_prompt < 2:

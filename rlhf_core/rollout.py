@@ -42,7 +42,7 @@ def response_logprobs(model, batch: dict) -> torch.Tensor:
     """log p(response token | prefix) for every response position, [rows, response_len], on the model's device."""
     batch = on_device(batch, model.device)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   position_ids=batch["position_ids"]).logits
+                   position_ids=batch["position_ids"]).logits.float()  # fp32 log-probs under bf16 autocast
     start = batch["prompt_len"]
     return token_logprobs(logits[:, start - 1 : -1], batch["input_ids"][:, start:])
 

@@ -199,7 +199,8 @@ class PPOTrainer(DeepSpeedTrainer):
 
     def train_step(self) -> dict[str, float]:
         cfg = self.cfg
-        experience = self.make_experience()
+        with self.autocast():  # bf16 autocast on a CPU run with --param_dtype bf16, as SFT and RM
+            experience = self.make_experience()
         mask = experience["mask"] * experience["keep"][:, None]  # filtered samples leave the update
         kl_in_reward = torch.zeros_like(experience["kl"]) if cfg.use_kl_loss else experience["kl"]
         advantages, returns = ppo_math.advantages_and_returns(
@@ -331,7 +332,8 @@ class PPOTrainer(DeepSpeedTrainer):
         mask = take("loss_mask")
         result = {}
         if train_actor:
-            logprobs = response_logprobs(self.actor, batch)
+            with self.autocast():
+                logprobs = response_logprobs(self.actor, batch)
             loss, clip_fraction = ppo_math.policy_loss(logprobs, take("old_logprobs"), take("advantages"), mask,
                                                        cfg.eps_clip)
             if cfg.use_kl_loss:  # GRPO style: the KL to the reference in the loss, not in the reward
@@ -341,7 +343,8 @@ class PPOTrainer(DeepSpeedTrainer):
             self.actor.step()
             result = {"policy_loss": loss.item(), "clip_fraction": clip_fraction.item()}
         if self.critic is not None:
-            values = token_values(self.critic.module, batch["input_ids"], batch["attention_mask"])
+            with self.autocast():
+                values = token_values(self.critic.module, batch["input_ids"], batch["attention_mask"])
             values = values[:, batch["prompt_len"] - 1 : -1].float()
             critic_loss = ppo_math.value_loss(values, take("values"), take("returns"), mask, cfg.value_clip)
             self.critic.backward(critic_loss)
