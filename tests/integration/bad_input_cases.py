@@ -669,7 +669,8 @@ def _adapter(w) -> str:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(w.toy["model"]), LoraConfig(r=2, target_modules="all-linear"))
+    base = AutoModelForCausalLM.from_pretrained(w.toy["model"])
+    model = get_peft_model(base, LoraConfig(r=2, target_modules="all-linear"))
     model.save_pretrained(w.path("adapter"))
     return w.path("adapter")
 
