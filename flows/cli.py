@@ -230,6 +230,8 @@ def checkpoint_adapter(lora_path: str, local_dir: str) -> str | None:
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "rlhf_core")  # fallback and set-aside notices
+    # rlhf_core's warnings during preflight come before any flow run: keep them off Prefect's API handler.
+    os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
     args = build_parser().parse_args(argv)
     try:
         if args.command == "toy":
