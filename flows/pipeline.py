@@ -7,6 +7,7 @@ because a cached task body does not run.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 
@@ -15,9 +16,24 @@ from prefect.artifacts import create_table_artifact
 
 from rlhf_core.chunk import ChunkResult, plan_stage, release_workers, resolve_paths
 from rlhf_core.config import STAGES, RunConfig
+from rlhf_core.errors import UserError
 from rlhf_core.lease import RunLease
 from rlhf_core.resume import Lineage, begin_stage, validate_run_start
 from tasks.chunks import chunk_task_for, export_final_task, export_model, merge_lora_task
+
+
+class _NoTracebackForUserErrors(logging.Filter):
+    """A UserError is one sentence the CLI prints (exit 2); Prefect's log of it keeps the message, not a
+    traceback that would bury it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], UserError):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+for _logger_name in ("prefect.flow_runs", "prefect.task_runs"):
+    logging.getLogger(_logger_name).addFilter(_NoTracebackForUserErrors())
 
 
 def _artifact_key(*parts: str) -> str:

@@ -273,6 +273,14 @@ def _attention_kwargs(attn_implementation: str | None) -> dict:
     return {"attn_implementation": resolved} if resolved else {}
 
 
+def enable_activation_checkpointing(model, use_reentrant: bool) -> None:
+    """Recompute activations in backward (transformers 5 renamed gradient_checkpointing_enable)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+
+
 def load_causal_lm(url: str, lora_rank: int = 0, lora_alpha: int = 16, target_modules: list[str] | None = None,
                    gradient_checkpointing: bool = False, *, lora_dropout: float = 0.0,
                    attn_implementation: str | None = None, storage_options: dict | None = None,
@@ -282,7 +290,7 @@ def load_causal_lm(url: str, lora_rank: int = 0, lora_alpha: int = 16, target_mo
 
     model = _from_pretrained(AutoModelForCausalLM, url, storage_options, flag, **_attention_kwargs(attn_implementation))
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model, use_reentrant=False)
     return with_lora(model, lora_rank, lora_alpha, target_modules, "CAUSAL_LM", lora_dropout)
 
 
@@ -297,7 +305,7 @@ def load_scalar_model(url: str, pad_token_id: int, lora_rank: int = 0, lora_alph
                              **_attention_kwargs(attn_implementation))
     model.config.pad_token_id = pad_token_id  # the score is read at the last non-pad token
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model, use_reentrant=False)
     return with_lora(model, lora_rank, lora_alpha, target_modules, "SEQ_CLS", lora_dropout)
 
 

@@ -72,10 +72,10 @@ def config_drift(run: RunConfig, stage: str, metadata: dict) -> list[str]:
     changes = [f"{name}: {saved.get(name)!r} -> {current.get(name)!r}"
                for name in sorted(set(current) | set(saved)) if saved.get(name) != current.get(name)]
     saved_fingerprint = metadata.get("dataset_fingerprint")
-    if saved_fingerprint and saved_fingerprint != dataset_fingerprint(cfg):
+    if saved_fingerprint and saved_fingerprint != dataset_fingerprint(cfg, run.storage_options):
         changes.append("dataset contents: changed")
     # Same path, other model: e.g. SFT retrained into the save_path this stage started from.
-    current_models = input_model_fingerprints(cfg)
+    current_models = input_model_fingerprints(cfg, run.storage_options)
     for name, saved_model in sorted(metadata.get("input_models", {}).items()):
         if saved_model and current_models.get(name, saved_model) != saved_model:
             changes.append(f"{name} model contents: changed")

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders
 
+from rlhf_core.errors import UserError
+
 DIGITS = [str(d) for d in range(10)]
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 WORDS = ["sort", ":", "=", "user", "assistant"]
@@ -123,7 +125,12 @@ def _write_jsonl(path: Path, records: list[dict]) -> None:
 def init_toy(directory: str, seed: int = 0) -> dict[str, str]:
     """Write model/ (HF model + tokenizer), sft.jsonl, prefs.jsonl, prompts.jsonl and eval_prompts.jsonl."""
     root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
+    if root.exists() and not root.is_dir():
+        raise UserError(f"{directory} is a file; give a folder for the toy model and data (rlhf toy init DIR).")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UserError(f"{directory}: cannot create the folder ({error.strerror}); give a writable folder.") from None
     tokenizer = build_tokenizer()
     model = build_model(len(tokenizer), seed)
     model.save_pretrained(root / "model")

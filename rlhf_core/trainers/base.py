@@ -38,7 +38,9 @@ def configure_gradient_checkpointing(model, cfg) -> None:
     reentrant variant only back-propagates into checkpointed blocks whose inputs require grad, which
     frozen embeddings (LoRA) do not give, hence enable_input_require_grads."""
     if cfg.gradient_checkpointing and cfg.gradient_checkpointing_use_reentrant:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        from rlhf_core.models import enable_activation_checkpointing
+
+        enable_activation_checkpointing(model, use_reentrant=True)
         model.enable_input_require_grads()
 
 

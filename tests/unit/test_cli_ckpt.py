@@ -33,5 +33,6 @@ def test_verify_passes_when_newest_is_valid_and_fails_when_not(tmp_path, capsys)
 
 
 def test_verify_of_an_empty_store_fails(tmp_path, capsys):
+    (tmp_path / "nothing").mkdir()
     assert main(["ckpt", "verify", str(tmp_path / "nothing")]) == 1
     assert "no checkpoint found" in capsys.readouterr().err

@@ -42,7 +42,7 @@ def test_semantic_hash_ignores_operational_fields_only():
 def test_yaml_config_errors_name_file_and_field(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("stages: [sft]\nsft:\n  pretrain: m\n  dataset: d.jsonl\n  train_batch_size: 0\n")
-    with pytest.raises(UserError, match=r"run.yaml: sft.train_batch_size .*greater than or equal to 1"):
+    with pytest.raises(UserError, match=r"run.yaml line 5: sft.train_batch_size 0: input should be greater than or equal to 1"):
         load_run_config(str(path))
     path.write_text("stages: [sft\nsft: {}\n")
     with pytest.raises(UserError, match=r"run.yaml line \d+: not valid YAML"):
@@ -65,7 +65,7 @@ def test_yaml_config_loads(tmp_path):
         (["--dataset", "d.jsonl"], "--pretrain is required"),
         (["--pretrain", "m", "--dataset", "d.jsonl", "--save_steps", "0"], "--save_steps must be a positive"),
         (["--pretrain", "m", "--dataset", "d.jsonl", "--train_batch_size", "6", "--micro_train_batch_size", "4"],
-         "must be a multiple of micro_train_batch_size"),
+         "must be a multiple of --micro_train_batch_size"),
         (["--pretrain", "/no/such/model", "--dataset", "d.jsonl"], "is not a model folder"),
         (["--pretrain", "m", "--dataset", "d.jsonl", "--storage_options", '{"secret": "s"}'],
          "--storage_options must not hold the secret 'secret'"),
@@ -93,7 +93,7 @@ def test_flags_keep_openrlhf_names():
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
-        (["--num_workers", "1", "--vllm_num_engines", "2"], "vllm_num_engines (2) must be 0 or num_workers (1)"),
+        (["--num_workers", "1", "--vllm_num_engines", "2"], "--vllm_num_engines (2) must be 0 or --num_workers (1)"),
         (["--vllm_num_engines", "1", "--vllm_tensor_parallel_size", "2"], "vllm_tensor_parallel_size must be 1"),
     ],
 )
