@@ -287,7 +287,7 @@ def export_stage(run: RunConfig, stage: str, final_step: int) -> str:
     from rlhf_core.export import export_stage_output
 
     cfg, store = run.stage_config(stage), open_store(run, stage)
-    if getattr(cfg, "save_value_network", False) and getattr(cfg, "critic_pretrain", None):
+    if getattr(cfg, "save_value_network", False) and getattr(cfg, "advantage_estimator", None) == "gae":
         export_stage_output(store, final_step, "critic_model", cfg.pretrain, f"{cfg.save_path.rstrip('/')}_critic",
                             run.storage_options)
     return export_stage_output(store, final_step, trainer_class(stage).export_model_dir, cfg.pretrain,

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from flows.demo import demo_config
-from rlhf_core.chunk import ensure_checkpoint, plan_stage, release_workers, resolve_paths, train_stage
+from rlhf_core.chunk import ensure_checkpoint, export_stage, plan_stage, release_workers, resolve_paths, train_stage
 from rlhf_core.config import PPOConfig, RunConfig
 from rlhf_core.evaluate import mean_gold_score
 from rlhf_core.export import export_final, merge_lora
@@ -114,11 +114,13 @@ def small_ppo(pipeline, ckpt: Path, **settings) -> RunConfig:
                                    ppo=ppo))
 
 
-@pytest.mark.parametrize("estimator", ["gae", "reinforce", "rloo", "group_norm"])
+@pytest.mark.parametrize("estimator", ["gae", "reinforce", "rloo", "reinforce_baseline", "group_norm", "dr_grpo"])
 def test_every_advantage_estimator_trains_a_chunk(estimator, pipeline, tmp_path):
-    run = small_ppo(pipeline, tmp_path, advantage_estimator=estimator)
+    run = small_ppo(pipeline, tmp_path, advantage_estimator=estimator, save_value_network=True)
     result = ensure_checkpoint(run, "ppo", 2, begin_stage(run, "ppo"))
     release_workers()
+    export_stage(run, "ppo", 2)  # --save_value_network: the critic goes to {save_path}_critic, as OpenRLHF
+    assert (Path(run.ppo.save_path + "_critic") / "model.safetensors").exists() == (estimator == "gae")
     assert result.num_steps_trained == 2 and all(map(lambda v: v == v, result.metrics.values()))  # no NaN
     step_dir = Path(run.stage_url("ppo")) / "step_2"
     assert (step_dir / "actor_model" / "hf" / "model.safetensors").exists()
