@@ -36,3 +36,34 @@ def test_verify_of_an_empty_store_fails(tmp_path, capsys):
     (tmp_path / "nothing").mkdir()
     assert main(["ckpt", "verify", str(tmp_path / "nothing")]) == 1
     assert "no checkpoint found" in capsys.readouterr().err
+
+
+def test_lora_combiner_takes_a_checkpoints_latest_as_lora_path(tmp_path, toy_assets, capsys):
+    """The seed's `lora_combiner --lora_path {ckpt_path}/latest`: the newest committed checkpoint's adapter."""
+    import torch
+
+    from rlhf_core.models import load_causal_lm
+
+    store = CheckpointStore(str(tmp_path / "ckpt" / "run" / "ppo"))
+    for step, scale in ((2, 0.0), (4, 0.5)):
+        adapted = load_causal_lm(toy_assets["model"], lora_rank=4)
+        with torch.no_grad():
+            for name, param in adapted.named_parameters():
+                if "lora_B" in name:
+                    param.fill_(scale)  # step 4's adapter changes the model, step 2's does not
+        local = tmp_path / f"local_{step}"
+        adapted.save_pretrained(str(local / "actor_model" / "hf"))
+        store.commit(step, str(local), {"step": step})
+    out = tmp_path / "merged"
+    assert main(["lora-combiner", "--model_path", toy_assets["model"], "--lora_path",
+                 str(tmp_path / "ckpt" / "run" / "ppo" / "latest"), "--output_path", str(out), "--bf16"]) == 0
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(toy_assets["model"])
+    result = AutoModelForCausalLM.from_pretrained(str(out))
+    assert result.dtype == torch.bfloat16
+    changed = any(not torch.equal(a.to(torch.bfloat16), b) for a, b in zip(base.parameters(), result.parameters()))
+    assert changed, "the merged model is the base: step_2's zero adapter was used, not latest (step_4)"
+    assert main(["lora-combiner", "--model_path", toy_assets["model"], "--lora_path",
+                 str(tmp_path / "ckpt" / "run" / "ppo" / "step_9"), "--output_path", str(out)]) == 2
+    assert "holds no valid checkpoint step_9" in capsys.readouterr().err
