@@ -36,7 +36,6 @@ logger = logging.getLogger(__name__)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
                    "spiece.model", "sentencepiece.bpe.model")
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
-MODEL_FLAGS = {"pretrain": "--pretrain", "reward_pretrain": "--reward_pretrain", "critic_pretrain": "--critic_pretrain"}
 
 
 def local_model_dir(url: str, storage_options: dict | None = None, *, flag: str = "--pretrain") -> str:
@@ -86,7 +85,6 @@ def _fetch_remote(url: str, storage_options: dict | None, flag: str) -> str:
 
 
 SOURCE_NAME = "rlhf_source.json"  # written by export: the checkpoint a stage's output came from
-INPUT_MODEL_FIELDS = tuple(MODEL_FLAGS)
 
 
 def model_fingerprint(url: str, storage_options: dict | None = None, *, flag: str = "--pretrain") -> str:
@@ -116,9 +114,11 @@ def model_fingerprint(url: str, storage_options: dict | None = None, *, flag: st
 
 
 def input_model_fingerprints(cfg, storage_options: dict | None = None) -> dict[str, str]:
-    """`model_fingerprint` of each model a stage starts from (pretrain, reward, critic)."""
-    return {name: model_fingerprint(getattr(cfg, name), storage_options, flag=flag)
-            for name, flag in MODEL_FLAGS.items() if getattr(cfg, name, None)}
+    """`model_fingerprint` of each model a stage starts from: its fields with the role "model"."""
+    from rlhf_core.config import fields_with_role
+
+    return {name: model_fingerprint(getattr(cfg, name), storage_options, flag=f"--{name}")
+            for name in fields_with_role(type(cfg), "model") if getattr(cfg, name, None)}
 
 
 def is_lora_dir(directory: str) -> bool:
