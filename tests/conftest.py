@@ -12,6 +12,17 @@ import pytest
 RLHF = str(Path(sys.executable).with_name("rlhf"))
 
 
+@pytest.fixture(autouse=True)
+def fresh_s3_clients():
+    """fsspec caches S3 filesystems by their arguments, not by AWS_ENDPOINT_URL: a test that points the
+    environment at another endpoint (a dead one, in the bad-input suite) must not leave its client to the next."""
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    yield
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
 @pytest.fixture(scope="session")
 def toy_assets(tmp_path_factory) -> dict[str, str]:
     from rlhf_core.toy import init_toy
