@@ -12,6 +12,8 @@ does not answer) into one sentence naming the flag, the URL and the endpoint.
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import re
 
@@ -87,6 +89,21 @@ def _endpoint(error: BaseException, storage_options: dict | None) -> str:
     found = re.search(r"https?://[^\s\"'/?]+", str(error))  # scheme and host of the request, not its path
     named = found.group(0).rstrip(".") if found else None
     return endpoint or named or os.environ.get("AWS_ENDPOINT_URL") or "the default endpoint"
+
+
+@contextlib.contextmanager
+def reaching_store(flag: str, url: str, storage_options: dict | None = None):
+    """Inside it, a failure to connect to the store at `url` becomes one UserError naming `flag`, `url` and
+    the endpoint (`store_unreachable`); anything else passes unchanged."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a store's own error types; re-raised unless understood
+        unreachable = store_unreachable(error, flag, url, storage_options)
+        if unreachable is not None:
+            raise unreachable from None
+        raise
 
 
 def store_unreachable(error: BaseException, flag: str, url: str, storage_options: dict | None = None

@@ -29,7 +29,7 @@ import fsspec
 import torch
 
 from rlhf_core.errors import UserError
-from rlhf_core.hub import hub_model_dir, hub_snapshot, is_hub_id, store_unreachable
+from rlhf_core.hub import hub_model_dir, hub_snapshot, is_hub_id, reaching_store, store_unreachable
 
 logger = logging.getLogger(__name__)
 
@@ -50,15 +50,8 @@ def local_model_dir(url: str, storage_options: dict | None = None, *, flag: str 
         if protocol is None and is_hub_id(url):
             return hub_model_dir(url, flag)
         raise UserError(f"{flag}: {url} is not a model folder (no such folder).")
-    try:
+    with reaching_store(flag, url, storage_options):
         return _fetch_remote(url, storage_options, flag)
-    except UserError:
-        raise
-    except Exception as error:  # noqa: BLE001 - a store's own error types; re-raised unless understood
-        unreachable = store_unreachable(error, flag, url, storage_options)
-        if unreachable is not None:
-            raise unreachable from None
-        raise
 
 
 def _fetch_remote(url: str, storage_options: dict | None, flag: str) -> str:
