@@ -15,8 +15,8 @@ only the allowed ones changed.
 SFT and RM run as `rlhf train ...` subprocesses in a folder of their own (the scripts set no --ckpt_path, so
 checkpoints go to OpenRLHF's default place relative to the working directory, here ./ckpt). PPO is submitted
 with `ray job submit` to a `ray start --head` cluster with its dashboard (one per module), as the script does;
-`rlhf` is the venv's executable by absolute path, since a job's shell has the cluster's PATH. Its checkpoints
-land in Ray's copy of the working_dir (the job's working directory), where the test looks for them.
+`rlhf` is found on the cluster's PATH (the head starts from the venv, as after `source .venv/bin/activate`).
+Its checkpoints land in Ray's copy of the working_dir (the job's working directory), where the test looks for them.
 
 Each run must exit 0, leave the final model in --save_path and a committed checkpoint, print no traceback,
 print each mapped flag's note once and the warning of each flag this CPU machine cannot honour. The wall time
@@ -26,6 +26,7 @@ of each script is printed (run with -s to see it); nothing is asserted on time.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -110,7 +111,7 @@ def ray_job_launcher(original: tuple[str, ...], dashboard: str, working_dir: Pat
             runtime_env = json.loads(word.split("=", 1)[1])
             assert set(runtime_env) == {"working_dir"}, runtime_env
             words[index] = "--runtime-env-json=" + json.dumps({"working_dir": str(working_dir)})
-    return (*words, RLHF, "train", "ppo")
+    return (*words, "rlhf", "train", "ppo")
 
 
 REWARD_FUNC = '''\
@@ -210,7 +211,9 @@ class RayHead:
 def ray_head(rlhf_env):
     """One Ray cluster with a job server for both PPO scripts. Its environment is what a job's driver gets:
     WANDB_MODE=offline for the scripts' --use_wandb; RAY_AUTH_MODE=disabled for a loopback test cluster."""
-    env = {**rlhf_env, "RAY_AUTH_MODE": "disabled", "WANDB_MODE": "offline"}
+    env = {**rlhf_env, "RAY_AUTH_MODE": "disabled", "WANDB_MODE": "offline",
+           # as `source .venv/bin/activate && ray start --head`: a job's `rlhf` is the cluster's, as in the seed
+           "PATH": os.pathsep.join([str(VENV_BIN), rlhf_env.get("PATH", "")])}
     env.pop("RAY_ADDRESS", None)
     head = RayHead(env)
     try:
