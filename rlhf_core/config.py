@@ -51,10 +51,14 @@ class StageConfig(BaseModel):
     learning_rate: float = Field(5e-6, gt=0, description="Peak learning rate of the schedule (PPO: the actor's).")
     lr_warmup_ratio: float = Field(0.03, ge=0, le=1, description="Fraction of the steps spent warming the LR up.")
     lr_scheduler: Literal["cosine_with_min_lr", "cosine", "linear", "constant", "constant_with_warmup"] = Field(
-        "cosine_with_min_lr", description="LR schedule after warmup: cosine_with_min_lr (down to 10% of the peak, "
-                                          "OpenRLHF's default), cosine (down to 0), linear (to 0), constant.")
+        "cosine_with_min_lr", description="LR schedule after warmup: cosine_with_min_lr (down to min_lr_ratio of "
+                                          "the peak, OpenRLHF's default), cosine (down to 0), linear (to 0), "
+                                          "constant.")
     l2: float = Field(0.0, ge=0, description="AdamW weight decay.")
     adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas (beta1 beta2).")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine_with_min_lr decays to this fraction of the "
+                                                             "peak learning rate.")
     max_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage (0, 1, 2 or 3).")
     param_dtype: Literal["fp32", "bf16", "fp16"] = Field(
@@ -197,8 +201,12 @@ class PPOConfig(StageConfig):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
     init_kl_coef: float = Field(0.01, ge=0, description="KL penalty coefficient (initial, if kl_target is set).")
     kl_target: float | None = Field(None, gt=0, description="Adaptive KL controller target; default: fixed coefficient.")
+    kl_horizon: int = Field(10000, ge=1, description="Adaptive KL controller horizon (samples).")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="KL estimator: k1 (log ratio), k2, k3 (Schulman).")
     eps_clip: float = Field(0.2, gt=0, description="PPO policy ratio clip.")
+    eps_clip_low_high: tuple[float, float] | None = Field(
+        None, description="Asymmetric ratio clip (low high), e.g. DAPO's clip-higher 0.2 0.28; default: eps_clip "
+                          "both ways.")
     value_clip: float = Field(0.2, gt=0, description="PPO value clip (gae).")
     gamma: float = Field(1.0, gt=0, le=1, description="Discount factor.")
     lambd: float = Field(0.95, ge=0, le=1, description="GAE lambda.")

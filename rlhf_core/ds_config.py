@@ -102,7 +102,7 @@ def deepspeed_config(cfg, num_workers: int, load_universal: bool = False, on_gpu
         "optimizer": {
             "type": "AdamW",
             # FusedAdam needs CUDA and offload needs DeepSpeedCPUAdam; torch's AdamW is the CPU path.
-            "params": {"lr": cfg.learning_rate, "betas": list(cfg.adam_betas), "eps": 1e-8,
+            "params": {"lr": cfg.learning_rate, "betas": list(cfg.adam_betas), "eps": cfg.adam_eps,
                        "weight_decay": cfg.l2, "torch_adam": not on_gpu},
         },
         "checkpoint": {"load_universal": load_universal},
@@ -115,12 +115,13 @@ def warmup_steps(lr_warmup_ratio: float, total_steps: int) -> int:
     return math.ceil(lr_warmup_ratio * total_steps)
 
 
-def lr_scheduler_factory(lr_scheduler: str, lr_warmup_ratio: float, total_steps: int) -> Callable:
+def lr_scheduler_factory(lr_scheduler: str, lr_warmup_ratio: float, total_steps: int,
+                         min_lr_ratio: float = COSINE_MIN_LR_RATE) -> Callable:
     """`optimizer -> LambdaLR` for deepspeed.initialize: OpenRLHF's schedule by name."""
     from transformers import get_scheduler
 
     total_steps = max(total_steps, 1)
-    extra = {"min_lr_rate": COSINE_MIN_LR_RATE} if lr_scheduler == "cosine_with_min_lr" else None
+    extra = {"min_lr_rate": min_lr_ratio} if lr_scheduler == "cosine_with_min_lr" else None
 
     def build(optimizer):
         return get_scheduler(lr_scheduler, optimizer, num_warmup_steps=warmup_steps(lr_warmup_ratio, total_steps),

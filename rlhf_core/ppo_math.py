@@ -139,11 +139,12 @@ def advantages_and_returns(estimator: str, scores: torch.Tensor, kl: torch.Tenso
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                eps_clip: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO clipped surrogate; returns (loss, fraction of tokens clipped)."""
+                eps_clip: float, eps_clip_high: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO clipped surrogate, the ratio clipped to [1 - eps_clip, 1 + eps_clip_high] (DAPO's clip-higher when
+    eps_clip_high > eps_clip; symmetric by default); returns (loss, fraction of tokens clipped)."""
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = ratio * advantages
-    clipped = ratio.clamp(1 - eps_clip, 1 + eps_clip) * advantages
+    clipped = ratio.clamp(1 - eps_clip, 1 + (eps_clip if eps_clip_high is None else eps_clip_high)) * advantages
     loss = masked_mean(-torch.min(unclipped, clipped), mask)
     return loss, masked_mean((unclipped > clipped).float(), mask)
 

@@ -128,7 +128,8 @@ class DeepSpeedTrainer(abc.ABC):
         configure_gradient_checkpointing(model, cfg)
         hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
         config = deepspeed_config(cfg, self.world_size, self.load_universal, self.on_gpu, hidden_size)
-        schedule = lr_scheduler_factory(cfg.lr_scheduler, cfg.lr_warmup_ratio, num_optimizer_steps or self.total_steps)
+        schedule = lr_scheduler_factory(cfg.lr_scheduler, cfg.lr_warmup_ratio, num_optimizer_steps or self.total_steps,
+                                        cfg.min_lr_ratio)
         trainable = [param for param in model.parameters() if param.requires_grad]
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=config,
                                                lr_scheduler=schedule)

@@ -140,7 +140,7 @@ class PPOTrainer(DeepSpeedTrainer):
         self.tokenizer = load_tokenizer(cfg.pretrain, run.storage_options)
         self.prompts = load_prompts(run, self.tokenizer)
         self.eval_prompts = load_prompts(run, self.tokenizer, eval_data=True) if cfg.eval_dataset else []
-        self.kl = ppo_math.KLController(cfg.init_kl_coef, cfg.kl_target)
+        self.kl = ppo_math.KLController(cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon)
         num_optimizer_steps = total_steps * optimizer_steps_per_ppo_step(cfg)
         torch.manual_seed(derive_seed(run.seed, self.stage, "init"))
         loading = {"attn_implementation": cfg.attn_implementation, "storage_options": run.storage_options}
@@ -334,8 +334,9 @@ class PPOTrainer(DeepSpeedTrainer):
         if train_actor:
             with self.autocast():
                 logprobs = response_logprobs(self.actor, batch)
+            eps_low, eps_high = cfg.eps_clip_low_high or (cfg.eps_clip, cfg.eps_clip)
             loss, clip_fraction = ppo_math.policy_loss(logprobs, take("old_logprobs"), take("advantages"), mask,
-                                                       cfg.eps_clip)
+                                                       eps_low, eps_high)
             if cfg.use_kl_loss:  # GRPO style: the KL to the reference in the loss, not in the reward
                 loss = loss + self.kl.coef * ppo_math.masked_mean(
                     ppo_math.kl_estimate(logprobs, take("ref_logprobs"), cfg.kl_estimator), mask)

@@ -26,11 +26,11 @@ def sft_config(**overrides) -> SFTConfig:
 
 
 def test_deepspeed_config_maps_the_flags():
-    cfg = sft_config(zero_stage=3, adam_betas=(0.8, 0.99), l2=0.1, max_norm=0.5)
+    cfg = sft_config(zero_stage=3, adam_betas=(0.8, 0.99), adam_eps=1e-6, l2=0.1, max_norm=0.5)
     config = deepspeed_config(cfg, num_workers=2, load_universal=True, on_gpu=False, hidden_size=64)
     assert config["gradient_accumulation_steps"] == 2
     assert config["zero_optimization"] == {"stage": 3, "stage3_param_persistence_threshold": 640}
-    assert config["optimizer"]["params"]["betas"] == [0.8, 0.99]
+    assert config["optimizer"]["params"]["betas"] == [0.8, 0.99] and config["optimizer"]["params"]["eps"] == 1e-6
     assert config["optimizer"]["params"]["weight_decay"] == 0.1 and config["optimizer"]["params"]["torch_adam"]
     assert config["gradient_clipping"] == 0.5 and config["checkpoint"] == {"load_universal": True}
     assert "scheduler" not in config  # the schedule is a torch LambdaLR passed to deepspeed.initialize
@@ -65,9 +65,9 @@ def test_resolve_precision(caplog):
     assert resolve_precision("bf16", on_gpu=True).deepspeed_bf16
 
 
-def lrs(name: str, total: int = 10, warmup_ratio: float = 0.2) -> list[float]:
+def lrs(name: str, total: int = 10, warmup_ratio: float = 0.2, min_lr_ratio: float = 0.1) -> list[float]:
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    scheduler = lr_scheduler_factory(name, warmup_ratio, total)(optimizer)
+    scheduler = lr_scheduler_factory(name, warmup_ratio, total, min_lr_ratio)(optimizer)
     values = []
     for _ in range(total):
         values.append(optimizer.param_groups[0]["lr"])
@@ -79,6 +79,7 @@ def lrs(name: str, total: int = 10, warmup_ratio: float = 0.2) -> list[float]:
 def test_lr_schedules_follow_openrlhf():
     assert lrs("cosine_with_min_lr")[:3] == [0.0, 0.5, 1.0]  # warmup ceil(0.2 x 10) = 2 steps
     assert lrs("cosine_with_min_lr")[-1] == pytest.approx(0.1)
+    assert lrs("cosine_with_min_lr", min_lr_ratio=0.25)[-1] == pytest.approx(0.25)  # OpenRLHF 0.11's --min_lr_ratio
     assert lrs("cosine")[-1] == pytest.approx(0.0) and lrs("linear")[-1] == pytest.approx(0.0)
     assert lrs("linear")[6] == pytest.approx(0.5)
     assert lrs("constant") == [1.0] * 11

@@ -133,3 +133,16 @@ def test_filtered_rows_get_no_advantage_and_stay_out_of_the_whitening():
     adv, _ = advantages("reinforce", [1.0, 0.0, 100.0, -100.0], mask=mask)
     assert torch.equal(adv[2:], torch.zeros(2, 3))
     assert torch.allclose(adv[0], torch.ones(3), atol=1e-4) and torch.allclose(adv[1], -torch.ones(3), atol=1e-4)
+
+
+def test_clip_higher_clips_the_ratio_asymmetrically():
+    """--eps_clip_low_high 0.2 0.28 (DAPO): a ratio of 1.25 with a positive advantage is inside [0.8, 1.28]."""
+    mask = torch.ones(1, 1)
+    old, advantage = torch.zeros(1, 1), torch.ones(1, 1)
+    new = torch.full((1, 1), math.log(1.25))
+    symmetric, clipped_symmetric = ppo_math.policy_loss(new, old, advantage, mask, 0.2)
+    higher, clipped_higher = ppo_math.policy_loss(new, old, advantage, mask, 0.2, 0.28)
+    assert symmetric.item() == pytest.approx(-1.2) and clipped_symmetric.item() == 1.0
+    assert higher.item() == pytest.approx(-1.25) and clipped_higher.item() == 0.0
+    low, _ = ppo_math.policy_loss(torch.full((1, 1), math.log(0.5)), old, -advantage, mask, 0.2, 0.28)
+    assert low.item() == pytest.approx(0.8)  # a negative advantage is clipped at 1 - low
