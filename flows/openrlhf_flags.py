@@ -204,10 +204,8 @@ FLAGS: tuple[Flag, ...] = (
     _same("output_key", "data.output_key", (SFT,)),
     _same("input_template", "data.input_template"),
     _same("apply_chat_template", "data.apply_chat_template", takes="switch"),
-    _refuse("tokenizer_chat_template", "data.tokenizer_chat_template", "a replacement chat template is not built; "
-            "put it in the tokenizer's tokenizer_config.json", (SFT, RM)),
-    _refuse("pretrain_mode", "model.pretrain_mode_enable", "continued pre-training (loss on every token) is not "
-            "built; SFT trains on response tokens", (SFT,), takes="switch", default=False),
+    _same("tokenizer_chat_template", "data.tokenizer_chat_template", (SFT, RM)),
+    _same("pretrain_mode", "model.pretrain_mode_enable", (SFT,), takes="switch"),
     _refuse("multiturn", "data.multiturn", "multi-turn SFT samples are not built; use single prompt/response pairs",
             (SFT,), takes="switch", default=False),
     _same("prompt_key", "data.prompt_key", (RM,)),

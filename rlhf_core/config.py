@@ -145,6 +145,10 @@ class SFTConfig(StageConfig):
     input_key: str = Field("input", description="Key of the prompt in each sample.")
     output_key: str = Field("output", description="Key of the response in each sample.")
     apply_chat_template: bool = Field(False, description="Wrap the prompt in the tokenizer's chat template.")
+    tokenizer_chat_template: str | None = Field(None, description="A Jinja chat template that replaces the "
+                                                                  "tokenizer's own (with apply_chat_template).")
+    pretrain_mode: bool = Field(False, description="Continued pre-training: the loss covers every token of each "
+                                                   "sample's input_key text (no template, output_key unused).")
     save_path: str = Field("./out/sft", **_operational("Where the final Hugging Face model is exported (any fsspec "
                                                        "URL).", role="output"))
 
@@ -161,6 +165,8 @@ class RMConfig(StageConfig):
     chosen_key: str = Field("chosen", description="Key of the preferred response.")
     rejected_key: str = Field("rejected", description="Key of the dispreferred response.")
     apply_chat_template: bool = Field(False, description="Wrap the prompt in the tokenizer's chat template.")
+    tokenizer_chat_template: str | None = Field(None, description="A Jinja chat template that replaces the "
+                                                                  "tokenizer's own (with apply_chat_template).")
     eval_holdout: float = Field(0.1, ge=0, lt=1, description="Without eval_dataset: fraction of the pairs held out "
                                                              "to measure accuracy.")
     loss: Literal["sigmoid", "logexploss"] = Field("sigmoid", description="Pairwise loss: sigmoid (Bradley-Terry, "

@@ -349,6 +349,21 @@ def tokenize_sft(url: str, records: list[Record], tokenizer, input_key: str, out
     return samples
 
 
+def tokenize_pretraining(url: str, records: list[Record], tokenizer, input_key: str,
+                         max_len: int) -> list[TokenizedSample]:
+    """OpenRLHF's --pretrain_mode: each sample's text, truncated to max_len, every token a training target."""
+    bos = _bos_ids(tokenizer)
+    samples = []
+    for record in records:
+        input_ids = (bos + tokenizer(require_text(url, record, input_key, "--input_key"),
+                                     add_special_tokens=False).input_ids)[:max_len]
+        if len(input_ids) > 1:  # the first token is never predicted
+            samples.append(TokenizedSample(input_ids, [1] * len(input_ids)))
+    if not samples:
+        raise UserError(f"{url}: no sample has two tokens to learn from (--pretrain_mode, --input_key {input_key}).")
+    return samples
+
+
 def collate_sft(samples: list[TokenizedSample], pad_token_id: int) -> dict[str, torch.Tensor]:
     """Right-padded input_ids, attention_mask and labels (IGNORE_INDEX outside the response)."""
     length = max(len(sample.input_ids) for sample in samples)

@@ -43,6 +43,8 @@ def read_pairs(run: RunConfig, tokenizer, evaluation: bool = False) -> list[Pair
                            split=cfg.eval_split if evaluation else cfg.dataset_split,
                            probs=None if evaluation else cfg.dataset_probs,
                            flag="--eval_dataset" if evaluation else "--dataset")
+    if cfg.tokenizer_chat_template:
+        tokenizer.chat_template = cfg.tokenizer_chat_template
     tokenized = tokenize_pairs(url, records, tokenizer, cfg.prompt_key, cfg.chosen_key, cfg.rejected_key,
                                cfg.max_len, cfg.apply_chat_template, cfg.input_template)
     return [Pair(tokens, pair_margin(url, record, cfg.margin_loss)) for tokens, record in zip(tokenized, records)]

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from rlhf_core.config import RunConfig
-from rlhf_core.data import IGNORE_INDEX, TokenizedSample, collate_sft, rank_micro_batches, read_records, tokenize_sft
+from rlhf_core.data import (IGNORE_INDEX, TokenizedSample, collate_sft, rank_micro_batches, read_records,
+                            tokenize_pretraining, tokenize_sft)
 from rlhf_core.determinism import derive_seed, step_sample_indices
 from rlhf_core.models import load_causal_lm, load_tokenizer
 from rlhf_core.packing import pack_sft
@@ -28,6 +29,10 @@ def load_sft_samples(run: RunConfig, tokenizer, evaluation: bool = False) -> lis
                            split=cfg.eval_split if evaluation else cfg.dataset_split,
                            probs=None if evaluation else cfg.dataset_probs,
                            flag="--eval_dataset" if evaluation else "--dataset")
+    if cfg.pretrain_mode:
+        return tokenize_pretraining(url, records, tokenizer, cfg.input_key, cfg.max_len)
+    if cfg.tokenizer_chat_template:
+        tokenizer.chat_template = cfg.tokenizer_chat_template
     return tokenize_sft(url, records, tokenizer, cfg.input_key, cfg.output_key, cfg.max_len,
                         cfg.apply_chat_template, cfg.input_template)
 

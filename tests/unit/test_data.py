@@ -177,3 +177,25 @@ def test_fingerprints_of_folders_and_mixtures(tmp_path):
     assert fingerprint(str(folder)) != before
     first, second = write(tmp_path / "1.jsonl", '{"a": "1"}\n'), write(tmp_path / "2.jsonl", '{"a": "2"}\n')
     assert fingerprint(f"{first},{second}") != fingerprint(f"{second},{first}") != fingerprint(first)
+
+
+def test_pretrain_mode_and_a_replacement_chat_template(toy_assets, tmp_path):
+    """OpenRLHF's --pretrain_mode (every token of input_key a target) and --tokenizer_chat_template."""
+    from rlhf_core.config import RunConfig, SFTConfig
+    from rlhf_core.models import load_tokenizer
+    from rlhf_core.trainers.sft import load_sft_samples
+
+    def samples(**settings):
+        run = RunConfig(sft=SFTConfig(pretrain=toy_assets["model"], dataset=toy_assets["sft"], input_key="prompt",
+                                      output_key="response", max_len=64, max_samples=4, **settings))
+        return load_sft_samples(run, load_tokenizer(toy_assets["model"]))
+
+    pretraining = samples(pretrain_mode=True)
+    assert all(sum(sample.loss_mask) == len(sample.input_ids) for sample in pretraining)
+    tokenizer = load_tokenizer(toy_assets["model"])
+    first_prompt = read_records(toy_assets["sft"])[0].fields["prompt"]
+    assert pretraining[0].input_ids[1:] == tokenizer(first_prompt, add_special_tokens=False).input_ids
+    plain, templated = samples(apply_chat_template=True), samples(
+        apply_chat_template=True, tokenizer_chat_template="{% for m in messages %}user = {{ m['content'] }}{% endfor %}")
+    assert templated[0].input_ids != plain[0].input_ids
+    assert tokenizer.convert_tokens_to_ids("=") in templated[0].input_ids[:3]  # the replacement's "user ="
