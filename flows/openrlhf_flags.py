@@ -314,8 +314,8 @@ FLAGS: tuple[Flag, ...] = (
     _same("reward_clip_range", "reward.clip_range", (PPO,), takes="pair", value_type=float),
     _same("advantage_estimator", "algo.advantage.estimator", (PPO,)),
     _same("use_kl_loss", "algo.kl.use_loss", (PPO,), takes="switch"),
-    _refuse("no_advantage_std_norm", "algo.advantage.no_std_norm", "advantages are always normalized by their std "
-            "(use --advantage_estimator dr_grpo for GRPO without it)", (PPO,), takes="switch", default=False),
+    _refuse("no_advantage_std_norm", "algo.advantage.no_std_norm", "the std normalization of the critic-free "
+            "estimators cannot be turned off here (--advantage_estimator dr_grpo is GRPO without it)", (PPO,), takes="switch", default=False),
     _refuse("overlong_buffer_len", "reward.overlong_buffer_len", "the DAPO overlong penalty is not built", (PPO,),
             value_type=float),
     _noop("overlong_penalty_factor", "reward.overlong_penalty_factor", "see --overlong_buffer_len", (PPO,),
