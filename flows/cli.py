@@ -24,11 +24,8 @@ from typing import Any, Sequence
 
 from pydantic import BaseModel, ValidationError
 
-from rlhf_core.config import (
-    STAGES, MergeConfig, RunConfig, describe_validation_error,
-    load_run_config,
-)
-from flows.openrlhf_flags import flags_for
+from flows.openrlhf_flags import IMPLEMENTED, MAPPED, REFUSED, flags_for
+from rlhf_core.config import STAGES, MergeConfig, RunConfig, describe_validation_error, load_run_config
 from rlhf_core.errors import UserError
 
 STAGE_CONFIGS = {name: stage.config for name, stage in STAGES.items() if stage.kind == "train"}
@@ -101,8 +98,6 @@ def _field_names(models: Sequence[type[BaseModel]], exclude: set[str]) -> set[st
 
 def _own_openrlhf_flags(cli: str, fields: set[str]) -> list:
     """The OpenRLHF flags of `cli` that get a flag of their own: all but plain spellings of one of our fields."""
-    from flows.openrlhf_flags import IMPLEMENTED, flags_for
-
     return [flag for flag in flags_for(cli)
             if not (flag.kind == IMPLEMENTED and flag.convert is None and flag.field in fields)]
 
@@ -111,8 +106,6 @@ def apply_openrlhf_flags(cli: str, flags: dict[str, Any], models: Sequence[type[
                          exclude: set[str] = frozenset()) -> dict[str, Any]:
     """Our field values from parsed flags: refused OpenRLHF flags at a non-default value are a UserError, mapped
     ones print their note once, and OpenRLHF's rank counts become --num_workers."""
-    from flows.openrlhf_flags import MAPPED, REFUSED
-
     own_flags = _own_openrlhf_flags(cli, _field_names(models, exclude))
     values = {name: value for name, value in flags.items() if not name.startswith(OPENRLHF_DEST)}
     for index, flag in enumerate(own_flags):

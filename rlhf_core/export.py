@@ -27,7 +27,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from rlhf_core.checkpoint import MANIFEST_NAME, CheckpointStore, manifest_digest
 from rlhf_core.errors import UserError
-from rlhf_core.hub import store_unreachable
+from rlhf_core.hub import reaching_store
 from rlhf_core.models import (SOURCE_NAME, check_model_dir, is_lora_dir, load_causal_lm, load_tokenizer,
                               local_model_dir)
 
@@ -44,26 +44,20 @@ def check_writable(url: str, flag: str, storage_options: dict | None = None) -> 
     written is a UserError naming `flag`."""
     probe_name = f".rlhf-write-probe-{uuid.uuid4().hex[:12]}"
     try:
-        filesystem, target = fsspec.core.url_to_fs(url, **(storage_options or {}))
-        if filesystem.isfile(target):
-            raise UserError(f"{flag}: {url} is a file; give a folder.")
-        blocking = _file_above(target) if isinstance(filesystem, LocalFileSystem) else None
-        if blocking is not None:
-            raise UserError(f"{flag}: {url} cannot be a folder because {blocking} is a file; give another path.")
-        filesystem.makedirs(target, exist_ok=True)
-        probe = f"{target.rstrip('/')}/{probe_name}"
-        filesystem.pipe_file(probe, b"rlhf write probe\n")
-        filesystem.rm_file(probe)
-    except UserError:
-        raise
-    except Exception as error:  # noqa: BLE001 - a store's own error types; re-raised unless understood
-        unreachable = store_unreachable(error, flag, url, storage_options)
-        if unreachable is not None:
-            raise unreachable from None
-        if isinstance(error, (OSError, ValueError)):
-            raise UserError(f"{flag}: cannot write to {url} ({type(error).__name__}: {error}); choose a writable "
-                            "location.") from None
-        raise
+        with reaching_store(flag, url, storage_options):
+            filesystem, target = fsspec.core.url_to_fs(url, **(storage_options or {}))
+            if filesystem.isfile(target):
+                raise UserError(f"{flag}: {url} is a file; give a folder.")
+            blocking = _file_above(target) if isinstance(filesystem, LocalFileSystem) else None
+            if blocking is not None:
+                raise UserError(f"{flag}: {url} cannot be a folder because {blocking} is a file; give another path.")
+            filesystem.makedirs(target, exist_ok=True)
+            probe = f"{target.rstrip('/')}/{probe_name}"
+            filesystem.pipe_file(probe, b"rlhf write probe\n")
+            filesystem.rm_file(probe)
+    except (OSError, ValueError) as error:  # reaching_store already named an unreachable store
+        raise UserError(f"{flag}: cannot write to {url} ({type(error).__name__}: {error}); choose a writable "
+                        "location.") from None
 
 
 def _file_above(path: str) -> str | None:

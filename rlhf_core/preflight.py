@@ -4,7 +4,7 @@ A mistake found after hours of training (a read-only --save_path, a reward funct
 with no tokenizer) costs those hours; found here it costs seconds. Checked, in order: resume rules (an existing run
 needs --load_checkpoint, settings drift), every output location writable (a probe file, written and removed: this
 also proves an object store reachable), every input model a loadable Hugging Face folder, each training stage's
-data, eval data, tokenizer and reward function (the planner reads and tokenizes the data and calls the reward
+data, eval data, tokenizer and reward function (the planner reads and tokenizes them and calls the reward
 function on one sample), precision and attention settings this machine can run, tracker packages, and the run
 lease. Inputs that an earlier stage of this run produces are checked when that stage has run.
 """
@@ -43,8 +43,7 @@ def preflight(run: RunConfig) -> None:
         if stage in TRAINING_STAGES:
             check_compute_settings(run, stage)
             if cfg.pretrain not in produced:
-                plan_stage(run, stage)
-                check_eval_data(run, stage)
+                plan_stage(run, stage)  # the trainer's count_items reads data, eval data and reward function
         produced.add(getattr(cfg, STAGES[stage].output_field))
     require_tracker_packages(run)
     RunLease(run.run_url(), run.storage_options).check_available()
@@ -92,20 +91,3 @@ def check_compute_settings(run: RunConfig, stage: str) -> None:
         resolve_precision(cfg.param_dtype, on_gpu=torch.cuda.is_available(), cpu_bf16=True)
     resolve_attn_implementation(cfg.attn_implementation)
 
-
-def check_eval_data(run: RunConfig, stage: str) -> None:
-    """--eval_dataset read, keyed and tokenized as the ranks will (PPO's planner already does this)."""
-    cfg = run.stage_config(stage)
-    if stage == "ppo" or not getattr(cfg, "eval_dataset", None):
-        return
-    from rlhf_core.models import load_tokenizer
-
-    tokenizer = load_tokenizer(cfg.pretrain, run.storage_options)
-    if stage == "sft":
-        from rlhf_core.trainers.sft import load_sft_samples
-
-        load_sft_samples(run, tokenizer, evaluation=True)
-    else:
-        from rlhf_core.trainers.rm import read_pairs
-
-        read_pairs(run, tokenizer, evaluation=True)

@@ -44,13 +44,14 @@ def configure_gradient_checkpointing(model, cfg) -> None:
         model.enable_input_require_grads()
 
 
-def gathered(engine):
-    """A context in which a ZeRO-3 engine's parameters are whole on every rank (no-op for ZeRO 0-2)."""
+def gathered(engine, modifier_rank: int | None = None):
+    """A context in which a ZeRO-3 engine's parameters are whole on every rank (no-op for ZeRO 0-2); with
+    `modifier_rank`, that rank's changes are partitioned back to every rank on exit."""
     if engine.zero_optimization_stage() != 3:
         return contextlib.nullcontext()
     import deepspeed
 
-    return deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
+    return deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=modifier_rank)
 
 
 class DeepSpeedTrainer(abc.ABC):
@@ -252,7 +253,7 @@ def load_hf_into(engine, hf_dir: str) -> None:
     for path in sorted(glob.glob(os.path.join(hf_dir, "*.safetensors"))):
         weights.update(load_file(path))
     module = engine.module
-    with (deepspeed_modifying(engine) if engine.zero_optimization_stage() == 3 else contextlib.nullcontext()):
+    with gathered(engine, modifier_rank=0):
         if hasattr(module, "peft_config"):
             from peft import set_peft_model_state_dict
 
@@ -265,13 +266,6 @@ def load_hf_into(engine, hf_dir: str) -> None:
         if hasattr(engine.optimizer, refresh):
             getattr(engine.optimizer, refresh)()
             break
-
-
-def deepspeed_modifying(engine):
-    """Gather ZeRO-3 parameters so that rank 0's changes are partitioned back to every rank."""
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=0)
 
 
 def apply_schedule(engine) -> None:

@@ -42,7 +42,7 @@ from rlhf_core.errors import UserError
 from rlhf_core.models import load_causal_lm, load_scalar_model, load_tokenizer, token_values
 from rlhf_core.rewards import RewardBatch, RewardInputs, reward_function
 from rlhf_core.rollout import collate_sequences, generate, on_device, require_vllm, response_logprobs
-from rlhf_core.trainers.base import DeepSpeedTrainer
+from rlhf_core.trainers.base import DeepSpeedTrainer, gathered
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def record_label(url: str, record: Record, label_key: str | None) -> Any:
     if label_key is None:
         return ""
     if label_key not in record.fields:
-        raise UserError(f"{url} line {record.line}: no key {label_key!r} (choose the key with --label_key).")
+        raise UserError(f"{record.where(url)}: no key {label_key!r} (choose the key with --label_key).")
     return record.fields[label_key]
 
 
@@ -186,11 +186,7 @@ class PPOTrainer(DeepSpeedTrainer):
 
     def whole(self, engine):
         """With ZeRO-3, each rank holds a slice of every parameter: gather them for generation and scoring."""
-        if engine is None or self.cfg.zero_stage != 3:
-            return contextlib.nullcontext()
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
+        return contextlib.nullcontext() if engine is None else gathered(engine)
 
     def rank_prompts(self) -> list[PromptItem]:
         indices = step_sample_indices(self.step, self.cfg.rollout_batch_size, len(self.prompts), self.run.seed)

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from rlhf_core.config import RunConfig
-from rlhf_core.data import TokenizedPair, collate_pairs, rank_micro_batches, read_records, split_holdout, tokenize_pairs
+from rlhf_core.data import (TokenizedPair, collate_pairs, rank_micro_batches, read_stage_dataset, split_holdout,
+                            tokenize_pairs)
 from rlhf_core.determinism import derive_seed, step_sample_indices
 from rlhf_core.ds_config import warn_once
 from rlhf_core.errors import UserError
@@ -38,11 +39,7 @@ class Pair:
 def read_pairs(run: RunConfig, tokenizer, evaluation: bool = False) -> list[Pair]:
     """The training pairs (the dataset mixture), or with `evaluation` those of --eval_dataset."""
     cfg = run.rm
-    url = cfg.eval_dataset if evaluation else cfg.dataset
-    records = read_records(url, run.storage_options, cfg.max_samples, seed=run.seed,
-                           split=cfg.eval_split if evaluation else cfg.dataset_split,
-                           probs=None if evaluation else cfg.dataset_probs,
-                           flag="--eval_dataset" if evaluation else "--dataset")
+    url, records = read_stage_dataset(cfg, run.storage_options, run.seed, evaluation)
     if cfg.tokenizer_chat_template:
         tokenizer.chat_template = cfg.tokenizer_chat_template
     tokenized = tokenize_pairs(url, records, tokenizer, cfg.prompt_key, cfg.chosen_key, cfg.rejected_key,

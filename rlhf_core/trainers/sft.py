@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from rlhf_core.config import RunConfig
-from rlhf_core.data import (IGNORE_INDEX, TokenizedSample, collate_sft, rank_micro_batches, read_records,
+from rlhf_core.data import (IGNORE_INDEX, TokenizedSample, collate_sft, rank_micro_batches, read_stage_dataset,
                             tokenize_pretraining, tokenize_sft)
 from rlhf_core.determinism import derive_seed, step_sample_indices
 from rlhf_core.models import load_causal_lm, load_tokenizer
@@ -24,11 +24,7 @@ from rlhf_core.trainers.base import DeepSpeedTrainer
 def load_sft_samples(run: RunConfig, tokenizer, evaluation: bool = False) -> list[TokenizedSample]:
     """The training samples (the dataset mixture), or with `evaluation` those of --eval_dataset."""
     cfg = run.sft
-    url = cfg.eval_dataset if evaluation else cfg.dataset
-    records = read_records(url, run.storage_options, cfg.max_samples, seed=run.seed,
-                           split=cfg.eval_split if evaluation else cfg.dataset_split,
-                           probs=None if evaluation else cfg.dataset_probs,
-                           flag="--eval_dataset" if evaluation else "--dataset")
+    url, records = read_stage_dataset(cfg, run.storage_options, run.seed, evaluation)
     if cfg.pretrain_mode:
         return tokenize_pretraining(url, records, tokenizer, cfg.input_key, cfg.max_len)
     if cfg.tokenizer_chat_template:
@@ -43,7 +39,10 @@ class SFTTrainer(DeepSpeedTrainer):
 
     @staticmethod
     def count_items(run: RunConfig) -> int:
-        return len(load_sft_samples(run, load_tokenizer(run.sft.pretrain, run.storage_options)))
+        tokenizer = load_tokenizer(run.sft.pretrain, run.storage_options)
+        if run.sft.eval_dataset:  # its keys are checked here, before training, as RM and PPO do
+            load_sft_samples(run, tokenizer, evaluation=True)
+        return len(load_sft_samples(run, tokenizer))
 
     def __init__(self, run: RunConfig, total_steps: int, rank: int, world_size: int, load_universal: bool = False):
         super().__init__(run, total_steps, rank, world_size, load_universal)
