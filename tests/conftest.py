@@ -66,6 +66,19 @@ def make_bucket(endpoint: str, name: str) -> None:
                  aws_secret_access_key="testing-secret", region_name="us-east-1").create_bucket(Bucket=name)
 
 
+HUB_REVISION = "0123456789abcdef0123456789abcdef01234567"
+
+
+def hub_snapshot_dir(home: Path, repo_type: str, repo_id: str) -> Path:
+    """`{type}s--org--name/snapshots/<rev>/` with `refs/main` naming <rev>: huggingface_hub's cache layout."""
+    repo = home / "hub" / f"{repo_type}s--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(HUB_REVISION)
+    snapshot = repo / "snapshots" / HUB_REVISION
+    snapshot.mkdir(parents=True)
+    return snapshot
+
+
 def run_rlhf(args: list[str], env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run([RLHF, *args], env=env, capture_output=True, text=True, timeout=timeout)
 

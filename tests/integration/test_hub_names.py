@@ -14,19 +14,9 @@ import pytest
 
 from rlhf_core.checkpoint import CheckpointStore
 from rlhf_core.data import read_records
+from tests.conftest import HUB_REVISION as REVISION, hub_snapshot_dir
 
-REVISION = "0123456789abcdef0123456789abcdef01234567"
 RLHF = str(Path(sys.executable).parent / "rlhf")
-
-
-def hub_snapshot(home: Path, repo_type: str, repo_id: str) -> Path:
-    """`{type}s--org--name/snapshots/<rev>/` with `refs/main` naming <rev>: huggingface_hub's cache layout."""
-    repo = home / "hub" / f"{repo_type}s--{repo_id.replace('/', '--')}"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(REVISION)
-    snapshot = repo / "snapshots" / REVISION
-    snapshot.mkdir(parents=True)
-    return snapshot
 
 
 @pytest.mark.slow
@@ -35,9 +25,9 @@ def test_sft_from_a_hub_model_and_a_hub_dataset(tmp_path, toy_assets, rlhf_env):
     import pyarrow.parquet as pq
 
     home = tmp_path / "hf"
-    shutil.copytree(toy_assets["model"], hub_snapshot(home, "model", "toy-org/toy-base"), dirs_exist_ok=True)
+    shutil.copytree(toy_assets["model"], hub_snapshot_dir(home, "model", "toy-org/toy-base"), dirs_exist_ok=True)
     rows = [record.fields for record in read_records(toy_assets["sft"], max_samples=48)]
-    data_dir = hub_snapshot(home, "dataset", "toy-org/toy-sft") / "data"
+    data_dir = hub_snapshot_dir(home, "dataset", "toy-org/toy-sft") / "data"
     data_dir.mkdir()
     pq.write_table(pa.Table.from_pylist(rows), data_dir / "train-00000-of-00001.parquet")
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from rlhf_core.data import fingerprint, read_records
+from tests.conftest import HUB_REVISION as REVISION, hub_snapshot_dir
 from rlhf_core.errors import UserError
 from rlhf_core.models import load_causal_lm, load_tokenizer, local_model_dir, model_fingerprint
 
-REVISION = "0123456789abcdef0123456789abcdef01234567"
 
 
 @pytest.fixture
@@ -38,16 +38,6 @@ def hf_home(tmp_path, monkeypatch) -> Path:
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", home / "datasets")
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     return home
-
-
-def hub_snapshot_dir(home: Path, repo_type: str, repo_id: str) -> Path:
-    """`{type}s--org--name/snapshots/<rev>/` with `refs/main` naming <rev>: huggingface_hub's cache layout."""
-    repo = home / "hub" / f"{repo_type}s--{repo_id.replace('/', '--')}"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(REVISION)
-    snapshot = repo / "snapshots" / REVISION
-    snapshot.mkdir(parents=True)
-    return snapshot
 
 
 def write_parquet(path: Path, rows: list[dict]) -> None:
