@@ -365,7 +365,26 @@ class RunConfig(BaseModel):
     seed: int = Field(42, description="Seed from which every random draw (data order, init, sampling) is derived.")
     num_workers: int = Field(1, ge=1, **_operational("DeepSpeed ranks (Ray actors) per training stage."))
     ray_address: str | None = Field(
-        None, **_operational("Address of an existing Ray cluster; default: RAY_ADDRESS, else a local one.")
+        None, **_operational("Address of an existing Ray cluster (host:port, or ray://host:10001 for a Ray client "
+                             "driver off the cluster); default: RAY_ADDRESS, else a local one.")
+    )
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        "PACK", **_operational("How Ray's placement group spreads the ranks over nodes: PACK (fewest nodes), "
+                               "SPREAD (as many as it can) or STRICT_SPREAD (one rank per node).")
+    )
+    placement_timeout_s: float = Field(
+        120.0, gt=0,
+        **_operational("Seconds to wait for the worker group's resources before failing with what is missing "
+                       "(a retried chunk waits this long for a lost node's resources to return)."),
+    )
+    num_cpus_per_worker: float | None = Field(
+        None, gt=0, **_operational("CPUs Ray reserves for each rank; default: 1, or an equal share of the "
+                                   "cluster's CPUs when it has fewer than num_workers.")
+    )
+    allow_fewer_workers: bool = Field(
+        False, **_operational("When the cluster cannot place num_workers ranks within placement_timeout_s (a "
+                              "node was lost), go on with as many as fit, resuming through DeepSpeed's "
+                              "universal checkpoint; the change is recorded in the checkpoint metadata.")
     )
     use_tensorboard: str | None = Field(None, **_operational("TensorBoard log folder; each stage writes its "
                                                              "metrics under {use_tensorboard}/{run_name}/{stage}."))
