@@ -15,21 +15,54 @@ Shapes: [batch, response_len] per token, with `mask` marking real response token
 - group_norm (GRPO): score minus its group's mean, divided by the group's std (+1e-9);
 - dr_grpo (Dr. GRPO): score minus its group's mean, no std division and no whitening;
 - the group estimators use gamma = 1 whatever `gamma` says, as OpenRLHF forces it.
+
+Batch statistics (the whitening's mean and variance, the KL fed to the controller) are over the global
+batch: every rank's samples. The functions stay free of torch.distributed; a caller with several ranks
+passes `reduce`, a callable that sums a float64 tensor over the ranks (an all-reduce), and every rank
+then computes the same statistic, equal (to float64 rounding) to one process holding the whole batch.
+Group baselines need no reduce: a rank holds whole prompt groups (rollout_batch_size is a multiple of
+the number of ranks, and each rank samples all n_samples_per_prompt of its prompts).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]  # sums a float64 tensor over the ranks
+
+
+def summed(totals: torch.Tensor, reduce: Reduce | None) -> torch.Tensor:
+    """`totals` (float64) summed over the ranks with `reduce`; as they are for one process."""
+    return totals if reduce is None else reduce(totals)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1)
 
 
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    mean = masked_mean(values, mask)
-    variance = masked_mean((values - mean) ** 2, mask)
-    return (values - mean) * torch.rsqrt(variance + eps) * mask
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8,
+                  reduce: Reduce | None = None) -> torch.Tensor:
+    """(values - mean) / sqrt(variance + eps) on the masked tokens, 0 elsewhere; mean and (biased)
+    variance over the masked tokens of every rank. Two passes in float64 (the global mean first, then
+    the squared deviations from it), which stays accurate where sum-of-squares minus squared mean cancels.
+    Every rank must call it (it reduces twice) even when its mask is empty."""
+    values64, mask64 = values.double(), mask.double()
+    first = summed(torch.stack([(values64 * mask64).sum(), mask64.sum()]), reduce)
+    count = first[1].clamp(min=1)
+    mean = first[0] / count
+    variance = summed((((values64 - mean) ** 2) * mask64).sum().reshape(1), reduce)[0] / count
+    return ((values64 - mean) * torch.rsqrt(variance + eps) * mask64).to(values.dtype)
+
+
+def batch_kl(kl: torch.Tensor, mask: torch.Tensor, reduce: Reduce | None = None) -> tuple[float, int]:
+    """(mean KL per response token, number of samples) over the global batch: what the adaptive KL
+    controller is fed, so every rank holds the same coefficient. The mean is over every rank's tokens
+    (a rank's mean weighted by its token count), as OpenRLHF's length-weighted `kl` status."""
+    totals = summed(torch.stack([(kl.double() * mask.double()).sum(), mask.double().sum(),
+                                 torch.tensor(float(len(kl)), dtype=torch.float64)]), reduce)
+    return (totals[0] / totals[1].clamp(min=1)).item(), int(totals[2].item())
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -119,11 +152,11 @@ def group_filter(scores: torch.Tensor, group_size: int, low: float, high: float)
 
 def advantages_and_returns(estimator: str, scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor,
                            values: torch.Tensor | None, kl_coef: float, gamma: float, lambd: float,
-                           group_size: int, clip_range: tuple[float, float] | None = None
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+                           group_size: int, clip_range: tuple[float, float] | None = None,
+                           reduce: Reduce | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token (advantages, returns) for one rollout batch; returns are the critic's targets (gae).
     Rows whose `mask` is all zero (padding, or filtered out) get zero advantages and stay out of the
-    whitening statistics."""
+    whitening statistics, which are over every rank's batch with `reduce` (see `masked_whiten`)."""
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {estimator!r}")
     rewards = GROUP_BASELINES[estimator](scores, group_size) if estimator in GROUP_BASELINES else scores
@@ -134,7 +167,7 @@ def advantages_and_returns(estimator: str, scores: torch.Tensor, kl: torch.Tenso
         return gae(shaped, values, mask, gamma, lambd)
     returns = discounted_returns(shaped, mask, 1.0 if estimator in GROUP_BASELINES else gamma)
     if estimator in WHITENED_ESTIMATORS:
-        return masked_whiten(returns, mask), returns
+        return masked_whiten(returns, mask, reduce=reduce), returns
     return returns, returns
 
 
@@ -161,7 +194,9 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 class KLController:
-    """Fixed coefficient, or the adaptive controller of Ziegler et al. when `target` is set."""
+    """Fixed coefficient, or the adaptive controller of Ziegler et al. when `target` is set. As OpenRLHF's
+    AdaptiveKLController, `num_samples` is the number of samples of the step (OpenRLHF passes
+    rollout_batch_size x n_samples_per_prompt); feed it the global batch's KL and count (`batch_kl`)."""
 
     def __init__(self, init_coef: float, target: float | None, horizon: int = 10000):
         self.coef, self.target, self.horizon = init_coef, target, horizon

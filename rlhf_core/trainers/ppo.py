@@ -21,6 +21,11 @@ OpenRLHF's reward options, as built here:
   out of the loss instead, and a step where no sample survives on any rank skips the update (the step
   still counts; `dynamic_filtering_pass_rate` reports 0).
 - `--freezing_actor_steps N`: the first N PPO steps train only the critic.
+- Several ranks: the whitening statistics and the KL fed to `--kl_target`'s controller are the global
+  batch's (all-reduced), so every rank holds the same coefficient and a resumed run continues it
+  exactly. Group baselines and dynamic filtering need no reduce: a rank holds whole prompt groups. What
+  still depends on the number of ranks: the sampling seed of each rank's share (seed, step, rank), its
+  update shuffle, and each micro-batch's token-mean loss, so `num_workers` changes a PPO run's samples.
 - With ZeRO-3, generation and scoring with a trained model run inside `GatheredParameters`.
 """
 
@@ -107,6 +112,13 @@ def optimizer_steps_per_ppo_step(cfg: PPOConfig) -> int:
     return cfg.rollout_batch_size * cfg.n_samples_per_prompt // cfg.train_batch_size * cfg.max_epochs
 
 
+def all_ranks_sum(totals: torch.Tensor) -> torch.Tensor:
+    """`totals` summed over every rank, in float64 (ppo_math's `reduce`); the same result on every rank."""
+    totals = totals.to(torch.float64).clone()
+    dist.all_reduce(totals)
+    return totals
+
+
 def pad_rows(rows: list[torch.Tensor]) -> torch.Tensor:
     return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True) if rows else torch.zeros(0, 0)
 
@@ -141,6 +153,8 @@ class PPOTrainer(DeepSpeedTrainer):
         self.prompts = load_prompts(run, self.tokenizer)
         self.eval_prompts = load_prompts(run, self.tokenizer, eval_data=True) if cfg.eval_dataset else []
         self.kl = ppo_math.KLController(cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon)
+        # Whitening and KL statistics over every rank's samples (one process: its own batch is the batch).
+        self.reduce = all_ranks_sum if world_size > 1 else None
         num_optimizer_steps = total_steps * optimizer_steps_per_ppo_step(cfg)
         torch.manual_seed(derive_seed(run.seed, self.stage, "init"))
         loading = {"attn_implementation": cfg.attn_implementation, "storage_options": run.storage_options}
@@ -201,16 +215,18 @@ class PPOTrainer(DeepSpeedTrainer):
         kl_in_reward = torch.zeros_like(experience["kl"]) if cfg.use_kl_loss else experience["kl"]
         advantages, returns = ppo_math.advantages_and_returns(
             cfg.advantage_estimator, experience["rewards"], kl_in_reward, mask, experience.get("values"),
-            self.kl.coef, cfg.gamma, cfg.lambd, cfg.n_samples_per_prompt, tuple(cfg.reward_clip_range))
+            self.kl.coef, cfg.gamma, cfg.lambd, cfg.n_samples_per_prompt, tuple(cfg.reward_clip_range),
+            reduce=self.reduce)
         experience.update(advantages=advantages, returns=returns, loss_mask=mask)
         kept = self.sum_over_ranks(experience["keep"].sum().item())
         losses = self.update(experience) if kept > 0 else {}
-        observed_kl = ppo_math.masked_mean(experience["kl"], experience["mask"]).item()
-        self.kl.update(observed_kl, len(experience["rewards"]))
+        # The global batch's KL and sample count: every rank's controller takes the same step.
+        observed_kl, num_samples = ppo_math.batch_kl(experience["kl"], experience["mask"], self.reduce)
+        self.kl.update(observed_kl, num_samples)
         self.step += 1
         metrics = {**self.mean_logs_over_ranks(experience["extra_logs"]),
                    "step": self.step, "reward": self.mean_over_ranks(experience["rewards"].tolist()),
-                   "kl": self.mean_over_ranks([observed_kl]), "kl_coef": self.kl.coef,
+                   "kl": observed_kl, "kl_coef": self.kl.coef,
                    "response_length": self.mean_over_ranks(experience["mask"].sum(-1).tolist()),
                    "lr": self.actor.get_lr()[0], **{k: self.mean_over_ranks(v) for k, v in losses.items()}}
         if cfg.dynamic_filtering:

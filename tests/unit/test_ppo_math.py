@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -146,3 +147,117 @@ def test_clip_higher_clips_the_ratio_asymmetrically():
     assert higher.item() == pytest.approx(-1.25) and clipped_higher.item() == 0.0
     low, _ = ppo_math.policy_loss(torch.full((1, 1), math.log(0.5)), old, -advantage, mask, 0.2, 0.28)
     assert low.item() == pytest.approx(0.8)  # a negative advantage is clipped at 1 - low
+
+
+class SimulatedRanks:
+    """Ranks as threads of one process: `reduce(rank)` is an all-reduce over them (each rank's tensor summed
+    in rank order, the same result on every rank), so ppo_math's global statistics run without
+    torch.distributed."""
+
+    def __init__(self, num_ranks: int):
+        self.barrier = threading.Barrier(num_ranks, timeout=30)
+        self.slots: list[torch.Tensor | None] = [None] * num_ranks
+
+    def reduce(self, rank: int):
+        def all_reduce(totals: torch.Tensor) -> torch.Tensor:
+            assert totals.dtype == torch.float64
+            self.slots[rank] = totals.clone()
+            self.barrier.wait()
+            total = sum(self.slots[1:], self.slots[0].clone())
+            self.barrier.wait()  # nobody overwrites a slot before every rank has summed
+            return total
+
+        return all_reduce
+
+    def run(self, function, shards: list[tuple]) -> list:
+        """function(*shard, reduce) on every rank at once; the ranks' results in rank order."""
+        results: list = [None] * len(shards)
+        errors: list[BaseException] = []
+
+        def rank_main(rank: int) -> None:
+            try:
+                results[rank] = function(*shards[rank], self.reduce(rank))
+            except Exception as error:  # noqa: BLE001 (re-raised below, not lost in the thread)
+                errors.append(error)
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(len(shards))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+        return results
+
+
+def rollout_batch(num_rows: int = 16, width: int = 7, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns-like values with an offset far from zero (where a one-pass variance would cancel) and
+    right-padded rows of different lengths, two of them empty (filtered)."""
+    rows = torch.Generator().manual_seed(seed)
+    values = 1000.0 + torch.randn(num_rows, width, generator=rows)
+    lengths = torch.randint(1, width + 1, (num_rows,), generator=rows)
+    lengths[[3, 12]] = 0
+    mask = (torch.arange(width) < lengths[:, None]).float()
+    return values, mask
+
+
+def whiten_shards(values: torch.Tensor, mask: torch.Tensor, num_ranks: int) -> torch.Tensor:
+    shards = list(zip(values.chunk(num_ranks), mask.chunk(num_ranks)))
+    parts = SimulatedRanks(num_ranks).run(lambda v, m, reduce: ppo_math.masked_whiten(v, m, reduce=reduce), shards)
+    return torch.cat(parts)
+
+
+def test_whitening_over_ranks_equals_whitening_of_the_whole_batch():
+    values, mask = rollout_batch()
+    whole = ppo_math.masked_whiten(values, mask)
+    kept = mask.bool()
+    assert whole[kept].double().mean().abs() < 1e-6 and (whole[kept].double().std(unbiased=False) - 1).abs() < 1e-5
+    assert torch.equal(whole[~kept], torch.zeros_like(whole[~kept]))
+    for num_ranks in (2, 4):
+        # float64 statistics, summed in another order: equal up to one float32 rounding of the result
+        difference = (whiten_shards(values, mask, num_ranks) - whole).abs().max().item()
+        assert difference <= 1e-6, (num_ranks, difference)
+    rank_local = torch.cat([ppo_math.masked_whiten(v, m) for v, m in zip(values.chunk(2), mask.chunk(2))])
+    assert (rank_local - whole).abs().max() > 1e-2  # what per-rank statistics gave: a different batch
+
+
+def test_a_rank_with_nothing_left_after_filtering_still_joins_the_whitening():
+    values, mask = rollout_batch()
+    mask[:8] = 0  # rank 0's samples all filtered out
+    whole = ppo_math.masked_whiten(values, mask)
+    assert torch.allclose(whiten_shards(values, mask, 2), whole, atol=1e-6, rtol=0)
+    assert torch.equal(whiten_shards(values, torch.zeros_like(mask), 2), torch.zeros_like(values))
+
+
+@pytest.mark.parametrize("estimator", ppo_math.WHITENED_ESTIMATORS)
+def test_whitened_estimators_give_each_rank_its_share_of_the_whole_batch_advantages(estimator):
+    values, mask = rollout_batch()
+    scores = values[:, 0] - 1000.0
+    kl = 0.01 * values.sub(1000.0).abs() * mask
+
+    def estimate(scores, kl, mask, reduce=None):
+        return ppo_math.advantages_and_returns(estimator, scores, kl, mask, None, 0.05, 0.9, 0.95, group_size=2,
+                                               reduce=reduce)[0]
+
+    whole = estimate(scores, kl, mask)
+    shards = list(zip(scores.chunk(2), kl.chunk(2), mask.chunk(2)))  # whole groups of 2 on each rank
+    assert torch.allclose(torch.cat(SimulatedRanks(2).run(estimate, shards)), whole, atol=1e-6, rtol=0)
+
+
+def test_the_kl_controller_is_fed_the_global_batch_so_every_rank_holds_one_coefficient():
+    values, mask = rollout_batch()
+    kl = (values - 1000.0).abs() * mask
+    kl[8:] *= 3  # rank 1's samples drift further: per-rank KLs differ
+    whole_kl, whole_count = ppo_math.batch_kl(kl, mask)
+    assert whole_kl == pytest.approx(((kl * mask).sum() / mask.sum()).item()) and whole_count == 16
+    observed = SimulatedRanks(2).run(ppo_math.batch_kl, list(zip(kl.chunk(2), mask.chunk(2))))
+    assert observed[0] == observed[1]  # bit-identical on both ranks
+    assert observed[0][0] == pytest.approx(whole_kl, rel=1e-12) and observed[0][1] == 16
+    rank_local = [ppo_math.batch_kl(k, m)[0] for k, m in zip(kl.chunk(2), mask.chunk(2))]
+    assert abs(rank_local[0] - rank_local[1]) > 0.1
+    controllers = [ppo_math.KLController(0.05, target=whole_kl / 2, horizon=100) for _ in range(2)]
+    for controller, (kl_value, num_samples) in zip(controllers, observed):
+        controller.update(kl_value, num_samples)
+    # twice the target: error clipped at +0.2, times 16 samples over a horizon of 100
+    assert controllers[0].coef == controllers[1].coef == pytest.approx(0.05 * (1 + 0.2 * 16 / 100))
