@@ -1,0 +1,255 @@
+"""A real 3-node Ray cluster on one machine: ranks on two hosts, a Ray client driver, an unplaceable
+group, and the loss of a node mid-chunk.
+
+One cluster serves the whole module (`tests.integration.ray_cluster`): a CPU-less head and two worker
+nodes of 1 CPU each, every node with its own Ray temp dir and TMPDIR, so ranks on the two nodes
+stage checkpoints in different folders, as on two hosts. Checkpoints go to the moto S3 endpoint,
+which every node reaches with its own credentials (the AWS variables in its environment). `rlhf`
+runs as a user runs it: a subprocess with `--ray_address`. The node-loss test kills a worker node,
+so it comes last (pytest keeps file order) and brings the node back afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import fsspec
+import pytest
+from safetensors.torch import load_file
+
+from rlhf_core.checkpoint import CheckpointStore
+from tests.conftest import RLHF, make_bucket, run_rlhf, s3_environment
+from tests.integration.ray_cluster import RayCluster
+
+pytestmark = pytest.mark.slow
+
+RUN_TIMEOUT = 600
+
+
+@pytest.fixture(scope="module")
+def cluster_env(rlhf_env, s3_endpoint) -> dict[str, str]:
+    """The environment of the cluster's nodes and of every `rlhf` run: Prefect's ephemeral server and S3."""
+    env = {key: value for key, value in rlhf_env.items() if key != "RAY_ADDRESS"}
+    return {**env, **s3_environment(s3_endpoint), "RAY_AUTH_MODE": "disabled"}
+
+
+@pytest.fixture(scope="module")
+def cluster(cluster_env, tmp_path_factory):
+    ray_cluster = RayCluster.start(cluster_env, tmp_path_factory.mktemp("ray-cluster-logs"))
+    yield ray_cluster
+    ray_cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def bucket(s3_endpoint) -> str:
+    name = f"ray-cluster-{uuid.uuid4().hex[:8]}"
+    make_bucket(s3_endpoint, name)
+    return name
+
+
+@pytest.fixture
+def s3_here(cluster_env, monkeypatch):
+    """This process reads the same store as the runs (CheckpointStore, fsspec)."""
+    for name, value in cluster_env.items():
+        if name.startswith("AWS_"):
+            monkeypatch.setenv(name, value)
+
+
+def sft_args(toy: dict[str, str], ckpt: str, out: Path, *, max_samples: int = 48, max_ckpt_num: int = 3) -> list[str]:
+    """A tiny SFT: max_samples / 8 steps, a chunk every 2 steps."""
+    return [
+        "train", "sft", "--pretrain", toy["model"], "--dataset", toy["sft"],
+        "--input_key", "prompt", "--output_key", "response", "--max_len", "128", "--max_samples", str(max_samples),
+        "--train_batch_size", "8", "--micro_train_batch_size", "4", "--max_epochs", "1",
+        "--learning_rate", "1e-3", "--save_steps", "2", "--ckpt_path", ckpt, "--max_ckpt_num", str(max_ckpt_num),
+        "--save_path", str(out), "--seed", "42", "--load_checkpoint", "--num_workers", "2",
+    ]
+
+
+def on_cluster(address: str) -> list[str]:
+    """One rank on each worker node."""
+    return ["--num_cpus_per_worker", "1", "--placement_strategy", "STRICT_SPREAD", "--ray_address", address]
+
+
+def output(result: subprocess.CompletedProcess) -> str:
+    return result.stdout + result.stderr
+
+
+def committed_steps(stage_url: str) -> list[int]:
+    """Steps of the committed checkpoints, every file's sha256 checked; fails on any other state."""
+    infos = CheckpointStore(stage_url).list(verify=True)
+    assert all(info.is_committed for info in infos), [(info.name, info.status, info.reason) for info in infos]
+    return [info.step for info in infos]
+
+
+def assert_same_weights(expected: dict, model_dir: Path) -> None:
+    actual = load_file(str(model_dir / "model.safetensors"))
+    assert actual.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert actual[name].equal(tensor), f"{name}: max abs diff {(actual[name] - tensor).abs().max().item()}"
+
+
+def placed_nodes(log: str, num_placed: int, num_wanted: int) -> list[str]:
+    """The node ids named by the 'placed N of M ranks' lines of a run's output, in order."""
+    lines = re.findall(rf"placed {num_placed} of {num_wanted} ranks \(\w+\) on nodes: (.*)", log)
+    return [node_id for line in lines for node_id in re.findall(r"node ([0-9a-f]+)", line)]
+
+
+def read_bytes(url: str) -> bytes:
+    with fsspec.open(url, "rb") as handle:
+        return handle.read()
+
+
+@pytest.fixture(scope="module")
+def one_host_reference(toy_assets, cluster_env, tmp_path_factory) -> dict:
+    """The final weights of the 2-rank SFT on one host (a local Ray, fractional CPUs, local checkpoints)."""
+    out = tmp_path_factory.mktemp("one-host-2-ranks")
+    reference = run_rlhf(sft_args(toy_assets, str(out / "ckpt"), out / "model"), cluster_env, timeout=RUN_TIMEOUT)
+    assert reference.returncode == 0, output(reference)[-4000:]
+    assert placed_nodes(output(reference), 2, 2), output(reference)[-3000:]
+    return load_file(str(out / "model" / "model.safetensors"))
+
+
+PROBE = """
+import json, os, sys, ray
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+ray.init(address=sys.argv[1], logging_level="ERROR")
+group = placement_group([{"CPU": 1}] * 2, strategy="STRICT_SPREAD")
+ray.get(group.ready(), timeout=60)
+
+@ray.remote(num_cpus=1)
+class Probe:
+    def where(self):
+        return ray.get_runtime_context().get_node_id(), os.environ.get("TMPDIR")
+
+probes = [Probe.options(scheduling_strategy=PlacementGroupSchedulingStrategy(group, index)).remote()
+          for index in range(2)]
+print(json.dumps(ray.get([probe.where.remote() for probe in probes])))
+"""
+
+
+@pytest.mark.parametrize("address_kind", ["gcs", "client"])
+def test_strict_spread_puts_one_actor_on_each_worker_node(cluster, address_kind):
+    address = cluster.gcs_address if address_kind == "gcs" else cluster.client_address
+    before = cluster.actor_log_snapshot("Probe")
+    probe = subprocess.run([sys.executable, "-c", PROBE, address], check=False, env=cluster.env, capture_output=True,
+                           text=True, timeout=180)
+    assert probe.returncode == 0, probe.stderr[-3000:] + cluster.log_tails()
+    placed = json.loads(probe.stdout.strip().splitlines()[-1])
+    assert len({node_id for node_id, _ in placed}) == 2, placed
+    # Each actor sees its own node's TMPDIR: staging folders on two nodes are two folders.
+    assert sorted(tmpdir for _, tmpdir in placed) == sorted(str(worker.tmpdir) for worker in cluster.workers)
+    assert cluster.actor_nodes("Probe", before) == {worker.name: 1 for worker in cluster.workers}
+
+
+def test_two_ranks_on_two_nodes_match_one_host(cluster, toy_assets, cluster_env, bucket, tmp_path, s3_here,
+                                               one_host_reference):
+    ckpt = f"s3://{bucket}/two-nodes/ckpt"
+    before = cluster.actor_log_snapshot("TrainWorker")
+    result = run_rlhf(sft_args(toy_assets, ckpt, tmp_path / "model") + on_cluster(cluster.gcs_address), cluster_env,
+                      timeout=RUN_TIMEOUT)
+    log = output(result)
+    assert result.returncode == 0, log[-4000:] + cluster.log_tails()
+    # Ranks ran on the two worker nodes: the driver's placement line, and the nodes' own actor logs.
+    assert len(set(placed_nodes(log, 2, 2))) == 2, log[-3000:]
+    assert cluster.actor_nodes("TrainWorker", before) == {worker.name: 1 for worker in cluster.workers}
+    assert committed_steps(f"{ckpt}/rlhf/sft") == [2, 4, 6]
+    assert CheckpointStore(f"{ckpt}/rlhf/sft").read_metadata(6)["world_size"] == 2
+    assert_same_weights(one_host_reference, tmp_path / "model")
+
+
+def test_ray_client_driver_off_the_cluster(cluster, toy_assets, cluster_env, bucket, tmp_path, s3_here,
+                                           one_host_reference):
+    ckpt = f"s3://{bucket}/client/ckpt"
+    result = run_rlhf(sft_args(toy_assets, ckpt, tmp_path / "model") + on_cluster(cluster.client_address),
+                      cluster_env, timeout=RUN_TIMEOUT)
+    log = output(result)
+    assert result.returncode == 0, log[-4000:] + cluster.log_tails()
+    assert committed_steps(f"{ckpt}/rlhf/sft") == [2, 4, 6]
+    assert_same_weights(one_host_reference, tmp_path / "model")
+
+
+def test_unplaceable_group_fails_with_a_sentence_naming_the_missing_cpus(cluster, toy_assets, cluster_env, bucket,
+                                                                          tmp_path):
+    args = sft_args(toy_assets, f"s3://{bucket}/unplaceable/ckpt", tmp_path / "model")
+    args[args.index("--num_workers") + 1] = "1"
+    args += ["--num_cpus_per_worker", "64", "--placement_timeout_s", "5", "--ray_address", cluster.gcs_address]
+    result = run_rlhf(args, cluster_env, timeout=180)  # generous: a hang fails as TimeoutExpired
+    log = output(result)
+    assert result.returncode != 0, log[-3000:]
+    sentences = [line for line in log.splitlines() if "64 CPU" in line and "--placement_timeout_s" in line]
+    assert sentences, log[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert not (tmp_path / "model").exists()
+
+
+def wait_for_path(path: Path, run: subprocess.Popen, log_path: Path, timeout: float = RUN_TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert run.poll() is None, f"the run ended (rc {run.returncode}) before {path.name}:\n{log_path.read_text()[-4000:]}"
+        assert time.monotonic() < deadline, f"{path.name} did not appear within {timeout} s"
+        time.sleep(0.2)
+
+
+def seconds_until_line(pattern: str, log_path: Path, run: subprocess.Popen, since: float) -> float | None:
+    """Poll the run's streamed output for `pattern`; seconds from `since` (monotonic) until it shows,
+    None if the run ends first."""
+    while not re.search(pattern, log_path.read_text(errors="replace")):
+        if run.poll() is not None:
+            return None
+        time.sleep(0.2)
+    return time.monotonic() - since
+
+
+def test_node_lost_mid_chunk_finishes_on_the_surviving_node(cluster, toy_assets, cluster_env, bucket, tmp_path,
+                                                            s3_here):
+    """Last in the module: it kills a worker node (and restarts it at the end)."""
+    ckpt, faults = f"s3://{bucket}/node-loss/ckpt", tmp_path / "faults"
+    stage_url = f"{ckpt}/rlhf/sft"
+    faults.mkdir()
+    env = {**cluster_env, "RLHF_FAULT_INJECT": "train_step@3=sleep:120", "RLHF_FAULT_STATE": str(faults)}
+    args = sft_args(toy_assets, ckpt, tmp_path / "model", max_samples=64, max_ckpt_num=0) + \
+        on_cluster(cluster.gcs_address) + ["--allow_fewer_workers", "--placement_timeout_s", "10"]
+    log_path = tmp_path / "run.log"
+    with open(log_path, "wb") as log_file:
+        run = subprocess.Popen([RLHF, *args], env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                               stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for_path(faults / "train_step@3", run, log_path)  # step 2 committed, a rank paused inside step 3
+        before = committed_steps(stage_url)
+        manifests = {step: read_bytes(f"{stage_url}/step_{step}/MANIFEST.json") for step in before}
+        killed_at = cluster.kill_worker(1)
+        to_placed = seconds_until_line(r"placed 1 of 2 ranks", log_path, run, killed_at)
+        to_commit = seconds_until_line(r"step 4/8: trained", log_path, run, killed_at)
+        returncode = run.wait(timeout=RUN_TIMEOUT)
+    finally:
+        if run.poll() is None:
+            subprocess.run(["kill", "-9", f"-{run.pid}"], check=False)
+            run.wait()
+    log = log_path.read_text(errors="replace")
+    print(f"\nnode kill -> retried chunk placed on the surviving node: {to_placed} s; "
+          f"-> retried chunk committed: {to_commit} s")
+    try:
+        assert returncode == 0, log[-5000:] + cluster.log_tails()
+        assert before == [2], before
+        assert to_placed is not None, log[-4000:]
+        # The failed chunk said which node was lost; Prefect retried it; the rest ran on 1 of 2 ranks.
+        assert re.search(r"lost mid-chunk", log), log[-4000:]
+        assert re.search(r"step 4/8: trained \d+ steps on 1 of 2 ranks", log), log[-4000:]
+        after = committed_steps(stage_url)
+        assert set(before) <= set(after) and after[-1] == 8, (before, after)
+        for step, manifest in manifests.items():  # committed before the kill: never rewritten
+            assert read_bytes(f"{stage_url}/step_{step}/MANIFEST.json") == manifest
+        final = CheckpointStore(stage_url).read_metadata(8)
+        assert final["world_size"] == 1, final
+        assert (tmp_path / "model" / "model.safetensors").exists()
+    finally:
+        cluster.restart_worker(1)
