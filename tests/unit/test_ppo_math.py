@@ -230,18 +230,21 @@ def test_a_rank_with_nothing_left_after_filtering_still_joins_the_whitening():
     assert torch.equal(whiten_shards(values, torch.zeros_like(mask), 2), torch.zeros_like(values))
 
 
-@pytest.mark.parametrize("estimator", ppo_math.WHITENED_ESTIMATORS)
-def test_whitened_estimators_give_each_rank_its_share_of_the_whole_batch_advantages(estimator):
+@pytest.mark.parametrize("estimator", ppo_math.ESTIMATORS)
+def test_every_estimator_gives_each_rank_its_share_of_the_whole_batch_advantages(estimator):
+    """World-size independence of the advantage math, given the same samples: ranks holding whole prompt
+    groups (as the trainer's shares do) get the rows one process computes for the whole batch."""
     values, mask = rollout_batch()
     scores = values[:, 0] - 1000.0
     kl = 0.01 * values.sub(1000.0).abs() * mask
+    critic_values = 0.1 * (values - 1000.0)
 
-    def estimate(scores, kl, mask, reduce=None):
-        return ppo_math.advantages_and_returns(estimator, scores, kl, mask, None, 0.05, 0.9, 0.95, group_size=2,
-                                               reduce=reduce)[0]
+    def estimate(scores, kl, mask, critic_values, reduce=None):
+        return ppo_math.advantages_and_returns(estimator, scores, kl, mask, critic_values, 0.05, 0.9, 0.95,
+                                               group_size=2, reduce=reduce)[0]
 
-    whole = estimate(scores, kl, mask)
-    shards = list(zip(scores.chunk(2), kl.chunk(2), mask.chunk(2)))  # whole groups of 2 on each rank
+    whole = estimate(scores, kl, mask, critic_values)
+    shards = list(zip(scores.chunk(2), kl.chunk(2), mask.chunk(2), critic_values.chunk(2)))  # whole groups of 2
     assert torch.allclose(torch.cat(SimulatedRanks(2).run(estimate, shards)), whole, atol=1e-6, rtol=0)
 
 
