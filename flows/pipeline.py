@@ -34,6 +34,8 @@ class _NoTracebackForUserErrors(logging.Filter):
 
 for _logger_name in ("prefect.flow_runs", "prefect.task_runs"):
     logging.getLogger(_logger_name).addFilter(_NoTracebackForUserErrors())
+# Where the ranks were placed is worth a line each time a group starts (rlhf_core.engine).
+logging.getLogger("rlhf_core").setLevel(logging.INFO)
 
 
 def _artifact_key(*parts: str) -> str:
@@ -50,10 +52,12 @@ def run_stage(run: RunConfig, stage: str, upstream_digest: str, lineage: Lineage
         state = train_chunk(run, stage, target, upstream_digest, lineage, return_state=True)
         result = ChunkResult(**state.result())
         status = "cached" if state.name == "Cached" else f"trained {result.num_steps_trained} steps"
+        if result.world_size and result.world_size != run.num_workers:  # --allow_fewer_workers after a node loss
+            status += f" on {result.world_size} of {run.num_workers} ranks"
         headline = "reward" if "reward" in result.metrics else "loss"
         print(f"{stage} chunk -> step {target}/{plan.total_steps}: {status}, "
               f"{headline} {result.metrics.get(headline, float('nan')):.4f}")
-        rows.append({"step": result.step, "status": status, **{k: round(v, 6) for k, v in result.metrics.items()},
+        rows.append({"step": result.step, "status": status, "world_size": result.world_size, **{k: round(v, 6) for k, v in result.metrics.items()},
                      **{f"{k}_s": round(v, 3) for k, v in result.seconds.items()}, "checkpoint": result.uri})
     save_path = export_model(run, stage, plan.total_steps)
     print(f"{stage}: exported the final model (step {plan.total_steps}) to {save_path}")

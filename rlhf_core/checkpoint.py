@@ -18,6 +18,12 @@ written ``step_N``; object stores have no rename, so there the manifest alone is
 commit marker. A leftover uncommitted ``step_N`` is moved to ``.aside/`` instead of
 being deleted, so nothing a person might still want is ever destroyed by a retry.
 
+Per-rank writes: `prepare_step` gives the uncommitted folder (the local staging dir, or ``step_N`` on
+an object store), every rank uploads its own files there (`upload_tree`, hashing while it writes,
+one pass) and returns their manifest entries, and the driver alone writes the metadata, the
+manifest (with the run lease's fencing token, checked just before) and ``latest``
+(`finish_commit`). `fetch` gives a rank only the files it needs, each verified as it downloads.
+
 Where this departs from OpenRLHF: OpenRLHF deletes old checkpoints *before* writing
 the new one and keeps no checksums, so a crash during a save can leave no usable
 checkpoint at all. Here retention runs only after a commit, only over committed
@@ -35,7 +41,8 @@ import re
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, BinaryIO, Callable, Protocol
 
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
@@ -57,6 +64,8 @@ STATUS_CORRUPT = "corrupt"
 
 BYTES_PER_GB = 1e9
 HASH_BLOCK_BYTES = 1 << 20
+TRANSFER_BLOCK_BYTES = 8 << 20
+TRANSFER_THREADS = 4  # files in flight per process (per rank when ranks upload)
 
 # Only the canonical spelling counts, so "step_007" can never shadow "step_7".
 _STEP_DIR_PATTERN = re.compile(r"step_(0|[1-9][0-9]*)")
@@ -106,12 +115,14 @@ class Manifest:
     step: int
     files: tuple[ManifestEntry, ...]
     format_version: int = FORMAT_VERSION
+    lease_token: str = ""  # the fencing token of the run lease held by the writer ("" when unfenced)
 
     def to_bytes(self) -> bytes:
         document = {
             "format_version": self.format_version,
             "step": self.step,
             "files": [dataclasses.asdict(entry) for entry in self.files],
+            **({"lease_token": self.lease_token} if self.lease_token else {}),
         }
         return json.dumps(document, indent=2).encode()
 
@@ -130,7 +141,9 @@ class Manifest:
         raw_files = document.get("files")
         if not _is_count(step) or not isinstance(raw_files, list):
             raise ValueError("missing step or files")
-        return cls(step=step, files=tuple(_parse_entry(raw) for raw in raw_files))
+        lease_token = document.get("lease_token", "")
+        return cls(step=step, files=tuple(_parse_entry(raw) for raw in raw_files),
+                   lease_token=lease_token if isinstance(lease_token, str) else "")
 
 
 def _is_count(value: Any) -> bool:
@@ -158,6 +171,22 @@ def _is_contained(relative_path: str) -> bool:
         and not normalized.startswith("../")
         and normalized != ".."
     )
+
+
+class Fence(Protocol):
+    """The run lease, as a commit sees it (`rlhf_core.lease.RunLease`)."""
+
+    token: str
+
+    def assert_held(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class PendingStep:
+    """An uncommitted step folder (a fs path) that ranks upload into; plain data, so it travels to them."""
+
+    step: int
+    path: str
 
 
 @dataclass(frozen=True)
@@ -265,42 +294,77 @@ class CheckpointStore:
 
     # ---------------------------------------------------------------- mutations
 
-    def commit(self, step: int, local_dir: str, metadata: dict[str, Any]) -> CheckpointInfo:
+    def commit(self, step: int, local_dir: str, metadata: dict[str, Any], fence: Fence | None = None) -> CheckpointInfo:
         """Upload the checkpoint in ``local_dir`` as ``step_N`` and mark it committed.
 
         ``metadata`` becomes ``training_metadata.json``; any ``MANIFEST.json`` or
         ``training_metadata.json`` at the top of ``local_dir`` is ignored. Committing
         a step that is already committed returns it unchanged.
         """
-        if not _is_count(step):
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
         if not os.path.isdir(local_dir):
             raise UserError(f"Checkpoint folder {local_dir} does not exist; save the checkpoint first.")
-        metadata_bytes = json.dumps(metadata, indent=2, sort_keys=True).encode()
-        local_files = _list_local_files(local_dir)
-        name = step_dir_name(step)
+        pending = self.prepare_step(step)
+        if isinstance(pending, CheckpointInfo):
+            return pending
+        return self.finish_commit(pending, self.upload_tree(pending, local_dir), metadata, fence)
 
+    def prepare_step(self, step: int) -> PendingStep | CheckpointInfo:
+        """The uncommitted folder that step_N's files are uploaded into, or the committed step_N itself
+        when it already is (a retry after the commit: `latest` is repaired, nothing is rewritten)."""
+        if not _is_count(step):
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        name = step_dir_name(step)
         self.fs.invalidate_cache()
         if self.fs.exists(self._path(name)):
             existing = self._inspect(step, verify=False)
             if existing.is_committed:
-                # A crash between manifest and `latest` is repaired by the retry.
                 self._advance_latest(step)
                 return existing
             self._move_aside(name)
+        if not self._is_local:
+            return PendingStep(step, self._path(name))
+        staging_path = self._path(f"{STAGING_PREFIX}{name}_{secrets.token_hex(4)}")
+        self.fs.makedirs(staging_path, exist_ok=True)
+        return PendingStep(step, staging_path)
 
-        manifest = _build_manifest(step, local_files, metadata_bytes)
+    def upload_tree(self, pending: PendingStep, local_dir: str) -> list[ManifestEntry]:
+        """Upload every file below ``local_dir`` into ``pending``, hashing each as it is written (one
+        read); returns their manifest entries. Ranks call this, each with its own files."""
+        files = list(_list_local_files(local_dir).items())
+        if not files:
+            return []
+        entries = [self._upload_file(pending.path, *files[0])]
+        fault_point("between_uploads", pending.step)
+        with ThreadPoolExecutor(TRANSFER_THREADS) as pool:
+            entries += pool.map(lambda item: self._upload_file(pending.path, *item), files[1:])
+        return entries
+
+    def finish_commit(self, pending: PendingStep, entries: list[ManifestEntry], metadata: dict[str, Any],
+                      fence: Fence | None = None) -> CheckpointInfo:
+        """Write the metadata, then (after checking ``fence``, the run lease) the manifest, then
+        ``latest``: the driver's part of a commit whose files the ranks uploaded."""
+        paths = [entry.path for entry in entries]
+        doubled = sorted({path for path in paths if paths.count(path) > 1})
+        if doubled:
+            raise ValueError(f"two ranks uploaded {doubled[0]} for step {pending.step}")
+        metadata_bytes = json.dumps(metadata, indent=2, sort_keys=True).encode()
+        self._write_bytes(f"{pending.path}/{METADATA_NAME}", metadata_bytes)
+        entries = [entry for entry in entries if entry.path not in _RESERVED_NAMES]
+        entries.append(ManifestEntry(METADATA_NAME, len(metadata_bytes), hashlib.sha256(metadata_bytes).hexdigest()))
+        fault_point("before_manifest", pending.step)
+        if fence is not None:
+            fence.assert_held()
+        manifest = Manifest(pending.step, tuple(sorted(entries, key=lambda entry: entry.path)),
+                            lease_token=fence.token if fence is not None else "")
+        # The manifest goes last: its presence is what marks the step as committed.
+        self._write_bytes(f"{pending.path}/{MANIFEST_NAME}", manifest.to_bytes())
         if self._is_local:
-            staging_path = self._path(f"{STAGING_PREFIX}{name}_{secrets.token_hex(4)}")
-            self._write_step(staging_path, local_files, metadata_bytes, manifest)
             # os.rename is atomic and, unlike shutil.move, never merges into an existing dir.
-            os.rename(staging_path, self._path(name))
-        else:
-            self._write_step(self._path(name), local_files, metadata_bytes, manifest)
-        fault_point("before_latest", step)
-        self._advance_latest(step)
+            os.rename(pending.path, self._path(step_dir_name(pending.step)))
+        fault_point("before_latest", pending.step)
+        self._advance_latest(pending.step)
         self.fs.invalidate_cache()
-        return self._inspect(step, verify=False)
+        return self._inspect(pending.step, verify=False)
 
     def retain(self, max_num: int | None, max_mem_gb: float | None = None) -> list[str]:
         """Remove the oldest committed checkpoints beyond ``max_num`` or ``max_mem_gb``.
@@ -323,31 +387,44 @@ class CheckpointStore:
         return removed_names
 
     def download(self, step: int, local_dir: str) -> str:
-        """Copy the committed ``step_N`` into ``local_dir`` and verify every file's sha256."""
+        """Copy the committed ``step_N`` into ``local_dir``, every file checked against its sha256."""
+        manifest_bytes = self.fetch(step, local_dir)
+        with open(os.path.join(local_dir, MANIFEST_NAME), "wb") as stream:
+            stream.write(manifest_bytes)
+        return local_dir
+
+    def fetch(self, step: int, local_dir: str, select: Callable[[list[str]], list[str]] | None = None) -> bytes:
+        """Download the files of the committed ``step_N`` that ``select`` picks from the manifest's paths
+        (all by default) into ``local_dir``, each hashed as it arrives and compared with the manifest
+        (CorruptCheckpoint on a mismatch). Returns the manifest's bytes."""
         info = self._inspect(step, verify=False)
         if not info.is_committed:
             raise UserError(
                 f"Checkpoint {info.uri} is {info.status} ({info.reason}); "
                 "pick a committed step from `rlhf ckpt ls`."
             )
-        step_path = self._path(info.name)
-        manifest_bytes = self.fs.cat_file(f"{step_path}/{MANIFEST_NAME}")
-        manifest = Manifest.from_bytes(manifest_bytes)
-        local_paths = [os.path.join(local_dir, *entry.path.split("/")) for entry in manifest.files]
+        manifest_bytes = self.fs.cat_file(f"{self._path(info.name)}/{MANIFEST_NAME}")
+        entries = {entry.path: entry for entry in Manifest.from_bytes(manifest_bytes).files}
+        chosen = [entries[path] for path in (select or list)(list(entries))]
         os.makedirs(local_dir, exist_ok=True)
-        for local_path in local_paths:
-            os.makedirs(os.path.dirname(local_path), exist_ok=True)
-        self.fs.get([f"{step_path}/{entry.path}" for entry in manifest.files], local_paths)
-        for entry, local_path in zip(manifest.files, local_paths):
-            if sha256_of_local_file(local_path) != entry.sha256:
-                raise CorruptCheckpoint(
-                    f"Downloaded {entry.path} from {info.uri} does not match its checksum; "
-                    "the checkpoint is corrupt, so resume from an earlier step.",
-                    step, f"checksum mismatch in {entry.path}",
-                )
-        with open(os.path.join(local_dir, MANIFEST_NAME), "wb") as stream:
-            stream.write(manifest_bytes)
-        return local_dir
+        with ThreadPoolExecutor(TRANSFER_THREADS) as pool:
+            list(pool.map(lambda entry: self._fetch_file(info, entry, local_dir), chosen))
+        return manifest_bytes
+
+    def read_verified(self, step: int, relative_path: str) -> bytes:
+        """One small file of the committed ``step_N`` (e.g. its metadata), checked against the manifest."""
+        info = self._inspect(step, verify=False)
+        entry = None
+        if info.is_committed:
+            manifest = Manifest.from_bytes(self.fs.cat_file(f"{self._path(info.name)}/{MANIFEST_NAME}"))
+            entry = next((entry for entry in manifest.files if entry.path == relative_path), None)
+        if entry is None:
+            raise CorruptCheckpoint(f"{info.uri} has no committed {relative_path}; resume from an earlier step.",
+                                    step, f"no {relative_path}")
+        data = self.fs.cat_file(f"{self._path(info.name)}/{relative_path}")
+        if hashlib.sha256(data).hexdigest() != entry.sha256:
+            raise _checksum_mismatch(info, entry)
+        return data
 
     # ------------------------------------------------------------------ helpers
 
@@ -426,22 +503,29 @@ class CheckpointStore:
                         return f"checksum mismatch in {entry.path}"
         return ""
 
-    def _write_step(
-        self, dir_path: str, local_files: dict[str, str], metadata_bytes: bytes, manifest: Manifest
-    ) -> None:
-        remote_paths = [f"{dir_path}/{relative_path}" for relative_path in local_files]
-        for remote_path in remote_paths:
-            self._make_parent_dirs(remote_path)
-        local_paths = list(local_files.values())
-        if remote_paths:
-            self.fs.put(local_paths[:1], remote_paths[:1])
-            fault_point("between_uploads", manifest.step)
-            # One bulk call lets async filesystems such as s3fs upload concurrently.
-            self.fs.put(local_paths[1:], remote_paths[1:])
-        self._write_bytes(f"{dir_path}/{METADATA_NAME}", metadata_bytes)
-        fault_point("before_manifest", manifest.step)
-        # The manifest goes last: its presence is what marks the step as committed.
-        self._write_bytes(f"{dir_path}/{MANIFEST_NAME}", manifest.to_bytes())
+    def _upload_file(self, dir_path: str, relative_path: str, local_path: str) -> ManifestEntry:
+        remote_path = f"{dir_path}/{relative_path}"
+        self._make_parent_dirs(remote_path)
+        digest, size = hashlib.sha256(), 0
+        with open(local_path, "rb") as source, self.fs.open(remote_path, "wb") as target:
+            while block := source.read(TRANSFER_BLOCK_BYTES):
+                digest.update(block)
+                target.write(block)
+                size += len(block)
+        return ManifestEntry(relative_path, size, digest.hexdigest())
+
+    def _fetch_file(self, info: CheckpointInfo, entry: ManifestEntry, local_dir: str) -> None:
+        local_path = os.path.join(local_dir, *entry.path.split("/"))
+        os.makedirs(os.path.dirname(local_path), exist_ok=True)
+        digest, size = hashlib.sha256(), 0
+        with self.fs.open(f"{self._path(info.name)}/{entry.path}", "rb", block_size=TRANSFER_BLOCK_BYTES) as source, \
+                open(local_path, "wb") as target:
+            while block := source.read(TRANSFER_BLOCK_BYTES):
+                digest.update(block)
+                target.write(block)
+                size += len(block)
+        if size != entry.size or digest.hexdigest() != entry.sha256:
+            raise _checksum_mismatch(info, entry)
 
     def _advance_latest(self, step: int) -> None:
         """Point ``latest`` at ``step`` unless it already names this or a newer step."""
@@ -509,19 +593,12 @@ def _list_local_files(local_dir: str) -> dict[str, str]:
     return files
 
 
-def _build_manifest(step: int, local_files: dict[str, str], metadata_bytes: bytes) -> Manifest:
-    entries = [
-        ManifestEntry(path=relative_path, size=os.path.getsize(path), sha256=sha256_of_local_file(path))
-        for relative_path, path in local_files.items()
-    ]
-    entries.append(
-        ManifestEntry(
-            path=METADATA_NAME,
-            size=len(metadata_bytes),
-            sha256=hashlib.sha256(metadata_bytes).hexdigest(),
-        )
+def _checksum_mismatch(info: CheckpointInfo, entry: ManifestEntry) -> CorruptCheckpoint:
+    return CorruptCheckpoint(
+        f"Downloaded {entry.path} from {info.uri} does not match its checksum; "
+        "the checkpoint is corrupt, so resume from an earlier step.",
+        info.step, f"checksum mismatch in {entry.path}",
     )
-    return Manifest(step=step, files=tuple(sorted(entries, key=lambda entry: entry.path)))
 
 
 def format_listing(infos: list[CheckpointInfo]) -> str:

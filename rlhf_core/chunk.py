@@ -15,8 +15,8 @@ failure, and in `release_workers`.
 
 from __future__ import annotations
 
+import contextlib
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -30,7 +30,8 @@ from rlhf_core.errors import UserError
 from rlhf_core.faults import fault_point
 from rlhf_core.hub import is_hub_id
 from rlhf_core.models import input_model_fingerprints
-from rlhf_core.resume import Lineage, fetch_start, open_store
+from rlhf_core.lease import RunLease, held_lease
+from rlhf_core.resume import Lineage, StartState, load_start, open_store
 from rlhf_core.trackers import (StageTrackers, close_trackers, open_stage_trackers, require_tracker_packages,
                                 stage_trackers, tracking_enabled)
 from rlhf_core.trainers import trainer_class
@@ -57,6 +58,7 @@ class ChunkResult:
     num_steps_trained: int
     metrics: dict[str, float] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    world_size: int = 0  # ranks that trained the chunk (0: none trained, the step was already committed)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -120,12 +122,13 @@ class _WarmGroup:
 
     group: WorkerGroup | None = None
     identity: tuple = ()
+    world_size_changes: list[dict] = []  # of the line of checkpoints the group continues
 
     @classmethod
     def release(cls) -> None:
         if cls.group is not None:
             cls.group.shutdown()
-        cls.group, cls.identity = None, ()
+        cls.group, cls.identity, cls.world_size_changes = None, (), []
 
 
 def release_workers() -> None:
@@ -136,26 +139,35 @@ def release_workers() -> None:
 
 
 def _group_at(run: RunConfig, stage: str, plan: StagePlan, store: CheckpointStore,
-              infos: list[CheckpointInfo], lineage: Lineage) -> tuple[WorkerGroup, int]:
-    """A worker group holding the state of the newest good checkpoint in `infos` (or the pretrained model)."""
+              infos: list[CheckpointInfo], lineage: Lineage) -> tuple[WorkerGroup, StartState | None]:
+    """A worker group holding the state of the newest good checkpoint in `infos` (or the pretrained
+    model), and that checkpoint (None when the warm group of the last chunk already holds it)."""
     identity = (run.stage_url(stage), semantic_hash(run, stage), run.num_workers, plan.total_steps)
     warm = _WarmGroup.group
     if warm is not None and _WarmGroup.identity == identity and infos and infos[-1].is_committed \
             and warm.step == infos[-1].step:
-        return warm, warm.step
+        return warm, None
     _WarmGroup.release()
-    with tempfile.TemporaryDirectory(prefix="rlhf-load-") as local_dir:
-        start = fetch_start(run, stage, store, infos, local_dir, lineage)
-        group = WorkerGroup(run.num_workers, run.ray_address)
-        _WarmGroup.group, _WarmGroup.identity = group, identity
-        group.setup(run, stage, plan.total_steps, load_universal=bool(start and start.universal))
-        if start is not None:
-            group.load(local_dir, start.universal, start.weights_only)
-    return group, group.step
+    group = WorkerGroup(run)
+    _WarmGroup.group, _WarmGroup.identity = group, identity
+    start = load_start(run, stage, store, infos, lineage, group, plan.total_steps)
+    _WarmGroup.world_size_changes = _world_size_changes(group, start)
+    return group, start
+
+
+def _world_size_changes(group: WorkerGroup, start: StartState | None) -> list[dict]:
+    """Every change of world size in this stage's line of checkpoints, the one at `start` included."""
+    if start is None:
+        return []
+    changes = list(start.metadata.get("world_size_changes", []))
+    saved = start.metadata.get("world_size", group.world_size)
+    if saved != group.world_size:
+        changes.append({"step": start.info.step, "from": saved, "to": group.world_size})
+    return changes
 
 
 def _metadata(run: RunConfig, stage: str, plan: StagePlan, step: int, metrics: dict,
-              trackers: StageTrackers | None) -> dict:
+              trackers: StageTrackers | None, world_size: int, world_size_changes: list[dict]) -> dict:
     import deepspeed
     import torch
     import transformers
@@ -169,7 +181,8 @@ def _metadata(run: RunConfig, stage: str, plan: StagePlan, step: int, metrics: d
         "consumed_samples": step * trainer.items_per_step(cfg),
         "epoch": step // max(plan.total_steps // trainer.num_passes(cfg), 1),
         "seed": run.seed,
-        "world_size": run.num_workers,
+        "world_size": world_size,
+        "world_size_changes": world_size_changes,
         "zero_stage": cfg.zero_stage,
         "config_hash": semantic_hash(run, stage),
         "config": semantic_fields(cfg),
@@ -244,15 +257,16 @@ def ensure_checkpoint(run: RunConfig, stage: str, target_step: int, lineage: Lin
         require_tracker_packages(run)  # before the workers start, not after a chunk of training
         prepared = time.perf_counter()
         warm_group = _WarmGroup.group
-        group, start_step = _group_at(run, stage, plan, store, infos, lineage)
+        group, _ = _group_at(run, stage, plan, store, infos, lineage)
+        start_step = group.step
         trackers = _trackers_at(run, stage, store, start_step, warm=group is warm_group)
         loaded = time.perf_counter()
         step_metrics = _train_and_log(group, start_step, target_step, trackers, run.stage_config(stage).logging_steps)
         trained = time.perf_counter()
         summary = chunk_summary(step_metrics)
-        with tempfile.TemporaryDirectory(prefix="rlhf-save-") as staging:
-            group.save(staging)
-            info = store.commit(target_step, staging, _metadata(run, stage, plan, target_step, summary, trackers))
+        metadata = _metadata(run, stage, plan, target_step, summary, trackers, group.world_size,
+                             _WarmGroup.world_size_changes)
+        info = _commit(run, stage, store, group, target_step, metadata)
     except BaseException:
         close_trackers(run, stage, failed=True)
         release_workers()  # the group's state is unknown after a failure: never reuse it
@@ -264,7 +278,31 @@ def ensure_checkpoint(run: RunConfig, stage: str, target_step: int, lineage: Lin
     finished = time.perf_counter()
     seconds = {"plan": prepared - started, "workers_and_load": loaded - prepared, "train": trained - loaded,
                "save_and_commit": finished - trained}
-    return ChunkResult(stage, target_step, info.uri, info.manifest_digest, target_step - start_step, summary, seconds)
+    return ChunkResult(stage, target_step, info.uri, info.manifest_digest, target_step - start_step, summary, seconds,
+                       group.world_size)
+
+
+def _commit(run: RunConfig, stage: str, store: CheckpointStore, group: WorkerGroup, step: int,
+            metadata: dict) -> CheckpointInfo:
+    """Every rank uploads its files into the uncommitted step; the driver commits them under the run lease."""
+    pending = store.prepare_step(step)
+    if isinstance(pending, CheckpointInfo):
+        return pending
+    entries = group.save(run.stage_url(stage), run.storage_options, pending)
+    with run_lease(run) as lease:
+        return store.finish_commit(pending, entries, metadata, fence=lease)
+
+
+@contextlib.contextmanager
+def run_lease(run: RunConfig):
+    """The run's lease: the one this process already holds (the flow's, or train_stage's), else one taken
+    for the duration."""
+    held = held_lease(run.run_url())
+    if held is not None:
+        yield held
+        return
+    with RunLease(run.run_url(), run.storage_options) as lease:
+        yield lease
 
 
 def train_stage(run: RunConfig, stage: str) -> str:
@@ -273,12 +311,13 @@ def train_stage(run: RunConfig, stage: str) -> str:
     from rlhf_core.resume import begin_stage
 
     lineage, plan = begin_stage(run, stage), plan_stage(run, stage)
-    try:
-        for target in plan.targets:
-            ensure_checkpoint(run, stage, target, lineage)
-    finally:
-        release_workers()
-    return export_stage(run, stage, plan.total_steps)
+    with run_lease(run):
+        try:
+            for target in plan.targets:
+                ensure_checkpoint(run, stage, target, lineage)
+        finally:
+            release_workers()
+        return export_stage(run, stage, plan.total_steps)
 
 
 def export_stage(run: RunConfig, stage: str, final_step: int) -> str:

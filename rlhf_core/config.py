@@ -517,9 +517,16 @@ def semantic_fields(model: BaseModel) -> dict[str, Any]:
             if (field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}).get("affects_training", True)}
 
 
+# Stages whose math depends on the number of ranks: each PPO rank samples its share with its own seed.
+WORLD_SIZE_DEPENDENT_STAGES = ("ppo",)
+
+
 def semantic_hash(run: RunConfig, stage: str) -> str:
-    """Hash of everything that changes one stage's weights: its settings and the run seed."""
+    """Hash of everything that changes one stage's weights: its settings and the run seed (and, for PPO,
+    the number of ranks)."""
     payload = {"stage": stage, "seed": run.seed, "settings": semantic_fields(run.stage_config(stage))}
+    if stage in WORLD_SIZE_DEPENDENT_STAGES:
+        payload["num_workers"] = run.num_workers
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 

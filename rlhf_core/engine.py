@@ -1,12 +1,22 @@
-"""DeepSpeed ranks as a Ray actor group.
+"""DeepSpeed ranks as a Ray actor group, placed on any node of a Ray cluster.
 
-`WorkerGroup` starts `num_workers` `TrainWorker` actors, joins them in one torch.distributed group
-(gloo on CPU, nccl on GPU), and drives a stage trainer inside each. The group outlives a chunk: the
-next chunk reuses it warm when it already holds the state the store would give it.
+`WorkerGroup(run)` reserves a Ray placement group (`--placement_strategy`, PACK by default) before
+any actor starts, waits `--placement_timeout_s` for it, and starts one `TrainWorker` actor per
+bundle. The ranks join one torch.distributed group (gloo on CPU, nccl on GPU) and each drives a stage
+trainer. The group outlives a chunk: the next chunk reuses it warm when it already holds the state
+the store would give it.
 
-Every rank must run on the driver's host: ranks save into and load from folders on the driver's
-disk, which the driver uploads and downloads. A group placed across hosts is refused; per-rank
-uploads (multi-node) are not built yet.
+Checkpoint I/O is per rank: each rank saves into a staging folder on its own node's disk and
+uploads its own files straight into the store's uncommitted step folder, returning their manifest
+entries; the driver only writes the manifest (`rlhf_core.checkpoint`). On load each rank fetches and
+verifies just the files it reads. So the driver can sit anywhere: on the head, in a `ray job`, or
+off the cluster as a Ray client (`ray://`). A local --ckpt_path must be a folder every node sees;
+a marker file checks that before any training.
+
+When the cluster cannot place the group within the timeout (say a node was lost), `--allow_fewer_workers`
+goes on with as many ranks as fit (and as the batch sizes allow); otherwise the placement fails with
+one sentence naming what is missing. A rank whose node dies mid-chunk fails the chunk with a
+`WorkerLost` naming the node, which Prefect retries.
 
 A UserError raised inside a rank (a bad dataset, reward function, flag) reaches the driver as that
 same UserError with its one-sentence message, not as Ray's RayTaskError with a remote traceback.
@@ -17,14 +27,36 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import secrets
+import shutil
 import socket
 import sys
+import tempfile
 import warnings
+from dataclasses import dataclass
 
 import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlhf_core.config import RunConfig
 from rlhf_core.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+# How long a smaller group (--allow_fewer_workers) may take to place once the full one has timed out.
+SMALLER_GROUP_TIMEOUT_S = 10.0
+# DeepSpeed's per-rank shard files: ZeRO optimizer partitions (and ZeRO-3 weight partitions).
+_RANK_SHARD = re.compile(r"(?:^|/)(?:bf16_)?zero_pp_rank_(\d+)_")
+
+
+class WorkerLost(RuntimeError):
+    """A rank's actor or node died mid-chunk; the chunk is retried from the last commit."""
+
+
+class PlacementFailed(RuntimeError):
+    """The cluster has the resources in total, but they stayed taken for the whole timeout."""
 
 
 def _free_port() -> int:
@@ -33,23 +65,37 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class RankLocation:
+    hostname: str
+    node_ip: str
+    node_id: str
+
+    def describe(self) -> str:
+        return f"{self.node_ip} ({self.hostname}, node {self.node_id[:8]})"
+
+
 class TrainWorker:
     """One DeepSpeed rank. Runs inside a Ray actor; hosts the trainer of one stage."""
 
-    def __init__(self, rank: int, world_size: int, num_threads: int):
-        import torch
-
+    def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
-        torch.set_num_threads(num_threads)
         self.trainer = None
 
-    def hostname(self) -> str:
-        return socket.gethostname()
+    def location(self) -> RankLocation:
+        return RankLocation(socket.gethostname(), ray.util.get_node_ip_address(),
+                            ray.get_runtime_context().get_node_id())
+
+    def sees(self, path: str) -> bool:
+        return os.path.exists(path)
 
     def rendezvous_address(self) -> tuple[str, int]:
         return ray.util.get_node_ip_address(), _free_port()
 
-    def join(self, master_addr: str, master_port: int) -> None:
+    def join(self, master_addr: str, master_port: int, ranks_on_node: int) -> None:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_node))
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
         # DeepSpeed JIT-builds an op with whichever `ninja` is first on PATH; two ninjas (system and
@@ -68,9 +114,6 @@ class TrainWorker:
 
         self.trainer = trainer_class(stage)(run, total_steps, self.rank, self.world_size, load_universal)
 
-    def load(self, directory: str, universal: bool, weights_only: bool) -> int:
-        return self.trainer.load(directory, universal, weights_only)
-
     def train_until(self, target_step: int) -> list[dict[str, float]]:
         from rlhf_core.faults import fault_point
 
@@ -80,56 +123,231 @@ class TrainWorker:
             metrics.append(self.trainer.train_step())
         return metrics
 
-    def save(self, directory: str) -> None:
-        self.trainer.save(directory)
+    def save_to_store(self, store_url: str, storage_options: dict, pending) -> list:
+        """Save this rank's share into a node-local folder, upload it into the uncommitted step folder
+        `pending`, and return its manifest entries."""
+        from rlhf_core.checkpoint import CheckpointStore
+
+        staging = tempfile.mkdtemp(prefix=f"rlhf-save-rank{self.rank}-")
+        try:
+            self.trainer.save(staging)
+            return CheckpointStore(store_url, storage_options).upload_tree(pending, staging)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def load_from_store(self, store_url: str, storage_options: dict, step: int, universal: bool,
+                        weights_only: bool) -> int:
+        """Fetch and verify the files of committed `step` this rank reads, then load them."""
+        from rlhf_core.checkpoint import CheckpointStore
+        from rlhf_core.resume import convert_to_universal
+        from rlhf_core.safe_load import check_no_pickled_code
+
+        # The universal converter, and ZeRO-3's module-only load, read every rank's shard (with a plain
+        # unpickler), so they get all files and a scan first; otherwise DeepSpeed's own reads are the scan.
+        reads_all_shards = universal or (weights_only and self.trainer.cfg.zero_stage == 3)
+        local_dir = tempfile.mkdtemp(prefix=f"rlhf-load-rank{self.rank}-")
+        try:
+            CheckpointStore(store_url, storage_options).fetch(
+                step, local_dir, lambda paths: files_for_rank(paths, self.rank, reads_all_shards))
+            if reads_all_shards:
+                check_no_pickled_code(local_dir)
+            universal = universal and convert_to_universal(local_dir)
+            return self.trainer.load(local_dir, universal, weights_only)
+        finally:
+            shutil.rmtree(local_dir, ignore_errors=True)
+
+
+def files_for_rank(paths: list[str], rank: int, all_shards: bool) -> list[str]:
+    """The checkpoint files one rank reads: the shared ones and its own ZeRO shards (every shard with
+    `all_shards`), and the Hugging Face copies only when there is no DeepSpeed state to read instead."""
+    has_deepspeed_state = any("/ds/" in path for path in paths)
+    chosen = []
+    for path in paths:
+        if has_deepspeed_state and "/hf/" in path:
+            continue
+        shard = _RANK_SHARD.search(path)
+        if shard is None or all_shards or int(shard.group(1)) == rank:
+            chosen.append(path)
+    return chosen
 
 
 class WorkerGroup:
-    """`num_workers` TrainWorker actors acting as one data-parallel DeepSpeed job."""
+    """TrainWorker actors in one placement group, acting as one data-parallel DeepSpeed job."""
 
-    def __init__(self, num_workers: int, ray_address: str | None = None):
-        ensure_ray(ray_address)
-        cpus_per_worker = min(1.0, max(0.01, ray.available_resources().get("CPU", 1) / num_workers))
-        gpus_per_worker = 1 if ray.cluster_resources().get("GPU", 0) >= num_workers else 0
-        num_threads = max(1, (os.cpu_count() or 1) // num_workers)
-        remote_worker = ray.remote(TrainWorker)
+    def __init__(self, run: RunConfig):
+        ensure_ray(run.ray_address)
+        self.placement, self.world_size = reserve_placement(run)
+        strategies = [PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank)
+                      for rank in range(self.world_size)]
         # Workers of an existing cluster inherit its environment, not this process's: the test fault
         # hooks (RLHF_FAULT_*) must travel with the job.
         fault_hooks = {name: value for name, value in os.environ.items() if name.startswith("RLHF_FAULT_")}
-        options = {"num_cpus": cpus_per_worker, "num_gpus": gpus_per_worker}
+        bundle = placement_bundle(run)
+        options = {"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0)}
         if fault_hooks:
             options["runtime_env"] = {"env_vars": fault_hooks}
-        self.workers = [remote_worker.options(**options).remote(rank, num_workers, num_threads)
-                        for rank in range(num_workers)]
+        remote_worker = ray.remote(TrainWorker)
+        self.workers = [remote_worker.options(scheduling_strategy=strategy, **options).remote(rank, self.world_size)
+                        for rank, strategy in enumerate(strategies)]
+        self.locations: list[RankLocation] = []
         try:
-            require_driver_host(socket.gethostname(), gather([worker.hostname.remote() for worker in self.workers]))
-        except UserError:
+            self.locations = self._gather([worker.location.remote() for worker in self.workers])
+            nodes = [location.describe() for location in self.locations]
+            log = logger.warning if self.world_size < run.num_workers else logger.info
+            log("placed %d of %d ranks (%s) on nodes: %s", self.world_size, run.num_workers, run.placement_strategy,
+                ", ".join(f"{node} x{nodes.count(node)}" for node in dict.fromkeys(nodes)))
+            self._check_store_visible(run)
+            master_addr, master_port = self._gather(self.workers[0].rendezvous_address.remote())
+            node_ids = [location.node_id for location in self.locations]
+            self._gather([worker.join.remote(master_addr, master_port, node_ids.count(location.node_id))
+                          for worker, location in zip(self.workers, self.locations)])
+        except BaseException:
             self.shutdown()
             raise
-        master_addr, master_port = gather(self.workers[0].rendezvous_address.remote())
-        gather([worker.join.remote(master_addr, master_port) for worker in self.workers])
         self.step = 0
 
     def setup(self, run: RunConfig, stage: str, total_steps: int, load_universal: bool = False) -> None:
-        gather([worker.setup.remote(run, stage, total_steps, load_universal) for worker in self.workers])
+        self._gather([worker.setup.remote(run, stage, total_steps, load_universal) for worker in self.workers])
 
-    def load(self, directory: str, universal: bool = False, weights_only: bool = False) -> None:
-        steps = gather([worker.load.remote(directory, universal, weights_only) for worker in self.workers])
-        self.step = steps[0]
+    def load(self, store_url: str, storage_options: dict, step: int, universal: bool = False,
+             weights_only: bool = False) -> None:
+        self.step = self._gather([worker.load_from_store.remote(store_url, storage_options, step, universal,
+                                                                weights_only) for worker in self.workers])[0]
 
     def train_until(self, target_step: int) -> list[dict[str, float]]:
         """Per-step metrics as seen by rank 0 (already averaged over ranks)."""
-        metrics = gather([worker.train_until.remote(target_step) for worker in self.workers])[0]
+        metrics = self._gather([worker.train_until.remote(target_step) for worker in self.workers])[0]
         self.step = target_step
         return metrics
 
-    def save(self, directory: str) -> None:
-        gather([worker.save.remote(directory) for worker in self.workers])
+    def save(self, store_url: str, storage_options: dict, pending) -> list:
+        """Every rank's manifest entries for the files it uploaded into `pending`."""
+        shares = self._gather([worker.save_to_store.remote(store_url, storage_options, pending)
+                               for worker in self.workers])
+        return [entry for share in shares for entry in share]
 
     def shutdown(self) -> None:
         for worker in self.workers:
             ray.kill(worker)
         self.workers = []
+        if self.placement is not None:
+            remove_placement_group(self.placement)
+            self.placement = None
+
+    def _gather(self, refs):
+        """`gather`, with a dead rank reported as a WorkerLost naming its node."""
+        try:
+            return gather(refs)
+        except ray.exceptions.RayActorError as error:  # ActorDiedError, ActorUnavailableError
+            raise WorkerLost(self._describe_loss(error)) from None
+
+    def _describe_loss(self, error: Exception) -> str:
+        actor_id = getattr(error, "actor_id", None)
+        ranks = [rank for rank, worker in enumerate(self.workers)
+                 if actor_id and worker._actor_id.hex() == actor_id and rank < len(self.locations)]
+        if not ranks:
+            return f"a rank of the worker group died mid-chunk ({type(error).__name__}); retrying from the last commit."
+        location = self.locations[ranks[0]]
+        alive = {node["NodeID"]: node["Alive"] for node in ray.nodes()}
+        cause = "its node is gone" if not alive.get(location.node_id, False) else "its actor died"
+        return f"rank {ranks[0]} on node {location.describe()} was lost mid-chunk ({cause}); retrying from the last commit."
+
+    def _check_store_visible(self, run: RunConfig) -> None:
+        """A local --ckpt_path must be the same folder on every node: ranks write into it directly."""
+        import fsspec
+        from fsspec.implementations.local import LocalFileSystem
+
+        fs, root = fsspec.core.url_to_fs(run.ckpt_path, **run.storage_options)
+        if not isinstance(fs, LocalFileSystem):
+            return
+        os.makedirs(root, exist_ok=True)
+        marker = os.path.join(root, f".rlhf-visible-{secrets.token_hex(6)}")
+        open(marker, "w").close()
+        try:
+            seen = self._gather([worker.sees.remote(marker) for worker in self.workers])
+        finally:
+            os.remove(marker)
+        blind = sorted({location.describe() for location, sees in zip(self.locations, seen) if not sees})
+        if blind:
+            raise UserError(f"--ckpt_path {run.ckpt_path} is a local folder that node {', '.join(blind)} cannot see; "
+                            "use a folder shared by every node at the same path, or an object store (s3://...).")
+
+
+def placement_bundle(run: RunConfig) -> dict[str, float]:
+    """The resources one rank reserves: --num_cpus_per_worker (default 1, or an equal share of a small
+    cluster's CPUs) and a GPU when the cluster has one per rank."""
+    cluster = ray.cluster_resources()
+    cpus = run.num_cpus_per_worker or min(1.0, max(0.01, cluster.get("CPU", 1) / run.num_workers))
+    bundle = {"CPU": cpus}
+    if cluster.get("GPU", 0) >= run.num_workers:
+        bundle["GPU"] = 1
+    return bundle
+
+
+def reserve_placement(run: RunConfig):
+    """A ready placement group for the ranks, and its size (fewer than num_workers only with
+    --allow_fewer_workers); a sentence naming the missing resources when none can be placed."""
+    bundle = placement_bundle(run)
+    group = _placed(run.num_workers, bundle, run.placement_strategy, run.placement_timeout_s)
+    if group is not None:
+        return group, run.num_workers
+    if run.allow_fewer_workers:
+        for num_ranks in _smaller_world_sizes(run):
+            group = _placed(num_ranks, bundle, run.placement_strategy, SMALLER_GROUP_TIMEOUT_S)
+            if group is not None:
+                return group, num_ranks
+    message = _placement_shortfall(run, bundle)
+    if _cluster_can_hold(run.num_workers, bundle, run.placement_strategy):
+        raise PlacementFailed(message + " The resources exist but stayed in use; the chunk is retried.")
+    raise UserError(message)
+
+
+def _placed(num_ranks: int, bundle: dict, strategy: str, timeout_s: float):
+    group = placement_group([dict(bundle) for _ in range(num_ranks)], strategy=strategy)
+    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+    if ready:
+        return group
+    remove_placement_group(group)
+    return None
+
+
+def _smaller_world_sizes(run: RunConfig) -> list[int]:
+    """World sizes below num_workers that the batch settings allow, largest first."""
+    from pydantic import ValidationError
+
+    sizes = []
+    for num_ranks in range(run.num_workers - 1, 0, -1):
+        try:
+            RunConfig.model_validate({**run.model_dump(), "num_workers": num_ranks})
+        except ValidationError:
+            continue
+        sizes.append(num_ranks)
+    return sizes
+
+
+def _alive_nodes() -> list[dict]:
+    return [node for node in ray.nodes() if node.get("Alive")]
+
+
+def _cluster_can_hold(num_ranks: int, bundle: dict, strategy: str) -> bool:
+    """Whether the alive nodes' total resources fit the group at all (busy or not)."""
+    fits_per_node = [min(int(node["Resources"].get(name, 0) // amount) for name, amount in bundle.items() if amount)
+                     for node in _alive_nodes()]
+    if strategy == "STRICT_SPREAD":
+        return sum(1 for fits in fits_per_node if fits >= 1) >= num_ranks
+    return sum(fits_per_node) >= num_ranks
+
+
+def _placement_shortfall(run: RunConfig, bundle: dict) -> str:
+    nodes = _alive_nodes()
+    total, free = ray.cluster_resources(), ray.available_resources()
+    wanted = ", ".join(f"{amount:g} {name}" for name, amount in bundle.items())
+    have = "; ".join(f"{name}: {free.get(name, 0):g} free of {total.get(name, 0):g}" for name in bundle)
+    spread = f" on {run.num_workers} different nodes" if run.placement_strategy == "STRICT_SPREAD" else ""
+    return (f"--num_workers {run.num_workers}: Ray could not place {run.num_workers} ranks of {{{wanted}}}{spread} "
+            f"({run.placement_strategy}) within --placement_timeout_s {run.placement_timeout_s:g}; the cluster has "
+            f"{len(nodes)} alive node(s) ({have}). Add nodes or resources, lower --num_workers or "
+            f"--num_cpus_per_worker, or pass --allow_fewer_workers.")
 
 
 def gather(refs):
@@ -143,21 +361,14 @@ def gather(refs):
         raise
 
 
-def require_driver_host(driver_host: str, worker_hosts: list[str]) -> None:
-    """Ranks save into, and load from, folders on the driver's disk: they must run on its host."""
-    elsewhere = sorted(set(worker_hosts) - {driver_host})
-    if elsewhere:
-        raise UserError(
-            f"--num_workers {len(worker_hosts)}: ranks were placed on {', '.join(elsewhere)}, but checkpoints are "
-            f"staged on the driver's disk ({driver_host}), so every rank must run on the driver's host; run the "
-            f"job on a node with enough CPUs/GPUs (multi-node groups are not supported yet)."
-        )
-
-
 def ensure_ray(ray_address: str | None) -> None:
-    """Connect to `ray_address` (or RAY_ADDRESS), else start a local cluster, once per process."""
+    """Connect to `ray_address` (or RAY_ADDRESS; `ray://` as a Ray client), else start a local cluster,
+    once per process."""
     if ray.is_initialized():
         return
     address = ray_address or os.environ.get("RAY_ADDRESS") or None
+    if address and address.startswith("ray://"):
+        ray.init(address=address, logging_level=logging.WARNING)
+        return
     ray.init(address=address, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING,
              configure_logging=True)

@@ -7,11 +7,13 @@ changed the math is refused with a field-by-field diff unless --allow_config_cha
 checkpoints are set aside, never deleted) and returns the stage's `Lineage`, part of every chunk's
 cache key.
 
-Loading (`fetch_start`): the newest committed candidate is downloaded and its sha256s checked; a bad
-one is set aside with one log line and the next older one is tried. Every pickle file is scanned
-before DeepSpeed reads it, and a checkpoint written at another world size is converted to DeepSpeed's
-universal format (ZeRO-1/2 partition optimizer state by rank, ZeRO-3 the weights too; ZeRO-0 keeps
-it whole).
+Loading (`load_start`): the driver reads the newest committed candidate's metadata (checked against
+its manifest) and checks it for drift; each rank then fetches the files it reads, verifying their
+sha256s as they arrive (`rlhf_core.engine.TrainWorker.load_from_store`). A bad candidate is set aside
+with one log line and the next older one is tried. No pickle is unpickled with code allowed: DeepSpeed
+reads its files through `rlhf_core.safe_load`'s guarded loader, and a checkpoint written at another
+world size (ZeRO-1/2 partition optimizer state by rank, ZeRO-3 the weights too; ZeRO-0 keeps it
+whole) is scanned, then converted to DeepSpeed's universal format on each rank.
 """
 
 from __future__ import annotations
@@ -24,12 +26,11 @@ import sys
 from dataclasses import asdict, dataclass
 
 from rlhf_core.checkpoint import METADATA_NAME, CheckpointInfo, CheckpointStore
-from rlhf_core.config import TRAINING_STAGES, RunConfig, semantic_fields
+from rlhf_core.config import TRAINING_STAGES, WORLD_SIZE_DEPENDENT_STAGES, RunConfig, semantic_fields
 from rlhf_core.data import dataset_fingerprint
 from rlhf_core.ds_config import DEEPSPEED_STATE_DIR, UNIVERSAL_STATE_DIR
 from rlhf_core.errors import CorruptCheckpoint, UserError
 from rlhf_core.models import input_model_fingerprints
-from rlhf_core.safe_load import check_no_pickled_code
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +53,10 @@ class Lineage:
 
 @dataclass(frozen=True)
 class StartState:
-    """A verified checkpoint, downloaded into `local_dir`, ready for the workers to load."""
+    """The committed checkpoint a worker group loaded, with its (verified) metadata."""
 
     info: CheckpointInfo
-    local_dir: str
+    metadata: dict
     universal: bool
     weights_only: bool
 
@@ -71,6 +72,10 @@ def config_drift(run: RunConfig, stage: str, metadata: dict) -> list[str]:
     saved = {**metadata.get("config", {}), "seed": metadata.get("seed")}
     changes = [f"{name}: {saved.get(name)!r} -> {current.get(name)!r}"
                for name in sorted(set(current) | set(saved)) if saved.get(name) != current.get(name)]
+    saved_world_size = metadata.get("world_size")
+    if stage in WORLD_SIZE_DEPENDENT_STAGES and saved_world_size not in (None, run.num_workers) \
+            and not run.allow_fewer_workers:
+        changes.append(f"num_workers: {saved_world_size} -> {run.num_workers} (each PPO rank samples with its own seed)")
     saved_fingerprint = metadata.get("dataset_fingerprint")
     if saved_fingerprint and saved_fingerprint != dataset_fingerprint(cfg, run.storage_options):
         changes.append("dataset contents: changed")
@@ -136,26 +141,27 @@ def begin_stage(run: RunConfig, stage: str) -> Lineage:
     return Lineage(start.step, start.manifest_digest, run.load_weights_only)
 
 
-def fetch_start(run: RunConfig, stage: str, store: CheckpointStore, infos: list[CheckpointInfo],
-                local_dir: str, lineage: Lineage) -> StartState | None:
-    """Download and verify the newest good checkpoint in `infos`; bad ones are set aside and skipped."""
+def load_start(run: RunConfig, stage: str, store: CheckpointStore, infos: list[CheckpointInfo], lineage: Lineage,
+               group, total_steps: int) -> StartState | None:
+    """Set `group` (a rlhf_core.engine.WorkerGroup) up for the stage and load the newest good checkpoint in
+    `infos` into it; a bad one is set aside with one log line and the next older one is tried. None: no
+    checkpoint, the group starts from the pretrained model."""
     for info in reversed(infos):
-        if info.is_committed:
-            try:
-                store.download(info.step, local_dir)
-            except CorruptCheckpoint as error:
-                info = CheckpointInfo(**{**asdict(info), "status": "corrupt", "reason": error.reason})
-        if not info.is_committed:
-            logger.warning("skipping checkpoint %s (%s: %s); set aside to %s", info.name, info.status, info.reason,
-                           store.set_aside(info))
-            continue
-        check_no_pickled_code(local_dir)
-        with open(os.path.join(local_dir, METADATA_NAME)) as handle:
-            metadata = json.load(handle)
-        check_drift(run, stage, info, metadata)
-        universal = needs_universal(metadata, run.num_workers) and convert_to_universal(local_dir)
-        weights_only = lineage.weights_only and info.step == lineage.start_step
-        return StartState(info, local_dir, universal, weights_only)
+        try:
+            if not info.is_committed:
+                raise CorruptCheckpoint(info.reason, info.step, info.reason)
+            metadata = json.loads(store.read_verified(info.step, METADATA_NAME))
+            check_drift(run, stage, info, metadata)
+            start = StartState(info, metadata, needs_universal(metadata, group.world_size),
+                               lineage.weights_only and info.step == lineage.start_step)
+            group.setup(run, stage, total_steps, load_universal=start.universal)
+            group.load(run.stage_url(stage), run.storage_options, info.step, start.universal, start.weights_only)
+            return start
+        except CorruptCheckpoint as error:
+            status = info.status if not info.is_committed else "corrupt"
+            logger.warning("skipping checkpoint %s (%s: %s); set aside to %s", info.name, status, error.reason,
+                           store.set_aside(CheckpointInfo(**{**asdict(info), "status": status, "reason": error.reason})))
+    group.setup(run, stage, total_steps, load_universal=False)
     return None
 
 

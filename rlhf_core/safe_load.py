@@ -1,14 +1,18 @@
 """Refuse checkpoint files that would run code when unpickled.
 
 DeepSpeed reads its own state with `torch.load(weights_only=False)`, which executes whatever a pickle
-asks for. Before DeepSpeed (or its universal-checkpoint converter) touches a downloaded checkpoint,
-every pickle-based file is opened once with `torch.load(weights_only=True)`: tensors, containers and
-a short allowlist of DeepSpeed's plain state classes pass; anything else (say `os.system`) is refused
-with the file and the offending global named. Safetensors and JSON files need no scan.
+asks for. `guard_checkpoint_loads` swaps each engine's checkpoint loader for
+`torch.load(weights_only=True)`: tensors, containers and a short allowlist of DeepSpeed's plain state
+classes pass; anything else (say `os.system`) is refused with the file and the offending global
+named. So the check is DeepSpeed's own read of the file, not a second one. The universal-checkpoint
+converter (a subprocess with a plain unpickler) is the exception: its inputs are scanned first with
+`check_no_pickled_code`. Safetensors and JSON files need no scan.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import pickle
 import re
@@ -36,23 +40,47 @@ def _refusal_reason(error: Exception) -> str:
     return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
-def check_no_pickled_code(directory: str) -> int:
-    """Scan every pickle-based file below `directory`; returns how many were scanned."""
+_checkpoint_root: contextvars.ContextVar[str | None] = contextvars.ContextVar("checkpoint_root", default=None)
+
+
+@contextlib.contextmanager
+def reading_checkpoint(directory: str):
+    """Name refused files relative to `directory` (the checkpoint folder being loaded)."""
+    token = _checkpoint_root.set(directory)
+    try:
+        yield
+    finally:
+        _checkpoint_root.reset(token)
+
+
+def _load_plain_data(path: str, root: str, map_location=None):
     import torch
 
-    num_scanned = 0
     with torch.serialization.safe_globals(_allowed_globals()):
-        for root, _, file_names in os.walk(directory):
-            for file_name in sorted(file_names):
-                if not file_name.endswith(PICKLE_SUFFIXES):
-                    continue
-                path = os.path.join(root, file_name)
-                try:
-                    torch.load(path, map_location="cpu", weights_only=True)
-                except (pickle.UnpicklingError, RuntimeError, AttributeError) as error:
-                    raise UnsafeCheckpoint(
-                        f"{os.path.relpath(path, directory)} holds pickled objects that are not plain tensors "
-                        f"({_refusal_reason(error)}); refusing to load it. Restore this checkpoint from a trusted copy."
-                    ) from None
-                num_scanned += 1
+        try:
+            return torch.load(path, map_location=map_location, weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, AttributeError) as error:
+            raise UnsafeCheckpoint(
+                f"{os.path.relpath(path, root)} holds pickled objects that are not plain tensors "
+                f"({_refusal_reason(error)}); refusing to load it. Restore this checkpoint from a trusted copy."
+            ) from None
+
+
+def guard_checkpoint_loads(engine) -> None:
+    """Make `engine` (a DeepSpeedEngine) read its checkpoint files as plain data only."""
+    loader = engine.checkpoint_engine
+
+    def load(path, map_location=None):
+        return _load_plain_data(path, _checkpoint_root.get() or os.path.dirname(path), map_location)
+
+    loader.load = load
+
+
+def check_no_pickled_code(directory: str) -> int:
+    """Scan every pickle-based file below `directory`; returns how many were scanned."""
+    num_scanned = 0
+    for root, _, file_names in os.walk(directory):
+        for file_name in sorted(name for name in file_names if name.endswith(PICKLE_SUFFIXES)):
+            _load_plain_data(os.path.join(root, file_name), directory, map_location="cpu")
+            num_scanned += 1
     return num_scanned

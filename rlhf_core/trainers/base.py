@@ -30,6 +30,7 @@ from rlhf_core.config import RunConfig
 from rlhf_core.ds_config import (DEEPSPEED_STATE_DIR, HF_WEIGHTS_DIR, TRAINER_STATE_NAME, UNIVERSAL_STATE_DIR,
                                  deepspeed_config, lr_scheduler_factory, resolve_precision, warn_once)
 from rlhf_core.faults import fault_point
+from rlhf_core.safe_load import guard_checkpoint_loads, reading_checkpoint
 
 
 
@@ -134,6 +135,7 @@ class DeepSpeedTrainer(abc.ABC):
         trainable = [param for param in model.parameters() if param.requires_grad]
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=config,
                                                lr_scheduler=schedule)
+        guard_checkpoint_loads(engine)
         self.engines[name] = engine
         return engine
 
@@ -180,17 +182,19 @@ class DeepSpeedTrainer(abc.ABC):
         client_states = []
         tag = UNIVERSAL_STATE_DIR if universal else DEEPSPEED_STATE_DIR
         for name, engine in self.engines.items():
-            if weights_only and engine.zero_optimization_stage() == 3 and self.rank == 0:
+            if weights_only and engine.zero_optimization_stage() == 3:
                 # ZeRO-3's module-only load consolidates the fp32 partitions through zero_to_fp32, which
-                # finds the tag in the `latest` file only (we save without it).
+                # finds the tag in the `latest` file only (we save without it). Each rank loads from a
+                # folder of its own.
                 with open(os.path.join(directory, name, "latest"), "w") as handle:
                     handle.write(tag)
             dist.barrier()
-            _, client_state = engine.load_checkpoint(
-                os.path.join(directory, name), tag=tag,
-                load_optimizer_states=not weights_only, load_lr_scheduler_states=not weights_only,
-                load_module_only=weights_only,
-            )
+            with reading_checkpoint(directory):
+                _, client_state = engine.load_checkpoint(
+                    os.path.join(directory, name), tag=tag,
+                    load_optimizer_states=not weights_only, load_lr_scheduler_states=not weights_only,
+                    load_module_only=weights_only,
+                )
             client_states.append(client_state)
             if weights_only:  # DeepSpeed leaves the step count in the client state when loading the module only
                 continue_schedule(engine, int(client_state["global_steps"]))

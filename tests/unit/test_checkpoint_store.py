@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import posixpath
+import threading
 import uuid
 from pathlib import Path
 
@@ -99,9 +100,18 @@ def local_files(local_dir: Path) -> dict[str, bytes]:
 
 
 def record_writes(store: CheckpointStore, monkeypatch: pytest.MonkeyPatch, on_write=None) -> list[str]:
-    """Record the destination of every put_file / pipe_file the store makes, in order."""
+    """Record the destination of every put_file / pipe_file / open for writing the store makes, in order."""
     written_paths: list[str] = []
-    original_put_file, original_pipe_file = store.fs.put_file, store.fs.pipe_file
+    original_put_file, original_pipe_file, original_open = store.fs.put_file, store.fs.pipe_file, store.fs.open
+
+    inside_pipe = threading.local()
+
+    def open_file(path, mode="rb", *args, **kwargs):
+        if "w" in mode and not getattr(inside_pipe, "active", False):  # pipe_file may open the file itself
+            if on_write:
+                on_write(path)
+            written_paths.append(path)
+        return original_open(path, mode, *args, **kwargs)
 
     def put_file(local_path, path, *args, **kwargs):
         if on_write:
@@ -113,10 +123,15 @@ def record_writes(store: CheckpointStore, monkeypatch: pytest.MonkeyPatch, on_wr
         if on_write:
             on_write(path)
         written_paths.append(path)
-        return original_pipe_file(path, data, *args, **kwargs)
+        inside_pipe.active = True
+        try:
+            return original_pipe_file(path, data, *args, **kwargs)
+        finally:
+            inside_pipe.active = False
 
     monkeypatch.setattr(store.fs, "put_file", put_file)
     monkeypatch.setattr(store.fs, "pipe_file", pipe_file)
+    monkeypatch.setattr(store.fs, "open", open_file)
     return written_paths
 
 

@@ -64,9 +64,17 @@ def test_relative_paths_become_absolute_for_workers(toy_assets, tmp_path, monkey
     assert hub.sft.pretrain == "OpenRLHF/Llama-3-8b-sft-mixture"
 
 
-def test_a_worker_group_across_hosts_is_refused_with_the_hosts_named():
-    from rlhf_core.engine import require_driver_host
+def test_each_rank_fetches_only_the_files_it_reads():
+    from rlhf_core.engine import files_for_rank
 
-    require_driver_host("node-a", ["node-a", "node-a"])
-    with pytest.raises(UserError, match=r"--num_workers 2: ranks were placed on node-b, .*driver's disk \(node-a\)"):
-        require_driver_host("node-a", ["node-a", "node-b"])
+    paths = ["actor_model/ds/mp_rank_00_model_states.pt", "actor_model/ds/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+             "actor_model/ds/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+             "actor_model/ds/bf16_zero_pp_rank_10_mp_rank_00_optim_states.pt", "actor_model/hf/model.safetensors",
+             "actor_model/zero_to_fp32.py", "training_metadata.json"]
+    shared = ["actor_model/ds/mp_rank_00_model_states.pt", "actor_model/zero_to_fp32.py", "training_metadata.json"]
+    assert sorted(files_for_rank(paths, 1, all_shards=False)) == sorted(shared + [paths[2]])
+    assert sorted(files_for_rank(paths, 10, all_shards=False)) == sorted(shared + [paths[3]])
+    assert sorted(files_for_rank(paths, 0, all_shards=True)) == sorted(set(paths) - {paths[4]})
+    # a checkpoint saved with --disable_ds_ckpt has only the Hugging Face weights to load
+    weights_only = ["actor_model/hf/model.safetensors", "trainer_state.json"]
+    assert files_for_rank(weights_only, 1, all_shards=False) == weights_only
