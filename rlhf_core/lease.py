@@ -14,11 +14,15 @@ for a free lease exactly one wins, and a holder whose lease was taken over finds
   `LEASE.json.lock`: atomic between processes of one host, and across hosts only on a shared
   filesystem whose server honours flock (NFSv4 does).
 - S3 (s3fs): conditional PUTs. Create with `If-None-Match: *`; take over, renew and release with
-  `If-Match` on the ETag last seen. S3 itself decides the race.
-- Any other fsspec backend (memory://, gcs, ...): not atomic. The change is written, left to settle
-  for `settle_s`, and read back; of two writers the later one usually wins, but both can.
+  `If-Match` on the ETag last seen. S3 itself decides the race (moto, the test endpoint, checks
+  and writes in two steps between its threads, so there it is atomic only in practice). A refusal
+  of a PUT that s3fs retried after its first reply was lost is recognised by reading our record back.
+- Any other fsspec backend (memory://, gcs, ...): not atomic. The record is compared, written, left
+  to settle for `settle_s` and read back; of two writers the later one usually wins, but both can
+  (when one is delayed by more than `settle_s` between its compare and its write).
 
-Each successful take increments the lease's `generation`; `RunLease.token` ("<generation>-<holder>")
+Release marks the record released rather than deleting it, so generations keep counting across
+the run's tenures. Each successful take increments the lease's `generation`; `RunLease.token` ("<generation>-<holder>")
 names this holder's tenure and changes on every take, so it can be recorded with what it commits.
 `assert_held()` re-reads the lease and raises `LeaseLost` when the record is no longer ours (taken
 over, or renewal lost a compare-and-swap) or when our own last renewal is older than
@@ -27,8 +31,10 @@ The remaining gap: a commit checks the lease and then writes, and these two step
 together, so a holder paused between `assert_held()` and its write can still write once after losing
 the lease. The token recorded with the commit tells which tenure wrote it.
 
-`held_lease(run_url)` finds the lease this process holds for a run, so code deep in a stage can fence
-its commits without the lease being passed down.
+`held_lease(run_url)` finds the lease this process holds for a run (set by `acquire`, cleared by
+`release`), so code deep in a stage can fence its commits without the lease being passed down.
+`LeaseLost` is a RuntimeError, not a UserError: nobody mistyped anything, but retrying will not help
+while another run holds the lease.
 """
 
 from __future__ import annotations
@@ -298,7 +304,9 @@ class RunLease:
             )
 
     def acquire(self) -> None:
-        """Take the lease (UserError if a live run holds it) and start renewing it."""
+        """Take the lease (UserError if a live run holds it) and start renewing it. A no-op while held."""
+        if self._thread is not None and self._thread.is_alive():
+            return
         with self._mutex:
             current, version = self._read()
             self._refuse_if_held(current)

@@ -130,6 +130,7 @@ def test_a_stale_lease_is_taken_over_and_its_old_holder_is_fenced(any_run_url):
     assert old.assert_held() == old.token
     time.sleep(0.2)
     with RunLease(any_run_url, stale_after_s=0.1, settle_s=0) as taker:
+        taker.stale_after_s = 120.0  # took over at 0.1 s; from now on it holds the lease like any run
         assert taker.holder.generation == old.holder.generation + 1
         assert taker.token != old.token and taker.token.startswith(f"{taker.holder.generation}-")
         with pytest.raises(LeaseLost, match=rf"LEASE.json is no longer held by this run \(token {old.token}\): "
@@ -159,9 +160,10 @@ def test_renewal_stops_once_a_compare_and_swap_fails(tmp_path):
 
 
 def test_a_holder_paused_past_expiry_cannot_commit_even_if_nobody_took_over(any_run_url):
-    lease = RunLease(any_run_url, stale_after_s=0.3, heartbeat_s=3600, settle_s=0)
+    lease = RunLease(any_run_url, heartbeat_s=3600, settle_s=0)
     with lease:
         lease.assert_held()
+        lease.stale_after_s = 0.3  # set after the take, so a slow store cannot age the lease before it
         time.sleep(0.5)  # no renewal (heartbeat_s is an hour): as if the process had been paused
         with pytest.raises(LeaseLost, match=r"its last renewal is [\d.]+ s old, past the 0.3 s after which another "
                                             r"run may take it over, and its record still names this run"):
