@@ -4,7 +4,8 @@ The checkpoint store is the source of truth. Asking for a target already committ
 trains nothing; otherwise training starts from the newest good checkpoint at or below the target
 (or from the pretrained model), runs to the target on a Ray worker group, and commits. A group left
 warm by the previous chunk is reused when it holds exactly the state the store would load, so the
-steady state pays neither a download nor a verification.
+steady state pays neither a download nor a verification. Each rank uploads its own files and the driver
+commits them under the run lease (`run_lease`: the one this process holds, else one taken for the commit).
 
 With --use_tensorboard / --use_wandb, the driver logs each step's metrics to the stage's trackers
 (`rlhf_core.trackers`) as they come back: the group trains to each multiple of logging_steps in turn

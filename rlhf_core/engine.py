@@ -179,13 +179,11 @@ class WorkerGroup:
         self.placement, self.world_size = reserve_placement(run)
         strategies = [PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank)
                       for rank in range(self.world_size)]
-        # Workers of an existing cluster inherit its environment, not this process's: the test fault
-        # hooks (RLHF_FAULT_*) must travel with the job.
-        fault_hooks = {name: value for name, value in os.environ.items() if name.startswith("RLHF_FAULT_")}
         bundle = placement_bundle(run)
         options = {"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0)}
-        if fault_hooks:
-            options["runtime_env"] = {"env_vars": fault_hooks}
+        forwarded = forwarded_environment()
+        if forwarded:
+            options["runtime_env"] = {"env_vars": forwarded}
         remote_worker = ray.remote(TrainWorker)
         self.workers = [remote_worker.options(scheduling_strategy=strategy, **options).remote(rank, self.world_size)
                         for rank, strategy in enumerate(strategies)]
@@ -271,6 +269,15 @@ class WorkerGroup:
         if blind:
             raise UserError(f"--ckpt_path {run.ckpt_path} is a local folder that node {', '.join(blind)} cannot see; "
                             "use a folder shared by every node at the same path, or an object store (s3://...).")
+
+
+def forwarded_environment() -> dict[str, str]:
+    """The driver's variables the ranks need and would not have: workers of an existing cluster inherit
+    the cluster's environment, not the driver's. The ranks read and write the store themselves, so the
+    standard AWS_* variables (credentials, endpoint, region) travel with them, as the test fault hooks
+    (RLHF_FAULT_*) do. Ray keeps a runtime env in its GCS, visible on its dashboard: give the nodes their
+    own credentials (an instance role) and leave them out of the driver's environment where that matters."""
+    return {name: value for name, value in os.environ.items() if name.startswith(("RLHF_FAULT_", "AWS_"))}
 
 
 def placement_bundle(run: RunConfig) -> dict[str, float]:

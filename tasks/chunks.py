@@ -22,6 +22,7 @@ from prefect.filesystems import RemoteFileSystem
 from rlhf_core.chunk import CHECKPOINT_FORMAT_VERSION, ensure_checkpoint, export_stage
 from rlhf_core.config import RunConfig, semantic_hash
 from rlhf_core.errors import UserError
+from rlhf_core.lease import LeaseLost
 from rlhf_core.export import export_final, merge_lora
 from rlhf_core.resume import Lineage
 
@@ -66,10 +67,11 @@ def run_result_storage(run: RunConfig) -> Path | str:
 
 
 def _retry_unless_user_error(task, task_run, state) -> bool:
-    """A user mistake will fail the same way again: don't spend retries on it."""
+    """A user mistake will fail the same way again, and a run that lost its lease to another writer must
+    stop: don't spend retries on either."""
     try:
         state.result()
-    except UserError:
+    except (UserError, LeaseLost):
         return False
     except BaseException:
         return True
