@@ -28,6 +28,12 @@ RAY = str(VENV_BIN / "ray")
 STARTUP_TIMEOUT = 120.0
 
 
+def active_nodes(status: str) -> list[str]:
+    """The node ids listed as active by `ray status` (dead ones move to its failure list)."""
+    section = status.split("Active:", 1)[-1].split("Pending:", 1)[0] if "Active:" in status else ""
+    return re.findall(r"node_([0-9a-f]+)", section)
+
+
 @dataclass
 class RayNode:
     """One `ray start --block` process and the folders that are private to it."""
@@ -149,12 +155,17 @@ class RayCluster:
         self.workers[index].kill()
         return killed_at
 
-    def restart_worker(self, index: int) -> None:
-        """Bring a killed worker node back (a new node: new node id, same folders)."""
+    def restart_worker(self, index: int, extra_env: dict[str, str] | None = None) -> None:
+        """Bring worker node `index` back (a new node: new node id, same folders), killing it first if it
+        is alive, with the environment it started with plus `extra_env` (what its actors inherit)."""
         worker = self.workers[index]
-        if not worker.alive():
-            worker.start(self.log_dir)
-        self.wait_for_cpus(len([w for w in self.workers if w.alive()]) * self.cpus_per_worker)
+        if worker.alive():
+            self.kill_worker(index)
+        worker.env = {**self.env, "TMPDIR": str(worker.tmpdir), **(extra_env or {})}
+        worker.start(self.log_dir)
+        num_nodes, num_cpus = len(self.workers) + 1, len(self.workers) * self.cpus_per_worker
+        self.wait_for(lambda status: len(active_nodes(status)) == num_nodes and self.total_cpus(status) == num_cpus,
+                      f"{worker.name} back in the cluster")
 
     def actor_nodes(self, class_name: str, before: dict[str, set[Path]] | None = None) -> dict[str, int]:
         """Per worker node name: how many `class_name` actors it started (since the `before` snapshot)."""
