@@ -1,0 +1,298 @@
+"""The seed's alerts: each fires on a case built to trigger it and stays silent on healthy ones
+(reward stagnation, checkpoint size, non-finite values), and the run's alerts.jsonl survives a garbled line."""
+
+from __future__ import annotations
+
+import math
+import pickle
+import uuid
+
+import pytest
+import torch
+
+from rlhf_core.alerts import (ALERT_CHECKPOINT_SIZE, ALERT_NON_FINITE, ALERT_REWARD_STAGNANT, Alert, AlertLog,
+                              ModelSize, NonFiniteTraining, checkpoint_size_alert, expected_bytes_of_models,
+                              expected_checkpoint_bytes, headline_metric, history_entry, metric_history,
+                              non_finite_metrics, non_finite_parameters, reward_stagnant_alert)
+
+# File sizes of real committed checkpoints of the toy model (84,672 fp32 parameters; `rlhf train sft` on
+# `rlhf toy init` data, DeepSpeed 0.19.8, CPU), step_32 of each run, as `find -printf %s` listed them.
+TOY_NUM_PARAMS = 84_672
+TOY_ZERO2_ONE_RANK_FILES = {
+    "MANIFEST.json": 1438, "actor_model/ds/mp_rank_00_model_states.pt": 346_521,
+    "actor_model/ds/zero_pp_rank_0_mp_rank_00_optim_states.pt": 1_021_587, "actor_model/hf/config.json": 713,
+    "actor_model/hf/generation_config.json": 216, "actor_model/hf/model.safetensors": 340_816,
+    "actor_model/zero_to_fp32.py": 38_580, "actor_model/zero_to_torch.py": 2490, "training_metadata.json": 1727,
+}
+TOY_ZERO3_TWO_RANKS_FILES = {
+    "MANIFEST.json": 1834, "actor_model/ds/zero_pp_rank_0_mp_rank_00_model_states.pt": 12_393,
+    "actor_model/ds/zero_pp_rank_0_mp_rank_00_optim_states.pt": 512_019,
+    "actor_model/ds/zero_pp_rank_1_mp_rank_00_model_states.pt": 12_393,
+    "actor_model/ds/zero_pp_rank_1_mp_rank_00_optim_states.pt": 512_019, "actor_model/hf/config.json": 713,
+    "actor_model/hf/generation_config.json": 216, "actor_model/hf/model.safetensors": 340_816,
+    "actor_model/zero_to_fp32.py": 38_580, "actor_model/zero_to_torch.py": 2490, "training_metadata.json": 1730,
+}
+
+
+def _alert(stage="sft", step=4, name=ALERT_REWARD_STAGNANT, **details) -> Alert:
+    return Alert(name, "exp1", stage, step, f"{stage} step {step} alert.", details, time=1_700_000_000.0)
+
+
+# --- Alert ------------------------------------------------------------------------------------------------
+
+
+def test_alert_round_trips_through_json_and_spells_non_finite_details_as_strings():
+    alert = _alert(loss=float("nan"), best=[1.0, float("inf")], nested={"x": -math.inf})
+    line = alert.to_json()
+    assert "NaN" not in line and "Infinity" not in line  # strict JSON: Prefect event payloads reject NaN
+    back = Alert.from_json(line)
+    assert back == alert
+    assert back.details == {"loss": "nan", "best": [1.0, "inf"], "nested": {"x": "-inf"}}
+
+
+@pytest.mark.parametrize("line", ["{not json", "[1, 2]", '{"name": "rlhf.alert.non-finite"}',
+                                  '{"name": "a", "run_name": "r", "stage": "s", "step": "x", "message": "m", "time": 1}'])
+def test_alert_from_json_refuses_what_is_not_an_alert(line):
+    with pytest.raises(ValueError):
+        Alert.from_json(line)
+
+
+# --- reward-stagnant --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage, metrics, expected", [
+    ("ppo", {"reward": 0.1, "mean_reward": 0.2, "eval_reward": 0.3}, ("eval_reward", True)),
+    ("ppo", {"reward": 0.1, "mean_reward": 0.2, "policy_loss": 1.0}, ("mean_reward", True)),
+    ("ppo", {"reward": 0.1}, ("reward", True)),
+    ("sft", {"loss": 2.0, "mean_loss": 2.1, "eval_loss": 2.2}, ("eval_loss", False)),
+    ("rm", {"loss": 0.6, "mean_loss": 0.7, "accuracy": 0.5}, ("mean_loss", False)),
+    ("rm", {"loss": 0.6}, ("loss", False)),
+    ("sft", {"lr": 1e-3}, None),
+    ("ppo", {"loss": 1.0}, None),
+])
+def test_headline_metric_prefers_held_out_then_chunk_mean_then_last_step(stage, metrics, expected):
+    assert headline_metric(stage, metrics) == expected
+
+
+def _history(*values, first_step=4, every=4):
+    return [(first_step + index * every, value) for index, value in enumerate(values)]
+
+
+def test_flat_ppo_reward_over_the_last_three_checkpoints_fires():
+    alert = reward_stagnant_alert("exp1", "ppo", _history(0.50, 0.50, 0.49, 0.50), "reward", True)
+    assert alert is not None and alert.name == ALERT_REWARD_STAGNANT
+    assert (alert.run_name, alert.stage, alert.step) == ("exp1", "ppo", 16)
+    assert alert.details["checkpoints_without_improvement"] == 3
+    assert (alert.details["best_step"], alert.details["best_value"]) == (4, 0.5)
+    assert "ppo reward has not improved for 3 committed checkpoints (steps 8 to 16)" in alert.message
+
+
+@pytest.mark.parametrize("values", [
+    (0.1, 0.2, 0.3, 0.4),          # improving every time
+    (0.5, 0.4, 0.4, 0.6),          # the newest improves on the best before it
+    (0.5, 0.5, 0.5),               # too short: window 3 needs a baseline and 3 more
+    (0.5,),
+    (),
+])
+def test_reward_that_improves_or_a_short_history_stays_silent(values):
+    assert reward_stagnant_alert("exp1", "ppo", _history(*values), "reward", True) is None
+
+
+def test_lower_is_better_loss_fires_when_flat_and_not_when_it_falls():
+    assert reward_stagnant_alert("exp1", "sft", _history(3.0, 2.5, 2.0, 1.5), "eval_loss", False) is None
+    alert = reward_stagnant_alert("exp1", "sft", _history(3.0, 2.5, 2.6, 2.5, 2.7), "eval_loss", False)
+    assert alert is not None and alert.details["best_value"] == 2.5 and alert.details["best_step"] == 8
+
+
+def test_min_delta_counts_only_improvements_larger_than_it():
+    creeping = _history(1.00, 1.01, 1.02, 1.03)
+    assert reward_stagnant_alert("exp1", "ppo", creeping, "reward", True) is None
+    assert reward_stagnant_alert("exp1", "ppo", creeping, "reward", True, min_delta=0.05) is not None
+    assert reward_stagnant_alert("exp1", "ppo", _history(1.0, 1.0, 1.0, 1.1), "reward", True, min_delta=0.05) is None
+
+
+def test_window_is_configurable_and_the_alert_repeats_while_stagnant():
+    values = (0.5, 0.6, 0.6, 0.6, 0.6, 0.6)
+    assert reward_stagnant_alert("exp1", "ppo", _history(*values[:3]), "reward", True, window=2) is None
+    assert reward_stagnant_alert("exp1", "ppo", _history(*values[:4]), "reward", True, window=2) is not None
+    later = reward_stagnant_alert("exp1", "ppo", _history(*values), "reward", True)
+    assert later is not None and later.details["checkpoints_without_improvement"] == 4
+    assert "4 committed checkpoints (steps 12 to 24)" in later.message
+
+
+def test_history_order_does_not_matter_and_non_finite_values_are_left_to_the_non_finite_alert():
+    shuffled = [(16, 0.5), (4, 0.5), (12, 0.5), (8, 0.5)]
+    assert reward_stagnant_alert("exp1", "ppo", shuffled, "reward", True).step == 16
+    with_nan = _history(0.5, float("nan"), 0.5, 0.5)
+    assert reward_stagnant_alert("exp1", "ppo", with_nan, "reward", True) is None  # 3 finite values only
+
+
+@pytest.mark.parametrize("window, min_delta", [(0, 0.0), (3, -0.1)])
+def test_nonsense_window_or_min_delta_is_refused(window, min_delta):
+    with pytest.raises(ValueError):
+        reward_stagnant_alert("exp1", "ppo", _history(1, 1, 1, 1), "reward", True, window, min_delta)
+
+
+def test_metric_history_follows_the_newest_checkpoints_headline():
+    entries = [history_entry(4, {"reward": 0.1, "mean_reward": 0.1, "kl": 0.0}),
+               history_entry(12, {"reward": 0.3, "mean_reward": 0.3, "eval_reward": 0.25}),
+               history_entry(8, {"reward": 0.2, "mean_reward": 0.2, "eval_reward": float("nan")})]
+    assert entries[0] == {"step": 4, "mean_reward": 0.1, "reward": 0.1}
+    assert metric_history("ppo", entries) == ("eval_reward", True, [(12, 0.25)])
+    assert metric_history("sft", [history_entry(4, {"loss": 2.0, "mean_loss": 2.2}),
+                                  history_entry(8, {"loss": 1.9, "mean_loss": 2.1})]) == \
+        ("mean_loss", False, [(4, 2.2), (8, 2.1)])
+    assert metric_history("sft", []) is None
+    assert metric_history("sft", [{"step": 4, "lr": 1e-3}]) is None
+
+
+# --- checkpoint-size --------------------------------------------------------------------------------------
+
+GB = 10**9
+
+
+def test_prediction_by_hand_full_fine_tune_and_lora():
+    # 70B, bf16 on GPUs, ZeRO-3: fp32 master + 2 moments (12 B) in the shards, the bf16 HF copy (2 B).
+    zero3 = expected_checkpoint_bytes(70 * GB, 70 * GB, 2, 3, world_size=8)
+    assert zero3 == pytest.approx(70 * GB * (12 + 2), rel=1e-6)
+    # ZeRO-2 adds rank 0's bf16 module weights (2 B): 16 B per parameter, ~1.1 TB.
+    assert expected_checkpoint_bytes(70 * GB, 70 * GB, 2, 2, world_size=8) == pytest.approx(70 * GB * 16, rel=1e-6)
+    # LoRA (0.1B adapter): the frozen bf16 base once, the adapter's optimizer state, the adapter as HF copy:
+    # about the seed's "a 70B model is about 140 GB".
+    lora = expected_checkpoint_bytes(70 * GB, GB // 10, 2, 2, world_size=8, lora=True)
+    assert lora == pytest.approx(70 * GB * 2 + GB // 10 * (12 + 2), rel=1e-6)
+    assert 140 * GB < lora < 142 * GB
+    # On GPUs, ZeRO-2 writes the frozen weights a second time (CPU copies beside the GPU state dict).
+    assert expected_checkpoint_bytes(70 * GB, GB // 10, 2, 2, world_size=8, lora=True, on_gpu=True) \
+        == pytest.approx(lora + (70 * GB - GB // 10) * 2, rel=1e-6)
+
+
+def test_prediction_by_hand_zero0_extras_and_without_deepspeed_state():
+    n = 10**8
+    # ZeRO-0 with fp32 weights: no separate master copy, so weights 4 + moments 8, plus the fp32 HF copy.
+    assert expected_checkpoint_bytes(n, n, 4, 0) == pytest.approx(n * (4 + 8 + 4), rel=1e-4)
+    # PPO with a critic of the same size saved beside the actor doubles it.
+    actor = expected_checkpoint_bytes(n, n, 4, 2)
+    both = expected_checkpoint_bytes(n, n, 4, 2, extra_models=[ModelSize(n, n, 4)])
+    assert both == pytest.approx(2 * actor, rel=1e-4)
+    assert expected_bytes_of_models([ModelSize(n, n, 4), ModelSize(n, n, 4)], 2, 1) == both
+    # --disable_ds_ckpt keeps the HF copy alone.
+    assert expected_checkpoint_bytes(n, n, 4, 2, has_ds_state=False) == pytest.approx(4 * n, rel=1e-4)
+    with pytest.raises(ValueError, match="optimizer"):
+        expected_checkpoint_bytes(n, n, 4, 2, optimizer="lion")
+
+
+@pytest.mark.parametrize("files, zero_stage, world_size", [(TOY_ZERO2_ONE_RANK_FILES, 2, 1),
+                                                            (TOY_ZERO3_TWO_RANKS_FILES, 3, 2)])
+def test_prediction_matches_real_toy_checkpoints_and_their_sizes_stay_silent(files, zero_stage, world_size):
+    actual = sum(files.values())
+    expected = expected_checkpoint_bytes(TOY_NUM_PARAMS, TOY_NUM_PARAMS, 4, zero_stage, world_size=world_size)
+    assert expected / actual == pytest.approx(1.0, abs=0.01)
+    previous = [actual - 2, actual, actual + 1]  # metadata grows by a byte or two from step to step
+    assert checkpoint_size_alert(actual, expected, previous, run_name="exp1", stage="sft", step=32) is None
+
+
+def test_a_truncated_but_valid_checkpoint_fires():
+    actual = sum(TOY_ZERO2_ONE_RANK_FILES.values())
+    expected = expected_checkpoint_bytes(TOY_NUM_PARAMS, TOY_NUM_PARAMS, 4, 2)
+    alert = checkpoint_size_alert(actual // 2, expected, [actual] * 3, run_name="exp1", stage="sft", step=36)
+    assert alert is not None and alert.name == ALERT_CHECKPOINT_SIZE and alert.step == 36
+    assert "predict" in alert.message and "median" in alert.message and "less" in alert.message
+    assert alert.details["ratio_to_expected"] == pytest.approx(0.5, abs=0.01)
+    # The optimizer shard missing entirely (the manifest lists what was uploaded, so it still verifies).
+    no_optimizer = actual - TOY_ZERO2_ONE_RANK_FILES["actor_model/ds/zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+    assert checkpoint_size_alert(no_optimizer, expected, [], run_name="exp1", stage="sft", step=36) is not None
+
+
+def test_size_jump_against_previous_checkpoints_alone():
+    assert checkpoint_size_alert(130, None, [100, 100, 101], run_name="exp1", stage="rm", step=9) is not None
+    assert checkpoint_size_alert(110, None, [100, 100, 101], run_name="exp1", stage="rm", step=9) is None
+    assert checkpoint_size_alert(100, None, [], run_name="exp1", stage="rm", step=9) is None
+    # Within the prediction's tolerance, but a 2x jump from the previous checkpoints still fires.
+    alert = checkpoint_size_alert(200, 150, [100, 100], run_name="exp1", stage="rm", step=9)
+    assert alert is not None and "predict" not in alert.message and "more than the median" in alert.message
+
+
+def test_model_size_counts_a_real_module_lora_and_zero3_partitions(toy_assets):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(toy_assets["model"])
+    assert ModelSize.from_module(model) == ModelSize(TOY_NUM_PARAMS, TOY_NUM_PARAMS, 4, False)
+    model.model.embed_tokens.weight.requires_grad_(False)
+    frozen = model.model.embed_tokens.weight.numel()
+    assert ModelSize.from_module(model).num_trainable_params == TOY_NUM_PARAMS - frozen
+    partitioned = torch.nn.Linear(4, 4, bias=False)
+    partitioned.weight.ds_numel = 1000  # ZeRO-3 leaves an empty tensor and records the full size here
+    assert ModelSize.from_module(partitioned).num_params == 1000
+    size = ModelSize(10, 2, 2, True)
+    assert ModelSize.from_dict(size.to_dict()) == size
+
+
+# --- non-finite -------------------------------------------------------------------------------------------
+
+
+def test_non_finite_metrics_names_nan_and_inf_only():
+    metrics = {"loss": float("nan"), "reward": float("inf"), "kl": -math.inf, "lr": 1e-3, "step": 4,
+               "flag": True, "note": "nan"}
+    assert non_finite_metrics(metrics) == ["loss", "reward", "kl"]
+    assert non_finite_metrics({"loss": 2.0}) == []
+
+
+def test_non_finite_parameters_from_a_module_a_mapping_and_zero3_partitions():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    assert non_finite_parameters(model) == []
+    with torch.no_grad():
+        model[1].weight[0, 0] = float("nan")
+        model[0].bias[1] = float("inf")
+    assert non_finite_parameters(model) == ["0.bias", "1.weight"]
+    assert non_finite_parameters(model, limit=1) == ["0.bias"]
+    assert non_finite_parameters({"a": torch.ones(2), "b": torch.tensor([1.0, -math.inf])}) == ["b"]
+    assert non_finite_parameters([("ids", torch.tensor([1, 2]))]) == []  # integer tensors are never NaN
+    partitioned = torch.nn.Parameter(torch.empty(0))
+    partitioned.ds_tensor = torch.tensor([float("nan")])  # the rank's ZeRO-3 partition
+    assert non_finite_parameters([("w", partitioned)]) == ["w"]
+
+
+def test_non_finite_training_says_what_where_and_what_to_do_and_survives_pickling():
+    error = NonFiniteTraining("sft", 12, metrics=["loss", "mean_loss"], parameters=["lm_head.weight"])
+    message = str(error)
+    for part in ("sft step 12", "loss, mean_loss", "lm_head.weight", "not committed", "learning rate",
+                 "--load_checkpoint"):
+        assert part in message
+    assert message.count(". ") == 0 and message.endswith(".")  # one sentence
+    assert isinstance(error, RuntimeError)
+    back = pickle.loads(pickle.dumps(error))
+    assert (type(back), str(back), back.step, back.parameters) == (NonFiniteTraining, message, 12, ["lm_head.weight"])
+    alert = error.to_alert("exp1")
+    assert (alert.name, alert.stage, alert.step, alert.message) == (ALERT_NON_FINITE, "sft", 12, message)
+    assert "parameters" not in str(NonFiniteTraining("rm", 3, metrics=["loss"]))
+
+
+# --- alerts.jsonl -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["local", "memory"])
+def run_url(request, tmp_path):
+    return str(tmp_path / "ckpt" / "exp1") if request.param == "local" else f"memory://alerts-{uuid.uuid4().hex}/exp1"
+
+
+def test_alert_log_appends_reads_and_filters_by_stage(run_url):
+    log = AlertLog(run_url)
+    assert log.read() == [] and log.url == f"{run_url}/alerts.jsonl"
+    first, second, third = _alert("sft", 4), _alert("ppo", 8, ALERT_CHECKPOINT_SIZE), _alert("sft", 12)
+    log.append(first)
+    log.append(second, third)
+    assert AlertLog(run_url).read() == [first, second, third]
+    assert log.for_stage("sft") == [first, third] and log.for_stage("rm") == []
+
+
+def test_alert_log_skips_a_garbled_line_and_heals_a_partial_last_line(run_url):
+    log = AlertLog(run_url)
+    first = _alert("sft", 4)
+    log.append(first)
+    with log.fs.open(log.path, "wb") as handle:  # a garbled line, then a write cut off mid-line
+        handle.write((first.to_json() + "\n" + "\x00garbage\n" + '{"name": "rlhf.al').encode())
+    assert log.read() == [first]
+    second = _alert("sft", 8)
+    log.append(second)
+    assert log.read() == [first, second]
