@@ -26,6 +26,11 @@ can show it. This module only computes and records; it never imports prefect or 
   (`non_finite_parameters`). Why: such a checkpoint poisons every resume from it, so the chunk raises
   `NonFiniteTraining` before committing, and it is not worth retrying (same data, same seed, same NaN).
 
+After each commit, `commit_alerts` computes the first two from the checkpoint's own metadata: its
+`metric_history` (one `history_entry` per checkpoint of its line, carried forward from the checkpoint it
+resumed from, so retention by --max_ckpt_num does not shorten it) and its `model_sizes` (`model_size_report`,
+made on a rank, where the models are). The non-finite check runs before the commit instead.
+
 What DeepSpeed writes, which the prediction follows (DeepSpeed 0.19; checked against toy checkpoints):
 - optimizer shards (`*optim_states.pt`, one per rank with ZeRO 1-3, partitioned, so their sum does not
   depend on the world size): an fp32 master copy (4 bytes) and Adam's two fp32 moments (8 bytes) per
@@ -330,6 +335,26 @@ def checkpoint_size_alert(actual_bytes: int, expected_bytes: int | None, previou
     return Alert(ALERT_CHECKPOINT_SIZE, run_name, stage, step, message, details)
 
 
+def model_size_report(modules: Mapping[str, Any]) -> dict[str, Any]:
+    """What a rank knows about the models a checkpoint saves, for its metadata (`model_sizes`):
+    {"on_gpu": bool, "models": {folder name: ModelSize as a dict}}; `modules` maps the checkpoint folder
+    (`actor_model`, `critic_model`, `reward_model`) to its torch module (a DeepSpeed engine's `.module`)."""
+    on_gpu = any(param.is_cuda for module in modules.values() for param in module.parameters())
+    return {"on_gpu": on_gpu, "models": {name: ModelSize.from_module(module).to_dict()
+                                         for name, module in modules.items()}}
+
+
+def expected_bytes_from_metadata(metadata: Mapping[str, Any], has_ds_state: bool = True) -> int | None:
+    """The predicted size of a checkpoint from its `training_metadata.json` (`model_sizes`, `zero_stage`,
+    `world_size`); None when it does not record its models (written before the alerts existed)."""
+    report = metadata.get("model_sizes") or {}
+    models = [ModelSize.from_dict(record) for record in (report.get("models") or {}).values()]
+    if not models:
+        return None
+    return expected_bytes_of_models(models, int(metadata.get("zero_stage", 0)), int(metadata.get("world_size", 1)),
+                                    has_ds_state=has_ds_state, on_gpu=bool(report.get("on_gpu", False)))
+
+
 # --- non-finite ------------------------------------------------------------------------------------------
 
 
@@ -436,3 +461,22 @@ class AlertLog:
 
     def for_stage(self, stage: str) -> list[Alert]:
         return [alert for alert in self.read() if alert.stage == stage]
+
+
+# --- after a commit ---------------------------------------------------------------------------------------
+
+
+def commit_alerts(run_name: str, stage: str, step: int, metadata: Mapping[str, Any], actual_bytes: int,
+                  previous_sizes: Sequence[int], *, has_ds_state: bool = True, window: int = 3,
+                  min_delta: float = 0.0, tolerance: float = 0.5, jump: float = 0.2) -> list[Alert]:
+    """The reward-stagnant and checkpoint-size alerts of a just-committed checkpoint, from its metadata
+    (`metric_history`: `history_entry` records of its line of checkpoints, itself included; `model_sizes`),
+    its size in bytes and the sizes of the stage's earlier committed checkpoints."""
+    alerts = []
+    history = metric_history(stage, metadata.get("metric_history") or [])
+    if history is not None:
+        metric, higher_is_better, points = history
+        alerts.append(reward_stagnant_alert(run_name, stage, points, metric, higher_is_better, window, min_delta))
+    alerts.append(checkpoint_size_alert(actual_bytes, expected_bytes_from_metadata(metadata, has_ds_state),
+                                        previous_sizes, tolerance, jump, run_name=run_name, stage=stage, step=step))
+    return [alert for alert in alerts if alert is not None]

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from rlhf_core.alerts import (ALERT_CHECKPOINT_SIZE, ALERT_NON_FINITE, ALERT_REWARD_STAGNANT, Alert, AlertLog,
-                              ModelSize, NonFiniteTraining, checkpoint_size_alert, expected_bytes_of_models,
-                              expected_checkpoint_bytes, headline_metric, history_entry, metric_history,
-                              non_finite_metrics, non_finite_parameters, reward_stagnant_alert)
+                              ModelSize, NonFiniteTraining, checkpoint_size_alert, commit_alerts,
+                              expected_bytes_from_metadata, expected_bytes_of_models, expected_checkpoint_bytes,
+                              headline_metric, history_entry, metric_history, model_size_report, non_finite_metrics,
+                              non_finite_parameters, reward_stagnant_alert)
 
 # File sizes of real committed checkpoints of the toy model (84,672 fp32 parameters; `rlhf train sft` on
 # `rlhf toy init` data, DeepSpeed 0.19.8, CPU), step_32 of each run, as `find -printf %s` listed them.
@@ -296,3 +297,39 @@ def test_alert_log_skips_a_garbled_line_and_heals_a_partial_last_line(run_url):
     second = _alert("sft", 8)
     log.append(second)
     assert log.read() == [first, second]
+
+
+# --- after a commit ---------------------------------------------------------------------------------------
+
+
+def _toy_metadata(*rewards, zero_stage=2, world_size=1) -> dict:
+    toy = ModelSize(TOY_NUM_PARAMS, TOY_NUM_PARAMS, 4).to_dict()
+    return {"zero_stage": zero_stage, "world_size": world_size,
+            "model_sizes": {"on_gpu": False, "models": {"actor_model": toy}},
+            "metric_history": [history_entry(4 * (index + 1), {"reward": reward, "mean_reward": reward})
+                               for index, reward in enumerate(rewards)]}
+
+
+def test_commit_alerts_silent_on_a_healthy_toy_commit_and_loud_on_a_flat_reward_and_a_truncated_one():
+    actual = sum(TOY_ZERO2_ONE_RANK_FILES.values())
+    healthy = _toy_metadata(0.1, 0.2, 0.3, 0.4)
+    assert commit_alerts("exp1", "ppo", 16, healthy, actual, [actual] * 3) == []
+    flat = commit_alerts("exp1", "ppo", 16, _toy_metadata(0.4, 0.4, 0.4, 0.4), actual, [actual] * 3)
+    assert [alert.name for alert in flat] == [ALERT_REWARD_STAGNANT]
+    assert flat[0].details["metric"] == "mean_reward"
+    truncated = commit_alerts("exp1", "ppo", 16, healthy, actual // 2, [])
+    assert [alert.name for alert in truncated] == [ALERT_CHECKPOINT_SIZE]
+    # Metadata from before the alerts existed: no prediction, no history; only the jump is judged.
+    assert commit_alerts("exp1", "sft", 8, {"zero_stage": 2}, actual, [actual]) == []
+    assert expected_bytes_from_metadata({"zero_stage": 2}) is None
+
+
+def test_model_size_report_and_the_prediction_from_metadata():
+    report = model_size_report({"actor_model": torch.nn.Linear(10, 10), "critic_model": torch.nn.Linear(10, 1)})
+    assert report == {"on_gpu": False, "models": {"actor_model": ModelSize(110, 110, 4).to_dict(),
+                                                  "critic_model": ModelSize(11, 11, 4).to_dict()}}
+    metadata = {"zero_stage": 3, "world_size": 2, "model_sizes": report}
+    assert expected_bytes_from_metadata(metadata) == expected_checkpoint_bytes(
+        110, 110, 4, 3, world_size=2, extra_models=[ModelSize(11, 11, 4)])
+    assert expected_bytes_from_metadata(metadata, has_ds_state=False) == expected_checkpoint_bytes(
+        110, 110, 4, 3, world_size=2, extra_models=[ModelSize(11, 11, 4)], has_ds_state=False)
