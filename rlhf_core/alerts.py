@@ -21,7 +21,8 @@ can show it. This module only computes and records; it never imports prefect or 
   the wrong dtype or without its optimizer resumes badly; size is the cheap tell. The seed's "70B is about
   140 GB" is the bf16 weights alone (2 bytes per parameter); a resumable DeepSpeed checkpoint of a full
   fine-tune also holds an fp32 master copy and two fp32 Adam moments per trainable parameter (12 bytes),
-  so about 16-18 bytes per parameter (~1.2 TB for 70B); with LoRA it is close to the 140 GB again.
+  so 14-18 bytes per parameter with the bf16 HF copy (1.0-1.3 TB for 70B); with LoRA it is close to the
+  140 GB again.
 - `rlhf.alert.non-finite`: NaN or Inf in a step's metrics (`non_finite_metrics`) or in the weights
   (`non_finite_parameters`). Why: such a checkpoint poisons every resume from it, so the chunk raises
   `NonFiniteTraining` before committing, and it is not worth retrying (same data, same seed, same NaN).
@@ -39,8 +40,8 @@ What DeepSpeed writes, which the prediction follows (DeepSpeed 0.19; checked aga
 - `model_states`: with ZeRO 0-2, rank 0 writes every module weight (frozen ones included) in the training
   dtype; on a GPU, ZeRO-2 also writes the frozen weights a second time as CPU copies (`frozen_param_fragments`;
   on a CPU the copy shares its storage and is written once; the GPU case is read from DeepSpeed's code, not
-  measured). With ZeRO-3 every rank writes a file, but the
-  trainable weights live only in the optimizer shards; the frozen ones are saved as their partitions;
+  measured). With ZeRO-3 every rank writes a file, but the trainable weights live only in the optimizer
+  shards; the frozen ones are saved as their partitions;
 - the Hugging Face copy under `hf/`: every weight in the training dtype, or the adapter alone with LoRA;
 - small files: DeepSpeed's `zero_to_fp32.py` and `zero_to_torch.py` (~41 kB per model), configs, pickled
   bookkeeping per `.pt` file, `training_metadata.json` and `MANIFEST.json`.
