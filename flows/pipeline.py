@@ -7,12 +7,16 @@ because a cached task body does not run.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
 
 from prefect import flow, runtime
 from prefect.artifacts import create_table_artifact
+from prefect.events import emit_event
+
+from rlhf_core.alerts import NonFiniteTraining
 
 from rlhf_core.chunk import ChunkResult, plan_stage, release_workers, resolve_paths
 from rlhf_core.config import STAGES, RunConfig
@@ -42,6 +46,21 @@ def _artifact_key(*parts: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
 
 
+def _emit_alert(alert: dict) -> None:
+    emit_event(event=alert["name"], resource={"prefect.resource.id": f"rlhf.run.{alert['run_name']}.{alert['stage']}"},
+               payload=alert)
+
+
+def _emit_commit_events(run: RunConfig, result: ChunkResult) -> None:
+    """`rlhf.checkpoint.committed` and the commit's alerts, for automations (deployments/automations.yaml)."""
+    emit_event(event="rlhf.checkpoint.committed",
+               resource={"prefect.resource.id": f"rlhf.run.{run.run_name}.{result.stage}"},
+               payload={"run": run.run_name, "stage": result.stage, "step": result.step, "uri": result.uri,
+                        "manifest_digest": result.manifest_digest, "world_size": result.world_size})
+    for alert in result.alerts:
+        _emit_alert(alert)
+
+
 def run_stage(run: RunConfig, stage: str, upstream_digest: str, lineage: Lineage) -> dict:
     """All chunks of one stage, then its export; returns the stage summary."""
     plan = plan_stage(run, stage)
@@ -50,7 +69,13 @@ def run_stage(run: RunConfig, stage: str, upstream_digest: str, lineage: Lineage
     result = None
     for target in plan.targets:
         state = train_chunk(run, stage, target, upstream_digest, lineage, return_state=True)
-        result = ChunkResult(**state.result())
+        try:
+            result = ChunkResult(**state.result())
+        except NonFiniteTraining as error:
+            _emit_alert(json.loads(error.to_alert(run.run_name).to_json()))
+            raise
+        if state.name != "Cached":
+            _emit_commit_events(run, result)
         status = "cached" if state.name == "Cached" else f"trained {result.num_steps_trained} steps"
         if result.world_size and result.world_size != run.num_workers:  # --allow_fewer_workers after a node loss
             status += f" on {result.world_size} of {run.num_workers} ranks"

@@ -17,12 +17,14 @@ failure, and in `release_workers`.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
 
 import fsspec
 
+from rlhf_core.alerts import AlertLog, NonFiniteTraining, commit_alerts, history_entry, non_finite_metrics
 from rlhf_core.checkpoint import CheckpointInfo, CheckpointStore
 from rlhf_core.config import STAGES, RunConfig, fields_with_role, semantic_fields, semantic_hash
 from rlhf_core.data import dataset_fingerprint
@@ -60,6 +62,7 @@ class ChunkResult:
     metrics: dict[str, float] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     world_size: int = 0  # ranks that trained the chunk (0: none trained, the step was already committed)
+    alerts: list[dict] = field(default_factory=list)  # rlhf.alert.* raised by this commit (rlhf_core.alerts)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -265,9 +268,17 @@ def ensure_checkpoint(run: RunConfig, stage: str, target_step: int, lineage: Lin
         step_metrics = _train_and_log(group, start_step, target_step, trackers, run.stage_config(stage).logging_steps)
         trained = time.perf_counter()
         summary = chunk_summary(step_metrics)
+        _refuse_non_finite(run, stage, target_step, step_metrics, group)
         metadata = _metadata(run, stage, plan, target_step, summary, trackers, group.world_size,
                              _WarmGroup.world_size_changes)
+        metadata |= _alert_inputs(store, group, start_step, target_step, summary)
         info = _commit(run, stage, store, group, target_step, metadata)
+        alerts = commit_alerts(run.run_name, stage, target_step, metadata, info.size_bytes,
+                               [known.size_bytes for known in infos if known.is_committed and known.step < target_step],
+                               has_ds_state=not run.stage_config(stage).disable_ds_ckpt,
+                               window=run.alert_reward_window, min_delta=run.alert_reward_min_delta,
+                               tolerance=run.alert_size_tolerance, jump=run.alert_size_jump)
+        AlertLog(run.run_url(), run.storage_options).append(*alerts)
     except BaseException:
         close_trackers(run, stage, failed=True)
         release_workers()  # the group's state is unknown after a failure: never reuse it
@@ -280,7 +291,25 @@ def ensure_checkpoint(run: RunConfig, stage: str, target_step: int, lineage: Lin
     seconds = {"plan": prepared - started, "workers_and_load": loaded - prepared, "train": trained - loaded,
                "save_and_commit": finished - trained}
     return ChunkResult(stage, target_step, info.uri, info.manifest_digest, target_step - start_step, summary, seconds,
-                       group.world_size)
+                       group.world_size, [json.loads(alert.to_json()) for alert in alerts])
+
+
+def _refuse_non_finite(run: RunConfig, stage: str, step: int, step_metrics: list[dict], group: WorkerGroup) -> None:
+    """NaN or Inf in a loss or a weight: log the alert and fail the chunk before anything is committed."""
+    bad_metrics = sorted({name for metrics in step_metrics for name in non_finite_metrics(metrics)})
+    bad_parameters = group.non_finite_parameters()
+    if bad_metrics or bad_parameters:
+        error = NonFiniteTraining(stage, step, bad_metrics, bad_parameters)
+        AlertLog(run.run_url(), run.storage_options).append(error.to_alert(run.run_name))
+        raise error
+
+
+def _alert_inputs(store: CheckpointStore, group: WorkerGroup, start_step: int, step: int, summary: dict) -> dict:
+    """What the commit-time alerts read from a checkpoint's metadata: the headline metric's history along
+    this line of checkpoints (carried forward, since retention deletes old ones) and the models' sizes."""
+    previous = store.read_metadata(start_step).get("metric_history", []) if start_step else []
+    history = [entry for entry in previous if entry["step"] <= start_step] + [history_entry(step, summary)]
+    return {"metric_history": history, "model_sizes": group.model_sizes()}
 
 
 def _commit(run: RunConfig, stage: str, store: CheckpointStore, group: WorkerGroup, step: int,

@@ -386,6 +386,22 @@ class RunConfig(BaseModel):
                               "node was lost), go on with as many as fit, resuming through DeepSpeed's "
                               "universal checkpoint; the change is recorded in the checkpoint metadata.")
     )
+    alert_reward_window: int = Field(
+        3, ge=1, **_operational("Alert (rlhf.alert.reward-stagnant) when the headline metric (PPO reward; SFT/RM "
+                                "eval or training loss) has not improved across this many committed checkpoints.")
+    )
+    alert_reward_min_delta: float = Field(
+        0.0, ge=0, **_operational("How much a checkpoint's headline metric must beat the best so far to count as "
+                                  "an improvement.")
+    )
+    alert_size_tolerance: float = Field(
+        0.5, gt=0, **_operational("Alert (rlhf.alert.checkpoint-size) when a checkpoint's size is off the size "
+                                  "its models predict by more than this fraction.")
+    )
+    alert_size_jump: float = Field(
+        0.2, gt=0, **_operational("... or off the median size of the stage's earlier checkpoints by more than "
+                                  "this fraction.")
+    )
     use_tensorboard: str | None = Field(None, **_operational("TensorBoard log folder; each stage writes its "
                                                              "metrics under {use_tensorboard}/{run_name}/{stage}."))
     use_wandb: bool = Field(False, **_operational("Log metrics to Weights & Biases (WANDB_API_KEY from the "

@@ -33,6 +33,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -47,6 +48,9 @@ logger = logging.getLogger(__name__)
 
 # How long a smaller group (--allow_fewer_workers) may take to place once the full one has timed out.
 SMALLER_GROUP_TIMEOUT_S = 10.0
+# After a rank fails in a collective, how long to wait for Ray to say which peer was lost (it marks a node
+# dead once it misses its heartbeats, ~5-10 s).
+LOSS_DETECTION_TIMEOUT_S = 30.0
 # DeepSpeed's per-rank shard files: ZeRO optimizer partitions (and ZeRO-3 weight partitions).
 _RANK_SHARD = re.compile(r"(?:^|/)(?:bf16_)?zero_pp_rank_(\d+)_")
 
@@ -122,6 +126,18 @@ class TrainWorker:
             fault_point("train_step", self.trainer.step + 1)
             metrics.append(self.trainer.train_step())
         return metrics
+
+    def model_sizes(self) -> dict:
+        from rlhf_core.alerts import model_size_report
+
+        return model_size_report({name: engine.module for name, engine in self.trainer.engines.items()})
+
+    def non_finite_parameters(self) -> list[str]:
+        """Parameters holding NaN or Inf (this rank's partition under ZeRO-3)."""
+        from rlhf_core.alerts import non_finite_parameters
+
+        return [f"{name}:{parameter}" for name, engine in self.trainer.engines.items()
+                for parameter in non_finite_parameters(engine.module)]
 
     def save_to_store(self, store_url: str, storage_options: dict, pending) -> list:
         """Save this rank's share into a node-local folder, upload it into the uncommitted step folder
@@ -224,6 +240,14 @@ class WorkerGroup:
                                for worker in self.workers])
         return [entry for share in shares for entry in share]
 
+    def model_sizes(self) -> dict:
+        """Parameter counts and dtypes of the trained models, which predict a checkpoint's size."""
+        return self._gather(self.workers[0].model_sizes.remote())
+
+    def non_finite_parameters(self) -> list[str]:
+        shares = self._gather([worker.non_finite_parameters.remote() for worker in self.workers])
+        return sorted({name for share in shares for name in share})[:5]
+
     def shutdown(self) -> None:
         for worker in self.workers:
             ray.kill(worker)
@@ -238,6 +262,26 @@ class WorkerGroup:
             return gather(refs)
         except ray.exceptions.RayActorError as error:  # ActorDiedError, ActorUnavailableError
             raise WorkerLost(self._describe_loss(error)) from None
+        except ray.exceptions.RayTaskError as error:
+            # A rank whose peer died usually fails first, inside a collective (gloo: "Connection closed by
+            # peer"), before Ray has marked the peer's node dead: report the peer's loss, not the symptom.
+            lost = self._first_lost_rank(LOSS_DETECTION_TIMEOUT_S)
+            if lost is None:
+                raise
+            raise WorkerLost(self._describe_loss(lost)) from error
+
+    def _first_lost_rank(self, timeout_s: float) -> Exception | None:
+        """Ping every rank: the RayActorError of the first one that is gone, None if none is known lost."""
+        pings = [worker.location.remote() for worker in self.workers]
+        deadline = time.monotonic() + timeout_s
+        for ping in pings:
+            try:
+                ray.get(ping, timeout=max(0.1, deadline - time.monotonic()))
+            except ray.exceptions.RayActorError as error:
+                return error
+            except ray.exceptions.GetTimeoutError:
+                continue  # busy (still in a collective): not known to be lost
+        return None
 
     def _describe_loss(self, error: Exception) -> str:
         actor_id = getattr(error, "actor_id", None)

@@ -19,6 +19,7 @@ from prefect import task
 from prefect.cache_policies import CachePolicy
 from prefect.filesystems import RemoteFileSystem
 
+from rlhf_core.alerts import NonFiniteTraining
 from rlhf_core.chunk import CHECKPOINT_FORMAT_VERSION, ensure_checkpoint, export_stage
 from rlhf_core.config import RunConfig, semantic_hash
 from rlhf_core.errors import UserError
@@ -67,11 +68,11 @@ def run_result_storage(run: RunConfig) -> Path | str:
 
 
 def _retry_unless_user_error(task, task_run, state) -> bool:
-    """A user mistake will fail the same way again, and a run that lost its lease to another writer must
-    stop: don't spend retries on either."""
+    """A user mistake or a NaN will fail the same way again, and a run that lost its lease to another writer
+    must stop: don't spend retries on them."""
     try:
         state.result()
-    except (UserError, LeaseLost):
+    except (UserError, LeaseLost, NonFiniteTraining):
         return False
     except BaseException:
         return True
