@@ -386,6 +386,18 @@ class RunConfig(BaseModel):
                               "node was lost), go on with as many as fit, resuming through DeepSpeed's "
                               "universal checkpoint; the change is recorded in the checkpoint metadata.")
     )
+    max_chunks_per_run: int | None = Field(
+        None, ge=1, **_operational("Train at most this many chunks in this flow run, then stop cleanly at a chunk "
+                                   "boundary; the next run of the same run_name continues (scheduled runs).")
+    )
+    time_budget_minutes: float | None = Field(
+        None, gt=0, **_operational("Start no new chunk once this many minutes have passed since the flow run "
+                                   "began; stop cleanly at a chunk boundary (the next run continues).")
+    )
+    verbose: bool = Field(
+        False, **_operational("Show Ray's and DeepSpeed's full logs on the console (they always go to the log "
+                              "file in the run folder).")
+    )
     alert_reward_window: int = Field(
         3, ge=1, **_operational("Alert (rlhf.alert.reward-stagnant) when the headline metric (PPO reward; SFT/RM "
                                 "eval or training loss) has not improved across this many committed checkpoints.")
