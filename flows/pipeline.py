@@ -1,29 +1,42 @@
-"""The flow `rlhf`: every requested stage, chunk by chunk, then its export.
+"""The flow `rlhf`: every requested stage as a subflow `rlhf-stage` (chunk by chunk, then its export).
 
-Each chunk is the cached task `train_chunk`; a completed chunk is skipped (state `Cached`) on any
-later run of the same run name. Progress and metrics artifacts are emitted here, in the flow body,
-because a cached task body does not run.
+The parent flow holds the run lease around all stages (subflows and their chunk tasks run in this
+process, where `rlhf_core.lease.held_lease` finds it) and owns the rule that a retried flow run always
+resumes. Each training stage is a subflow run named `{run_name}-{stage}`, so the UI shows the stages and
+their states apart. Each chunk is the cached task `train_chunk`; a completed chunk is skipped (state
+`Cached`) on any later run of the same run name. Artifacts are emitted from the subflow's body
+(flows/stage_report.py), because a cached task body does not run.
+
+Run budgets (`max_chunks_per_run`, `time_budget_minutes`) count the chunks this flow run actually trains
+(not Cached ones) across its stages. When one is reached, the run stops at the next chunk boundary that
+would train, leaves that stage unexported, logs where it stopped, and completes: the next run of the same
+run name continues there (a scheduled deployment such as `rlhf/ppo-nightly`). A flow run always trains at
+least one chunk, so a schedule always makes progress.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import re
 import time
+from datetime import datetime, timedelta, timezone
 
-from prefect import flow, runtime
-from prefect.artifacts import create_table_artifact
+import fsspec
+from prefect import flow, get_run_logger, runtime
 from prefect.events import emit_event
 
+from flows.stage_report import StageReport
 from rlhf_core.alerts import NonFiniteTraining
-
 from rlhf_core.chunk import ChunkResult, plan_stage, release_workers, resolve_paths
+from rlhf_core.checkpoint import ASIDE_DIR_NAME
 from rlhf_core.config import STAGES, RunConfig
 from rlhf_core.errors import UserError
 from rlhf_core.lease import RunLease
-from rlhf_core.resume import Lineage, begin_stage, validate_run_start
+from rlhf_core.resume import begin_stage, open_store, validate_run_start
 from tasks.chunks import chunk_task_for, export_final_task, export_model, merge_lora_task
+
+STOPPED_BY_BUDGET = "stopped-by-budget"
+COMPLETED = "completed"
 
 
 class _NoTracebackForUserErrors(logging.Filter):
@@ -42,8 +55,11 @@ for _logger_name in ("prefect.flow_runs", "prefect.task_runs"):
 logging.getLogger("rlhf_core").setLevel(logging.INFO)
 
 
-def _artifact_key(*parts: str) -> str:
-    return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
+# --------------------------------------------------------------------------- events
+
+
+def _resource(run: RunConfig, stage: str) -> dict:
+    return {"prefect.resource.id": f"rlhf.run.{run.run_name}.{stage}", "prefect.resource.name": f"{run.run_name}/{stage}"}
 
 
 def _emit_alert(alert: dict) -> None:
@@ -51,55 +67,144 @@ def _emit_alert(alert: dict) -> None:
                payload=alert)
 
 
+def _stored_size(run: RunConfig, uri: str) -> int | None:
+    """Bytes under a checkpoint folder (one listing), for the commit event."""
+    try:
+        fs, path = fsspec.core.url_to_fs(uri, **run.storage_options)
+        return int(fs.du(path))
+    except (OSError, ValueError):
+        return None
+
+
 def _emit_commit_events(run: RunConfig, result: ChunkResult) -> None:
-    """`rlhf.checkpoint.committed` and the commit's alerts, for automations (deployments/automations.yaml)."""
-    emit_event(event="rlhf.checkpoint.committed",
-               resource={"prefect.resource.id": f"rlhf.run.{run.run_name}.{result.stage}"},
+    """`rlhf.checkpoint.committed` and the commit's alerts, for automations (deployments/)."""
+    size_bytes = getattr(result, "size_bytes", None) or _stored_size(run, result.uri)
+    emit_event(event="rlhf.checkpoint.committed", resource=_resource(run, result.stage),
                payload={"run": run.run_name, "stage": result.stage, "step": result.step, "uri": result.uri,
-                        "manifest_digest": result.manifest_digest, "world_size": result.world_size})
+                        "size_bytes": size_bytes, "manifest_digest": result.manifest_digest,
+                        "world_size": result.world_size})
     for alert in result.alerts:
         _emit_alert(alert)
 
 
-def run_stage(run: RunConfig, stage: str, upstream_digest: str, lineage: Lineage) -> dict:
-    """All chunks of one stage, then its export; returns the stage summary."""
+def _aside_entries(run: RunConfig, stage: str) -> set[str]:
+    """Folders under the stage's `.aside/` (bad or leftover step dirs moved there, never deleted)."""
+    store = open_store(run, stage)
+    try:
+        return {entry.rstrip("/").rsplit("/", 1)[-1] for entry in store.fs.ls(f"{store.root}/{ASIDE_DIR_NAME}",
+                                                                              detail=False)}
+    except FileNotFoundError:
+        return set()
+
+
+def _emit_set_aside_events(run: RunConfig, stage: str, before: set[str]) -> set[str]:
+    """`rlhf.checkpoint.set-aside` for each folder that appeared under `.aside/` since `before`; returns the
+    folders now there. rlhf_core sets checkpoints aside deep inside a chunk (a corrupt or leftover step), so
+    the flow finds them by listing, one call per chunk."""
+    now = _aside_entries(run, stage)
+    store = open_store(run, stage)
+    for name in sorted(now - before):
+        path = f"{store.root}/{ASIDE_DIR_NAME}/{name}"
+        try:
+            reason = store.fs.cat_file(f"{path}/REASON.txt").decode().strip()
+        except (FileNotFoundError, UnicodeDecodeError):
+            reason = "leftover uncommitted step"
+        step_text = name.split(".", 1)[0].removeprefix("step_")
+        uri = f"{run.stage_url(stage)}/{ASIDE_DIR_NAME}/{name}"
+        emit_event(event="rlhf.checkpoint.set-aside", resource=_resource(run, stage),
+                   payload={"run": run.run_name, "stage": stage, "step": int(step_text) if step_text.isdigit() else None,
+                            "uri": uri, "size_bytes": _stored_size(run, uri), "reason": reason})
+    return now
+
+
+# --------------------------------------------------------------------------- budgets
+
+
+def _budget_reason(chunks_left: int | None, stop_at: datetime | None) -> str | None:
+    """Why no further chunk may train in this flow run, or None."""
+    if chunks_left is not None and chunks_left <= 0:
+        return "the chunk budget (max_chunks_per_run) is spent"
+    if stop_at is not None and datetime.now(timezone.utc) >= stop_at:
+        return "the time budget (time_budget_minutes) is spent"
+    return None
+
+
+def _committed_steps(run: RunConfig, stage: str) -> set[int]:
+    return {info.step for info in open_store(run, stage).list() if info.is_committed}
+
+
+# --------------------------------------------------------------------------- flows
+
+
+@flow(name="rlhf-stage", flow_run_name="{run.run_name}-{stage}", log_prints=True)
+def rlhf_stage(run: RunConfig, stage: str, upstream_digest: str = "", chunks_left: int | None = None,
+               stop_at: datetime | None = None, chunks_trained_before: int = 0) -> dict:
+    """One training stage: its chunks in order, then its export. Stops before a chunk that would train once
+    `chunks_left` is 0 or `stop_at` has passed (budgets of the parent flow run, which has trained
+    `chunks_trained_before` chunks in earlier stages; the time budget applies after the first); returns the
+    stage summary."""
+    logger = get_run_logger()
+    aside = _aside_entries(run, stage)
+    lineage = begin_stage(run, stage)
     plan = plan_stage(run, stage)
     train_chunk = chunk_task_for(run)
-    rows = []
-    result = None
+    report = StageReport(run, stage, plan, logger)
+    result, num_trained = None, 0
     for target in plan.targets:
+        reason = _budget_reason(None if chunks_left is None else chunks_left - num_trained,
+                                stop_at if chunks_trained_before + num_trained else None)
+        if reason and target not in _committed_steps(run, stage):
+            return _stopped(run, stage, plan.total_steps, result, report, num_trained, reason, logger)
         state = train_chunk(run, stage, target, upstream_digest, lineage, return_state=True)
+        aside = _emit_set_aside_events(run, stage, aside)
         try:
             result = ChunkResult(**state.result())
         except NonFiniteTraining as error:
             _emit_alert(json.loads(error.to_alert(run.run_name).to_json()))
             raise
+        trained = state.name != "Cached" and result.num_steps_trained > 0
+        num_trained += int(trained)
         if state.name != "Cached":
             _emit_commit_events(run, result)
-        status = "cached" if state.name == "Cached" else f"trained {result.num_steps_trained} steps"
-        if result.world_size and result.world_size != run.num_workers:  # --allow_fewer_workers after a node loss
-            status += f" on {result.world_size} of {run.num_workers} ranks"
-        headline = "reward" if "reward" in result.metrics else "loss"
-        print(f"{stage} chunk -> step {target}/{plan.total_steps}: {status}, "
-              f"{headline} {result.metrics.get(headline, float('nan')):.4f}")
-        rows.append({"step": result.step, "status": status, "world_size": result.world_size, **{k: round(v, 6) for k, v in result.metrics.items()},
-                     **{f"{k}_s": round(v, 3) for k, v in result.seconds.items()}, "checkpoint": result.uri})
+        report.add_chunk(result, _chunk_status(run, state.name, result))
     save_path = export_model(run, stage, plan.total_steps)
-    print(f"{stage}: exported the final model (step {plan.total_steps}) to {save_path}")
-    create_table_artifact(key=_artifact_key(run.run_name, stage, "chunks"), table=rows,
-                          description=f"Chunks of stage {stage} in run {run.run_name}")
-    return {"final_step": plan.total_steps, "checkpoint": result.uri, "manifest_digest": result.manifest_digest,
-            "save_path": save_path, "chunks": rows}
+    report.finish(save_path)
+    logger.info("%s: exported the final model (step %d) to %s", stage, plan.total_steps, save_path)
+    return {"status": COMPLETED, "final_step": plan.total_steps, "checkpoint": result.uri,
+            "manifest_digest": result.manifest_digest, "save_path": save_path, "chunks": report.rows,
+            "chunks_trained": num_trained}
+
+
+def _chunk_status(run: RunConfig, state_name: str, result: ChunkResult) -> str:
+    status = "cached" if state_name == "Cached" else f"trained {result.num_steps_trained} steps"
+    if result.world_size and result.world_size != run.num_workers:  # --allow_fewer_workers after a node loss
+        status += f" on {result.world_size} of {run.num_workers} ranks"
+    return status
+
+
+def _stopped(run: RunConfig, stage: str, total_steps: int, result: ChunkResult | None, report: StageReport,
+             num_trained: int, reason: str, logger) -> dict:
+    """The summary of a stage stopped by a run budget at a chunk boundary (not exported)."""
+    step = result.step if result is not None else 0
+    logger.info("%s: stopped at step %d/%d because %s; the next run of %s continues from there.",
+                stage, step, total_steps, reason, run.run_name)
+    return {"status": STOPPED_BY_BUDGET, "final_step": step, "total_steps": total_steps,
+            "checkpoint": result.uri if result else None, "manifest_digest": result.manifest_digest if result else "",
+            "save_path": None, "chunks": report.rows, "chunks_trained": num_trained, "reason": reason}
 
 
 @flow(name="rlhf", log_prints=True)
 def rlhf(config: RunConfig) -> dict:
-    """Run the requested RLHF stages in order; each stage resumes from its newest valid checkpoint."""
+    """Run the requested RLHF stages in order; each stage resumes from its newest valid checkpoint.
+    Returns {stage: summary}; a stage stopped by a run budget has status "stopped-by-budget"."""
+    logger = get_run_logger()
     run = resolve_paths(config)
     if (runtime.flow_run.run_count or 1) > 1:  # a Prefect retry of this flow run always resumes
         run = run.model_copy(update={"load_checkpoint": True})
     validate_run_start(run)
-    summary, upstream_digest = {}, ""
+    stop_at = (datetime.now(timezone.utc) + timedelta(minutes=run.time_budget_minutes)
+               if run.time_budget_minutes else None)
+    summary, upstream_digest, num_trained = {}, "", 0
     with RunLease(run.run_url(), run.storage_options):
         try:
             for stage in run.stages:
@@ -110,10 +215,14 @@ def rlhf(config: RunConfig) -> dict:
                 elif kind == "export":
                     summary[stage] = export_final_task(run)
                 else:
-                    summary[stage] = run_stage(run, stage, upstream_digest, begin_stage(run, stage))
+                    chunks_left = None if run.max_chunks_per_run is None else run.max_chunks_per_run - num_trained
+                    summary[stage] = rlhf_stage(run, stage, upstream_digest, chunks_left, stop_at, num_trained)
+                    num_trained += summary[stage]["chunks_trained"]
                     upstream_digest = summary[stage]["manifest_digest"]
                 summary[stage]["seconds"] = round(time.perf_counter() - started, 1)
-                print(f"{stage}: output in {summary[stage]['save_path']} ({summary[stage]['seconds']} s)")
+                if summary[stage].get("status") == STOPPED_BY_BUDGET:
+                    break
+                logger.info("%s: output in %s (%s s)", stage, summary[stage]["save_path"], summary[stage]["seconds"])
         finally:
             release_workers()
     return summary

@@ -1,0 +1,140 @@
+"""What an operator sees of a stage while it runs: Prefect artifacts, a curve image and a console line.
+
+`StageReport` is fed one `ChunkResult` per chunk by the stage subflow (flows/pipeline.py) and keeps,
+under keys made from the run and stage names:
+
+- `{run}-{stage}-progress`: a progress artifact, chunk by chunk to 100;
+- `{run}-{stage}-chunks`: the chunk table, one row per chunk, re-published (same key) at each commit;
+- `{run}-{stage}-checkpoints`: markdown with every committed checkpoint URI and the exported model;
+- `{run}-{stage}-curve`: markdown embedding the loss/reward curve as a data URI (the Prefect UI shows
+  it without reaching the store), also saved as `{ckpt_path}/{run_name}/{stage}-curve.png`.
+
+Everything is emitted from the flow body, never from the chunk task: a cached task body does not run,
+and a rerun must show its finished chunks too. Artifact keys take lowercase letters, digits and dashes.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import logging
+import math
+import re
+from uuid import UUID
+
+import fsspec
+from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
+                               update_progress_artifact)
+
+from rlhf_core.chunk import ChunkResult, StagePlan
+from rlhf_core.config import RunConfig
+
+BAR_WIDTH = 10
+# One panel per group present, in this order (PPO reports reward, SFT and RM a loss; eval metrics when asked
+# for): the last step's value beside the chunk's mean.
+CURVE_PANELS = (("loss", "mean_loss"), ("reward", "mean_reward"), ("eval_loss",), ("eval_accuracy",),
+                ("eval_reward",), ("kl",))
+
+
+def artifact_key(*parts: str) -> str:
+    """A Prefect artifact key from free text: lowercase letters, digits and dashes only."""
+    return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
+
+
+def headline_metric(metrics: dict) -> str:
+    return "reward" if "reward" in metrics else "loss"
+
+
+def progress_line(stage: str, num_done: int, num_chunks: int, step: int, total_steps: int, metrics: dict) -> str:
+    """`sft [#####-----] 4/8 chunks  step 32/64  loss 2.97`: one console line per chunk."""
+    filled = round(BAR_WIDTH * num_done / max(num_chunks, 1))
+    name = headline_metric(metrics)
+    value = metrics.get(name, float("nan"))
+    return (f"{stage} [{'#' * filled}{'-' * (BAR_WIDTH - filled)}] {num_done}/{num_chunks} chunks  "
+            f"step {step}/{total_steps}  {name} {value:.4g}")
+
+
+def curve_png(stage: str, rows: list[dict]) -> bytes:
+    """The stage's metrics per committed chunk, one panel per metric, as PNG bytes (matplotlib, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure  # Figure, not pyplot: no global state, safe in any thread
+
+    panels = [[name for name in panel if any(_finite(row.get(name)) for row in rows)] for panel in CURVE_PANELS]
+    panels = [panel for panel in panels if panel]
+    figure = Figure(figsize=(4.5 * max(len(panels), 1), 3.2), dpi=100, layout="constrained")
+    axes = figure.subplots(1, max(len(panels), 1), squeeze=False)[0]
+    for ax, panel in zip(axes, panels):
+        for name in panel:
+            points = [(row["step"], row[name]) for row in rows if _finite(row.get(name))]
+            ax.plot([step for step, _ in points], [value for _, value in points], marker="o", label=name)
+        ax.set_title(f"{stage}: {panel[0]}")
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+class StageReport:
+    """The artifacts of one stage in one flow run (see module docstring)."""
+
+    def __init__(self, run: RunConfig, stage: str, plan: StagePlan, logger: logging.Logger | logging.LoggerAdapter):
+        self.run, self.stage, self.plan, self.logger = run, stage, plan, logger
+        self.rows: list[dict] = []
+        self.curve_url = f"{run.run_url()}/{stage}-curve.png"
+        self.progress_id: UUID = create_progress_artifact(
+            progress=0.0, key=self._key("progress"),
+            description=f"Chunks of stage {stage} committed, run {run.run_name} ({len(plan.targets)} chunks)")
+
+    def _key(self, what: str) -> str:
+        return artifact_key(self.run.run_name, self.stage, what)
+
+    def add_chunk(self, result: ChunkResult, status: str) -> None:
+        """One more committed chunk: progress, table, links, curve and the console line."""
+        self.rows.append({"step": result.step, "status": status, "world_size": result.world_size,
+                          **{k: round(v, 6) for k, v in result.metrics.items()},
+                          **{f"{k}_s": round(v, 3) for k, v in result.seconds.items()}, "checkpoint": result.uri})
+        num_done = len(self.rows)
+        update_progress_artifact(self.progress_id, progress=round(100.0 * num_done / len(self.plan.targets), 1))
+        create_table_artifact(key=self._key("chunks"), table=self.rows,
+                              description=f"Chunks of stage {self.stage} in run {self.run.run_name}")
+        self.publish_links()
+        self.publish_curve()
+        self.logger.info(progress_line(self.stage, num_done, len(self.plan.targets), result.step,
+                                       self.plan.total_steps, result.metrics))
+
+    def publish_links(self, save_path: str | None = None) -> None:
+        lines = [f"# {self.run.run_name} / {self.stage}", "", "Committed checkpoints:", ""]
+        lines += [f"- step {row['step']}: [{row['checkpoint']}]({row['checkpoint']})" for row in self.rows]
+        if save_path:
+            lines += ["", f"Exported model: [{save_path}]({save_path})"]
+        lines += ["", f"Curve: [{self.curve_url}]({self.curve_url})"]
+        create_markdown_artifact(key=self._key("checkpoints"), markdown="\n".join(lines),
+                                 description=f"Checkpoints and outputs of stage {self.stage}")
+
+    def publish_curve(self) -> None:
+        """Save the curve in the run folder and show it in the UI; a plotting failure costs a warning, not
+        the chunk."""
+        try:
+            png = curve_png(self.stage, self.rows)
+            with fsspec.open(self.curve_url, "wb", **self.run.storage_options) as file:
+                file.write(png)
+        except Exception as error:  # noqa: BLE001 - the curve is a view; training goes on without it
+            self.logger.warning("%s: could not draw or save the curve %s: %s", self.stage, self.curve_url, error)
+            return
+        data_uri = "data:image/png;base64," + base64.b64encode(png).decode()
+        create_markdown_artifact(key=self._key("curve"),
+                                 markdown=f"# {self.run.run_name} / {self.stage}\n\n![curve]({data_uri})\n\n"
+                                          f"Saved as `{self.curve_url}`.",
+                                 description=f"Metrics of stage {self.stage} per committed chunk")
+
+    def finish(self, save_path: str) -> None:
+        """The stage's model is exported: the links name it."""
+        self.publish_links(save_path)
