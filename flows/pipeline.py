@@ -1,11 +1,12 @@
-"""The flow `rlhf`: every requested stage as a subflow `rlhf-stage` (chunk by chunk, then its export).
+"""The flow `rlhf`: every requested stage as a subflow run named `{run_name}-{stage}`.
 
-The parent flow holds the run lease around all stages (subflows and their chunk tasks run in this
-process, where `rlhf_core.lease.held_lease` finds it) and owns the rule that a retried flow run always
-resumes. Each training stage is a subflow run named `{run_name}-{stage}`, so the UI shows the stages and
-their states apart. Each chunk is the cached task `train_chunk`; a completed chunk is skipped (state
-`Cached`) on any later run of the same run name. Artifacts are emitted from the subflow's body
-(flows/stage_report.py), because a cached task body does not run.
+Training stages are the subflow `rlhf-stage` (chunk by chunk, then the stage's export); merge and export
+are the subflow `rlhf-output`. The UI shows each stage and its state apart. The parent flow holds the
+run lease around all stages (subflows and their chunk tasks run in this process, where
+`rlhf_core.lease.held_lease` finds it) and owns the rule that a retried flow run always resumes. Each
+chunk is the cached task `train_chunk`; a completed chunk is skipped (state `Cached`) on any later run
+of the same run name. Artifacts are emitted from the subflow's body (flows/stage_report.py), because a
+cached task body does not run.
 
 Run budgets (`max_chunks_per_run`, `time_budget_minutes`) count the chunks this flow run actually trains
 (not Cached ones) across its stages. When one is reached, the run stops at the next chunk boundary that
@@ -23,9 +24,10 @@ from datetime import datetime, timedelta, timezone
 
 import fsspec
 from prefect import flow, get_run_logger, runtime
+from prefect.artifacts import create_link_artifact
 from prefect.events import emit_event
 
-from flows.stage_report import StageReport
+from flows.stage_report import StageReport, artifact_key
 from rlhf_core.alerts import NonFiniteTraining
 from rlhf_core.chunk import ChunkResult, plan_stage, release_workers, resolve_paths
 from rlhf_core.checkpoint import ASIDE_DIR_NAME
@@ -193,6 +195,15 @@ def _stopped(run: RunConfig, stage: str, total_steps: int, result: ChunkResult |
             "save_path": None, "chunks": report.rows, "chunks_trained": num_trained, "reason": reason}
 
 
+@flow(name="rlhf-output", flow_run_name="{run.run_name}-{stage}", log_prints=True)
+def rlhf_output_stage(run: RunConfig, stage: str) -> dict:
+    """The merge (LoRA adapter into its base) or export (standalone HF model) stage, with a link to its output."""
+    result = merge_lora_task(run) if STAGES[stage].kind == "merge" else export_final_task(run)
+    create_link_artifact(key=artifact_key(run.run_name, stage, "output"), link=result["save_path"],
+                         link_text=result["save_path"], description=f"Output of stage {stage} in run {run.run_name}")
+    return result
+
+
 @flow(name="rlhf", log_prints=True)
 def rlhf(config: RunConfig) -> dict:
     """Run the requested RLHF stages in order; each stage resumes from its newest valid checkpoint.
@@ -210,10 +221,8 @@ def rlhf(config: RunConfig) -> dict:
             for stage in run.stages:
                 started = time.perf_counter()
                 kind = STAGES[stage].kind
-                if kind == "merge":
-                    summary[stage] = merge_lora_task(run)
-                elif kind == "export":
-                    summary[stage] = export_final_task(run)
+                if kind in ("merge", "export"):
+                    summary[stage] = rlhf_output_stage(run, stage)
                 else:
                     chunks_left = None if run.max_chunks_per_run is None else run.max_chunks_per_run - num_trained
                     summary[stage] = rlhf_stage(run, stage, upstream_digest, chunks_left, stop_at, num_trained)

@@ -1,9 +1,19 @@
-"""The deployment path, end to end: prefect.yaml -> `prefect deploy` -> a process worker -> `rlhf/sft`.
+"""The deployment path, end to end: prefect.yaml -> `prefect deploy` -> a process worker -> the flow `rlhf`.
 
-Real processes all the way: a Prefect server (private PREFECT_HOME, free loopback port), the
-work pool and deployment made by the CLI from this repository's prefect.yaml, a `prefect worker`
-subprocess that runs the flow from this checkout (pull step `set_working_directory`), a local Ray
-cluster and DeepSpeed. The run trains the toy model for one epoch in chunks of 8 steps.
+Real processes all the way: a Prefect server (private PREFECT_HOME, free loopback port), the work pool
+and deployments made by the CLI from this repository's prefect.yaml (`deployed`, once per module), a
+`prefect worker` subprocess that runs the flow from this checkout (pull step `set_working_directory`),
+a local Ray cluster and DeepSpeed, on the toy model with chunks of a few steps.
+
+- `rlhf/sft` then `rlhf/ppo`: checkpoints and exported models land where the config says.
+- `rlhf/full` (sft -> rm -> ppo -> merge -> export, tiny): one subflow run per stage; through the API,
+  each training stage's progress artifact at 100, a chunk table row per chunk, the checkpoint links,
+  the curve embedded as a PNG data URI (also saved in the run folder); the `rlhf.checkpoint.committed`
+  events with size and URI.
+- `rlhf/ppo-nightly` with `max_chunks_per_run: 1` on a 2-chunk stage: the first run stops at its
+  budget (Completed, not exported), a run started while it is active is cancelled (deployment
+  concurrency limit 1, CANCEL_NEW), the next run continues and exports the same weights, bit for bit,
+  as the unbudgeted `rlhf/full` run's stage.
 """
 
 from __future__ import annotations
@@ -11,12 +21,16 @@ from __future__ import annotations
 import json
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import pytest
+import torch
 import yaml
+from safetensors.torch import load_file
 
-from tests.integration.conftest import PREFECT, PROJECT_DIR
+from tests.integration.conftest import PREFECT, PROJECT_DIR, BackgroundProcess, PrefectServer
 
 pytestmark = pytest.mark.slow
 
@@ -30,20 +44,92 @@ def deployment_spec(name: str) -> dict:
     return next(d for d in spec["deployments"] if d["name"] == name)
 
 
-def run_config(tmp_path: Path, toy: dict[str, str]) -> dict:
-    return {
-        "run_name": "deploy-test",
-        "stages": ["sft"],
-        "ckpt_path": str(tmp_path / "ckpt"),
-        "load_checkpoint": True,
-        "seed": 42,
-        "num_workers": 1,
-        "sft": {
-            "pretrain": toy["model"], "dataset": toy["sft"], "input_key": "prompt", "output_key": "response",
+def sft_section(toy: dict[str, str], save_path: Path, save_steps: int = 8) -> dict:
+    return {"pretrain": toy["model"], "dataset": toy["sft"], "input_key": "prompt", "output_key": "response",
             "max_len": 64, "train_batch_size": 8, "micro_train_batch_size": 4, "max_epochs": 1,
-            "learning_rate": 1e-3, "save_steps": 8, "save_path": str(tmp_path / "out" / "sft"),
-        },
+            "learning_rate": 1e-3, "save_steps": save_steps, "save_path": str(save_path)}
+
+
+def run_config(tmp_path: Path, toy: dict[str, str]) -> dict:
+    return {"run_name": "deploy-test", "stages": ["sft"], "ckpt_path": str(tmp_path / "ckpt"), "load_checkpoint": True,
+            "seed": 42, "num_workers": 1, "sft": sft_section(toy, tmp_path / "out" / "sft")}
+
+
+def ppo_section(toy: dict[str, str], pretrain: str, save_path: Path, **extra) -> dict:
+    return {"pretrain": pretrain, "reward_fn": "rlhf_core.toy:gold_reward", "prompt_data": toy["prompts"],
+            "input_key": "prompt", "advantage_estimator": "group_norm", "max_samples": 8, "n_samples_per_prompt": 2,
+            "rollout_batch_size": 4, "train_batch_size": 8, "micro_train_batch_size": 4, "max_new_tokens": 8,
+            "learning_rate": 1e-3, "save_steps": 1, "save_path": str(save_path), **extra}
+
+
+def ppo_config(tmp_path: Path, toy: dict[str, str], sft_model: str) -> dict:
+    return {"run_name": "deploy-test", "stages": ["ppo"], "ckpt_path": str(tmp_path / "ckpt"), "load_checkpoint": True,
+            "ppo": ppo_section(toy, sft_model, tmp_path / "out" / "ppo")}
+
+
+def full_config(workdir: Path, toy: dict[str, str]) -> dict:
+    """sft (2 chunks) -> rm (2 chunks) -> ppo with LoRA (2 chunks) -> merge -> export, as small as they go."""
+    out = workdir / "out"
+    return {
+        "run_name": "deploy-full", "stages": ["sft", "rm", "ppo", "merge", "export"],
+        "ckpt_path": str(workdir / "ckpt"), "load_checkpoint": True, "seed": 42, "num_workers": 1,
+        "sft": sft_section(toy, out / "sft", save_steps=16),
+        "rm": {"dataset": toy["prefs"], "max_len": 64, "max_samples": 64, "train_batch_size": 16,
+               "micro_train_batch_size": 8, "max_epochs": 1, "learning_rate": 1e-3, "save_steps": 2,
+               "save_path": str(out / "rm")},
+        "ppo": {key: value for key, value in ppo_section(toy, "", out / "ppo_lora", lora_rank=8).items()
+                if key != "pretrain"},  # default: this run's SFT output
+        "merge": {"output_path": str(out / "merged")},
+        "export": {"save_path": str(out / "final")},
     }
+
+
+@dataclass
+class Deployed:
+    """The server, the work pool and deployments from prefect.yaml, and a worker polling the pool."""
+
+    server: PrefectServer
+    pool: str
+    worker: BackgroundProcess
+    toy: dict[str, str]
+    workdir: Path
+
+    def run(self, deployment: str, config: dict) -> str:
+        """`prefect deployment run DEPLOYMENT --param config=...`; returns the flow run id."""
+        started = self.server.cli("deployment", "run", deployment, "--param", f"config={json.dumps(config)}")
+        match = UUID.search(started.stdout)
+        assert match, f"no flow run id in:\n{started.stdout}"
+        return match.group(1)
+
+    def wait(self, flow_run_id: str, timeout: float = RUN_TIMEOUT):
+        return wait_for_terminal_state(self.server.api_url, flow_run_id, self.worker, timeout)
+
+    def run_to_completion(self, deployment: str, config: dict):
+        flow_run = self.wait(self.run(deployment, config))
+        assert flow_run.state.type.value == "COMPLETED", (
+            f"flow run ended {flow_run.state.name}: {flow_run.state.message}\n{self.worker.log_tail()}")
+        return flow_run
+
+
+@pytest.fixture(scope="module")
+def deployed(prefect_server, tmp_path_factory) -> Iterator[Deployed]:
+    """`prefect work-pool create`, `prefect deploy --all` from the project folder, and `prefect worker start`
+    from another folder: the pull step, not the worker's cwd, finds the code."""
+    from rlhf_core.toy import init_toy
+
+    pool = deployment_spec("sft")["work_pool"]["name"]
+    prefect_server.cli("work-pool", "create", pool, "--type", "process")
+    # PWD: what a shell sets after `cd`; prefect.yaml records it as the project folder at deploy time.
+    prefect_server.cli("--no-prompt", "deploy", "--all", cwd=PROJECT_DIR, env={"PWD": str(PROJECT_DIR)})
+    workdir = tmp_path_factory.mktemp("deployed")
+    (workdir / "worker").mkdir()
+    worker_env = {**prefect_server.env, "PREFECT_WORKER_QUERY_SECONDS": "2"}  # pick runs up quickly
+    worker = BackgroundProcess.start("prefect-worker", [PREFECT, "worker", "start", "--pool", pool], worker_env,
+                                     workdir / "logs" / "prefect-worker.log", cwd=workdir / "worker")
+    try:
+        yield Deployed(prefect_server, pool, worker, init_toy(str(workdir / "toy")), workdir)
+    finally:
+        worker.stop()
 
 
 def wait_for_terminal_state(api_url: str, flow_run_id: str, worker, timeout: float):
@@ -62,54 +148,23 @@ def wait_for_terminal_state(api_url: str, flow_run_id: str, worker, timeout: flo
             time.sleep(2)
 
 
-def ppo_config(tmp_path: Path, toy: dict[str, str], sft_model: str) -> dict:
-    return {
-        "run_name": "deploy-test", "stages": ["ppo"], "ckpt_path": str(tmp_path / "ckpt"), "load_checkpoint": True,
-        "ppo": {
-            "pretrain": sft_model, "reward_fn": "rlhf_core.toy:gold_reward", "prompt_data": toy["prompts"],
-            "input_key": "prompt", "advantage_estimator": "group_norm", "max_samples": 8, "n_samples_per_prompt": 2,
-            "rollout_batch_size": 4, "train_batch_size": 8, "micro_train_batch_size": 4, "max_new_tokens": 8,
-            "learning_rate": 1e-3, "save_steps": 1, "save_path": str(tmp_path / "out" / "ppo"),
-        },
-    }
-
-
-def test_sft_then_ppo_deployments_run_on_a_process_worker(prefect_server, background, tmp_path):
+def test_sft_then_ppo_deployments_run_on_a_process_worker(deployed, tmp_path):
     from prefect.client.orchestration import SyncPrefectClient
-    from rlhf_core.toy import init_toy
 
     spec = deployment_spec("sft")
-    pool = spec["work_pool"]["name"]
     assert spec["entrypoint"] == "flows/pipeline.py:rlhf"
-
-    prefect_server.cli("work-pool", "create", pool, "--type", "process")
-    # PWD: what a shell sets after `cd`; prefect.yaml records it as the project folder at deploy time.
-    prefect_server.cli("--no-prompt", "deploy", "--all", cwd=PROJECT_DIR, env={"PWD": str(PROJECT_DIR)})
-
-    with SyncPrefectClient(prefect_server.api_url) as client:
+    with SyncPrefectClient(deployed.server.api_url) as client:
         deployment = client.read_deployment_by_name("rlhf/sft")
-    assert deployment.work_pool_name == pool
+        assert {d.name for d in client.read_deployments()} >= {"sft", "rm", "ppo", "full", "ppo-nightly"}
+    assert deployment.work_pool_name == deployed.pool
     assert deployment.entrypoint == "flows/pipeline.py:rlhf"
     assert [next(iter(step)) for step in deployment.pull_steps] == ["prefect.deployments.steps.set_working_directory"]
     assert deployment.job_variables["env"]["RLHF_PROJECT_DIR"] == str(PROJECT_DIR)
+    assert deployment.job_variables["env"]["PREFECT_LOGGING_EXTRA_LOGGERS"] == "rlhf_core"
     assert deployment.parameters["config"]["stages"] == ["sft"]
 
-    # The worker starts elsewhere on purpose: the pull step, not the worker's cwd, finds the code.
-    worker_dir = tmp_path / "worker"
-    worker_dir.mkdir()
-    worker_env = {**prefect_server.env, "PREFECT_WORKER_QUERY_SECONDS": "2"}  # pick the run up quickly
-    worker = background("prefect-worker", [PREFECT, "worker", "start", "--pool", pool], worker_env, cwd=worker_dir)
-
-    toy = init_toy(str(tmp_path / "toy"))
-    config = run_config(tmp_path, toy)
-    started = prefect_server.cli("deployment", "run", "rlhf/sft", "--param", f"config={json.dumps(config)}")
-    match = UUID.search(started.stdout)
-    assert match, f"no flow run id in:\n{started.stdout}"
-
-    flow_run = wait_for_terminal_state(prefect_server.api_url, match.group(1), worker, RUN_TIMEOUT)
-    assert flow_run.state.type.value == "COMPLETED", (
-        f"flow run ended {flow_run.state.name}: {flow_run.state.message}\n{worker.log_tail()}")
-
+    config = run_config(tmp_path, deployed.toy)
+    deployed.run_to_completion("rlhf/sft", config)
     stage_dir = tmp_path / "ckpt" / config["run_name"] / "sft"
     committed = sorted(p.parent.name for p in stage_dir.glob("step_*/MANIFEST.json"))
     assert committed, f"no committed checkpoint under {stage_dir}: {sorted(p.name for p in stage_dir.glob('*'))}"
@@ -119,14 +174,169 @@ def test_sft_then_ppo_deployments_run_on_a_process_worker(prefect_server, backgr
         f"no exported model at {save_path}: {sorted(p.name for p in save_path.glob('*'))}")
 
     # rlhf/ppo on the same worker, from the model the SFT deployment just exported.
-    with SyncPrefectClient(prefect_server.api_url) as client:
-        assert {d.name for d in client.read_deployments()} >= {"sft", "rm", "ppo", "full"}
-    config = ppo_config(tmp_path, toy, str(save_path))
-    started = prefect_server.cli("deployment", "run", "rlhf/ppo", "--param", f"config={json.dumps(config)}")
-    flow_run = wait_for_terminal_state(prefect_server.api_url, UUID.search(started.stdout).group(1), worker,
-                                       RUN_TIMEOUT)
-    assert flow_run.state.type.value == "COMPLETED", (
-        f"flow run ended {flow_run.state.name}: {flow_run.state.message}\n{worker.log_tail()}")
+    deployed.run_to_completion("rlhf/ppo", ppo_config(tmp_path, deployed.toy, str(save_path)))
     ppo_dir = tmp_path / "ckpt" / "deploy-test" / "ppo"
     assert sorted(p.parent.name for p in ppo_dir.glob("step_*/MANIFEST.json")) == ["step_1", "step_2"]
     assert (tmp_path / "out" / "ppo" / "model.safetensors").is_file()
+
+
+# --------------------------------------------------------------------------- rlhf/full as an operator sees it
+
+
+TRAINING_STAGES = ("sft", "rm", "ppo")
+
+
+@pytest.fixture(scope="module")
+def full_run(deployed):
+    """`rlhf/full` run once, unbudgeted (the reference of the budgeted runs): (flow run, config)."""
+    config = full_config(deployed.workdir / "full", deployed.toy)
+    return deployed.run_to_completion("rlhf/full", config), config
+
+
+def child_flow_runs(client, parent_id) -> dict:
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    # A subflow's parent_task_run belongs to the parent flow run (the API filters on that task run).
+    children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+        parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id])))
+    return {child.name: child for child in children}
+
+
+def latest_artifacts(client, flow_run_id) -> dict:
+    """The newest artifact of each key created by one flow run."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    found = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+    newest = {}
+    for artifact in sorted(found, key=lambda artifact: artifact.created):
+        newest[artifact.key] = artifact
+    return newest
+
+
+def flow_run_log(client, flow_run_id) -> str:
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+    return "\n".join(log.message for log in logs)
+
+
+def read_events_eventually(api_url: str, name: str, resource_prefix: str, expected: int, timeout: float = 30.0):
+    """Events named `name` on resources starting with `resource_prefix`; waits until `expected` have arrived
+    (the flow-run process sends them over a websocket, the server stores them a moment later)."""
+    from prefect.client.orchestration import SyncPrefectClient
+    from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
+
+    deadline = time.monotonic() + timeout
+    with SyncPrefectClient(api_url) as client:
+        while True:
+            page = client.read_events(filter=EventFilter(event=EventNameFilter(name=[name]),
+                                                         resource=EventResourceFilter(id_prefix=[resource_prefix])))
+            if len(page.events) >= expected or time.monotonic() > deadline:
+                return page.events
+            time.sleep(1)
+
+
+def test_full_deployment_shows_each_stage_as_a_subflow_with_artifacts_logs_and_events(deployed, full_run):
+    from prefect.client.orchestration import SyncPrefectClient
+
+    flow_run, config = full_run
+    run_dir = Path(config["ckpt_path"]) / config["run_name"]
+    with SyncPrefectClient(deployed.server.api_url) as client:
+        children = child_flow_runs(client, flow_run.id)
+        assert sorted(children) == sorted(f"deploy-full-{stage}" for stage in config["stages"])
+        assert {child.state.type.value for child in children.values()} == {"COMPLETED"}
+        committed = {}
+        for stage in TRAINING_STAGES:
+            child = children[f"deploy-full-{stage}"]
+            committed[stage] = sorted(int(p.parent.name.removeprefix("step_"))
+                                      for p in (run_dir / stage).glob("step_*/MANIFEST.json"))
+            check_stage_artifacts(latest_artifacts(client, child.id), config, stage, committed[stage])
+            log = flow_run_log(client, child.id)
+            num_chunks = len(committed[stage])
+            assert f"{stage} [##########] {num_chunks}/{num_chunks} chunks" in log, log[-3000:]
+            assert "placed 1 of 1 ranks" in log, f"rlhf_core's log does not reach the run (extra loggers):\n{log[-3000:]}"
+        for stage in ("merge", "export"):
+            links = latest_artifacts(client, children[f"deploy-full-{stage}"].id)
+            assert links[f"deploy-full-{stage}-output"].data == config[stage]["save_path" if stage == "export"
+                                                                              else "output_path"]
+    assert committed["sft"] == [16, 32] and committed["ppo"] == [1, 2] and len(committed["rm"]) >= 2
+    curve = (run_dir / "sft-curve.png").read_bytes()
+    assert curve.startswith(b"\x89PNG")
+
+    num_commits = sum(len(steps) for steps in committed.values())
+    events = read_events_eventually(deployed.server.api_url, "rlhf.checkpoint.committed", "rlhf.run.deploy-full.",
+                                    num_commits)
+    seen = sorted((event.payload["stage"], event.payload["step"]) for event in events)
+    assert seen == sorted((stage, step) for stage, steps in committed.items() for step in steps)
+    for event in events:
+        payload = event.payload
+        assert payload["run"] == "deploy-full" and payload["uri"] == str(run_dir / payload["stage"] / f"step_{payload['step']}")
+        assert payload["size_bytes"] > 0, payload
+
+
+def check_stage_artifacts(artifacts: dict, config: dict, stage: str, committed_steps: list[int]) -> None:
+    import base64
+
+    key = f"deploy-full-{stage}"
+    assert artifacts[f"{key}-progress"].type == "progress" and float(artifacts[f"{key}-progress"].data) == 100.0
+    table = artifacts[f"{key}-chunks"]
+    rows = json.loads(table.data) if isinstance(table.data, str) else table.data
+    assert [row["step"] for row in rows] == committed_steps, rows
+    assert all(row["status"].startswith("trained") for row in rows), rows
+    links = artifacts[f"{key}-checkpoints"].data
+    run_dir = Path(config["ckpt_path"]) / config["run_name"]
+    for step in committed_steps:
+        assert str(run_dir / stage / f"step_{step}") in links, links
+    assert f"Exported model: [{config[stage]['save_path']}]" in links, links
+    curve = re.search(r"!\[curve\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", artifacts[f"{key}-curve"].data)
+    assert curve and base64.b64decode(curve.group(1)).startswith(b"\x89PNG"), artifacts[f"{key}-curve"].data[:200]
+
+
+# --------------------------------------------------------------------------- rlhf/ppo-nightly: budgets, schedule
+
+
+def test_ppo_nightly_stops_at_its_chunk_budget_and_the_next_run_finishes_with_the_same_weights(deployed, full_run):
+    from prefect.client.orchestration import SyncPrefectClient
+
+    with SyncPrefectClient(deployed.server.api_url) as client:
+        deployment = client.read_deployment_by_name("rlhf/ppo-nightly")
+    assert [(s.schedule.cron, s.active) for s in deployment.schedules] == [("0 2 * * *", False)]
+    assert deployment.concurrency_limit == 1
+    assert deployment.concurrency_options.collision_strategy == "CANCEL_NEW"
+    assert deployment.parameters["config"]["max_chunks_per_run"] == 1
+    assert deployment.parameters["config"]["load_checkpoint"] is True
+
+    _, full = full_run
+    workdir = deployed.workdir / "nightly"
+    config = {"run_name": "nightly", "stages": ["ppo"], "ckpt_path": str(workdir / "ckpt"), "load_checkpoint": True,
+              "seed": 42, "num_workers": 1, "max_chunks_per_run": 1,
+              "ppo": ppo_section(deployed.toy, full["sft"]["save_path"], workdir / "ppo_lora", lora_rank=8)}
+    stage_dir, save_path = workdir / "ckpt" / "nightly" / "ppo", workdir / "ppo_lora"
+
+    # Two runs at once: the deployment's concurrency limit (1, CANCEL_NEW) lets one start.
+    both = [deployed.run("rlhf/ppo-nightly", config), deployed.run("rlhf/ppo-nightly", config)]
+    ended = {run_id: deployed.wait(run_id) for run_id in both}
+    states = sorted(flow_run.state.type.value for flow_run in ended.values())
+    assert states == ["CANCELLED", "COMPLETED"], {run_id: r.state.name for run_id, r in ended.items()}
+    first = next(run_id for run_id, flow_run in ended.items() if flow_run.state.type.value == "COMPLETED")
+    assert sorted(p.parent.name for p in stage_dir.glob("step_*/MANIFEST.json")) == ["step_1"]
+    assert not save_path.exists(), "a stage stopped by its budget was exported"
+    with SyncPrefectClient(deployed.server.api_url) as client:
+        log = flow_run_log(client, child_flow_runs(client, first)["nightly-ppo"].id)
+    assert "ppo: stopped at step 1/2 because the chunk budget (max_chunks_per_run) is spent" in log, log[-3000:]
+
+    second = deployed.run_to_completion("rlhf/ppo-nightly", config)
+    assert sorted(p.parent.name for p in stage_dir.glob("step_*/MANIFEST.json")) == ["step_1", "step_2"]
+    with SyncPrefectClient(deployed.server.api_url) as client:
+        rows = json.loads(latest_artifacts(client, child_flow_runs(client, second.id)["nightly-ppo"].id)
+                          ["nightly-ppo-chunks"].data)
+    assert [row["status"] for row in rows] == ["cached", "trained 1 steps"], rows
+
+    expected_dir = Path(full["ppo"]["save_path"])
+    expected_files = sorted(p.name for p in expected_dir.glob("*.safetensors"))
+    assert expected_files and sorted(p.name for p in save_path.glob("*.safetensors")) == expected_files
+    for name in expected_files:
+        expected, actual = load_file(str(expected_dir / name)), load_file(str(save_path / name))
+        assert expected.keys() == actual.keys()
+        for tensor_name, tensor in expected.items():
+            assert torch.equal(tensor, actual[tensor_name]), f"{name}:{tensor_name} differs from the unbudgeted run"
