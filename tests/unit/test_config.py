@@ -39,6 +39,22 @@ def test_semantic_hash_ignores_operational_fields_only():
     assert semantic_hash(base, "sft") != semantic_hash(RunConfig(sft=sft(), seed=1), "sft")
 
 
+def test_num_workers_changes_the_math_of_ppo_only(tmp_path):
+    from rlhf_core.config import PPOConfig
+    from rlhf_core.resume import config_drift
+
+    def ppo_run(num_workers: int, **overrides) -> RunConfig:
+        ppo = PPOConfig(pretrain="m", reward_fn="rewards:length", prompt_data="p.jsonl", rollout_batch_size=4,
+                        train_batch_size=4, micro_train_batch_size=1, micro_rollout_batch_size=1)
+        return RunConfig(stages=["ppo"], ppo=ppo, num_workers=num_workers, **overrides)
+
+    assert semantic_hash(ppo_run(1), "ppo") != semantic_hash(ppo_run(2), "ppo")
+    saved = {"config": {}, "seed": 42, "world_size": 2}
+    changes = config_drift(ppo_run(1), "ppo", saved)
+    assert "num_workers: 2 -> 1 (each PPO rank samples with its own seed)" in changes
+    assert not any("num_workers" in change for change in config_drift(ppo_run(1, allow_fewer_workers=True), "ppo", saved))
+
+
 def test_yaml_config_errors_name_file_and_field(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("stages: [sft]\nsft:\n  pretrain: m\n  dataset: d.jsonl\n  train_batch_size: 0\n")
