@@ -4,11 +4,15 @@ so each flag's help is the field's description.
     rlhf toy init DIR                 tiny model + toy data
     rlhf train sft --pretrain ... --dataset ... [--load_checkpoint]
     rlhf run CONFIG.yaml              the pipeline from a YAML run config
-    rlhf ckpt ls PATH [--json]        checkpoints of one stage folder
+    rlhf ckpt ls PATH [--json]        checkpoints of one stage folder, with their alerts
+    rlhf status RUN_URL               stages, last committed steps, alerts, lease, outputs of a run
     rlhf demo [--workdir DIR]         the whole pipeline on toy data
 
 Training commands run the Prefect flow `rlhf` (on Prefect's ephemeral server when no
-PREFECT_API_URL is set). Mistakes the user can fix print one sentence and exit with code 2.
+PREFECT_API_URL is set). Their console shows the chunk and stage lines, warnings once and errors;
+Ray's, DeepSpeed's and the ranks' full output goes to a log file (rlhf_core.console: in the run
+folder's logs/driver.log when it is local) and --verbose shows it on the console too.
+Mistakes the user can fix print one sentence and exit with code 2.
 """
 
 from __future__ import annotations
@@ -147,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt_ls.add_argument("path", metavar="PATH")
     ckpt_ls.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
     ckpt_ls.add_argument("--verify", action="store_true", help="Check every file's sha256, not only its size.")
+    status = commands.add_parser("status", help="Stages, last committed steps, alerts, lease and outputs of a run.")
+    status.add_argument("run_url", metavar="RUN_URL", help="The run folder, {ckpt_path}/{run_name} (local or s3://).")
     ckpt_verify = ckpt.add_parser("verify", help="Check every checkpoint's sha256; exit 1 if the newest is not valid.")
     ckpt_verify.add_argument("path", metavar="PATH")
     ckpt_verify.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
@@ -157,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="Run the pipeline on the toy model and data.")
     demo.add_argument("--workdir", default="./demo", help="Folder for toy assets, checkpoints and outputs.")
     demo.add_argument("--num_workers", type=int, default=1, help="DeepSpeed ranks (Ray actors).")
+    demo.add_argument("--verbose", action="store_true", help=RunConfig.model_fields["verbose"].description)
     return parser
 
 
@@ -172,18 +179,138 @@ def run_config_from_flags(stage: str, flags: dict[str, Any]) -> RunConfig:
 
 
 def cmd_ckpt(command: str, path: str, as_json: bool, verify: bool) -> int:
-    """`ckpt ls` lists; `ckpt verify` hashes everything and fails when the newest step is not valid."""
+    """`ckpt ls` lists, each checkpoint with its alerts; `ckpt verify` hashes everything and fails when the
+    newest step is not valid."""
     from rlhf_core.checkpoint import CheckpointStore, format_listing, to_json
 
     store = CheckpointStore(path)
     store.require_folder()  # a mistyped path is a mistake (exit 2), not an empty listing
     infos = store.list(verify=verify or command == "verify")
-    print(json.dumps(to_json(infos), indent=2) if as_json else format_listing(infos))
+    alerts = stage_alerts(store.url)
+    if as_json:
+        rows = to_json(infos)
+        for row in rows:
+            row["alerts"] = [alert_summary(alert) for alert in alerts if alert.step == row["step"]]
+        print(json.dumps(rows, indent=2))
+    else:
+        print(listing_with_alerts(format_listing(infos), infos, alerts))
     if command == "verify" and (not infos or not infos[-1].is_committed):
         newest = f"{infos[-1].name} is {infos[-1].status} ({infos[-1].reason})" if infos else "no checkpoint found"
         print(f"rlhf: newest checkpoint is not valid: {newest}.", file=sys.stderr)
         return 1
     return 0
+
+
+def stage_alerts(stage_url: str) -> list:
+    """The alerts of the stage folder `stage_url` ({run_url}/{stage}), from its run's alerts.jsonl."""
+    from rlhf_core.alerts import AlertLog
+
+    run_url, _, stage = stage_url.rstrip("/").rpartition("/")
+    if not run_url or not stage:
+        return []
+    return AlertLog(run_url).for_stage(stage)
+
+
+def alert_summary(alert) -> dict[str, Any]:
+    return {"name": alert.name, "stage": alert.stage, "step": alert.step, "message": alert.message}
+
+
+def _alert_line(alert, indent: str = "  ") -> str:
+    return f"{indent}! {alert.name}: {alert.message}"
+
+
+def listing_with_alerts(table: str, infos: list, alerts: list) -> str:
+    """`format_listing`'s table (a header, then one line per checkpoint) with each checkpoint's alerts on lines
+    below it; alerts of steps that have no checkpoint (a chunk that failed uncommitted) come last."""
+    if not alerts:
+        return table
+    lines = table.splitlines()
+    if len(lines) != len(infos) + 1:  # not the expected table (e.g. "no checkpoints"): alerts after it
+        lines, infos = [table], []
+    out, listed = [lines[0]], {info.step for info in infos}
+    for info, line in zip(infos, lines[1:]):
+        out.append(line)
+        out.extend(_alert_line(alert) for alert in alerts if alert.step == info.step)
+    unlisted = [alert for alert in alerts if alert.step not in listed]
+    if unlisted:
+        out.append("alerts at steps without a checkpoint here:")
+        out.extend(f"  step {alert.step}: {alert.name}: {alert.message}" for alert in unlisted)
+    return "\n".join(out)
+
+
+def cmd_status(run_url: str) -> None:
+    """`rlhf status RUN_URL`: a few lines on a run folder (see `run_status`)."""
+    print(run_status(run_url))
+
+
+def run_status(run_url: str) -> str:
+    """The stages found under `run_url`, each one's last committed step, headline metric and output folder, the
+    run's alerts and its lease holder. A URL that is no run folder is a UserError."""
+    import time
+
+    from rlhf_core.alerts import AlertLog
+    from rlhf_core.checkpoint import CheckpointStore
+    from rlhf_core.lease import RunLease
+
+    run_url = run_url.rstrip("/")
+    try:
+        CheckpointStore(run_url).require_folder()  # also: an unreachable store is one sentence
+    except UserError as error:
+        if "no such folder" not in str(error) and "is a file" not in str(error):
+            raise
+        raise UserError(f"{run_url} is not a folder; give a run folder {{ckpt_path}}/{{run_name}} "
+                        "(e.g. ./ckpt/rlhf).") from None
+    stages = [(stage, CheckpointStore(f"{run_url}/{stage}")) for stage in STAGES]
+    stages = [(stage, store) for stage, store in stages if _is_folder(store)]
+    alerts = AlertLog(run_url).read()
+    holder = RunLease(run_url).read()
+    if not stages and not alerts and holder is None:
+        parent, _, name = run_url.rpartition("/")
+        hint = (f" ({name} is a stage folder: give its parent, {parent})" if name in STAGES else "")
+        raise UserError(f"{run_url} is not a run folder: it holds no stage folder, alerts.jsonl or LEASE.json; "
+                        f"give {{ckpt_path}}/{{run_name}}{hint}.")
+    lines = [f"run {run_url.rpartition('/')[2]} ({run_url})"]
+    lines += [_stage_status(stage, store) for stage, store in stages] or ["no stage folders yet"]
+    if holder is None or holder.released:
+        lines.append("lease: free")
+    else:
+        lines.append(f"lease: held by {holder.describe(time.time())}")
+    lines.append(f"alerts: {len(alerts)}" if alerts else "alerts: none")
+    lines += [f"  {alert.stage} step {alert.step}: {alert.name}: {alert.message}" for alert in alerts]
+    return "\n".join(lines)
+
+
+def _is_folder(store) -> bool:
+    try:
+        return store.fs.isdir(store.root)
+    except OSError:
+        return False
+
+
+def _stage_status(stage: str, store) -> str:
+    """One line: the stage's last committed step of its total, its headline metric and its output folder."""
+    from rlhf_core.alerts import headline_metric
+
+    infos = store.list()
+    committed = [info for info in infos if info.is_committed]
+    if not committed:
+        return f"{stage:<6} no committed checkpoint ({len(infos)} incomplete or corrupt)"
+    last = committed[-1]
+    try:
+        metadata = store.read_metadata(last.step)
+    except UserError:
+        metadata = {}
+    metrics = metadata.get("metrics") or {}
+    total = metadata.get("total_steps")
+    parts = [f"{stage:<6} step {last.step}" + (f"/{total}" if total else ""),
+             f"{len(committed)} committed"]
+    headline = headline_metric(stage, metrics)
+    if headline:
+        parts.append(f"{headline[0]} {metrics[headline[0]]:.4g}")
+    config = metadata.get("config") or {}
+    save_path = metadata.get("save_path") or config.get("save_path")
+    parts.append(f"output {save_path}" if save_path else f"checkpoint {last.uri}")
+    return ", ".join(parts)
 
 
 def cmd_lora_combiner(flags: dict[str, Any]) -> None:
@@ -220,6 +347,30 @@ def checkpoint_adapter(lora_path: str, local_dir: str) -> str | None:
     return os.path.join(local_dir, "actor_model", "hf")
 
 
+def _run_pipeline(run: RunConfig) -> None:
+    from flows.pipeline import run_pipeline
+
+    run_pipeline(run)
+
+
+def run_quietly(run_url: str, run_name: str, verbose: bool, start: typing.Callable[[], Any]) -> None:
+    """`start()` (a training command) with the quiet console of rlhf_core.console: its log file is written once
+    the run is real, and not at all when the run is refused with a UserError."""
+    import flows.pipeline  # noqa: F401 - importing prefect sets up its logging; the console's filters go on it
+    from rlhf_core.console import configure_console, discard_log_file, log_file_for, open_log_file
+
+    configure_console(log_file_for(run_url, run_name), verbose)
+    try:
+        start()
+    except UserError:
+        discard_log_file()
+        raise
+    except BaseException:
+        open_log_file()
+        raise
+    open_log_file()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "rlhf_core")  # fallback and set-aside notices
@@ -234,13 +385,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{name}: {path}")
         elif args.command == "train":
             flags = {k: v for k, v in vars(args).items() if k not in ("command", "stage")}
-            from flows.pipeline import run_pipeline
-
-            run_pipeline(run_config_from_flags(args.stage, flags))
+            run = run_config_from_flags(args.stage, flags)
+            run_quietly(run.run_url(), run.run_name, run.verbose, lambda: _run_pipeline(run))
         elif args.command == "run":
-            from flows.pipeline import run_pipeline
-
-            run_pipeline(load_run_config(args.config))
+            run = load_run_config(args.config)
+            run_quietly(run.run_url(), run.run_name, run.verbose, lambda: _run_pipeline(run))
+        elif args.command == "status":
+            cmd_status(args.run_url)
         elif args.command == "ckpt":
             return cmd_ckpt(args.ckpt_command, args.path, args.json, getattr(args, "verify", False))
         elif args.command == "lora-combiner":
@@ -248,9 +399,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                          (MergeConfig,))
             cmd_lora_combiner(flags)
         elif args.command == "demo":
-            from flows.demo import run_demo
+            from flows.demo import demo_config, run_demo
 
-            run_demo(args.workdir, args.num_workers)
+            demo_run = demo_config(args.workdir, args.num_workers)
+            run_quietly(demo_run.run_url(), demo_run.run_name, args.verbose,
+                        lambda: run_demo(args.workdir, args.num_workers))
     except UserError as error:
         print(f"rlhf: error: {error}", file=sys.stderr)
         return 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 from flows.cli import main
 from rlhf_core.checkpoint import CheckpointStore
@@ -67,3 +68,89 @@ def test_lora_combiner_takes_a_checkpoints_latest_as_lora_path(tmp_path, toy_ass
     assert main(["lora-combiner", "--model_path", toy_assets["model"], "--lora_path",
                  str(tmp_path / "ckpt" / "run" / "ppo" / "step_9"), "--output_path", str(out)]) == 2
     assert "holds no valid checkpoint step_9" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- alerts in `ckpt ls`, and `rlhf status`
+
+
+def _alerts(run_dir, *alerts):
+    from rlhf_core.alerts import Alert, AlertLog
+
+    AlertLog(str(run_dir)).append(*(Alert(name=name, run_name="run", stage=stage, step=step, message=message)
+                                    for name, stage, step, message in alerts))
+
+
+def make_run(tmp_path):
+    """A run folder with an SFT stage (steps 5, 10 with metrics) and a PPO stage (step 4), and three alerts."""
+    run_dir = tmp_path / "run"
+    for stage, steps in (("sft", (5, 10)), ("ppo", (4,))):
+        store = CheckpointStore(str(run_dir / stage))
+        for step in steps:
+            local = tmp_path / f"local_{stage}_{step}"
+            local.mkdir()
+            (local / "weights.bin").write_bytes(bytes([step]) * 1000)
+            metrics = {"loss": 3.0 - step / 10} if stage == "sft" else {"reward": 0.25, "mean_reward": 0.5}
+            store.commit(step, str(local), {"step": step, "total_steps": 20 if stage == "sft" else 8,
+                                            "metrics": metrics, "save_path": f"/out/{stage}"})
+    _alerts(run_dir, ("rlhf.alert.checkpoint-size", "sft", 10, "step_10 is 90% smaller than predicted."),
+            ("rlhf.alert.non-finite", "sft", 15, "loss is NaN at step 15; not committed."),
+            ("rlhf.alert.reward-stagnant", "ppo", 4, "mean_reward has not improved in 3 checkpoints."))
+    return run_dir
+
+
+def test_ckpt_ls_shows_each_checkpoints_alerts_below_it(tmp_path, capsys):
+    run_dir = make_run(tmp_path)
+    assert main(["ckpt", "ls", str(run_dir / "sft")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    step_10 = next(index for index, line in enumerate(lines) if line.startswith("10 "))
+    assert lines[step_10 + 1] == "  ! rlhf.alert.checkpoint-size: step_10 is 90% smaller than predicted."
+    step_5 = next(index for index, line in enumerate(lines) if line.startswith("5 "))
+    assert lines[step_5 + 1].startswith("10 "), "step 5 has no alert"
+    assert "reward-stagnant" not in "\n".join(lines), "another stage's alert"
+    assert lines[-2:] == ["alerts at steps without a checkpoint here:",
+                          "  step 15: rlhf.alert.non-finite: loss is NaN at step 15; not committed."]
+    assert main(["ckpt", "ls", str(run_dir / "sft"), "--json"]) == 0
+    rows = {row["step"]: row for row in json.loads(capsys.readouterr().out)}
+    assert rows[5]["alerts"] == []
+    assert [alert["name"] for alert in rows[10]["alerts"]] == ["rlhf.alert.checkpoint-size"]
+
+
+def test_ckpt_ls_without_alerts_is_the_plain_table(tmp_path, capsys):
+    stage_dir = make_store(tmp_path, [5])
+    assert main(["ckpt", "ls", str(stage_dir)]) == 0
+    assert "!" not in capsys.readouterr().out
+
+
+def test_status_lists_stages_steps_metrics_outputs_alerts_and_lease(tmp_path, capsys):
+    from rlhf_core.lease import RunLease
+
+    run_dir = make_run(tmp_path)
+    assert main(["status", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0] == f"run run ({run_dir})"
+    assert lines[1] == "sft    step 10/20, 2 committed, loss 2, output /out/sft"
+    assert lines[2] == "ppo    step 4/8, 1 committed, mean_reward 0.5, output /out/ppo"
+    assert "lease: free" in lines
+    assert "alerts: 3" in lines
+    assert "  ppo step 4: rlhf.alert.reward-stagnant: mean_reward has not improved in 3 checkpoints." in lines
+    assert len(lines) <= 10
+    with RunLease(str(run_dir)):
+        assert main(["status", str(run_dir)]) == 0
+        assert f"lease: held by pid {os.getpid()} on " in capsys.readouterr().out
+
+
+def test_status_of_a_folder_that_is_no_run_is_one_sentence(tmp_path, capsys):
+    run_dir = make_run(tmp_path)
+    assert main(["status", str(run_dir / "sft")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not a run folder" in err and f"give its parent, {run_dir}" in err
+    assert main(["status", str(tmp_path / "missing")]) == 2
+    assert "is not a folder" in capsys.readouterr().err
+
+
+def test_status_of_a_run_with_only_an_alert_log(tmp_path, capsys):
+    _alerts(tmp_path / "run", ("rlhf.alert.non-finite", "sft", 3, "loss is NaN at step 3; not committed."))
+    assert main(["status", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "no stage folders yet" in out and "sft step 3: rlhf.alert.non-finite" in out
