@@ -1,0 +1,222 @@
+"""A worker SIGKILLed mid-chunk: the flow run is marked Crashed, and `prefect flow-run retry` finishes it.
+
+Real processes: a Prefect server, the automations of deployments/automations.yaml (created by
+deployments/create_automations.py), `rlhf/sft` deployed from this repository's prefect.yaml, a process
+worker, a local Ray cluster and DeepSpeed. The toy SFT run has 3 chunks of 2 steps. A fault hook in the
+first worker's environment pauses the rank at step 3 (inside chunk 2, after chunk 1 has committed); the
+test then SIGKILLs the worker, the flow-run process and the Ray cluster they started, all at once, as a
+lost machine would. Nobody reports that death: the run stays Running until the heartbeat automation sees
+no `prefect.flow-run.heartbeat` for its window and marks it Crashed. `prefect flow-run retry ID` then runs
+it on a new worker: chunk 1 is Cached, chunks 2 and 3 train, the exported weights equal those of an
+uninterrupted `rlhf train sft` with the same settings tensor for tensor, and the checkpoint committed
+before the kill is still committed, byte for byte.
+
+Prints the two times an operator cares about: kill -> Crashed and retry -> Completed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from tests.conftest import run_rlhf
+from tests.integration.conftest import PREFECT, PROJECT_DIR, _descendants, _processes
+from tests.integration.test_deployment import UUID, deployment_spec, wait_for_terminal_state
+
+pytestmark = pytest.mark.slow
+
+PREFECT_FILE = PROJECT_DIR / "prefect.yaml"
+AUTOMATIONS_FILE = PROJECT_DIR / "deployments" / "automations.yaml"
+CREATE_AUTOMATIONS = PROJECT_DIR / "deployments" / "create_automations.py"
+CRASH_AUTOMATION = "rlhf-crash-unresponsive-flow-runs"
+HEARTBEAT_SETTING = "PREFECT_FLOWS_HEARTBEAT_FREQUENCY"
+RUN_TIMEOUT = 420.0  # a cold first DeepSpeed start JIT-builds an op (~80 s); a warm run takes ~40 s
+PAUSED_STEP = 3  # chunk 2 (steps 3-4); chunk 1 (steps 1-2) has committed by then
+SETTINGS = {  # 48 samples / 8 per step = 6 steps, 3 chunks of 2; max_ckpt_num keeps all 3
+    "max_len": 64, "max_samples": 48, "train_batch_size": 8, "micro_train_batch_size": 4, "max_epochs": 1,
+    "learning_rate": 1e-3, "save_steps": 2,
+}
+
+
+def run_config(tmp_path: Path, toy: dict[str, str]) -> dict:
+    return {
+        "run_name": "crash-retry", "stages": ["sft"], "ckpt_path": str(tmp_path / "ckpt"), "load_checkpoint": True,
+        "max_ckpt_num": 3, "seed": 42, "num_workers": 1,
+        "sft": {"pretrain": toy["model"], "dataset": toy["sft"], "input_key": "prompt", "output_key": "response",
+                "save_path": str(tmp_path / "out" / "sft"), **SETTINGS},
+    }
+
+
+def reference_weights(tmp_path: Path, toy: dict[str, str], env: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The same SFT run through `rlhf train sft`, never interrupted."""
+    out = tmp_path / "reference"
+    args = ["train", "sft", "--pretrain", toy["model"], "--dataset", toy["sft"], "--input_key", "prompt",
+            "--output_key", "response", "--ckpt_path", str(out / "ckpt"), "--max_ckpt_num", "3",
+            "--save_path", str(out / "model"), "--seed", "42"]
+    for flag, value in SETTINGS.items():
+        args += [f"--{flag}", str(value)]
+    result = run_rlhf(args, env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return load_file(str(out / "model" / "model.safetensors"))
+
+
+def crash_window_s() -> float:
+    spec = yaml.safe_load(AUTOMATIONS_FILE.read_text())
+    automation = next(a for a in spec["automations"] if a["name"] == CRASH_AUTOMATION)
+    return float(automation["trigger"]["within"])
+
+
+def create_automations(prefect_server) -> dict[str, str]:
+    """Run the one command; returns {name: id} as the server lists them."""
+    from prefect.client.orchestration import SyncPrefectClient
+
+    result = subprocess.run([sys.executable, str(CREATE_AUTOMATIONS), "--api-url", prefect_server.api_url],
+                            env=prefect_server.env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    with SyncPrefectClient(prefect_server.api_url) as client:
+        return {automation.name: str(automation.id) for automation in client.read_automations()}
+
+
+def committed_manifests(stage_dir: Path) -> dict[str, bytes]:
+    return {path.parent.name: path.read_bytes() for path in stage_dir.glob("step_*/MANIFEST.json")}
+
+
+def sigkill_tree(root_pid: int) -> list[int]:
+    """SIGKILL `root_pid` and every process in the sessions of its process tree (the worker runs each flow
+    run in a session of its own, and the Ray cluster that run started lives there), at once: no process gets
+    a chance to report anything. Returns the pids killed."""
+    table = _processes()
+    sessions = {root_pid} | {table[pid][2] for pid in _descendants(root_pid, table)}
+    killed: set[int] = set()
+    for _ in range(50):
+        left = [pid for pid, (_, _, sid) in _processes().items() if sid in sessions or pid == root_pid]
+        if not left:
+            return sorted(killed)
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.2)
+    raise AssertionError(f"processes of sessions {sorted(sessions)} survived SIGKILL")
+
+
+def wait_until(what: str, condition, timeout: float, interval: float = 1.0, context=lambda: ""):
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s\n{context()}"
+        time.sleep(interval)
+    return value
+
+
+def chunk_task_states(api_url: str, flow_run_id: str) -> dict[str, list[str]]:
+    """Task run name -> state names of every `train_chunk` run of the flow run and its subflow runs."""
+    from prefect.client.orchestration import SyncPrefectClient
+    from prefect.client.schemas.filters import FlowRunFilter, TaskRunFilter
+
+    states: dict[str, list[str]] = {}
+    with SyncPrefectClient(api_url) as client:
+        children = client.read_flow_runs(flow_run_filter=FlowRunFilter(parent_flow_run_id={"any_": [flow_run_id]}))
+        run_ids = [flow_run_id, *(str(child.id) for child in children)]
+        task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": run_ids}),
+                                          task_run_filter=TaskRunFilter(name={"like_": "sft-to-step-"}))
+    for task_run in task_runs:
+        states.setdefault(task_run.name, []).append(task_run.state.name if task_run.state else "None")
+    return states
+
+
+def flow_run_state(api_url: str, flow_run_id: str):
+    from prefect.client.orchestration import SyncPrefectClient
+
+    with SyncPrefectClient(api_url) as client:
+        return client.read_flow_run(flow_run_id).state
+
+
+def test_killed_worker_run_is_crashed_then_retry_completes_it(prefect_server, background, toy_assets, rlhf_env,
+                                                             tmp_path):
+    from prefect.client.orchestration import SyncPrefectClient
+    from rlhf_core.checkpoint import CheckpointStore
+
+    # The automations, by the one command; a second call updates them in place.
+    automations = create_automations(prefect_server)
+    assert create_automations(prefect_server) == automations
+    assert CRASH_AUTOMATION in automations and len(automations) == 4
+
+    spec = deployment_spec("sft")
+    pool = spec["work_pool"]["name"]
+    prefect_server.cli("work-pool", "create", pool, "--type", "process")
+    prefect_server.cli("--no-prompt", "deploy", "--name", "sft", "--prefect-file", str(PREFECT_FILE), cwd=PROJECT_DIR, env={"PWD": str(PROJECT_DIR)})
+    with SyncPrefectClient(prefect_server.api_url) as client:
+        job_env = client.read_deployment_by_name("rlhf/sft").job_variables["env"]
+    heartbeat_s = float(job_env.get(HEARTBEAT_SETTING, 0))
+    assert 30 <= heartbeat_s <= crash_window_s() / 3, (
+        f"prefect.yaml must set {HEARTBEAT_SETTING} (30 s or more, at most a third of the "
+        f"{crash_window_s():.0f} s window of {CRASH_AUTOMATION}) in the deployment's job env; it has {job_env}")
+
+    fault_state = tmp_path / "faults"
+    fault_state.mkdir()
+    worker_env = {**prefect_server.env, "PREFECT_WORKER_QUERY_SECONDS": "2",
+                  "RLHF_FAULT_INJECT": f"train_step@{PAUSED_STEP}=sleep:900", "RLHF_FAULT_STATE": str(fault_state)}
+    worker = background("worker-1", [PREFECT, "worker", "start", "--pool", pool], worker_env, cwd=tmp_path)
+
+    config = run_config(tmp_path, toy_assets)
+    started = prefect_server.cli("deployment", "run", "rlhf/sft", "--param", f"config={json.dumps(config)}")
+    flow_run_id = UUID.search(started.stdout).group(1)
+    stage_dir = tmp_path / "ckpt" / config["run_name"] / "sft"
+
+    # The rank is inside chunk 2, paused before step 3, once the fault hook has left its marker.
+    wait_until("the rank paused in chunk 2", lambda: (fault_state / f"train_step@{PAUSED_STEP}").exists(),
+               RUN_TIMEOUT, context=worker.log_tail)
+    before_kill = committed_manifests(stage_dir)
+    assert sorted(before_kill) == ["step_2"], sorted(before_kill)
+    assert flow_run_state(prefect_server.api_url, flow_run_id).type.value == "RUNNING"
+
+    killed = sigkill_tree(worker.pid)
+    killed_at = time.monotonic()
+    print(f"\nSIGKILLed the worker and {len(killed) - 1} processes it started")
+
+    window = crash_window_s()
+    crashed = wait_until(
+        "the killed run marked Crashed",
+        lambda: (state := flow_run_state(prefect_server.api_url, flow_run_id)).type.value != "RUNNING" and state,
+        window + 2 * heartbeat_s + 60, interval=2)
+    crash_s = time.monotonic() - killed_at
+    print(f"kill -> {crashed.name}: {crash_s:.0f} s (automation window {window:.0f} s, heartbeat {heartbeat_s:.0f} s)")
+    assert crashed.type.value == "CRASHED", f"{crashed.name}: {crashed.message}"
+
+    # A new worker, without the fault hook, picks up the retry.
+    retry_env = {k: v for k, v in worker_env.items() if not k.startswith("RLHF_FAULT")}
+    new_worker = background("worker-2", [PREFECT, "worker", "start", "--pool", pool], retry_env, cwd=tmp_path)
+    retried_at = time.monotonic()
+    prefect_server.cli("flow-run", "retry", flow_run_id)
+    flow_run = wait_for_terminal_state(prefect_server.api_url, flow_run_id, new_worker, RUN_TIMEOUT)
+    print(f"retry -> {flow_run.state.name}: {time.monotonic() - retried_at:.0f} s")
+    assert flow_run.state.type.value == "COMPLETED", (
+        f"the retry ended {flow_run.state.name}: {flow_run.state.message}\n{new_worker.log_tail()}")
+
+    chunks = chunk_task_states(prefect_server.api_url, flow_run_id)
+    assert "Cached" in chunks.get("sft-to-step-2", []), f"chunk 1 not Cached on the retry: {chunks}"
+    for target in ("sft-to-step-4", "sft-to-step-6"):
+        assert "Completed" in chunks.get(target, []), f"{target} not trained on the retry: {chunks}"
+
+    after = committed_manifests(stage_dir)
+    assert {name: after.get(name) for name in before_kill} == before_kill, "a checkpoint committed before the kill changed"
+    listed = {info.name: info.is_committed for info in CheckpointStore(str(stage_dir)).list(verify=True)}
+    assert listed == {"step_2": True, "step_4": True, "step_6": True}, listed
+
+    weights = load_file(str(Path(config["sft"]["save_path"]) / "model.safetensors"))
+    reference = reference_weights(tmp_path, toy_assets, rlhf_env)
+    assert weights.keys() == reference.keys()
+    different = [name for name in reference if not torch.equal(weights[name], reference[name])]
+    assert not different, f"{len(different)} tensors differ from the uninterrupted run's, e.g. {different[:3]}"
