@@ -336,9 +336,19 @@ def _write_worker_batch(batch: dict) -> None:
         return
     level = logging.WARNING if batch.get("is_err") else logging.INFO
     prefix = _worker_prefix(batch)
-    for line in batch.get("lines", []):
+    for line in _cluster_lines(batch) if batch.get("pid") == "autoscaler" else batch.get("lines", []):
         record = logging.LogRecord(WORKER_OUTPUT_LOGGER, level, __file__, 0, f"{prefix} {line}", None, None)
         _console.file_handler.handle(record)
+
+
+def _cluster_lines(batch: dict) -> list[str]:
+    """The autoscaler's events in a batch, as Ray's own printer picks them (not its status table every 5 s)."""
+    try:
+        from ray._private.worker import filter_autoscaler_events
+
+        return list(filter_autoscaler_events(batch.get("lines", [])))
+    except Exception:  # noqa: BLE001 - raising here would stop Ray's log thread; Ray's own needs the GCS client
+        return []
 
 
 def _print_cluster_lines(batch: dict) -> None:
@@ -346,11 +356,7 @@ def _print_cluster_lines(batch: dict) -> None:
     autoscaler's events (a node lost or added), as Ray would print them; no actor output."""
     source, lines = batch.get("pid"), batch.get("lines", [])
     if source == "autoscaler":
-        try:
-            from ray._private.worker import filter_autoscaler_events
-        except ImportError:
-            return
-        lines = list(filter_autoscaler_events(lines))
+        lines = _cluster_lines(batch)
     elif source != "raylet":
         return
     for line in lines:

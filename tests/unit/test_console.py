@@ -131,3 +131,16 @@ def test_without_configure_console_nothing_changes():
     assert console.ray_init_options() == {"log_to_driver": True, "logging_level": logging.WARNING}
     console.route_ray_worker_output()  # a deployment run's worker: no-op
     console.open_log_file()
+
+
+def test_autoscaler_status_tables_are_left_out_without_breaking_rays_log_thread(quiet, capsys):
+    """Ray prints only the autoscaler's events, not its status table every 5 s; here Ray is not initialized,
+    so Ray's filter cannot even run: nothing is written and nothing raises (it runs in Ray's log thread)."""
+    _, log_file = quiet()
+    console.open_log_file()
+    batch = {"pid": "autoscaler", "ip": "10.0.0.1", "is_err": False,
+             "lines": ["======== Autoscaler status: 2026-11-30 ========", "Node status"]}
+    console._write_worker_batch(batch)
+    console._print_cluster_lines(batch)
+    assert "Autoscaler status" not in capsys.readouterr().err
+    assert "Autoscaler status" not in log_file.read_text()
