@@ -24,22 +24,24 @@ from uuid import UUID
 
 import yaml
 
+from rlhf_core.errors import UserError
+
 AUTOMATIONS_FILE = Path(__file__).resolve().parent / "automations.yaml"
 ALERT_PREFIX = "rlhf-alert-"
 
 
 def load_automations(path: Path, notify_block_id: UUID | None = None) -> list[Any]:
     """The file's automations as validated `AutomationCore` models; the alerts notify through
-    `notify_block_id` when given. Raises ValueError naming the file and the problem."""
-    from pydantic import ValidationError
+    `notify_block_id` when given. Raises UserError naming the file and the problem."""
     from prefect.events.schemas.automations import AutomationCore
+    from pydantic import ValidationError
 
     try:
         spec = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as error:
-        raise ValueError(f"{path}: cannot read it as YAML ({error})") from error
+        raise UserError(f"{path}: cannot read it as YAML ({error})") from error
     if not isinstance(spec, dict) or not isinstance(spec.get("automations"), list):
-        raise ValueError(f"{path}: expected a mapping with an `automations:` list")
+        raise UserError(f"{path}: expected a mapping with an `automations:` list")
     automations = []
     for index, entry in enumerate(spec["automations"]):
         if notify_block_id is not None and str(entry.get("name", "")).startswith(ALERT_PREFIX):
@@ -47,11 +49,12 @@ def load_automations(path: Path, notify_block_id: UUID | None = None) -> list[An
         try:
             automations.append(AutomationCore.model_validate(entry))
         except ValidationError as error:
-            raise ValueError(f"{path}: automations[{index}] ({entry.get('name')!r}) is not a valid "
-                             f"automation: {error}") from error
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'entry'}: {e['msg']}" for e in error.errors())
+            raise UserError(f"{path}: automations[{index}] ({entry.get('name')!r}) is not a valid automation "
+                            f"({problems})") from None
     names = [automation.name for automation in automations]
     if len(set(names)) != len(names):
-        raise ValueError(f"{path}: automation names must be unique (they are how updates find them): {names}")
+        raise UserError(f"{path}: automation names must be unique (they are how updates find them): {names}")
     return automations
 
 
@@ -63,16 +66,16 @@ def _notification(spec: dict, block_id: UUID) -> dict:
 
 
 def resolve_block(client, slug: str) -> UUID:
-    """The id of block document `TYPE/NAME` (as `prefect block ls` shows it); ValueError when missing."""
+    """The id of block document `TYPE/NAME` (as `prefect block ls` shows it); UserError when missing."""
     from prefect.exceptions import ObjectNotFound
 
     block_type, _, block_name = slug.partition("/")
     if not block_type or not block_name:
-        raise ValueError(f"--notify-block {slug!r}: expected BLOCK_TYPE/BLOCK_NAME, e.g. slack-webhook/rlhf-alerts")
+        raise UserError(f"--notify-block {slug!r}: expected BLOCK_TYPE/BLOCK_NAME, e.g. slack-webhook/rlhf-alerts")
     try:
         return client.read_block_document_by_name(block_name, block_type).id
     except ObjectNotFound:
-        raise ValueError(f"--notify-block {slug!r}: no such block on the server; create it first "
+        raise UserError(f"--notify-block {slug!r}: no such block on the server; create it first "
                          f"(UI: Blocks -> +, or `prefect block ls` to see the existing ones)") from None
 
 
@@ -110,12 +113,12 @@ def main(argv: list[str] | None = None) -> int:
             automations = load_automations(args.file, block_id)
             for name, what, automation_id in apply_automations(client, automations):
                 print(f"{what} automation {name} ({automation_id})")
-    except ValueError as error:
+    except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except httpx.HTTPError as error:
-        print(f"error: cannot reach the Prefect API ({error}); start a server (`prefect server start`) or "
-              f"pass --api-url / set PREFECT_API_URL", file=sys.stderr)
+        print(f"error: the Prefect API call failed ({error}); is the server up (`prefect server start`) and "
+              f"--api-url / PREFECT_API_URL pointing at it (ending in /api)?", file=sys.stderr)
         return 2
     return 0
 

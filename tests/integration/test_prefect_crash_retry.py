@@ -1,4 +1,12 @@
-"""A worker SIGKILLed mid-chunk: the flow run is marked Crashed, and `prefect flow-run retry` finishes it.
+"""The automations of deployments/ on a real server: the alerts notify, and a SIGKILLed worker's run is retried.
+
+`test_alert_events_fire_their_automations`: deployments/create_automations.py (after two
+`prefect automation create -f` calls that leave duplicates) leaves exactly one automation per name, and
+with `--notify-block` each `rlhf.alert.*` event reaches a webhook on loopback through a notification
+block, with the run, stage and step in its subject. No Ray, a few seconds.
+
+`test_killed_worker_run_is_crashed_then_retry_completes_it`: a worker SIGKILLed mid-chunk; the flow
+run is marked Crashed, and `prefect flow-run retry` finishes it.
 
 Real processes: a Prefect server, the automations of deployments/automations.yaml (created by
 deployments/create_automations.py), `rlhf/sft` deployed from this repository's prefect.yaml, a process
@@ -16,13 +24,17 @@ Prints the two times an operator cares about: kill -> Crashed and retry -> Compl
 
 from __future__ import annotations
 
+import asyncio
+import http.server
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -31,7 +43,11 @@ from safetensors.torch import load_file
 
 from tests.conftest import run_rlhf
 from tests.integration.conftest import PREFECT, PROJECT_DIR, _descendants, _processes
-from tests.integration.test_deployment import UUID, deployment_spec, wait_for_terminal_state
+from tests.integration.test_deployment import (
+    UUID,
+    deployment_spec,
+    wait_for_terminal_state,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -81,7 +97,7 @@ def create_automations(prefect_server) -> dict[str, str]:
     from prefect.client.orchestration import SyncPrefectClient
 
     result = subprocess.run([sys.executable, str(CREATE_AUTOMATIONS), "--api-url", prefect_server.api_url],
-                            env=prefect_server.env, capture_output=True, text=True, timeout=120)
+                            env=prefect_server.env, capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     with SyncPrefectClient(prefect_server.api_url) as client:
         return {automation.name: str(automation.id) for automation in client.read_automations()}
@@ -143,9 +159,78 @@ def flow_run_state(api_url: str, flow_run_id: str):
         return client.read_flow_run(flow_run_id).state
 
 
+ALERT_EVENTS = ("rlhf.alert.reward-stagnant", "rlhf.alert.checkpoint-size", "rlhf.alert.non-finite")
+
+
+class _Webhook(http.server.BaseHTTPRequestHandler):
+    received: ClassVar[list[dict]] = []
+
+    def do_POST(self):
+        _Webhook.received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def emit_alert(api_url: str, name: str, step: int) -> None:
+    """What flows/pipeline.py emits for an alert: resource rlhf.run.{run}.{stage}, the alert as payload."""
+    from prefect.events import Event
+    from prefect.events.clients import PrefectEventsClient
+
+    alert = {"name": name, "run_name": "alerts-demo", "stage": "sft", "step": step, "message": f"{name} fired",
+             "details": {}, "time": time.time()}
+
+    async def send():
+        async with PrefectEventsClient(api_url) as events:
+            await events.emit(Event(event=name, resource={"prefect.resource.id": "rlhf.run.alerts-demo.sft"},
+                                    payload=alert))
+
+    asyncio.run(send())
+
+
+def test_alert_events_fire_their_automations(prefect_server):
+    from prefect.blocks.notifications import CustomWebhookNotificationBlock
+    from prefect.client.orchestration import SyncPrefectClient
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    for _ in range(2):  # Prefect's own command adds copies; ours must reduce them to one per name
+        prefect_server.cli("automation", "create", "--from-file", str(AUTOMATIONS_FILE))
+    names = [a["name"] for a in yaml.safe_load(AUTOMATIONS_FILE.read_text())["automations"]]
+    assert sorted(create_automations(prefect_server)) == sorted(names)
+
+    _Webhook.received = []
+    webhook = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Webhook)
+    threading.Thread(target=webhook.serve_forever, daemon=True).start()
+    try:
+        with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
+            CustomWebhookNotificationBlock(
+                name="rlhf-alerts", url=f"http://127.0.0.1:{webhook.server_address[1]}/hook",
+                json_data={"subject": "{{subject}}", "body": "{{body}}"}).save("rlhf-test-alerts", overwrite=True)
+        result = subprocess.run([sys.executable, str(CREATE_AUTOMATIONS), "--api-url", prefect_server.api_url,
+                                 "--notify-block", "custom-webhook/rlhf-test-alerts"],
+                                env=prefect_server.env, capture_output=True, text=True, timeout=120, check=False)
+        assert result.returncode == 0, result.stdout + result.stderr
+        with SyncPrefectClient(prefect_server.api_url) as client:
+            assert sorted(a.name for a in client.read_automations()) == sorted(names)
+        for step, name in enumerate(ALERT_EVENTS, start=1):
+            emit_alert(prefect_server.api_url, name, step)
+        wait_until("a notification per alert", lambda: len(_Webhook.received) >= len(ALERT_EVENTS), 120,
+                   context=lambda: f"received {_Webhook.received}\n{prefect_server.process.log_tail()}")
+    finally:
+        webhook.shutdown()
+    by_alert = {message["subject"].split(":")[0].removeprefix("RLHF alert "): message for message in _Webhook.received}
+    assert sorted(by_alert) == sorted(ALERT_EVENTS), _Webhook.received
+    for step, name in enumerate(ALERT_EVENTS, start=1):
+        assert by_alert[name]["subject"] == f"RLHF alert {name}: run alerts-demo, stage sft, step {step}"
+        assert f"{name} fired" in by_alert[name]["body"], by_alert[name]
+
+
 def test_killed_worker_run_is_crashed_then_retry_completes_it(prefect_server, background, toy_assets, rlhf_env,
                                                              tmp_path):
     from prefect.client.orchestration import SyncPrefectClient
+
     from rlhf_core.checkpoint import CheckpointStore
 
     # The automations, by the one command; a second call updates them in place.
