@@ -357,13 +357,14 @@ def run_quietly(run_url: str, run_name: str, verbose: bool, start: typing.Callab
     """`start()` (a training command) with the quiet console of rlhf_core.console: its log file is written once
     the run is real, and not at all when the run is refused with a UserError."""
     import flows.pipeline  # noqa: F401 - importing prefect sets up its logging; the console's filters go on it
-    from rlhf_core.console import configure_console, discard_log_file, log_file_for, open_log_file
+    from rlhf_core.console import configure_console, discard_log_file, log_file_for, open_log_file, reset_console
 
     configure_console(log_file_for(run_url, run_name), verbose)
     try:
         start()
     except UserError:
         discard_log_file()
+        reset_console()  # the one-sentence error prints as usual; an in-process caller (tests) gets logging back
         raise
     except BaseException:
         open_log_file()

@@ -184,7 +184,10 @@ class _RootConsoleFilter(logging.Filter):
         if record.levelno < logging.WARNING and _PREFECT_NOISE.search(record.getMessage()):
             return False
         if logging.WARNING <= record.levelno < logging.ERROR:
-            return _console.first_time((record.name, record.getMessage()))
+            # Decided once per record: with several console handlers, the second must not see a repeat.
+            if not hasattr(record, "rlhf_first_time"):
+                record.rlhf_first_time = _console.first_time((record.name, record.getMessage()))
+            return record.rlhf_first_time
         return True
 
 
