@@ -230,7 +230,7 @@ def read_events_eventually(api_url: str, name: str, resource_prefix: str, expect
     with SyncPrefectClient(api_url) as client:
         while True:
             page = client.read_events(filter=EventFilter(event=EventNameFilter(name=[name]),
-                                                         resource=EventResourceFilter(id_prefix=[resource_prefix])))
+                                                         resource=EventResourceFilter(id_prefix=[resource_prefix])), limit=50)
             if len(page.events) >= expected or time.monotonic() > deadline:
                 return page.events
             time.sleep(1)
@@ -257,8 +257,8 @@ def test_full_deployment_shows_each_stage_as_a_subflow_with_artifacts_logs_and_e
             assert "placed 1 of 1 ranks" in log, f"rlhf_core's log does not reach the run (extra loggers):\n{log[-3000:]}"
         for stage in ("merge", "export"):
             links = latest_artifacts(client, children[f"deploy-full-{stage}"].id)
-            assert links[f"deploy-full-{stage}-output"].data == config[stage]["save_path" if stage == "export"
-                                                                              else "output_path"]
+            output = config[stage]["save_path" if stage == "export" else "output_path"]
+            assert links[f"deploy-full-{stage}-output"].data == f"[{output}]({output})"
     assert committed["sft"] == [16, 32] and committed["ppo"] == [1, 2] and len(committed["rm"]) >= 2
     curve = (run_dir / "sft-curve.png").read_bytes()
     assert curve.startswith(b"\x89PNG")
@@ -301,7 +301,7 @@ def test_ppo_nightly_stops_at_its_chunk_budget_and_the_next_run_finishes_with_th
     with SyncPrefectClient(deployed.server.api_url) as client:
         deployment = client.read_deployment_by_name("rlhf/ppo-nightly")
     assert [(s.schedule.cron, s.active) for s in deployment.schedules] == [("0 2 * * *", False)]
-    assert deployment.concurrency_limit == 1
+    assert deployment.global_concurrency_limit.limit == 1
     assert deployment.concurrency_options.collision_strategy == "CANCEL_NEW"
     assert deployment.parameters["config"]["max_chunks_per_run"] == 1
     assert deployment.parameters["config"]["load_checkpoint"] is True
