@@ -261,6 +261,10 @@ def reset_console() -> None:
                 target.removeFilter(installed)
     _console.file_handler.close()
     warnings.showwarning = _ORIGINAL_SHOWWARNING
+    if not _console.verbose:
+        import transformers.utils.logging as transformers_logging
+
+        transformers_logging.enable_progress_bar()
     dispatcher = _stdstream_dispatcher()
     if dispatcher is not None:
         dispatcher.remove_handler("rlhf_log_file")
