@@ -4,12 +4,14 @@
 under keys made from the run and stage names:
 
 - `{run}-{stage}-progress`: a progress artifact, chunk by chunk to 100;
-- `{run}-{stage}-chunks`: the chunk table, one row per chunk, re-published (same key) at each commit;
+- `{run}-{stage}-chunks`: the chunk table, one row per chunk, growing at each commit;
 - `{run}-{stage}-checkpoints`: markdown with every committed checkpoint URI and the exported model;
 - `{run}-{stage}-curve`: markdown embedding the loss/reward curve as a data URI (the Prefect UI shows
   it without reaching the store), also saved as `{ckpt_path}/{run_name}/{stage}-curve.png`.
 
-Everything is emitted from the flow body, never from the chunk task: a cached task body does not run,
+Each is created at the stage's first chunk and then updated in place, so a flow run shows one artifact
+per key (not one per chunk) and the key's latest version is always the current one. Everything is
+emitted from the flow body, never from the chunk task: a cached task body does not run,
 and a rerun must show its finished chunks too. Artifact keys take lowercase letters, digits and dashes.
 """
 
@@ -22,9 +24,13 @@ import math
 import re
 from uuid import UUID
 
+from typing import Callable
+
 import fsspec
-from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
-                               update_progress_artifact)
+from prefect import get_client
+from prefect.artifacts import (TableArtifact, create_markdown_artifact, create_progress_artifact,
+                               create_table_artifact, update_progress_artifact)
+from prefect.client.schemas.actions import ArtifactUpdate
 
 from rlhf_core.chunk import ChunkResult, StagePlan
 from rlhf_core.config import RunConfig
@@ -88,6 +94,7 @@ class StageReport:
     def __init__(self, run: RunConfig, stage: str, plan: StagePlan, logger: logging.Logger | logging.LoggerAdapter):
         self.run, self.stage, self.plan, self.logger = run, stage, plan, logger
         self.rows: list[dict] = []
+        self._artifact_ids: dict[str, UUID] = {}
         self.curve_url = f"{run.run_url()}/{stage}-curve.png"
         self.progress_id: UUID = create_progress_artifact(
             progress=0.0, key=self._key("progress"),
@@ -96,6 +103,13 @@ class StageReport:
     def _key(self, what: str) -> str:
         return artifact_key(self.run.run_name, self.stage, what)
 
+    def _publish(self, what: str, data: str, create: Callable[[], UUID]) -> None:
+        """`create()` the artifact the first time, then replace its data in place."""
+        if what in self._artifact_ids:
+            get_client(sync_client=True).update_artifact(self._artifact_ids[what], ArtifactUpdate(data=data))
+        else:
+            self._artifact_ids[what] = create()
+
     def add_chunk(self, result: ChunkResult, status: str) -> None:
         """One more committed chunk: progress, table, links, curve and the console line."""
         self.rows.append({"step": result.step, "status": status, "world_size": result.world_size,
@@ -103,8 +117,9 @@ class StageReport:
                           **{f"{k}_s": round(v, 3) for k, v in result.seconds.items()}, "checkpoint": result.uri})
         num_done = len(self.rows)
         update_progress_artifact(self.progress_id, progress=round(100.0 * num_done / len(self.plan.targets), 1))
-        create_table_artifact(key=self._key("chunks"), table=self.rows,
-                              description=f"Chunks of stage {self.stage} in run {self.run.run_name}")
+        self._publish("chunks", TableArtifact(table=self.rows).format(_sync=True),
+                      lambda: create_table_artifact(key=self._key("chunks"), table=self.rows,
+                                                    description=f"Chunks of stage {self.stage} in run {self.run.run_name}"))
         self.publish_links()
         self.publish_curve()
         self.logger.info(progress_line(self.stage, num_done, len(self.plan.targets), result.step,
@@ -112,12 +127,26 @@ class StageReport:
 
     def publish_links(self, save_path: str | None = None) -> None:
         lines = [f"# {self.run.run_name} / {self.stage}", "", "Committed checkpoints:", ""]
-        lines += [f"- step {row['step']}: [{row['checkpoint']}]({row['checkpoint']})" for row in self.rows]
+        kept = self._step_dirs()
+        lines += [f"- step {row['step']}: [{row['checkpoint']}]({row['checkpoint']})"
+                  + ("" if kept is None or f"step_{row['step']}" in kept else " (since removed: max_ckpt_num)")
+                  for row in self.rows]
         if save_path:
             lines += ["", f"Exported model: [{save_path}]({save_path})"]
         lines += ["", f"Curve: [{self.curve_url}]({self.curve_url})"]
-        create_markdown_artifact(key=self._key("checkpoints"), markdown="\n".join(lines),
-                                 description=f"Checkpoints and outputs of stage {self.stage}")
+        markdown = "\n".join(lines)
+        self._publish("checkpoints", markdown,
+                      lambda: create_markdown_artifact(key=self._key("checkpoints"), markdown=markdown,
+                                                       description=f"Checkpoints and outputs of stage {self.stage}"))
+
+    def _step_dirs(self) -> set[str] | None:
+        """Names in the stage folder now (retention removes old checkpoints), or None if it cannot be listed."""
+        try:
+            fs, root = fsspec.core.url_to_fs(self.run.stage_url(self.stage), **self.run.storage_options)
+            fs.invalidate_cache(root)
+            return {path.rstrip("/").rsplit("/", 1)[-1] for path in fs.ls(root, detail=False)}
+        except OSError:
+            return None
 
     def publish_curve(self) -> None:
         """Save the curve in the run folder and show it in the UI; a plotting failure costs a warning, not
@@ -130,10 +159,11 @@ class StageReport:
             self.logger.warning("%s: could not draw or save the curve %s: %s", self.stage, self.curve_url, error)
             return
         data_uri = "data:image/png;base64," + base64.b64encode(png).decode()
-        create_markdown_artifact(key=self._key("curve"),
-                                 markdown=f"# {self.run.run_name} / {self.stage}\n\n![curve]({data_uri})\n\n"
-                                          f"Saved as `{self.curve_url}`.",
-                                 description=f"Metrics of stage {self.stage} per committed chunk")
+        markdown = (f"# {self.run.run_name} / {self.stage}\n\n![curve]({data_uri})\n\n"
+                    f"Saved as `{self.curve_url}`.")
+        self._publish("curve", markdown,
+                      lambda: create_markdown_artifact(key=self._key("curve"), markdown=markdown,
+                                                       description=f"Metrics of stage {self.stage} per committed chunk"))
 
     def finish(self, save_path: str) -> None:
         """The stage's model is exported: the links name it."""
