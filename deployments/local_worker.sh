@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create the process work pool (if missing), deploy rlhf/sft from prefect.yaml, and run a worker in
+# Create the process work pool (if missing), deploy every deployment of prefect.yaml (rlhf/full, sft,
+# rm, ppo, ppo-nightly; the nightly schedule stays inactive until you resume it), and run a worker in
 # the foreground. Needs a running Prefect server: PREFECT_API_URL set, or `prefect server start`.
 #
 #   deployments/local_worker.sh              # pool rlhf-local

@@ -12,8 +12,9 @@ a local Ray cluster and DeepSpeed, on the toy model with chunks of a few steps.
   events with size and URI.
 - `rlhf/ppo-nightly` with `max_chunks_per_run: 1` on a 2-chunk stage: the first run stops at its
   budget (Completed, not exported), a run started while it is active is cancelled (deployment
-  concurrency limit 1, CANCEL_NEW), the next run continues and exports the same weights, bit for bit,
-  as the unbudgeted `rlhf/full` run's stage.
+  concurrency limit 1, CANCEL_NEW), the next run sets a half-written step aside (log line and
+  `rlhf.checkpoint.set-aside` event), continues, and exports the same weights, bit for bit, as the
+  unbudgeted `rlhf/full` run's stage.
 """
 
 from __future__ import annotations
@@ -325,12 +326,21 @@ def test_ppo_nightly_stops_at_its_chunk_budget_and_the_next_run_finishes_with_th
         log = flow_run_log(client, child_flow_runs(client, first)["nightly-ppo"].id)
     assert "ppo: stopped at step 1/2 because the chunk budget (max_chunks_per_run) is spent" in log, log[-3000:]
 
+    # A half-written step_2, as a run killed mid-save leaves it: the next run sets it aside (never deletes
+    # it), says so in its log and as an event, and trains step 2 again from step 1.
+    (stage_dir / "step_2").mkdir()
+    (stage_dir / "step_2" / "partial.bin").write_bytes(b"cut short")
     second = deployed.run_to_completion("rlhf/ppo-nightly", config)
     assert sorted(p.parent.name for p in stage_dir.glob("step_*/MANIFEST.json")) == ["step_1", "step_2"]
     with SyncPrefectClient(deployed.server.api_url) as client:
-        rows = json.loads(latest_artifacts(client, child_flow_runs(client, second.id)["nightly-ppo"].id)
-                          ["nightly-ppo-chunks"].data)
+        stage_run = child_flow_runs(client, second.id)["nightly-ppo"]
+        rows = json.loads(latest_artifacts(client, stage_run.id)["nightly-ppo-chunks"].data)
+        log = flow_run_log(client, stage_run.id)
     assert [row["status"] for row in rows] == ["cached", "trained 1 steps"], rows
+    assert "skipping checkpoint step_2 (incomplete" in log, log[-3000:]  # rlhf_core's warning, in the run's log
+    set_aside = read_events_eventually(deployed.server.api_url, "rlhf.checkpoint.set-aside", "rlhf.run.nightly.", 1)
+    assert [(event.payload["step"], event.payload["reason"].split(":")[0]) for event in set_aside] == [(2, "incomplete")]
+    assert (Path(set_aside[0].payload["uri"]) / "partial.bin").read_bytes() == b"cut short"
 
     expected_dir = Path(full["ppo"]["save_path"])
     expected_files = sorted(p.name for p in expected_dir.glob("*.safetensors"))
