@@ -51,13 +51,15 @@ def headline_metric(metrics: dict) -> str:
     return "reward" if "reward" in metrics else "loss"
 
 
-def progress_line(stage: str, num_done: int, num_chunks: int, step: int, total_steps: int, metrics: dict) -> str:
-    """`sft [#####-----] 4/8 chunks  step 32/64  loss 2.97`: one console line per chunk."""
+def progress_line(stage: str, num_done: int, num_chunks: int, step: int, total_steps: int, metrics: dict,
+                  status: str = "") -> str:
+    """`sft [#####-----] 4/8 chunks  step 32/64: trained 8 steps  loss 2.97`: one console line per chunk (the
+    status says whether the chunk trained, was cached, or ran on fewer ranks than asked)."""
     filled = round(BAR_WIDTH * num_done / max(num_chunks, 1))
     name = headline_metric(metrics)
     value = metrics.get(name, float("nan"))
     return (f"{stage} [{'#' * filled}{'-' * (BAR_WIDTH - filled)}] {num_done}/{num_chunks} chunks  "
-            f"step {step}/{total_steps}  {name} {value:.4g}")
+            f"step {step}/{total_steps}{': ' + status if status else ''}  {name} {value:.4g}")
 
 
 def curve_png(stage: str, rows: list[dict]) -> bytes:
@@ -123,7 +125,7 @@ class StageReport:
         self.publish_links()
         self.publish_curve()
         self.logger.info(progress_line(self.stage, num_done, len(self.plan.targets), result.step,
-                                       self.plan.total_steps, result.metrics))
+                                       self.plan.total_steps, result.metrics, status))
 
     def publish_links(self, save_path: str | None = None) -> None:
         lines = [f"# {self.run.run_name} / {self.stage}", "", "Committed checkpoints:", ""]
