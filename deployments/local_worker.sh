@@ -16,6 +16,8 @@ else
   PREFECT="$(command -v prefect)"
 fi
 export PREFECT_SERVER_ANALYTICS_ENABLED="${PREFECT_SERVER_ANALYTICS_ENABLED:-false}"
+# Flow-run processes inherit this even when `prefect deploy --job-variable env=...` replaces the env mapping.
+export PREFECT_FLOWS_HEARTBEAT_FREQUENCY="${PREFECT_FLOWS_HEARTBEAT_FREQUENCY:-30}"
 
 cd "$PROJECT_DIR"
 export PWD="$PROJECT_DIR"   # prefect.yaml records {{ $PWD }} as the folder the worker runs the flow from
