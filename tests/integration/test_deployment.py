@@ -214,11 +214,18 @@ def latest_artifacts(client, flow_run_id) -> dict:
     return newest
 
 
-def flow_run_log(client, flow_run_id) -> str:
+def flow_run_log(client, flow_run_id, waiting_for: str = "", timeout: float = 30.0) -> str:
+    """The messages logged by one flow run; with `waiting_for`, until that text is among them (a flow-run
+    process sends its logs in batches, the last ones as it exits, after its run is already Completed)."""
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
-    logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
-    return "\n".join(log.message for log in logs)
+    deadline = time.monotonic() + timeout
+    while True:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+        text = "\n".join(log.message for log in logs)
+        if waiting_for in text or time.monotonic() > deadline:
+            return text
+        time.sleep(1)
 
 
 def read_events_eventually(api_url: str, name: str, resource_prefix: str, expected: int, timeout: float = 30.0):
@@ -252,9 +259,10 @@ def test_full_deployment_shows_each_stage_as_a_subflow_with_artifacts_logs_and_e
             committed[stage] = sorted(int(p.parent.name.removeprefix("step_"))
                                       for p in (run_dir / stage).glob("step_*/MANIFEST.json"))
             check_stage_artifacts(latest_artifacts(client, child.id), config, stage, committed[stage])
-            log = flow_run_log(client, child.id)
             num_chunks = len(committed[stage])
-            assert f"{stage} [##########] {num_chunks}/{num_chunks} chunks" in log, log[-3000:]
+            progress = f"{stage} [##########] {num_chunks}/{num_chunks} chunks"
+            log = flow_run_log(client, child.id, waiting_for=progress)
+            assert progress in log, log[-3000:]
             assert "placed 1 of 1 ranks" in log, f"rlhf_core's log does not reach the run (extra loggers):\n{log[-3000:]}"
         for stage in ("merge", "export"):
             links = latest_artifacts(client, children[f"deploy-full-{stage}"].id)
@@ -323,8 +331,9 @@ def test_ppo_nightly_stops_at_its_chunk_budget_and_the_next_run_finishes_with_th
     assert sorted(p.parent.name for p in stage_dir.glob("step_*/MANIFEST.json")) == ["step_1"]
     assert not save_path.exists(), "a stage stopped by its budget was exported"
     with SyncPrefectClient(deployed.server.api_url) as client:
-        log = flow_run_log(client, child_flow_runs(client, first)["nightly-ppo"].id)
-    assert "ppo: stopped at step 1/2 because the chunk budget (max_chunks_per_run) is spent" in log, log[-3000:]
+        stopped = "ppo: stopped at step 1/2 because the chunk budget (max_chunks_per_run) is spent"
+        log = flow_run_log(client, child_flow_runs(client, first)["nightly-ppo"].id, waiting_for=stopped)
+    assert stopped in log, log[-3000:]
 
     # A half-written step_2, as a run killed mid-save leaves it: the next run sets it aside (never deletes
     # it), says so in its log and as an event, and trains step 2 again from step 1.
@@ -335,7 +344,7 @@ def test_ppo_nightly_stops_at_its_chunk_budget_and_the_next_run_finishes_with_th
     with SyncPrefectClient(deployed.server.api_url) as client:
         stage_run = child_flow_runs(client, second.id)["nightly-ppo"]
         rows = json.loads(latest_artifacts(client, stage_run.id)["nightly-ppo-chunks"].data)
-        log = flow_run_log(client, stage_run.id)
+        log = flow_run_log(client, stage_run.id, waiting_for="skipping checkpoint step_2 (incomplete")
     assert [row["status"] for row in rows] == ["cached", "trained 1 steps"], rows
     assert "skipping checkpoint step_2 (incomplete" in log, log[-3000:]  # rlhf_core's warning, in the run's log
     set_aside = read_events_eventually(deployed.server.api_url, "rlhf.checkpoint.set-aside", "rlhf.run.nightly.", 1)
