@@ -92,9 +92,10 @@ def _emit_commit_events(run: RunConfig, result: ChunkResult) -> None:
 def _aside_entries(run: RunConfig, stage: str) -> set[str]:
     """Folders under the stage's `.aside/` (bad or leftover step dirs moved there, never deleted)."""
     store = open_store(run, stage)
+    aside_path = f"{store.root}/{ASIDE_DIR_NAME}"
     try:
-        return {entry.rstrip("/").rsplit("/", 1)[-1] for entry in store.fs.ls(f"{store.root}/{ASIDE_DIR_NAME}",
-                                                                              detail=False)}
+        store.fs.invalidate_cache(aside_path)  # object stores cache listings
+        return {entry.rstrip("/").rsplit("/", 1)[-1] for entry in store.fs.ls(aside_path, detail=False)}
     except FileNotFoundError:
         return set()
 
