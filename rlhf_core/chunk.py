@@ -63,6 +63,7 @@ class ChunkResult:
     seconds: dict[str, float] = field(default_factory=dict)
     world_size: int = 0  # ranks that trained the chunk (0: none trained, the step was already committed)
     alerts: list[dict] = field(default_factory=list)  # rlhf.alert.* raised by this commit (rlhf_core.alerts)
+    size_bytes: int = 0  # bytes of the committed checkpoint (0 when unknown)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -256,7 +257,7 @@ def ensure_checkpoint(run: RunConfig, stage: str, target_step: int, lineage: Lin
         if target_step == plan.total_steps:
             close_trackers(run, stage)
         return ChunkResult(stage, target_step, done.uri, done.manifest_digest, 0,
-                           store.read_metadata(target_step).get("metrics", {}))
+                           store.read_metadata(target_step).get("metrics", {}), size_bytes=done.size_bytes)
     try:
         require_tracker_packages(run)  # before the workers start, not after a chunk of training
         prepared = time.perf_counter()
@@ -291,7 +292,7 @@ def ensure_checkpoint(run: RunConfig, stage: str, target_step: int, lineage: Lin
     seconds = {"plan": prepared - started, "workers_and_load": loaded - prepared, "train": trained - loaded,
                "save_and_commit": finished - trained}
     return ChunkResult(stage, target_step, info.uri, info.manifest_digest, target_step - start_step, summary, seconds,
-                       group.world_size, [json.loads(alert.to_json()) for alert in alerts])
+                       group.world_size, [json.loads(alert.to_json()) for alert in alerts], info.size_bytes)
 
 
 def _refuse_non_finite(run: RunConfig, stage: str, step: int, step_metrics: list[dict], group: WorkerGroup) -> None:
