@@ -191,6 +191,7 @@ def _metadata(run: RunConfig, stage: str, plan: StagePlan, step: int, metrics: d
         "zero_stage": cfg.zero_stage,
         "config_hash": semantic_hash(run, stage),
         "config": semantic_fields(cfg),
+        "save_path": getattr(cfg, STAGES[stage].output_field, None),
         "dataset_fingerprint": dataset_fingerprint(cfg, run.storage_options),
         "input_models": input_model_fingerprints(cfg, run.storage_options),
         "metrics": metrics,

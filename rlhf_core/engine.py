@@ -417,9 +417,11 @@ def ensure_ray(ray_address: str | None) -> None:
     once per process."""
     if ray.is_initialized():
         return
+    from rlhf_core import console  # the CLI's quiet console: actors' output to the run's log file
+
     address = ray_address or os.environ.get("RAY_ADDRESS") or None
     if address and address.startswith("ray://"):
-        ray.init(address=address, logging_level=logging.WARNING)
-        return
-    ray.init(address=address, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING,
-             configure_logging=True)
+        ray.init(address=address, **console.ray_init_options(client=True))
+    else:
+        ray.init(address=address, include_dashboard=False, configure_logging=True, **console.ray_init_options())
+    console.route_ray_worker_output()
