@@ -3,7 +3,7 @@
     RLHF_FAULT_INJECT="after_commit@10=sleep:60,train_step@7=kill"
 
 makes the process sleep 60 s right after committing step 10, and SIGKILL itself when about to train
-step 7. With RLHF_FAULT_JOB_PID set (a driver sets it to its own pid before starting Ray), `kill`
+step 7; `loss@3=nan` makes SFT's loss NaN at step 3 (`fault_requested`). With RLHF_FAULT_JOB_PID set (a driver sets it to its own pid before starting Ray), `kill`
 in a Ray worker takes the whole job down: the driver first, then the worker. With RLHF_FAULT_STATE set to a folder, each rule fires once (a marker file remembers it), so a
 retried chunk gets past the point. Unset (the normal case), `fault_point` does nothing. Ray workers
 inherit both variables.
@@ -31,6 +31,16 @@ def _first_time(point: str) -> bool:
     except FileExistsError:
         return False
     return True
+
+
+def fault_requested(name: str, step: int, action: str) -> bool:
+    """Whether a rule `name@step=action` fires now (once per RLHF_FAULT_STATE), for faults the caller
+    injects itself, e.g. `loss@3=nan`: the trainer multiplies that step's loss by NaN."""
+    spec = os.environ.get(ENV_VAR)
+    if not spec:
+        return False
+    point = f"{name}@{step}"
+    return any(rule.strip() == f"{point}={action}" for rule in spec.split(",")) and _first_time(point)
 
 
 def fault_point(name: str, step: int) -> None:

@@ -16,6 +16,7 @@ from rlhf_core.config import RunConfig
 from rlhf_core.data import (IGNORE_INDEX, TokenizedSample, collate_sft, rank_micro_batches, read_stage_dataset,
                             tokenize_pretraining, tokenize_sft)
 from rlhf_core.determinism import derive_seed, step_sample_indices
+from rlhf_core.faults import fault_requested
 from rlhf_core.models import load_causal_lm, load_tokenizer
 from rlhf_core.packing import pack_sft
 from rlhf_core.trainers.base import DeepSpeedTrainer
@@ -71,6 +72,8 @@ class SFTTrainer(DeepSpeedTrainer):
         for micro_batch in rank_micro_batches(indices, self.rank, self.world_size, self.cfg.micro_train_batch_size):
             with self.autocast():
                 loss = self.engine(**self.batch([self.samples[i] for i in micro_batch])).loss
+            if fault_requested("loss", self.step + 1, "nan"):  # test hook: the non-finite alert's case
+                loss = loss * float("nan")
             self.engine.backward(loss)
             self.engine.step()
             losses.append(loss.item())
