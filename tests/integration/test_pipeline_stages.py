@@ -51,6 +51,14 @@ def final_metadata(run: RunConfig, stage: str) -> dict:
     return json.loads((steps[-1] / "training_metadata.json").read_text())
 
 
+def test_the_demo_configuration_raises_no_alert(pipeline):
+    from rlhf_core.alerts import AlertLog
+
+    run = pipeline["run"]
+    assert all(final_metadata(run, stage).get("metric_history") for stage in ("sft", "rm", "ppo"))
+    assert AlertLog(run.run_url()).read() == []
+
+
 def test_reward_model_ranks_held_out_pairs_well_above_chance(pipeline):
     from transformers import AutoModelForSequenceClassification
 
