@@ -358,13 +358,32 @@ def _cluster_lines(batch: dict) -> list[str]:
         return []
 
 
+# Each rank prints rlhf_core's own warnings (a flag with no effect here, a fallback) with this prefix
+# (`rank_warnings`), so quiet mode can show them on the console, once each, among the actors' output.
+RANK_WARNING_PREFIX = "rlhf: warning: "
+_rank_warnings_shown: set[str] = set()
+
+
+def rank_warnings() -> None:
+    """In a rank (a Ray actor): rlhf_core's warnings go to stderr as `rlhf: warning: <message>`."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(RANK_WARNING_PREFIX + "%(message)s"))
+    handler.setLevel(logging.WARNING)
+    logging.getLogger("rlhf_core").addHandler(handler)
+
+
 def _print_cluster_lines(batch: dict) -> None:
     """Quiet mode's stand-in for Ray's printer: the raylet's lines (a worker killed for memory) and the
-    autoscaler's events (a node lost or added), as Ray would print them; no actor output."""
+    autoscaler's events (a node lost or added), as Ray would print them, and the ranks' own rlhf_core
+    warnings once each; no other actor output."""
     source, lines = batch.get("pid"), batch.get("lines", [])
     if source == "autoscaler":
         lines = _cluster_lines(batch)
     elif source != "raylet":
+        for line in lines:
+            if line.startswith(RANK_WARNING_PREFIX) and line not in _rank_warnings_shown:
+                _rank_warnings_shown.add(line)
+                sys.stderr.write(line + "\n")
         return
     for line in lines:
         sys.stderr.write(f"({source}) {line}\n")

@@ -83,6 +83,9 @@ class TrainWorker:
     """One DeepSpeed rank. Runs inside a Ray actor; hosts the trainer of one stage."""
 
     def __init__(self, rank: int, world_size: int):
+        from rlhf_core.console import rank_warnings
+
+        rank_warnings()
         self.rank, self.world_size = rank, world_size
         self.trainer = None
 
