@@ -506,25 +506,17 @@ class CheckpointStore:
     def _upload_file(self, dir_path: str, relative_path: str, local_path: str) -> ManifestEntry:
         remote_path = f"{dir_path}/{relative_path}"
         self._make_parent_dirs(remote_path)
-        digest, size = hashlib.sha256(), 0
         with open(local_path, "rb") as source, self.fs.open(remote_path, "wb") as target:
-            while block := source.read(TRANSFER_BLOCK_BYTES):
-                digest.update(block)
-                target.write(block)
-                size += len(block)
-        return ManifestEntry(relative_path, size, digest.hexdigest())
+            size, sha256 = _copy_hashing(source, target)
+        return ManifestEntry(relative_path, size, sha256)
 
     def _fetch_file(self, info: CheckpointInfo, entry: ManifestEntry, local_dir: str) -> None:
         local_path = os.path.join(local_dir, *entry.path.split("/"))
         os.makedirs(os.path.dirname(local_path), exist_ok=True)
-        digest, size = hashlib.sha256(), 0
         with self.fs.open(f"{self._path(info.name)}/{entry.path}", "rb", block_size=TRANSFER_BLOCK_BYTES) as source, \
                 open(local_path, "wb") as target:
-            while block := source.read(TRANSFER_BLOCK_BYTES):
-                digest.update(block)
-                target.write(block)
-                size += len(block)
-        if size != entry.size or digest.hexdigest() != entry.sha256:
+            size, sha256 = _copy_hashing(source, target)
+        if size != entry.size or sha256 != entry.sha256:
             raise _checksum_mismatch(info, entry)
 
     def _advance_latest(self, step: int) -> None:
@@ -591,6 +583,16 @@ def _list_local_files(local_dir: str) -> dict[str, str]:
             if relative_path not in _RESERVED_NAMES:
                 files[relative_path] = os.path.abspath(absolute_path)
     return files
+
+
+def _copy_hashing(source: BinaryIO, target: BinaryIO) -> tuple[int, str]:
+    """Copy ``source`` into ``target`` block by block, hashing on the way (one read): (size, sha256)."""
+    digest, size = hashlib.sha256(), 0
+    while block := source.read(TRANSFER_BLOCK_BYTES):
+        digest.update(block)
+        target.write(block)
+        size += len(block)
+    return size, digest.hexdigest()
 
 
 def _checksum_mismatch(info: CheckpointInfo, entry: ManifestEntry) -> CorruptCheckpoint:

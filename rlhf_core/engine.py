@@ -207,6 +207,7 @@ class WorkerGroup:
         self.workers = [remote_worker.options(scheduling_strategy=strategy, **options).remote(rank, self.world_size)
                         for rank, strategy in enumerate(strategies)]
         self.locations: list[RankLocation] = []
+        self._model_sizes: dict | None = None
         try:
             self.locations = self._gather([worker.location.remote() for worker in self.workers])
             nodes = [location.describe() for location in self.locations]
@@ -224,6 +225,7 @@ class WorkerGroup:
         self.step = 0
 
     def setup(self, run: RunConfig, stage: str, total_steps: int, load_universal: bool = False) -> None:
+        self._model_sizes = None
         self._gather([worker.setup.remote(run, stage, total_steps, load_universal) for worker in self.workers])
 
     def load(self, store_url: str, storage_options: dict, step: int, universal: bool = False,
@@ -244,8 +246,11 @@ class WorkerGroup:
         return [entry for share in shares for entry in share]
 
     def model_sizes(self) -> dict:
-        """Parameter counts and dtypes of the trained models, which predict a checkpoint's size."""
-        return self._gather(self.workers[0].model_sizes.remote())
+        """Parameter counts and dtypes of the trained models, which predict a checkpoint's size (fixed for a
+        group's stage, so asked of rank 0 once per setup, not once per chunk)."""
+        if self._model_sizes is None:
+            self._model_sizes = self._gather(self.workers[0].model_sizes.remote())
+        return self._model_sizes
 
     def non_finite_parameters(self) -> list[str]:
         shares = self._gather([worker.non_finite_parameters.remote() for worker in self.workers])
