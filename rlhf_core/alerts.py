@@ -11,18 +11,23 @@ can show it. This module only computes and records; it never imports prefect or 
   `eval_reward`, else the chunk's `mean_reward`, else the last step's `reward`, higher is better; for SFT,
   RM and any other stage `eval_loss`, else `mean_loss`, else `loss`, lower is better) over the line of
   committed checkpoints. As Keras' EarlyStopping: a checkpoint improves when its value beats the best value
-  so far by more than `min_delta`; the first one sets the baseline. The alert fires at each commit while
-  the last `window` (default 3) checkpoints have all failed to improve, so it needs at least `window + 1`
-  values. Why: a flat reward wastes GPU hours silently; a loss curve is the SFT/RM equivalent.
+  so far by more than `min_delta`; the first one sets the baseline. The alert fires at the commit where
+  the last `window` (default 3) checkpoints have all failed to improve (so it needs at least `window + 1`
+  values), once per episode: not again at the flat commits after it, and again only once an improvement
+  has cleared the condition and `window` more checkpoints fail to improve. Why: a flat reward wastes GPU
+  hours silently; a loss curve is the SFT/RM equivalent. Once, because an operator (or an automation's
+  notification) needs the start of a plateau, not a copy of it at every commit.
 - `rlhf.alert.checkpoint-size`: the committed checkpoint's bytes against (a) a prediction from the models'
-  parameter counts, training dtype, ZeRO stage and optimizer (`expected_checkpoint_bytes`) and (b) the
-  median size of the previous committed checkpoints of the stage. Why: a rank whose files are missing or
-  half-written still commits a manifest that verifies (it lists what was uploaded), and a model saved in
-  the wrong dtype or without its optimizer resumes badly; size is the cheap tell. The seed's "70B is about
-  140 GB" is the bf16 weights alone (2 bytes per parameter); a resumable DeepSpeed checkpoint of a full
-  fine-tune also holds an fp32 master copy and two fp32 Adam moments per trainable parameter (12 bytes),
-  so 14-18 bytes per parameter with the bf16 HF copy (1.0-1.3 TB for 70B); with LoRA it is close to the
-  140 GB again.
+  parameter counts, training dtype, ZeRO stage and optimizer (`expected_checkpoint_bytes`) and (b) the median
+  size of the previous committed checkpoints of the stage; once per distinct anomaly: a checkpoint that
+  repeats its predecessor's anomaly (the same findings, on the same sides) raises nothing, so a run saved in
+  an unexpected dtype alerts once, not at every commit, while a truncated checkpoint after it still does. Why:
+  a rank whose files are missing or half-written still commits a manifest that verifies (it lists what was
+  uploaded), and a model saved in the wrong dtype or without its optimizer resumes badly; size is the cheap
+  tell. The seed's "70B is about 140 GB" is the bf16 weights alone (2 bytes per parameter); a resumable
+  DeepSpeed checkpoint of a full fine-tune also holds an fp32 master copy and two fp32 Adam moments per
+  trainable parameter (12 bytes), so 14-18 bytes per parameter with the bf16 HF copy (1.0-1.3 TB for 70B);
+  with LoRA it is close to the 140 GB again.
 - `rlhf.alert.non-finite`: NaN or Inf in a step's metrics (`non_finite_metrics`) or in the weights
   (`non_finite_parameters`). Why: such a checkpoint poisons every resume from it, so the chunk raises
   `NonFiniteTraining` before committing, and it is not worth retrying (same data, same seed, same NaN).
@@ -189,16 +194,19 @@ def checkpoints_without_improvement(values: Sequence[float], higher_is_better: b
 
 def reward_stagnant_alert(run_name: str, stage: str, history: Sequence[tuple[int, float]], metric: str,
                           higher_is_better: bool, window: int = 3, min_delta: float = 0.0) -> Alert | None:
-    """An alert when the last `window` committed checkpoints in `history` ((step, value) pairs, any order;
-    non-finite values ignored) all failed to improve on the best value before them by more than
-    `min_delta`; None otherwise, and always None with fewer than `window + 1` values."""
+    """An alert when the newest checkpoint in `history` ((step, value) pairs, any order; non-finite values
+    ignored) is the `window`-th in a row that failed to improve on the best value before it by more than
+    `min_delta`: the start of a plateau. None otherwise: before it, and at the flat checkpoints after it
+    (the same plateau; the next alert needs an improvement first), and always with fewer than `window + 1`
+    values. Stateless: the history alone says where each plateau started, so a retry or a resume from
+    another process judges the same way."""
     if window < 1 or min_delta < 0:
         raise ValueError(f"window must be >= 1 and min_delta >= 0 (got {window}, {min_delta})")
     points = sorted((int(step), float(value)) for step, value in history if math.isfinite(value))
     if len(points) < window + 1:
         return None
     streak, best_index = checkpoints_without_improvement([value for _, value in points], higher_is_better, min_delta)
-    if streak < window:
+    if streak != window:  # below: not stagnant yet; above: this plateau was reported at its start
         return None
     best_step, best_value = points[best_index]
     recent = points[-streak:]
@@ -308,18 +316,18 @@ def _relative_gap(actual: float, reference: float) -> float:
     return abs(actual - reference) / reference
 
 
-def checkpoint_size_alert(actual_bytes: int, expected_bytes: int | None, previous_sizes: Sequence[int],
-                          tolerance: float = 0.5, jump: float = 0.2, *, run_name: str, stage: str,
-                          step: int) -> Alert | None:
-    """An alert when a committed checkpoint's `actual_bytes` differ from `expected_bytes` by more than
-    `tolerance` (relative to the prediction; skipped when there is none), or from the median of the
-    `previous_sizes` (the stage's earlier committed checkpoints) by more than `jump`; None otherwise."""
-    reasons, details = [], {"actual_bytes": int(actual_bytes), "tolerance": tolerance, "jump": jump}
+def _size_findings(actual_bytes: int, expected_bytes: int | None, previous_sizes: Sequence[int], tolerance: float,
+                   jump: float) -> tuple[list[str], frozenset[tuple[str, str]], dict[str, Any]]:
+    """What is off about a checkpoint of `actual_bytes`: (sentences for the message, the findings as
+    {("predicted" | "previous", "more" | "less")}, details). Empty when nothing is."""
+    reasons, findings = [], set()
+    details: dict[str, Any] = {"actual_bytes": int(actual_bytes), "tolerance": tolerance, "jump": jump}
     if expected_bytes:
         gap = _relative_gap(actual_bytes, expected_bytes)
         details |= {"expected_bytes": int(expected_bytes), "ratio_to_expected": actual_bytes / expected_bytes}
         if gap > tolerance:
             side = "more" if actual_bytes > expected_bytes else "less"
+            findings.add(("predicted", side))
             reasons.append(f"{gap:.0%} {side} than the {_megabytes(expected_bytes)} its models' parameters, "
                            f"dtype, ZeRO stage and optimizer predict")
     if previous_sizes:
@@ -327,9 +335,35 @@ def checkpoint_size_alert(actual_bytes: int, expected_bytes: int | None, previou
         details |= {"previous_median_bytes": median, "num_previous": len(previous_sizes)}
         if median > 0 and _relative_gap(actual_bytes, median) > jump:
             side = "more" if actual_bytes > median else "less"
+            findings.add(("previous", side))
             reasons.append(f"{_relative_gap(actual_bytes, median):.0%} {side} than the median "
                            f"{_megabytes(median)} of the {len(previous_sizes)} previous committed checkpoints")
-    if not reasons:
+    return reasons, frozenset(findings), details
+
+
+def repeats_previous_anomaly(actual_bytes: int, expected_bytes: int | None, previous_sizes: Sequence[int],
+                             tolerance: float = 0.5, jump: float = 0.2) -> bool:
+    """Whether a checkpoint of `actual_bytes` shows the same anomaly as the newest of `previous_sizes` (oldest
+    first): the same findings, on the same sides (a size off from the one before by more than `jump` is a
+    finding of its own, against the median). That predecessor is judged as its own commit was, against the
+    prediction and the sizes before it (those still listed: retention may have removed some), so a
+    persisting anomaly is reported once, at the checkpoint where it started."""
+    if not previous_sizes:
+        return False
+    _, findings, _ = _size_findings(actual_bytes, expected_bytes, previous_sizes, tolerance, jump)
+    _, before, _ = _size_findings(previous_sizes[-1], expected_bytes, previous_sizes[:-1], tolerance, jump)
+    return bool(findings) and findings == before
+
+
+def checkpoint_size_alert(actual_bytes: int, expected_bytes: int | None, previous_sizes: Sequence[int],
+                          tolerance: float = 0.5, jump: float = 0.2, *, run_name: str, stage: str,
+                          step: int) -> Alert | None:
+    """An alert when a committed checkpoint's `actual_bytes` differ from `expected_bytes` by more than
+    `tolerance` (relative to the prediction; skipped when there is none), or from the median of the
+    `previous_sizes` (the stage's earlier committed checkpoints, oldest first) by more than `jump`; None
+    otherwise, and None when the previous checkpoint showed the same anomaly (`repeats_previous_anomaly`)."""
+    reasons, _, details = _size_findings(actual_bytes, expected_bytes, previous_sizes, tolerance, jump)
+    if not reasons or repeats_previous_anomaly(actual_bytes, expected_bytes, previous_sizes, tolerance, jump):
         return None
     message = (f"{stage} checkpoint step_{step} holds {_megabytes(actual_bytes)}, {' and '.join(reasons)}; "
                f"check that every rank saved all its files (`rlhf ckpt ls --verify`) before resuming from it.")

@@ -14,7 +14,8 @@ from rlhf_core.alerts import (ALERT_CHECKPOINT_SIZE, ALERT_NON_FINITE, ALERT_REW
                               ModelSize, NonFiniteTraining, checkpoint_size_alert, commit_alerts,
                               expected_bytes_from_metadata, expected_bytes_of_models, expected_checkpoint_bytes,
                               headline_metric, history_entry, metric_history, model_size_report, non_finite_metrics,
-                              non_finite_parameters, reward_stagnant_alert)
+                              non_finite_parameters, repeats_previous_anomaly,
+                              reward_stagnant_alert)
 
 # File sizes of real committed checkpoints of the toy model (84,672 fp32 parameters; `rlhf train sft` on
 # `rlhf toy init` data, DeepSpeed 0.19.8, CPU), step_32 of each run, as `find -printf %s` listed them.
@@ -112,13 +113,32 @@ def test_min_delta_counts_only_improvements_larger_than_it():
     assert reward_stagnant_alert("exp1", "ppo", _history(1.0, 1.0, 1.0, 1.1), "reward", True, min_delta=0.05) is None
 
 
-def test_window_is_configurable_and_the_alert_repeats_while_stagnant():
+def _alerted_steps(values, **options) -> list[int]:
+    """The steps at which the stagnant alert fires as checkpoints are committed one by one."""
+    history = _history(*values)
+    alerts = [reward_stagnant_alert("exp1", "ppo", history[:count], "reward", True, **options)
+              for count in range(1, len(history) + 1)]
+    return [alert.step for alert in alerts if alert is not None]
+
+
+def test_window_is_configurable_and_the_alert_fires_once_when_the_plateau_starts():
     values = (0.5, 0.6, 0.6, 0.6, 0.6, 0.6)
     assert reward_stagnant_alert("exp1", "ppo", _history(*values[:3]), "reward", True, window=2) is None
-    assert reward_stagnant_alert("exp1", "ppo", _history(*values[:4]), "reward", True, window=2) is not None
-    later = reward_stagnant_alert("exp1", "ppo", _history(*values), "reward", True)
-    assert later is not None and later.details["checkpoints_without_improvement"] == 4
-    assert "4 committed checkpoints (steps 12 to 24)" in later.message
+    alert = reward_stagnant_alert("exp1", "ppo", _history(*values[:4]), "reward", True, window=2)
+    assert alert is not None and "2 committed checkpoints (steps 12 to 16)" in alert.message
+    # Committed one by one: the plateau after step 8 is reported at step 20 (window 3) or 16 (window 2), once.
+    assert _alerted_steps(values) == [20]
+    assert _alerted_steps(values, window=2) == [16]
+
+
+def test_the_stagnant_alert_fires_again_only_after_an_improvement_cleared_it():
+    # flat from step 4 (alert at 16), improves at step 24, flat again (alert at 36), never again after that.
+    values = (0.5, 0.5, 0.5, 0.5, 0.5, 0.7, 0.7, 0.7, 0.7, 0.7, 0.7)
+    assert _alerted_steps(values) == [16, 36]
+    # A dip is not an improvement: it neither clears the plateau nor starts a second alert.
+    assert _alerted_steps((0.5, 0.5, 0.5, 0.5, 0.3, 0.5, 0.5, 0.5)) == [16]
+    # Improvements no larger than min_delta do not clear it either.
+    assert _alerted_steps((1.00, 1.00, 1.00, 1.00, 1.01, 1.02, 1.03, 1.04), min_delta=0.05) == [16]
 
 
 def test_history_order_does_not_matter_and_non_finite_values_are_left_to_the_non_finite_alert():
@@ -212,6 +232,36 @@ def test_size_jump_against_previous_checkpoints_alone():
     # Within the prediction's tolerance, but a 2x jump from the previous checkpoints still fires.
     alert = checkpoint_size_alert(200, 150, [100, 100], run_name="exp1", stage="rm", step=9)
     assert alert is not None and "predict" not in alert.message and "more than the median" in alert.message
+
+
+def _alerted_sizes(sizes, expected=None, **options) -> list[int]:
+    """The indexes of `sizes` (committed one by one) at which the size alert fires."""
+    return [index for index, size in enumerate(sizes)
+            if checkpoint_size_alert(size, expected, sizes[:index], run_name="exp1", stage="rm", step=index,
+                                     **options) is not None]
+
+
+def test_a_persisting_size_anomaly_alerts_once_and_a_new_one_alerts_again():
+    # Every checkpoint 3x its prediction (saved in another dtype, say): one alert, at the first.
+    assert _alerted_sizes([300, 301, 300, 302, 301], expected=100) == [0]
+    # Healthy, then truncated for good: an alert where it starts (its median jump), none while it lasts,
+    # nor when the median catches up with it.
+    assert _alerted_sizes([100, 100, 100, 50, 50, 50, 50, 50], expected=100) == [3]
+    # A second, different anomaly on top of the first alerts again: more than the prediction, then a
+    # truncated one, then back to the first.
+    assert _alerted_sizes([300, 300, 300, 150, 300, 300], expected=100) == [0, 3, 4]
+    # Far more again: the jump against the earlier checkpoints is a finding of its own.
+    assert _alerted_sizes([300, 300, 1000], expected=100) == [0, 2]
+    # Healthy sizes never alert; a one-off truncated checkpoint alerts each time it happens.
+    assert _alerted_sizes([100, 100, 50, 100, 100, 50, 100], expected=100) == [2, 5]
+
+
+def test_repeats_previous_anomaly_needs_a_predecessor_with_the_same_findings():
+    assert not repeats_previous_anomaly(300, 100, [])
+    assert repeats_previous_anomaly(300, 100, [300])
+    assert not repeats_previous_anomaly(300, 100, [100])  # the predecessor was healthy
+    assert not repeats_previous_anomaly(100, 100, [300])  # this one is healthy
+    assert not repeats_previous_anomaly(30, 100, [300])  # more than predicted, then less: another anomaly
 
 
 def test_model_size_counts_a_real_module_lora_and_zero3_partitions(toy_assets):
