@@ -6,6 +6,8 @@ so each flag's help is the field's description.
     rlhf run CONFIG.yaml              the pipeline from a YAML run config
     rlhf ckpt ls PATH [--json]        checkpoints of one stage folder, with their alerts
     rlhf status RUN_URL               stages, last committed steps, alerts, lease, outputs of a run
+    rlhf goodput RUN_URL [--json]     where a run's wall time went, across restarts (goodput.json)
+    rlhf plan --ckpt_path P --mtbf_hours H   --save_steps by Young/Daly from the measured costs
     rlhf demo [--workdir DIR]         the whole pipeline on toy data
 
 Training commands run the Prefect flow `rlhf` (on Prefect's ephemeral server when no
@@ -153,6 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt_ls.add_argument("--verify", action="store_true", help="Check every file's sha256, not only its size.")
     status = commands.add_parser("status", help="Stages, last committed steps, alerts, lease and outputs of a run.")
     status.add_argument("run_url", metavar="RUN_URL", help="The run folder, {ckpt_path}/{run_name} (local or s3://).")
+    goodput = commands.add_parser("goodput", help="Goodput of a run: useful step time against wall time, and where "
+                                  "the rest went (stall, start-up, load, lost to crashes), from its goodput.json.")
+    goodput.add_argument("run_url", metavar="RUN_URL", help="The run folder, {ckpt_path}/{run_name} (local or s3://).")
+    goodput.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
+    add_plan_parser(commands)
     ckpt_verify = ckpt.add_parser("verify", help="Check every checkpoint's sha256; exit 1 if the newest is not valid.")
     ckpt_verify.add_argument("path", metavar="PATH")
     ckpt_verify.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
@@ -165,6 +172,96 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--num_workers", type=int, default=1, help="DeepSpeed ranks (Ray actors).")
     demo.add_argument("--verbose", action="store_true", help=RunConfig.model_fields["verbose"].description)
     return parser
+
+
+def add_plan_parser(commands) -> None:
+    plan = commands.add_parser(
+        "plan", help="Suggest --save_steps for a mean time between failures, by Young/Daly: T = sqrt(2*C*MTBF) "
+        "seconds of work between checkpoints, C and the step time measured in the run's goodput.json.")
+    plan.add_argument("--ckpt_path", required=True, help="Checkpoint root of the run (as given to rlhf train).")
+    plan.add_argument("--run_name", default=RunConfig.model_fields["run_name"].default, help="Name of the run.")
+    plan.add_argument("--mtbf_hours", type=float, required=True, help="Mean time between failures, in hours.")
+    plan.add_argument("--stage", help="Only this stage (default: every stage in the ledger).")
+    for name, what in (("checkpoint_seconds", "C, seconds each checkpoint costs the step loop"),
+                       ("step_seconds", "seconds per optimizer step"),
+                       ("restart_seconds", "R, seconds a restart costs (start-up and load)")):
+        plan.add_argument(f"--{name}", type=float, help=f"{what}; overrides the measured value (needed with "
+                          "no ledger, except restart_seconds, default 0).")
+
+
+def cmd_goodput(run_url: str, as_json: bool) -> None:
+    """`rlhf goodput RUN_URL`: the run's ledger in a few lines (rlhf_core.goodput)."""
+    from rlhf_core.goodput import format_summary, read_ledger
+
+    summary = read_ledger(run_url.rstrip("/"))
+    print(json.dumps(summary.to_dict(), indent=2) if as_json else format_summary(summary, run_url.rstrip("/")))
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    """`rlhf plan`: per stage, the measured costs, the goodput expected at today's save_steps and at Young's."""
+    print("\n".join(plan_lines(args.ckpt_path, args.run_name, args.mtbf_hours, args.stage, args.checkpoint_seconds,
+                               args.step_seconds, args.restart_seconds)))
+
+
+def plan_lines(ckpt_path: str, run_name: str, mtbf_hours: float, only_stage: str | None = None,
+               checkpoint_seconds: float | None = None, step_seconds: float | None = None,
+               restart_seconds: float | None = None) -> list[str]:
+    """Per stage of the run's ledger (or once, for the given costs): C, step time and R, the goodput expected
+    at the save_steps the run used, and Young's interval with the goodput expected there."""
+    from rlhf_core.goodput import GoodputLedger, measured_costs
+
+    for flag, value, may_be_zero in (("--mtbf_hours", mtbf_hours, False), ("--step_seconds", step_seconds, False),
+                                     ("--checkpoint_seconds", checkpoint_seconds, True),
+                                     ("--restart_seconds", restart_seconds, True)):
+        if value is not None and not (value >= 0 and (may_be_zero or value > 0)):
+            raise UserError(f"{flag} {value} must be a positive number of {'hours' if 'hours' in flag else 'seconds'}.")
+    run_url = f"{ckpt_path.rstrip('/')}/{run_name}"
+    ledger = GoodputLedger(run_url)
+    given = checkpoint_seconds is not None and step_seconds is not None
+    stages = [stage for stage in _ledger_stages(ledger, required=not given)
+              if only_stage in (None, stage.stage) and measured_costs(stage) is not None]
+    if not stages and not given:
+        raise UserError(f"{ledger.url} has no committed chunk{' of stage ' + only_stage if only_stage else ''} yet: "
+                        "train a few chunks first, or give --checkpoint_seconds and --step_seconds.")
+    lines = [f"plan for run {run_name} ({run_url}), MTBF {mtbf_hours:g} h:"]
+    overrides = (checkpoint_seconds, step_seconds, restart_seconds)
+    for stage in stages or [None]:
+        measured = measured_costs(stage) if stage is not None else (0.0, 0.0, 0.0)
+        name = stage.stage if stage is not None else (only_stage or "given")
+        lines += _stage_plan(name, measured, overrides, mtbf_hours * 3600,
+                             round(stage.steps / stage.chunks) if stage is not None else None)
+    lines.append("expected goodput = 1 - C/T - (T/2 + R)/MTBF (first order; T = save_steps x step seconds)")
+    return lines
+
+
+def _stage_plan(name: str, measured: tuple[float, float, float], overrides: tuple, mtbf_seconds: float,
+                save_steps_now: int | None) -> list[str]:
+    from rlhf_core.goodput import expected_goodput, plan_interval
+
+    c, t, r = (given if given is not None else value for given, value in zip(overrides, measured))
+    sources = ["given" if given is not None else "measured" for given in overrides]
+    lines = [f"{name}: C {c:.3g} s per checkpoint ({sources[0]}), step {t:.3g} s ({sources[1]}), "
+             f"restart R {r:.3g} s ({sources[2]})"]
+    if save_steps_now:
+        lines.append(f"  now:       --save_steps {save_steps_now} ({save_steps_now * t:.3g} s of work per checkpoint): "
+                     f"expected goodput {100 * expected_goodput(save_steps_now * t, c, mtbf_seconds, r):.2f}%")
+    plan = plan_interval(c, t, mtbf_seconds, r)
+    lines.append(f"  suggested: --save_steps {plan.save_steps} (T = sqrt(2*C*MTBF) = {plan.interval_seconds:.3g} s "
+                 f"of work): expected goodput {100 * plan.expected_goodput:.2f}%")
+    return lines
+
+
+def _ledger_stages(ledger, required: bool = True) -> list:
+    """The stages of a run's goodput ledger; with none and `required`, a UserError naming the override flags."""
+    try:
+        if ledger.exists():
+            return ledger.summary().stages
+    except (OSError, ValueError) as error:
+        raise UserError(f"cannot read {ledger.url}: {error}.") from None
+    if required:
+        raise UserError(f"{ledger.url} does not exist: check --ckpt_path and --run_name, train a few chunks first, "
+                        "or give --checkpoint_seconds and --step_seconds.")
+    return []
 
 
 def run_config_from_flags(stage: str, flags: dict[str, Any]) -> RunConfig:
@@ -373,6 +470,10 @@ def run_quietly(run_url: str, run_name: str, verbose: bool, start: typing.Callab
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None:  # a real command (not a test calling main): the ledger's start-up counts from its start
+        from rlhf_core.goodput import mark_command_started
+
+        mark_command_started()
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "rlhf_core")  # fallback and set-aside notices
     # rlhf_core's warnings during preflight come before any flow run: keep them off Prefect's API handler.
@@ -393,6 +494,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_quietly(run.run_url(), run.run_name, run.verbose, lambda: _run_pipeline(run))
         elif args.command == "status":
             cmd_status(args.run_url)
+        elif args.command == "goodput":
+            cmd_goodput(args.run_url, args.json)
+        elif args.command == "plan":
+            cmd_plan(args)
         elif args.command == "ckpt":
             return cmd_ckpt(args.ckpt_command, args.path, args.json, getattr(args, "verify", False))
         elif args.command == "lora-combiner":

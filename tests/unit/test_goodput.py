@@ -1,0 +1,264 @@
+"""The goodput ledger (rlhf_core/goodput.py): what it records across attempts, crashes and retries, how its file
+is written, `rlhf goodput` and `rlhf plan`, and the planner's arithmetic against a case computed by hand."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+from flows.cli import main
+from rlhf_core.goodput import (CRASHED, FINISHED, LEASE_HEARTBEAT_S, GoodputLedger, begin_attempt, commit_chunk,
+                               empty_ledger, expected_goodput, finish_attempt, measured_costs, plan_interval,
+                               start_chunk, summarize)
+
+
+class Clock:
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> float:
+        self.now += seconds
+        return self.now
+
+
+# --------------------------------------------------------------------------- the planner, by hand
+
+
+def test_young_interval_and_expected_goodput_match_a_hand_computed_case():
+    """C = 2 s per checkpoint, MTBF M = 1 h = 3600 s, 0.5 s per step, restart R = 30 s.
+    Young: T = sqrt(2 * C * M) = sqrt(2 * 2 * 3600) = sqrt(14400) = 120 s of work -> 120 / 0.5 = 240 steps.
+    Expected goodput = 1 - C/T - (T/2 + R)/M = 1 - 2/120 - (60 + 30)/3600 = 1 - 1/60 - 1/40 = 1 - 5/120
+    = 0.958333...  At save_steps 50 (T = 25 s): 1 - 2/25 - (12.5 + 30)/3600 = 1 - 0.08 - 0.0118055... = 0.9081944..."""
+    plan = plan_interval(checkpoint_seconds=2.0, step_seconds=0.5, mtbf_seconds=3600.0, restart_seconds=30.0)
+    assert plan.interval_seconds == 120.0
+    assert plan.save_steps == 240
+    assert plan.expected_goodput == pytest.approx(1 - 5 / 120, abs=1e-12)
+    assert expected_goodput(25.0, 2.0, 3600.0, 30.0) == pytest.approx(0.9081944444, abs=1e-9)
+    # At Young's T, the checkpoint term equals the rework term: C/T = T/(2M) = sqrt(C/(2M)).
+    assert 2.0 / plan.interval_seconds == pytest.approx(plan.interval_seconds / (2 * 3600.0))
+    # Young's interval is the best one to first order: a step either way expects less.
+    for steps in (plan.save_steps - 40, plan.save_steps + 40):
+        assert expected_goodput(steps * 0.5, 2.0, 3600.0, 30.0) < plan.expected_goodput
+
+
+def test_planner_never_suggests_less_than_one_step_and_refuses_nonsense():
+    assert plan_interval(0.0, 1.0, 3600.0).save_steps == 1  # free checkpoints: every step
+    with pytest.raises(ValueError):
+        plan_interval(1.0, 0.0, 3600.0)
+    with pytest.raises(ValueError):
+        expected_goodput(0.0, 1.0, 3600.0)
+
+
+# --------------------------------------------------------------------------- recording (pure transitions)
+
+
+def _chunk(doc, attempt, clock, stage, start, end, train, stall=0.5, load=0.0):
+    start_chunk(doc, attempt, stage, start, end, clock.advance(0.25))
+    clock.advance(load + train + stall)
+    commit_chunk(doc, attempt, stage, end, {"plan": 0.0, "workers_and_load": load, "train": train,
+                                            "save_and_commit": stall}, clock.now)
+
+
+def test_one_clean_attempt_accounts_for_every_second():
+    clock, doc = Clock(), empty_ledger()
+    attempt = begin_attempt(doc, "a", clock.now, started=clock.now - 4.0)  # the command started 4 s earlier
+    _chunk(doc, attempt, clock, "sft", 0, 10, train=10.0, load=2.0)
+    _chunk(doc, attempt, clock, "sft", 10, 20, train=10.0)
+    finish_attempt(doc, attempt, clock.advance(1.0))
+    summary = summarize(doc)
+    sft = summary.stages[0]
+    assert (sft.chunks, sft.steps, sft.lost_steps) == (2, 20, 0)
+    assert sft.useful_s == 20.0 and sft.stall_s == 1.0 and sft.load_s == 2.0
+    assert sft.startup_s == 4.25  # command start -> first chunk start
+    assert sft.wall_s == pytest.approx(4.25 + 12.5 + 0.25 + 10.5)
+    assert sft.other_s == pytest.approx(0.25)  # the gap between the two chunks
+    assert summary.total.wall_s == pytest.approx(sft.wall_s + 1.0)  # + after the last chunk (export)
+    assert summary.total.goodput == pytest.approx(20.0 / 28.5)
+    assert summary.num_attempts == 1 and summary.num_crashed == 0 and not summary.running
+    assert measured_costs(sft) == pytest.approx(((1.0 + 0.25) / 2, 1.0, 4.25 + 2.0))
+
+
+def test_a_crash_loses_the_uncommitted_chunk_and_the_next_attempt_settles_it():
+    clock, doc = Clock(), empty_ledger()
+    first = begin_attempt(doc, "a", clock.now)
+    _chunk(doc, first, clock, "sft", 0, 10, train=10.0)
+    start_chunk(doc, first, "sft", 10, 20, clock.advance(0.25))
+    chunk_started = clock.now
+    # SIGKILL 6 s into the chunk; the lease's last heartbeat was 3 s before that; restart 100 s later.
+    holder = {"host": first["host"], "pid": first["pid"], "heartbeat": chunk_started + 3.0, "released": False}
+    second = begin_attempt(doc, "b", clock.advance(106.0), lease_holder=holder)
+    assert first["state"] == CRASHED and first["end"] == chunk_started + 3.0 + LEASE_HEARTBEAT_S
+    sft = summarize(doc).stages[0]
+    assert (sft.lost_chunks, sft.lost_steps) == (1, 10)
+    assert sft.lost_s == pytest.approx(3.0 + LEASE_HEARTBEAT_S)
+    assert summarize(doc).down_s == pytest.approx(106.0 - 3.0 - LEASE_HEARTBEAT_S)
+    assert not doc["pending"]
+    _chunk(doc, second, clock, "sft", 10, 20, train=10.0, load=3.0)
+    finish_attempt(doc, second, clock.now)
+    summary = summarize(doc)
+    sft = summary.stages[0]
+    assert (sft.chunks, sft.steps, sft.attempts) == (2, 20, 2)
+    assert summary.num_crashed == 1 and summary.num_attempts == 2
+    assert sft.wall_s + summary.down_s == pytest.approx(clock.now - 1000.0)  # every second is somewhere
+    assert summary.total.goodput == pytest.approx(20.0 / sft.wall_s)
+
+
+def test_without_the_lease_record_a_crashed_attempt_runs_until_the_next_one_starts():
+    clock, doc = Clock(), empty_ledger()
+    first = begin_attempt(doc, "a", clock.now)
+    start_chunk(doc, first, "rm", 0, 8, clock.advance(1.0))
+    begin_attempt(doc, "b", clock.advance(50.0), lease_holder=None)
+    assert first["end"] == clock.now
+    assert summarize(doc).down_s == 0.0 and summarize(doc).stages[0].lost_s == 50.0
+
+
+def test_a_process_that_died_after_its_commit_but_before_recording_it_loses_nothing():
+    clock, doc = Clock(), empty_ledger()
+    first = begin_attempt(doc, "a", clock.now)
+    start_chunk(doc, first, "sft", 0, 10, clock.advance(1.0))
+    clock.advance(12.0)
+    begin_attempt(doc, "b", clock.now, is_committed=lambda stage, step: (stage, step) == ("sft", 10))
+    sft = summarize(doc).stages[0]
+    assert (sft.chunks, sft.steps, sft.lost_steps, sft.useful_s) == (1, 10, 0, 12.0)
+
+
+def test_a_chunk_retried_in_the_same_process_counts_its_failed_try_as_lost():
+    clock, doc = Clock(), empty_ledger()
+    attempt = begin_attempt(doc, "a", clock.now)
+    _chunk(doc, attempt, clock, "sft", 0, 5, train=5.0)
+    start_chunk(doc, attempt, "sft", 5, 10, clock.advance(0.1))
+    failed_at = clock.now
+    clock.advance(7.0)  # trained a while, failed, Prefect waited before the retry
+    _chunk(doc, attempt, clock, "sft", 5, 10, train=5.0)
+    sft = summarize(doc).stages[0]
+    assert (sft.chunks, sft.steps, sft.lost_chunks, sft.lost_steps) == (2, 10, 1, 5)
+    assert sft.lost_s == pytest.approx(clock.now - failed_at - 5.0 - 0.5 - 0.0)
+
+
+def test_a_chunk_committing_in_the_background_while_the_next_trains_is_not_lost():
+    clock, doc = Clock(), empty_ledger()
+    attempt = begin_attempt(doc, "a", clock.now)
+    start_chunk(doc, attempt, "sft", 0, 10, clock.advance(0.1))
+    start_chunk(doc, attempt, "sft", 10, 20, clock.advance(10.0))  # chunk 1's writer still running
+    commit_chunk(doc, attempt, "sft", 10, {"train": 10.0, "stall": 0.2, "save_and_commit": 0.3, "commit": 4.0},
+                 clock.advance(4.0))
+    commit_chunk(doc, attempt, "sft", 20, {"train": 10.0, "stall": 0.2, "commit": 4.0}, clock.advance(10.0))
+    sft = summarize(doc).stages[0]
+    assert (sft.chunks, sft.steps, sft.lost_chunks) == (2, 20, 0)
+    assert sft.stall_s == pytest.approx(0.4)  # save_and_commit is not the stall when a stall is given
+    assert sft.commit_s == 8.0 and sft.useful_s == 20.0
+
+
+def test_an_attempt_that_ends_with_a_chunk_pending_lost_it():
+    clock, doc = Clock(), empty_ledger()
+    attempt = begin_attempt(doc, "a", clock.now)
+    start_chunk(doc, attempt, "ppo", 0, 4, clock.advance(1.0))
+    finish_attempt(doc, attempt, clock.advance(3.0))
+    assert attempt["state"] == FINISHED
+    assert summarize(doc).stages[0].lost_steps == 4 and not doc["pending"]
+
+
+# --------------------------------------------------------------------------- the file
+
+
+@pytest.mark.parametrize("memory", [False, True])
+def test_ledger_file_is_written_whole_and_read_back_across_ledger_objects(tmp_path, memory):
+    url = f"memory://goodput-{os.getpid()}/{tmp_path.name}/run" if memory else str(tmp_path / "run")
+    clock = Clock()
+    ledger = GoodputLedger(url, clock=clock)
+    ledger.attempt_started()
+    ledger.chunk_started("sft", 0, 5)
+    clock.advance(6.0)
+    GoodputLedger(url, clock=clock).chunk_committed("sft", 5, {"train": 5.0, "save_and_commit": 1.0})
+    ledger.attempt_finished()
+    doc = json.loads(ledger.fs.cat_file(ledger.path))
+    assert doc["format"] == 1 and doc["attempts"][0]["state"] == FINISHED
+    sft = ledger.summary().stages[0]
+    assert (sft.chunks, sft.steps, sft.useful_s, sft.stall_s) == (1, 5, 5.0, 1.0)
+    if not memory:
+        assert sorted(os.listdir(tmp_path / "run")) == ["goodput.json"]  # no temporary file left behind
+
+
+def test_a_second_attempt_in_a_new_process_finds_the_first_crashed(tmp_path, monkeypatch):
+    from rlhf_core import goodput
+
+    url, clock = str(tmp_path / "run"), Clock()
+    GoodputLedger(url, clock=clock).chunk_started("sft", 0, 5)  # begins an attempt without being asked
+    monkeypatch.setattr(goodput, "_ATTEMPT_IDS", {})  # as a new process: no attempt of its own yet
+    clock.advance(30.0)
+    GoodputLedger(url, clock=clock).attempt_started()
+    summary = GoodputLedger(url).summary()
+    assert summary.num_crashed == 1 and summary.stages[0].lost_steps == 5 and summary.running
+
+
+def test_recording_never_fails_the_chunk(tmp_path, caplog):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "goodput.json").write_text("[]")
+    GoodputLedger(str(tmp_path / "run")).chunk_started("sft", 0, 5)  # warns, does not raise
+    assert "could not record goodput" in caplog.text
+    assert (tmp_path / "run" / "goodput.json").read_text() == "[]"
+
+
+# --------------------------------------------------------------------------- rlhf goodput, rlhf plan
+
+
+def _recorded_run(tmp_path) -> str:
+    clock, url = Clock(), str(tmp_path / "ckpt" / "exp")
+    ledger = GoodputLedger(url, clock=clock)
+    ledger.attempt_started()
+    for start in range(0, 40, 10):
+        ledger.chunk_started("sft", start, start + 10)
+        clock.advance(6.0)  # 5 s of steps, 1 s of checkpoint
+        ledger.chunk_committed("sft", start + 10, {"train": 5.0, "save_and_commit": 1.0})
+    ledger.attempt_finished()
+    return url
+
+
+def test_rlhf_goodput_prints_a_few_lines_and_json(tmp_path, capsys):
+    url = _recorded_run(tmp_path)
+    assert main(["goodput", url]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"goodput 83.3% of run {url}")  # 20 s useful of 24 s
+    assert len(out.splitlines()) <= 6 and "sft" in out and "total" in out
+    assert main(["goodput", url, "--json"]) == 0
+    total = json.loads(capsys.readouterr().out)["total"]
+    assert total["steps"] == 40 and total["goodput"] == pytest.approx(20 / 24)
+
+
+@pytest.mark.parametrize("where, message", [("missing", "is not a folder"), ("empty", "has no goodput.json")])
+def test_rlhf_goodput_of_a_wrong_folder_is_one_sentence_and_exit_2(tmp_path, capsys, where, message):
+    (tmp_path / "empty").mkdir()
+    assert main(["goodput", str(tmp_path / where)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_rlhf_plan_uses_the_measured_costs_and_takes_overrides(tmp_path, capsys):
+    _recorded_run(tmp_path)
+    assert main(["plan", "--ckpt_path", str(tmp_path / "ckpt"), "--run_name", "exp", "--mtbf_hours", "1"]) == 0
+    out = capsys.readouterr().out
+    # Measured: C = 1 s per chunk, 0.5 s per step, R = 0 s. T = sqrt(2 * 1 * 3600) = 84.85 s -> 170 steps.
+    assert "sft: C 1 s per checkpoint (measured), step 0.5 s (measured)" in out
+    assert "now:       --save_steps 10 (5 s of work per checkpoint)" in out
+    assert "suggested: --save_steps 170 " in out
+    expected = 100 * (1 - 1 / 85 - 42.5 / 3600)
+    assert f"expected goodput {expected:.2f}%" in out
+    assert main(["plan", "--ckpt_path", str(tmp_path / "nothing"), "--mtbf_hours", "1", "--checkpoint_seconds", "2",
+                 "--step_seconds", "0.5", "--restart_seconds", "30"]) == 0
+    assert "suggested: --save_steps 240 (T = sqrt(2*C*MTBF) = 120 s of work): expected goodput 95.83%" \
+        in capsys.readouterr().out
+
+
+def test_rlhf_plan_without_a_ledger_or_with_bad_numbers_is_exit_2(tmp_path, capsys):
+    assert main(["plan", "--ckpt_path", str(tmp_path), "--mtbf_hours", "1"]) == 2
+    assert "give --checkpoint_seconds and --step_seconds" in capsys.readouterr().err
+    assert main(["plan", "--ckpt_path", str(tmp_path), "--mtbf_hours", "0", "--checkpoint_seconds", "1",
+                 "--step_seconds", "1"]) == 2
+    assert "--mtbf_hours 0.0 must be a positive number of hours" in capsys.readouterr().err
+    assert math.isfinite(plan_interval(1.0, 1.0, 1.0).expected_goodput)
