@@ -333,10 +333,12 @@ class CheckpointStore:
         files = list(_list_local_files(local_dir).items())
         if not files:
             return []
-        entries = [self._upload_file(pending.path, *files[0])]
+        # The largest file first, so that the mid_upload kill point lands inside a real transfer.
+        files.sort(key=lambda item: -os.path.getsize(item[1]))
+        entries = [self._upload_file(pending, *files[0])]
         fault_point("between_uploads", pending.step)
         with ThreadPoolExecutor(TRANSFER_THREADS) as pool:
-            entries += pool.map(lambda item: self._upload_file(pending.path, *item), files[1:])
+            entries += pool.map(lambda item: self._upload_file(pending, *item), files[1:])
         return entries
 
     def finish_commit(self, pending: PendingStep, entries: list[ManifestEntry], metadata: dict[str, Any],
@@ -410,6 +412,30 @@ class CheckpointStore:
         with ThreadPoolExecutor(TRANSFER_THREADS) as pool:
             list(pool.map(lambda entry: self._fetch_file(info, entry, local_dir), chosen))
         return manifest_bytes
+
+    def verify_in_place(self, step: int, select: Callable[[list[str]], list[str]] | None = None) -> str | None:
+        """On a local store, check the files of the committed ``step_N`` that ``select`` picks against the
+        manifest where they lie (one read each, no copy) and return the step's folder; None for an object
+        store, whose files must be fetched (``fetch``). CorruptCheckpoint on a mismatch."""
+        if not self._is_local:
+            return None
+        info = self._inspect(step, verify=False)
+        if not info.is_committed:
+            raise UserError(f"Checkpoint {info.uri} is {info.status} ({info.reason}); "
+                            "pick a committed step from `rlhf ckpt ls`.")
+        step_path = self._path(info.name)
+        manifest = Manifest.from_bytes(self.fs.cat_file(f"{step_path}/{MANIFEST_NAME}"))
+        entries = {entry.path: entry for entry in manifest.files}
+
+        def check(entry: ManifestEntry) -> None:
+            with open(os.path.join(step_path, *entry.path.split("/")), "rb") as source:
+                size, sha256 = _copy_hashing(source, None)
+            if size != entry.size or sha256 != entry.sha256:
+                raise _checksum_mismatch(info, entry)
+
+        with ThreadPoolExecutor(TRANSFER_THREADS) as pool:
+            list(pool.map(check, [entries[path] for path in (select or list)(list(entries))]))
+        return step_path
 
     def read_verified(self, step: int, relative_path: str) -> bytes:
         """One small file of the committed ``step_N`` (e.g. its metadata), checked against the manifest."""
@@ -503,11 +529,11 @@ class CheckpointStore:
                         return f"checksum mismatch in {entry.path}"
         return ""
 
-    def _upload_file(self, dir_path: str, relative_path: str, local_path: str) -> ManifestEntry:
-        remote_path = f"{dir_path}/{relative_path}"
+    def _upload_file(self, pending: PendingStep, relative_path: str, local_path: str) -> ManifestEntry:
+        remote_path = f"{pending.path}/{relative_path}"
         self._make_parent_dirs(remote_path)
         with open(local_path, "rb") as source, self.fs.open(remote_path, "wb") as target:
-            size, sha256 = _copy_hashing(source, target)
+            size, sha256 = _copy_hashing(source, target, lambda: fault_point("mid_upload", pending.step))
         return ManifestEntry(relative_path, size, sha256)
 
     def _fetch_file(self, info: CheckpointInfo, entry: ManifestEntry, local_dir: str) -> None:
@@ -585,12 +611,17 @@ def _list_local_files(local_dir: str) -> dict[str, str]:
     return files
 
 
-def _copy_hashing(source: BinaryIO, target: BinaryIO) -> tuple[int, str]:
-    """Copy ``source`` into ``target`` block by block, hashing on the way (one read): (size, sha256)."""
+def _copy_hashing(source: BinaryIO, target: BinaryIO | None,
+                  after_first_block: Callable[[], None] | None = None) -> tuple[int, str]:
+    """Copy ``source`` into ``target`` (None: only hash) block by block, hashing on the way (one read):
+    (size, sha256). ``after_first_block`` is a fault hook: a kill there lands mid-transfer."""
     digest, size = hashlib.sha256(), 0
     while block := source.read(TRANSFER_BLOCK_BYTES):
         digest.update(block)
-        target.write(block)
+        if target is not None:
+            target.write(block)
+        if not size and after_first_block is not None:
+            after_first_block()
         size += len(block)
     return size, digest.hexdigest()
 

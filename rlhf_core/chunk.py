@@ -235,8 +235,11 @@ def _trackers_at(run: RunConfig, stage: str, store: CheckpointStore, start_step:
 def _train_and_log(group: WorkerGroup, start_step: int, target_step: int, trackers: StageTrackers | None,
                    logging_steps: int) -> list[dict[str, float]]:
     """Train to `target_step`; with trackers, stop at each logged step so its metrics show while the chunk runs."""
-    if trackers is None:
-        return group.train_until(target_step)
+    if trackers is None or group.training_ahead_to == target_step:
+        step_metrics = group.train_until(target_step)
+        if trackers is not None:
+            trackers.log(step_metrics)
+        return step_metrics
     stops = [step for step in range(start_step + 1, target_step) if step % logging_steps == 0] + [target_step]
     step_metrics = []
     for stop in stops:
@@ -274,7 +277,7 @@ def ensure_checkpoint(run: RunConfig, stage: str, target_step: int, lineage: Lin
         metadata = _metadata(run, stage, plan, target_step, summary, trackers, group.world_size,
                              _WarmGroup.world_size_changes)
         metadata |= _alert_inputs(store, group, start_step, target_step, summary)
-        info = _commit(run, stage, store, group, target_step, metadata)
+        info, commit_seconds = _commit(run, stage, store, group, target_step, metadata, _next_target(plan, target_step))
         alerts = commit_alerts(run.run_name, stage, target_step, metadata, info.size_bytes,
                                [known.size_bytes for known in infos if known.is_committed and known.step < target_step],
                                has_ds_state=not run.stage_config(stage).disable_ds_ckpt,
@@ -291,7 +294,7 @@ def ensure_checkpoint(run: RunConfig, stage: str, target_step: int, lineage: Lin
     store.retain(run.max_ckpt_num, run.max_ckpt_mem)
     finished = time.perf_counter()
     seconds = {"plan": prepared - started, "workers_and_load": loaded - prepared, "train": trained - loaded,
-               "save_and_commit": finished - trained}
+               "save_and_commit": finished - trained, **commit_seconds}
     return ChunkResult(stage, target_step, info.uri, info.manifest_digest, target_step - start_step, summary, seconds,
                        group.world_size, [json.loads(alert.to_json()) for alert in alerts], info.size_bytes)
 
@@ -314,15 +317,32 @@ def _alert_inputs(store: CheckpointStore, group: WorkerGroup, start_step: int, s
     return {"metric_history": history, "model_sizes": group.model_sizes()}
 
 
-def _commit(run: RunConfig, stage: str, store: CheckpointStore, group: WorkerGroup, step: int,
-            metadata: dict) -> CheckpointInfo:
-    """Every rank uploads its files into the uncommitted step; the driver commits them under the run lease."""
+def _next_target(plan: StagePlan, step: int) -> int | None:
+    later = [target for target in plan.targets if target > step]
+    return later[0] if later else None
+
+
+def _commit(run: RunConfig, stage: str, store: CheckpointStore, group: WorkerGroup, step: int, metadata: dict,
+            next_target: int | None) -> tuple[CheckpointInfo, dict[str, float]]:
+    """Every rank snapshots its share into memory and uploads it into the uncommitted step; the driver
+    commits them under the run lease. Unless --sync_checkpoint, the ranks train on to `next_target`
+    meanwhile (collected by the next chunk), so training waits only for the snapshot. The chunk returns
+    after its commit: a chunk the flow (and Prefect's cache) calls done is always committed."""
     pending = store.prepare_step(step)
     if isinstance(pending, CheckpointInfo):
-        return pending
-    entries = group.save(run.stage_url(stage), run.storage_options, pending)
+        return pending, {}
+    started = time.perf_counter()
+    folders = group.snapshot()
+    snapshotted = time.perf_counter()
+    writes = group.start_write(folders, run.stage_url(stage), run.storage_options, pending)
+    if next_target is not None and not run.sync_checkpoint:
+        group.train_ahead(next_target)
+    entries = group.finish_write(writes)
     with run_lease(run) as lease:
-        return store.finish_commit(pending, entries, metadata, fence=lease)
+        info = store.finish_commit(pending, entries, metadata, fence=lease)
+    committed = time.perf_counter()
+    stall = (committed if run.sync_checkpoint else snapshotted) - started
+    return info, {"stall": stall, "commit": committed - snapshotted}
 
 
 @contextlib.contextmanager

@@ -386,6 +386,11 @@ class RunConfig(BaseModel):
                               "node was lost), go on with as many as fit, resuming through DeepSpeed's "
                               "universal checkpoint; the change is recorded in the checkpoint metadata.")
     )
+    sync_checkpoint: bool = Field(
+        False, **_operational("Write each checkpoint while training waits. By default the ranks snapshot it to "
+                              "memory, train the next chunk, and upload it meanwhile (a crash during the upload "
+                              "loses that checkpoint only, never a committed one).")
+    )
     max_chunks_per_run: int | None = Field(
         None, ge=1, **_operational("Train at most this many chunks in this flow run, then stop cleanly at a chunk "
                                    "boundary; the next run of the same run_name continues (scheduled runs).")

@@ -6,9 +6,10 @@ bundle. The ranks join one torch.distributed group (gloo on CPU, nccl on GPU) an
 trainer. The group outlives a chunk: the next chunk reuses it warm when it already holds the state
 the store would give it.
 
-Checkpoint I/O is per rank: each rank saves into a staging folder on its own node's disk and
-uploads its own files straight into the store's uncommitted step folder, returning their manifest
-entries; the driver only writes the manifest (`rlhf_core.checkpoint`). On load each rank fetches and
+Checkpoint I/O is per rank and asynchronous: at a chunk boundary each rank snapshots its share into
+memory on its own node (`rlhf_core.snapshot`), and its actor's second thread ("io") uploads those files
+straight into the store's uncommitted step folder, hashing as it writes, while the first thread trains
+the next chunk (`train_ahead`); the driver only writes the manifest (`rlhf_core.checkpoint`). On load each rank fetches and
 verifies just the files it reads. So the driver can sit anywhere: on the head, in a `ray job`, or
 off the cluster as a Ray client (`ray://`). A local --ckpt_path must be a folder every node sees;
 a marker file checks that before any training.
@@ -142,21 +143,45 @@ class TrainWorker:
         return [f"{name}:{parameter}" for name, engine in self.trainer.engines.items()
                 for parameter in non_finite_parameters(engine.module)]
 
-    def save_to_store(self, store_url: str, storage_options: dict, pending) -> list:
-        """Save this rank's share into a node-local folder, upload it into the uncommitted step folder
-        `pending`, and return its manifest entries."""
+    def snapshot(self) -> str:
+        """Save this rank's share of the current step into a folder in memory (`rlhf_core.snapshot`) and
+        return it; training may go on while `write_snapshot` uploads it."""
+        from rlhf_core.snapshot import snapshot_folder, without_zip_crc32
+
+        folder = snapshot_folder(self.rank, self._expected_checkpoint_bytes())
+        try:
+            with without_zip_crc32():
+                self.trainer.save(folder)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        return folder
+
+    @ray.method(concurrency_group="io")
+    def write_snapshot(self, folder: str, store_url: str, storage_options: dict, pending) -> list:
+        """Upload a snapshot into the uncommitted step folder `pending` (hashing as it writes), remove it,
+        and return its manifest entries. Runs in the actor's I/O thread, beside `train_until`."""
         from rlhf_core.checkpoint import CheckpointStore
 
-        staging = tempfile.mkdtemp(prefix=f"rlhf-save-rank{self.rank}-")
         try:
-            self.trainer.save(staging)
-            return CheckpointStore(store_url, storage_options).upload_tree(pending, staging)
+            return CheckpointStore(store_url, storage_options).upload_tree(pending, folder)
         finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def _expected_checkpoint_bytes(self) -> int:
+        """About what this rank's snapshot holds: weights (DeepSpeed's and the HF copy), and for trained
+        parameters the fp32 master and AdamW's two moments."""
+        total = 0
+        for engine in self.trainer.engines.values():
+            for parameter in engine.module.parameters():
+                size = parameter.numel() * parameter.element_size()
+                total += 2 * size + (3 * parameter.numel() * 4 if parameter.requires_grad else 0)
+        return total
 
     def load_from_store(self, store_url: str, storage_options: dict, step: int, universal: bool,
                         weights_only: bool) -> int:
-        """Fetch and verify the files of committed `step` this rank reads, then load them."""
+        """Verify the files of committed `step` this rank reads (fetching them from an object store),
+        then load them."""
         from rlhf_core.checkpoint import CheckpointStore
         from rlhf_core.resume import convert_to_universal
         from rlhf_core.safe_load import check_no_pickled_code
@@ -164,10 +189,15 @@ class TrainWorker:
         # The universal converter, and ZeRO-3's module-only load, read every rank's shard (with a plain
         # unpickler), so they get all files and a scan first; otherwise DeepSpeed's own reads are the scan.
         reads_all_shards = universal or (weights_only and self.trainer.cfg.zero_stage == 3)
+        store = CheckpointStore(store_url, storage_options)
+        select = lambda paths: files_for_rank(paths, self.rank, reads_all_shards)  # noqa: E731
+        if not reads_all_shards:  # both of those write into the folder they read: they get a copy
+            in_place = store.verify_in_place(step, select)
+            if in_place is not None:
+                return self.trainer.load(in_place, False, weights_only)
         local_dir = tempfile.mkdtemp(prefix=f"rlhf-load-rank{self.rank}-")
         try:
-            CheckpointStore(store_url, storage_options).fetch(
-                step, local_dir, lambda paths: files_for_rank(paths, self.rank, reads_all_shards))
+            store.fetch(step, local_dir, select)
             if reads_all_shards:
                 check_no_pickled_code(local_dir)
             universal = universal and convert_to_universal(local_dir)
@@ -203,7 +233,8 @@ class WorkerGroup:
         forwarded = forwarded_environment()
         if forwarded:
             options["runtime_env"] = {"env_vars": forwarded}
-        remote_worker = ray.remote(TrainWorker)
+        # A second thread per actor ("io") uploads the last snapshot while the default one trains on.
+        remote_worker = ray.remote(concurrency_groups={"io": 1})(TrainWorker)
         self.workers = [remote_worker.options(scheduling_strategy=strategy, **options).remote(rank, self.world_size)
                         for rank, strategy in enumerate(strategies)]
         self.locations: list[RankLocation] = []
@@ -223,6 +254,7 @@ class WorkerGroup:
             self.shutdown()
             raise
         self.step = 0
+        self._ahead: tuple[int, list] | None = None
 
     def setup(self, run: RunConfig, stage: str, total_steps: int, load_universal: bool = False) -> None:
         self._model_sizes = None
@@ -234,16 +266,42 @@ class WorkerGroup:
                                                                 weights_only) for worker in self.workers])[0]
 
     def train_until(self, target_step: int) -> list[dict[str, float]]:
-        """Per-step metrics as seen by rank 0 (already averaged over ranks)."""
-        metrics = self._gather([worker.train_until.remote(target_step) for worker in self.workers])[0]
+        """Per-step metrics as seen by rank 0 (already averaged over ranks); collects training started
+        ahead (`train_ahead`) first."""
+        metrics = []
+        if self._ahead:
+            ahead_step, ahead = self._ahead
+            self._ahead = None
+            metrics = self._gather(ahead)[0]
+            self.step = ahead_step
+        if self.step > target_step:
+            raise RuntimeError(f"the worker group trained ahead to step {self.step}, past the target {target_step}")
+        if self.step < target_step:
+            metrics += self._gather([worker.train_until.remote(target_step) for worker in self.workers])[0]
         self.step = target_step
         return metrics
 
-    def save(self, store_url: str, storage_options: dict, pending) -> list:
-        """Every rank's manifest entries for the files it uploaded into `pending`."""
-        shares = self._gather([worker.save_to_store.remote(store_url, storage_options, pending)
-                               for worker in self.workers])
-        return [entry for share in shares for entry in share]
+    def snapshot(self) -> list[str]:
+        """Every rank's share of the current step, saved into memory on its node (one folder per rank)."""
+        return self._gather([worker.snapshot.remote() for worker in self.workers])
+
+    def start_write(self, folders: list[str], store_url: str, storage_options: dict, pending) -> list:
+        """Start every rank's upload of its snapshot into `pending`; `finish_write` waits for them."""
+        return [worker.write_snapshot.remote(folder, store_url, storage_options, pending)
+                for worker, folder in zip(self.workers, folders)]
+
+    def finish_write(self, writes: list) -> list:
+        """Every rank's manifest entries for the files it uploaded."""
+        return [entry for share in self._gather(writes) for entry in share]
+
+    def train_ahead(self, target_step: int) -> None:
+        """Start training to `target_step` without waiting (the next chunk, while this one commits);
+        `train_until(target_step)` collects it."""
+        self._ahead = (target_step, [worker.train_until.remote(target_step) for worker in self.workers])
+
+    @property
+    def training_ahead_to(self) -> int | None:
+        return self._ahead[0] if self._ahead else None
 
     def model_sizes(self) -> dict:
         """Parameter counts and dtypes of the trained models, which predict a checkpoint's size (fixed for a

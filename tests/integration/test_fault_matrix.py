@@ -34,13 +34,13 @@ pytestmark = pytest.mark.slow
 # In the order a run reaches them (save_steps 5, max_ckpt_num 2: the commit of step 15 removes step 5).
 FAULT_POINTS = [
     "train_step@3",        # inside a training step (Ray worker), before any checkpoint
-    "local_save@5",        # DeepSpeed state written locally, HF copy not yet
-    "between_uploads@5",   # first file uploaded, the rest not
+    "local_save@5",        # the in-memory snapshot: DeepSpeed state written, HF copy not yet
+    "between_uploads@5",   # background writer: first file uploaded, the rest not
     "before_manifest@5",   # every file uploaded, no MANIFEST.json
     "before_latest@5",     # MANIFEST.json written, `latest` not moved
     "after_commit@5",      # committed, retention not yet run
     "train_step@8",        # mid-chunk, one checkpoint behind
-    "between_uploads@10",
+    "mid_upload@10",       # background writer, while step 11 trains: a file half hashed and uploaded
     "before_manifest@15",
     "during_removal@5",    # retention: step_5's manifest deleted, its files not yet
     "local_save@20",

@@ -1,0 +1,52 @@
+"""The in-memory snapshot folders of `rlhf_core.snapshot`: where they go, and that a dead rank's are removed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from rlhf_core import snapshot
+
+
+def dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_snapshot_goes_to_tmpfs_when_it_fits_and_to_the_temp_folder_when_not(tmp_path, monkeypatch):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    monkeypatch.setattr(snapshot, "SHM_ROOT", str(shm))
+    monkeypatch.setattr(snapshot.tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    small = snapshot.snapshot_folder(rank=0, expected_bytes=1)
+    huge = snapshot.snapshot_folder(rank=1, expected_bytes=1 << 60)
+    assert os.path.dirname(small) == str(shm) and os.path.basename(small).startswith(f"rlhf-snapshot-{os.getpid()}-rank0-")
+    assert os.path.dirname(huge) == str(tmp_path / "tmp")
+
+
+def test_a_dead_process_snapshot_is_removed_and_a_live_one_kept(tmp_path, monkeypatch):
+    monkeypatch.setattr(snapshot, "SHM_ROOT", str(tmp_path))
+    monkeypatch.setattr(snapshot.tempfile, "tempdir", str(tmp_path))
+    dead = tmp_path / f"rlhf-snapshot-{dead_pid()}-rank0-abc"
+    alive = tmp_path / f"rlhf-snapshot-{os.getpid()}-rank0-def"
+    unrelated = tmp_path / "rlhf-snapshot-notapid"
+    for folder in (dead, alive, unrelated):
+        (folder / "ds").mkdir(parents=True)
+    assert snapshot.remove_stale_snapshots() == [str(dead)]
+    assert not dead.exists() and alive.exists() and unrelated.exists()
+
+
+def test_without_zip_crc32_writes_files_torch_loads_back(tmp_path):
+    from torch.utils.serialization import config
+
+    tensors = {"weight": torch.randn(64, 64)}
+    with snapshot.without_zip_crc32():
+        assert config.save.compute_crc32 is False
+        torch.save(tensors, tmp_path / "state.pt")
+    assert config.save.compute_crc32 is True
+    assert torch.load(tmp_path / "state.pt")["weight"].equal(tensors["weight"])
