@@ -11,6 +11,17 @@ errors from anyone, and Ray's raylet/autoscaler lines (an OOM kill, a dead node)
 is also written to the log file, with Ray actors' output under the logger name `ray.worker_output`.
 With `verbose` (`--verbose`) the console shows everything as before and the file still gets it all.
 
+One progress bar per stage: the flow logs one line per chunk (`sft [#####-----] 4/8 chunks  step 32/64: ...`,
+flows/stage_report.py). When the console is a terminal (and not verbose), that line is drawn as a live bar
+instead (`LiveBar`): rewritten in place with a carriage return at each chunk and at each logged step
+(`show_step`, called by the chunk's training loop), and ended with a newline when the stage's last step is
+reached or before any other line reaches the console, so nothing is written over. Not on a terminal (CI,
+a worker's captured output, a pipe to a file), each chunk line stays a line of its own, as the log file
+keeps it in every case.
+
+Who calls `configure_console`: the CLI (`rlhf train`, `rlhf run`, `rlhf demo`), and the flow `rlhf` itself
+when it runs from a deployment (a worker's flow-run process, flows/pipeline.py), which no CLI sets up.
+
 Where the log file is (`log_file_for`): `{ckpt_path}/{run_name}/logs/driver.log` when the run folder is
 local (beside the checkpoints and `alerts.jsonl`), appended to by each run of that run name. For a run
 folder in an object store (s3://...) a file cannot be appended to as it grows, so the log goes to
@@ -124,6 +135,7 @@ class _Console:
 
     verbose: bool
     file_handler: _RunLogHandler
+    live_bar: LiveBar | None = None  # on a terminal, unless verbose
     warnings_shown: set = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -160,7 +172,10 @@ class _LibraryConsoleFilter(logging.Filter):
     """On a library's own console handler: errors only (unless verbose)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return _console is None or _console.verbose or record.levelno >= logging.ERROR
+        shown = _console is None or _console.verbose or record.levelno >= logging.ERROR
+        if shown:
+            end_live_line()
+        return shown
 
 
 class _CopyToFileThenGate(logging.Filter):
@@ -171,23 +186,35 @@ class _CopyToFileThenGate(logging.Filter):
         if _console is None:
             return True
         _console.file_handler.handle(record)
-        return _console.verbose or record.levelno >= logging.ERROR
+        shown = _console.verbose or record.levelno >= logging.ERROR
+        if shown:
+            end_live_line()
+        return shown
 
 
 class _RootConsoleFilter(logging.Filter):
     """On the root logger's console handler (Prefect's): no temporary-server or task "Finished" lines, each
-    warning once, the rest as is."""
+    warning once, chunk lines drawn as the live bar on a terminal, the rest as is (after ending the bar's line)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if _console is None or _console.verbose:
             return True
-        if record.levelno < logging.WARNING and _PREFECT_NOISE.search(record.getMessage()):
-            return False
+        if record.levelno < logging.WARNING:
+            message = record.getMessage()
+            if _PREFECT_NOISE.search(message):
+                return False
+            if _console.live_bar is not None:
+                if not hasattr(record, "rlhf_on_live_bar"):  # drawn once, whatever the number of handlers
+                    record.rlhf_on_live_bar = _console.live_bar.draw_chunk_line(message)
+                if record.rlhf_on_live_bar:
+                    return False
         if logging.WARNING <= record.levelno < logging.ERROR:
             # Decided once per record: with several console handlers, the second must not see a repeat.
             if not hasattr(record, "rlhf_first_time"):
                 record.rlhf_first_time = _console.first_time((record.name, record.getMessage()))
-            return record.rlhf_first_time
+            if not record.rlhf_first_time:
+                return False
+        end_live_line()
         return True
 
 
@@ -216,10 +243,12 @@ def _gate_library_logger(name: str) -> None:
         _add_once(library_logger, _console.file_handler)
 
 
-def configure_console(log_file: str, verbose: bool = False) -> str:
+def configure_console(log_file: str, verbose: bool = False, live_progress: bool | None = None) -> str:
     """Send everything to `log_file` and keep the console to our own lines, warnings once and errors (all of
     it on the console too when `verbose`). Call once Prefect has configured logging (importing prefect does);
     returns the log file's path. The file is written from when Ray starts or `open_log_file()` is called.
+    `live_progress`: draw the chunk lines as live bars (default: when the root logger's console handler
+    writes to a terminal; never when verbose, where other programs' lines would cut through the bar).
     """
     global _console
     file_handler = _RunLogHandler(log_file)
@@ -227,11 +256,16 @@ def configure_console(log_file: str, verbose: bool = False) -> str:
         for name in ("", *LIBRARY_LOGGERS):
             logging.getLogger(name).removeHandler(_console.file_handler)
         _console.file_handler.close()
-    _console = _Console(verbose, file_handler)
     root = logging.getLogger()
-    for handler in root.handlers:
-        if _is_console_handler(handler):
-            _add_once(handler, _RootConsoleFilter())
+    console_handlers = [handler for handler in root.handlers if _is_console_handler(handler)]
+    streams = [handler.stream for handler in console_handlers]
+    terminal = next((stream for stream in streams if _is_terminal(stream)), None)
+    if live_progress is None:
+        live_progress = terminal is not None
+    bar_stream = terminal or (streams[0] if streams else sys.stderr)
+    _console = _Console(verbose, file_handler, LiveBar(bar_stream) if live_progress and not verbose else None)
+    for handler in console_handlers:
+        _add_once(handler, _RootConsoleFilter())
     root.addHandler(file_handler)
     _add_once(logging.getLogger("DeepSpeed"), _CopyToFileThenGate())  # before deepspeed is imported
     import ray  # noqa: F401 - creates Ray's logger and its console handler, to be gated now
@@ -253,6 +287,7 @@ def reset_console() -> None:
     global _console
     if _console is None:
         return
+    end_live_line()
     for name in ("", *LIBRARY_LOGGERS):
         library_logger = logging.getLogger(name)
         library_logger.removeHandler(_console.file_handler)
@@ -282,7 +317,101 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
     _console.file_handler.handle(record)
     quiet = issubclass(category, _QUIET_WARNING_CATEGORIES)
     if _console.verbose or (not quiet and _console.first_time((category.__name__, str(message)))):
+        end_live_line()
         (file or sys.stderr).write(text + "\n")
+
+
+# ----------------------------------------------------------------------------------------- progress bars
+
+# The flow's chunk line (flows/stage_report.progress_line): `sft [#####-----] 4/8 chunks  step 32/64: ...`.
+CHUNK_LINE = re.compile(r"^(?P<stage>\S+) \[[#-]+\] (?P<done>\d+)/(?P<chunks>\d+) chunks  "
+                        r"step (?P<step>\d+)/(?P<total>\d+)(?P<tail>.*)$")
+LIVE_BAR_WIDTH = 30
+_STEP_METRICS = ("reward", "loss")  # the first one a step reports is shown beside the bar
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return bool(stream.isatty()) and os.environ.get("TERM") != "dumb"
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
+def render_live_bar(stage: str, step: int, total_steps: int, chunks: str = "", tail: str = "",
+                    width: int = LIVE_BAR_WIDTH) -> str:
+    """`sft [###############---------------] 4/8 chunks  step 32/64  loss 2.97`: the bar follows the steps
+    (so it moves between chunk commits too); `chunks` is the last chunk line's count, `tail` the rest."""
+    filled = min(width, round(width * step / max(total_steps, 1)))
+    counts = f" {chunks} chunks  " if chunks else " "
+    return f"{stage} [{'#' * filled}{'-' * (width - filled)}]{counts}step {step}/{total_steps}{tail}"
+
+
+class LiveBar:
+    """The current stage's bar on a terminal, redrawn in place (carriage return, erase to the end of the line)
+    and cut to the terminal's width, since a wrapped line cannot be redrawn. `is_open` while the cursor sits
+    at the end of the bar: whatever prints next must first end its line (`end_line`)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.stage: str | None = None
+        self.chunks = ""  # "4/8" from the stage's last chunk line
+        self.is_open = False
+        self._lock = threading.RLock()
+
+    def draw_chunk_line(self, message: str) -> bool:
+        """Draw a chunk line as the bar; False (nothing drawn) when `message` is not one."""
+        match = CHUNK_LINE.match(message)
+        if match is None:
+            return False
+        with self._lock:
+            self._switch_to(match["stage"])
+            self.chunks = f"{match['done']}/{match['chunks']}"
+            step, total = int(match["step"]), int(match["total"])
+            self._draw(render_live_bar(self.stage, step, total, self.chunks, match["tail"]))
+            if step >= total:  # the stage's last chunk: the bar stays as its final line
+                self.end_line()
+        return True
+
+    def draw_step(self, stage: str, step: int, total_steps: int, metrics: dict[str, Any]) -> None:
+        """Move the bar to a step logged inside a chunk, with the step's headline metric."""
+        name = next((name for name in _STEP_METRICS if isinstance(metrics.get(name), (int, float))), None)
+        tail = f"  {name} {metrics[name]:.4g}" if name else ""
+        with self._lock:
+            self._switch_to(stage)
+            self._draw(render_live_bar(stage, step, total_steps, self.chunks, tail))
+
+    def _switch_to(self, stage: str) -> None:
+        if stage != self.stage:
+            self.end_line()
+            self.stage, self.chunks = stage, ""
+
+    def _draw(self, text: str) -> None:
+        import shutil
+
+        columns = shutil.get_terminal_size().columns
+        self.stream.write("\r" + text[:max(columns - 1, 20)] + "\x1b[K")
+        self.stream.flush()
+        self.is_open = True
+
+    def end_line(self) -> None:
+        with self._lock:
+            if self.is_open:
+                self.stream.write("\n")
+                self.stream.flush()
+                self.is_open = False
+
+
+def end_live_line() -> None:
+    """Before a line of its own reaches the console: end the live bar's line, if one is drawn."""
+    if _console is not None and _console.live_bar is not None:
+        _console.live_bar.end_line()
+
+
+def show_step(stage: str, step: int, total_steps: int, metrics: dict[str, Any]) -> None:
+    """A step logged inside a chunk (rlhf_core.chunk's training loop): moves the live bar on a terminal;
+    nothing otherwise (the chunk line says it at the chunk's end)."""
+    if _console is not None and _console.live_bar is not None:
+        _console.live_bar.draw_step(stage, step, total_steps, metrics)
 
 
 # ----------------------------------------------------------------------------------------- Ray
@@ -383,7 +512,9 @@ def _print_cluster_lines(batch: dict) -> None:
         for line in lines:
             if line.startswith(RANK_WARNING_PREFIX) and line not in _rank_warnings_shown:
                 _rank_warnings_shown.add(line)
+                end_live_line()
                 sys.stderr.write(line + "\n")
         return
     for line in lines:
+        end_live_line()
         sys.stderr.write(f"({source}) {line}\n")

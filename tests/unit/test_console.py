@@ -10,7 +10,15 @@ import warnings
 
 import pytest
 
+from flows.stage_report import progress_line  # imports prefect, which sets up logging: before the fixtures
 from rlhf_core import console
+
+
+class _Terminal(io.StringIO):
+    """A console that says it is a terminal."""
+
+    def isatty(self) -> bool:
+        return True
 
 
 @pytest.fixture
@@ -28,9 +36,12 @@ def quiet(tmp_path):
     root.setLevel(logging.INFO)
     log_file = tmp_path / "run" / "logs" / "driver.log"
 
-    def setup(verbose: bool = False):
+    def setup(verbose: bool = False, terminal: bool = False):
+        shown = _Terminal() if terminal else io.StringIO()
+        for console_handler in (handler, ray_handler):
+            console_handler.setStream(shown)
         console.configure_console(str(log_file), verbose)
-        return stream, log_file
+        return shown, log_file
 
     yield setup
     console.reset_console()
@@ -149,3 +160,81 @@ def test_autoscaler_status_tables_are_left_out_without_breaking_rays_log_thread(
     console._print_cluster_lines(batch)
     assert "Autoscaler status" not in capsys.readouterr().err
     assert "Autoscaler status" not in log_file.read_text()
+
+
+# --- progress bars -------------------------------------------------------------------------------------
+
+
+def _chunk_line(stage, num_done, num_chunks, step, total_steps, loss):
+    """The flow's real chunk line, so that a change of its format shows here."""
+    return progress_line(stage, num_done, num_chunks, step, total_steps, {"loss": loss}, f"trained {step} steps")
+
+
+def test_live_bar_rendering_follows_the_steps_and_names_the_chunks():
+    assert console.render_live_bar("sft", 32, 64, "4/8", "  loss 2.97") == \
+        "sft [###############---------------] 4/8 chunks  step 32/64  loss 2.97"
+    assert console.render_live_bar("ppo", 0, 3) == "ppo [------------------------------] step 0/3"
+    assert console.render_live_bar("rm", 7, 7, "2/2", width=4) == "rm [####] 2/2 chunks  step 7/7"
+
+
+def test_on_a_terminal_each_stage_is_one_bar_redrawn_in_place_per_chunk_and_step(quiet, monkeypatch):
+    monkeypatch.setenv("TERM", "xterm")
+    monkeypatch.setenv("COLUMNS", "200")
+    terminal, log_file = quiet(terminal=True)
+    logger = logging.getLogger("prefect.flow_runs")
+    logger.info(_chunk_line("sft", 1, 2, 4, 8, 2.5))
+    console.show_step("sft", 5, 8, {"loss": 2.4, "lr": 1e-3})
+    console.show_step("sft", 6, 8, {"loss": 2.3})
+    logger.info(_chunk_line("sft", 2, 2, 8, 8, 2.1))  # the stage's last chunk: the bar ends its line
+    console.show_step("rm", 1, 4, {"loss": 0.69})
+    logging.getLogger("rlhf_core.resume").warning("set aside step_2")  # another line ends the bar first
+    console.show_step("rm", 2, 4, {"loss": 0.6})
+    shown = terminal.getvalue()
+    lines = shown.split("\n")
+    assert lines[0].split("\r")[1:] == [
+        "sft [###############---------------] 1/2 chunks  step 4/8: trained 4 steps  loss 2.5\x1b[K",
+        "sft [###################-----------] 1/2 chunks  step 5/8  loss 2.4\x1b[K",
+        "sft [######################--------] 1/2 chunks  step 6/8  loss 2.3\x1b[K",
+        "sft [##############################] 2/2 chunks  step 8/8: trained 8 steps  loss 2.1\x1b[K"]
+    assert lines[1] == "\rrm [########----------------------] step 1/4  loss 0.69\x1b[K"
+    assert lines[2] == "set aside step_2"
+    assert lines[3] == "\rrm [###############---------------] step 2/4  loss 0.6\x1b[K"  # drawn again, open
+    assert "chunks  step" not in "".join(line for line in lines if "\r" not in line)  # no plain chunk line
+    console.open_log_file()
+    assert "1/2 chunks  step 4/8" in log_file.read_text(), "the log file keeps every chunk line"
+    assert terminal.getvalue().endswith("\x1b[K\nfull log (Ray actors, DeepSpeed, Prefect) in " + str(log_file) + "\n")
+    console.show_step("rm", 3, 4, {"loss": 0.5})
+    console.reset_console()  # the end of the run ends the open bar's line
+    assert terminal.getvalue().endswith("step 3/4  loss 0.5\x1b[K\n")
+
+
+def test_not_on_a_terminal_or_verbose_the_chunk_lines_stay_lines(quiet):
+    for terminal, verbose in ((False, False), (True, True)):
+        stream, _ = quiet(verbose=verbose, terminal=terminal)
+        logging.getLogger("prefect.flow_runs").info(_chunk_line("sft", 1, 2, 4, 8, 2.5))
+        console.show_step("sft", 5, 8, {"loss": 2.4})
+        assert stream.getvalue() == "sft [#####-----] 1/2 chunks  step 4/8: trained 4 steps  loss 2.5\n"
+
+
+def test_the_bar_is_cut_to_the_terminal_width_since_a_wrapped_line_cannot_be_redrawn(quiet, monkeypatch):
+    monkeypatch.setenv("TERM", "xterm")
+    monkeypatch.setenv("COLUMNS", "40")
+    terminal, _ = quiet(terminal=True)
+    console.show_step("sft", 5, 8, {"loss": 2.4})
+    assert terminal.getvalue() == "\r" + "sft [###################-----------] step 5/8  loss 2.4"[:39] + "\x1b[K"
+
+
+def test_a_rank_warning_or_a_python_warning_ends_the_bar_line_first(quiet, monkeypatch):
+    monkeypatch.setenv("TERM", "xterm")
+    monkeypatch.setenv("COLUMNS", "200")
+    terminal, _ = quiet(terminal=True)
+    console.show_step("ppo", 1, 4, {"reward": 0.5})
+    monkeypatch.setattr(console.sys, "stderr", terminal)  # where rank warnings and Python warnings print
+    console._print_cluster_lines({"pid": 7, "lines": [console.RANK_WARNING_PREFIX + "flag has no effect"]})
+    console._show_warning(UserWarning("odd"), UserWarning, "x.py", 1)
+    console.show_step("ppo", 2, 4, {"reward": 0.6})
+    lines = terminal.getvalue().split("\n")
+    assert lines[0] == "\rppo [########----------------------] step 1/4  reward 0.5\x1b[K"
+    assert lines[1] == console.RANK_WARNING_PREFIX + "flag has no effect"
+    assert lines[2].endswith("UserWarning: odd")
+    assert lines[3].startswith("\rppo [###############")
