@@ -7,7 +7,9 @@ under keys made from the run and stage names:
 - `{run}-{stage}-chunks`: the chunk table, one row per chunk, growing at each commit;
 - `{run}-{stage}-checkpoints`: markdown with every committed checkpoint URI and the exported model;
 - `{run}-{stage}-curve`: markdown embedding the loss/reward curve as a data URI (the Prefect UI shows
-  it without reaching the store), also saved as `{ckpt_path}/{run_name}/{stage}-curve.png`.
+  it without reaching the store), also saved as `{ckpt_path}/{run_name}/{stage}-curve.png`;
+- `{run}-goodput`: the run's goodput ledger (rlhf_core/goodput.py: useful step time against wall time
+  across restarts, and where the rest went), as `rlhf goodput RUN_URL` prints it, per stage and in total.
 
 Each is created at the stage's first chunk and then updated in place, so a flow run shows one artifact
 per key (not one per chunk) and the key's latest version is always the current one. Everything is
@@ -124,6 +126,7 @@ class StageReport:
                                                     description=f"Chunks of stage {self.stage} in run {self.run.run_name}"))
         self.publish_links()
         self.publish_curve()
+        self.publish_goodput()
         self.logger.info(progress_line(self.stage, num_done, len(self.plan.targets), result.step,
                                        self.plan.total_steps, result.metrics, status))
 
@@ -167,6 +170,24 @@ class StageReport:
                       lambda: create_markdown_artifact(key=self._key("curve"), markdown=markdown,
                                                        description=f"Metrics of stage {self.stage} per committed chunk"))
 
+    def publish_goodput(self) -> None:
+        """The run's goodput ledger as markdown (one read of goodput.json); a run without one shows nothing,
+        and a failure to read it costs a warning, not the chunk."""
+        from rlhf_core.goodput import GoodputLedger, format_markdown
+
+        ledger = GoodputLedger(self.run.run_url(), self.run.storage_options)
+        try:
+            if not ledger.exists():
+                return
+            markdown = format_markdown(ledger.summary(), self.run.run_url())
+        except (OSError, ValueError) as error:
+            self.logger.warning("%s: could not read the goodput ledger %s: %s", self.stage, ledger.url, error)
+            return
+        key, description = artifact_key(self.run.run_name, "goodput"), f"Goodput of run {self.run.run_name}"
+        self._publish("goodput", markdown,
+                      lambda: create_markdown_artifact(key=key, markdown=markdown, description=description))
+
     def finish(self, save_path: str) -> None:
-        """The stage's model is exported: the links name it."""
+        """The stage's model is exported: the links name it and the ledger counts the export."""
         self.publish_links(save_path)
+        self.publish_goodput()

@@ -4,7 +4,9 @@ Goodput is the share of a run's wall time spent on training steps whose result w
 follows one run across all its attempts (processes: the first command, a restart after a kill, a Prefect
 retry in a new process) and says where the rest of the time went, per stage and in total:
 
-- useful: the `train` seconds of every committed chunk (the step loop);
+- useful: the step-loop seconds of every committed chunk: the ranks' own `step_loop` time where the chunk
+  reports it, else `train` (the driver's wait for the steps; shorter than the steps when the ranks trained
+  ahead while the previous checkpoint was written, so it errs low);
 - stall: seconds the step loop waited for a checkpoint (`stall`; with synchronous checkpoints, the whole
   `save_and_commit`). `commit` (the background writer) is shown but overlaps training, so it costs nothing;
 - start-up: from the command's start (process creation, when the CLI marks it) to the attempt's first chunk,
@@ -19,8 +21,9 @@ retry in a new process) and says where the rest of the time went, per stage and 
 
 How it is recorded: the chunk code calls `chunk_started(stage, from_step, to_step)` before it trains and
 `chunk_committed(stage, step, seconds)` after its commit; the flow calls `attempt_started()` before it takes
-the run lease and `attempt_finished()` at its end. Each call attributes the wall time since this attempt's
-previous call to the stage it names, so stage wall times add up to the run's. When an attempt starts it
+the run lease (it does nothing while another live process holds it) and `attempt_finished()` at its end. Code
+that calls neither (a bare `train_stage`) gets an attempt begun by its first `chunk_started`. Each call
+attributes the wall time since this attempt's previous call to the stage it names, so stage wall times add up to the run's. When an attempt starts it
 closes the previous one: a chunk still pending there either committed (its `MANIFEST.json` is in the store:
 the process died after the commit, before recording it) or is lost. The previous attempt's end is estimated
 from its last ledger write and, when the run lease still names its process, the lease's last heartbeat,
@@ -70,9 +73,12 @@ LEASE_HEARTBEAT_S = 10.0  # rlhf_core.lease.RunLease's default renewal period: b
 RUNNING, FINISHED, CRASHED = "running", "finished", "crashed"
 
 # ChunkResult.seconds keys -> ledger category. With "stall" present, "save_and_commit" is not the stall
-# (the asynchronous writer does the rest): it is left to "other" by subtraction.
-SECONDS_CATEGORIES = {"train": "useful_s", "stall": "stall_s", "save_and_commit": "stall_s", "commit": "commit_s",
-                      "workers": "startup_s", "load": "load_s", "workers_and_load": "load_s", "plan": "plan_s"}
+# (the asynchronous writer does the rest): it is left to "other" by subtraction. With "step_loop" (the
+# ranks' own time in their step loop for the chunk's steps) present, "train" (the driver's wait for them,
+# shorter when they trained ahead during the previous commit) is not the useful time.
+OVERRIDDEN_BY = {"save_and_commit": "stall", "train": "step_loop"}
+SECONDS_CATEGORIES = {"step_loop": "useful_s", "train": "useful_s", "stall": "stall_s", "save_and_commit": "stall_s",
+                      "commit": "commit_s", "workers": "startup_s", "load": "load_s", "workers_and_load": "load_s", "plan": "plan_s"}
 # Categories that are part of the wall time (commit_s runs in the background, beside training).
 WALL_CATEGORIES = ("useful_s", "stall_s", "startup_s", "load_s", "plan_s", "lost_s")
 
@@ -213,7 +219,7 @@ def commit_chunk(doc: dict, attempt: dict, stage: str, step: int, seconds: Mappi
     for name, value in seconds.items():
         record["seconds"][name] = record["seconds"].get(name, 0.0) + float(value)
         category = SECONDS_CATEGORIES.get(name)
-        if category and not (name == "save_and_commit" and "stall" in seconds):
+        if category and OVERRIDDEN_BY.get(name) not in seconds:
             record[category] += float(value)
 
 
@@ -290,11 +296,14 @@ class GoodputLedger:
             raise
 
     def _update(self, change: Callable[[dict, dict], None], start_new: bool = False) -> None:
-        """Read, apply `change(doc, this process's attempt)`, write; begins an attempt when none runs here."""
+        """Read, apply `change(doc, this process's attempt)`, write; begins an attempt when none runs here
+        (`start_new`: always, ending this process's previous one)."""
         with _MUTEX:
             doc = self.read()
-            attempt = None if start_new else _attempt(doc, _ATTEMPT_IDS.get(self._key, ""))
-            if attempt is None or attempt["state"] != RUNNING:
+            attempt = _attempt(doc, _ATTEMPT_IDS.get(self._key, ""))
+            if start_new and attempt is not None and attempt["state"] == RUNNING:
+                finish_attempt(doc, attempt, self.clock())
+            if start_new or attempt is None or attempt["state"] != RUNNING:
                 attempt = self._begin(doc)
             change(doc, attempt)
             self._write(doc)
@@ -308,11 +317,14 @@ class GoodputLedger:
         _ATTEMPT_IDS[self._key] = attempt_id
         return attempt
 
-    def _lease_holder(self) -> dict | None:
+    def _lease(self):
         from rlhf_core.lease import RunLease
 
+        return RunLease(self.run_url, self.storage_options)
+
+    def _lease_holder(self) -> dict | None:
         try:
-            holder = RunLease(self.run_url, self.storage_options).read()
+            holder = self._lease().read()
         except (OSError, ValueError):
             return None
         return None if holder is None else asdict(holder)
@@ -326,7 +338,13 @@ class GoodputLedger:
 
     @_best_effort
     def attempt_started(self) -> None:
-        """Call before taking the run lease (the lease still names the previous attempt's process)."""
+        """Call before taking the run lease (the lease still names the previous attempt's process). Does
+        nothing while another live process holds the lease: this attempt is about to be refused, and the
+        other one is not dead."""
+        try:
+            self._lease().check_available()
+        except UserError:
+            return
         self._update(lambda doc, attempt: None, start_new=True)
 
     @_best_effort

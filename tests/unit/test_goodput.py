@@ -155,6 +155,14 @@ def test_a_chunk_committing_in_the_background_while_the_next_trains_is_not_lost(
     assert sft.commit_s == 8.0 and sft.useful_s == 20.0
 
 
+def test_the_ranks_step_loop_seconds_are_the_useful_time_when_the_chunk_reports_them():
+    clock, doc = Clock(), empty_ledger()
+    attempt = begin_attempt(doc, "a", clock.now)
+    start_chunk(doc, attempt, "sft", 0, 10, clock.advance(0.1))
+    commit_chunk(doc, attempt, "sft", 10, {"train": 3.0, "step_loop": 9.5, "stall": 0.2}, clock.advance(4.0))
+    assert summarize(doc).stages[0].useful_s == 9.5
+
+
 def test_an_attempt_that_ends_with_a_chunk_pending_lost_it():
     clock, doc = Clock(), empty_ledger()
     attempt = begin_attempt(doc, "a", clock.now)
@@ -195,6 +203,28 @@ def test_a_second_attempt_in_a_new_process_finds_the_first_crashed(tmp_path, mon
     GoodputLedger(url, clock=clock).attempt_started()
     summary = GoodputLedger(url).summary()
     assert summary.num_crashed == 1 and summary.stages[0].lost_steps == 5 and summary.running
+
+
+def test_a_new_attempt_in_the_same_process_ends_the_previous_one_cleanly(tmp_path):
+    url, clock = str(tmp_path / "run"), Clock()
+    GoodputLedger(url, clock=clock).chunk_started("sft", 0, 5)
+    clock.advance(2.0)
+    GoodputLedger(url, clock=clock).attempt_started()  # e.g. train_stage for the next stage
+    summary = GoodputLedger(url).summary()
+    assert summary.num_attempts == 2 and summary.num_crashed == 0 and summary.stages[0].lost_steps == 5
+
+
+def test_attempt_started_leaves_the_ledger_alone_while_another_live_run_holds_the_lease(tmp_path, monkeypatch):
+    from rlhf_core import goodput
+    from rlhf_core.lease import RunLease
+
+    url, clock = str(tmp_path / "run"), Clock()
+    with RunLease(url):
+        GoodputLedger(url, clock=clock).chunk_started("sft", 0, 5)
+        monkeypatch.setattr(goodput, "_ATTEMPT_IDS", {})  # a second process, about to be refused the lease
+        GoodputLedger(url, clock=clock).attempt_started()
+        summary = GoodputLedger(url).summary()
+        assert summary.num_attempts == 1 and summary.num_crashed == 0 and summary.pending
 
 
 def test_recording_never_fails_the_chunk(tmp_path, caplog):
@@ -262,3 +292,25 @@ def test_rlhf_plan_without_a_ledger_or_with_bad_numbers_is_exit_2(tmp_path, caps
                  "--step_seconds", "1"]) == 2
     assert "--mtbf_hours 0.0 must be a positive number of hours" in capsys.readouterr().err
     assert math.isfinite(plan_interval(1.0, 1.0, 1.0).expected_goodput)
+
+
+def test_the_stage_report_publishes_the_ledger_as_markdown_and_updates_it_in_place(tmp_path, monkeypatch):
+    """flows/stage_report.py: one `{run}-goodput` artifact, created once, then updated."""
+    from types import SimpleNamespace
+
+    from flows import stage_report
+
+    url = _recorded_run(tmp_path)
+    created, updated = [], []
+    monkeypatch.setattr(stage_report, "create_markdown_artifact",
+                        lambda **kwargs: created.append(kwargs) or "artifact-id")
+    report = stage_report.StageReport.__new__(stage_report.StageReport)  # without Prefect's progress artifact
+    report.run = SimpleNamespace(run_name="exp", storage_options={}, run_url=lambda: url)
+    report.stage, report._artifact_ids = "sft", {}
+    monkeypatch.setattr(report, "_publish", lambda what, data, create: (
+        updated.append(data) if what in report._artifact_ids else report._artifact_ids.setdefault(what, create())))
+    report.publish_goodput()
+    report.publish_goodput()
+    assert [kwargs["key"] for kwargs in created] == ["exp-goodput"] and len(updated) == 1
+    markdown = created[0]["markdown"]
+    assert "**83.3%**" in markdown and "| sft | 83.3% | 40 | 4 |" in markdown and url in markdown
