@@ -20,15 +20,16 @@ retry in a new process) and says where the rest of the time went, per stage and 
   (nothing runs; a restart a week later must not count as a week of badput).
 
 How it is recorded: the chunk code calls `chunk_started(stage, from_step, to_step)` before it trains and
-`chunk_committed(stage, step, seconds)` after its commit; the flow calls `attempt_started()` before it takes
-the run lease (it does nothing while another live process holds it) and `attempt_finished()` at its end. Code
-that calls neither (a bare `train_stage`) gets an attempt begun by its first `chunk_started`. Each call
-attributes the wall time since this attempt's previous call to the stage it names, so stage wall times add up to the run's. When an attempt starts it
-closes the previous one: a chunk still pending there either committed (its `MANIFEST.json` is in the store:
-the process died after the commit, before recording it) or is lost. The previous attempt's end is estimated
-from its last ledger write and, when the run lease still names its process, the lease's last heartbeat,
-plus one heartbeat interval (so a crash costs at most `RunLease`'s 10 s heartbeat more than it did: the
-number errs low); without that lease record the end is the new attempt's start (all of the gap counts).
+`chunk_committed(stage, step, seconds)` after its commit; the flow calls `attempt_started()` before it takes the
+run lease (it does nothing while another live process holds it) and `attempt_finished()` at its end. Code that
+calls neither (a bare `train_stage`) gets an attempt begun by its first `chunk_started`. Each call attributes
+the wall time since this attempt's previous call to the stage it names, so stage wall times add up to the run's.
+When an attempt starts it closes the previous one: a chunk still pending there either committed (its
+`MANIFEST.json` is in the store: the process died after the commit, before recording it) or is lost. The
+previous attempt's end is estimated from its last ledger write and, when the run lease still names its process,
+the lease's last heartbeat, plus one heartbeat interval (so a crash costs at most `RunLease`'s 10 s heartbeat
+more than it did: the number errs low); without that lease record the end is the new attempt's start (all of the
+gap counts).
 
 Why one small JSON document, rewritten whole: it has a constant size (aggregates per stage, the chunks in
 flight, one record per attempt), so a write costs the same at chunk 10 and at chunk 10,000, and a reader
@@ -78,7 +79,8 @@ RUNNING, FINISHED, CRASHED = "running", "finished", "crashed"
 # shorter when they trained ahead during the previous commit) is not the useful time.
 OVERRIDDEN_BY = {"save_and_commit": "stall", "train": "step_loop"}
 SECONDS_CATEGORIES = {"step_loop": "useful_s", "train": "useful_s", "stall": "stall_s", "save_and_commit": "stall_s",
-                      "commit": "commit_s", "workers": "startup_s", "load": "load_s", "workers_and_load": "load_s", "plan": "plan_s"}
+                      "commit": "commit_s", "workers": "startup_s", "load": "load_s", "workers_and_load": "load_s",
+                      "plan": "plan_s"}
 # Categories that are part of the wall time (commit_s runs in the background, beside training).
 WALL_CATEGORIES = ("useful_s", "stall_s", "startup_s", "load_s", "plan_s", "lost_s")
 
