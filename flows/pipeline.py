@@ -13,6 +13,11 @@ Run budgets (`max_chunks_per_run`, `time_budget_minutes`) count the chunks this 
 would train, leaves that stage unexported, logs where it stopped, and completes: the next run of the same
 run name continues there (a scheduled deployment such as `rlhf/ppo-nightly`). A flow run always trains at
 least one chunk, so a schedule always makes progress.
+
+A deployment run (a worker's flow-run process, which no `rlhf` CLI sets up) gets the CLI's quiet console
+(rlhf_core.console) from the flow itself: the Ray actors' output and the Ray/DeepSpeed/transformers logs go to
+the run folder's `logs/driver.log` instead of the worker's terminal, which keeps the chunk lines, warnings
+once and errors. Prefect's API log handler is not a console handler, so the UI's run logs are unchanged.
 """
 
 from __future__ import annotations
@@ -132,6 +137,17 @@ def _budget_reason(chunks_left: int | None, stop_at: datetime | None) -> str | N
     return None
 
 
+def _quiet_console_in_a_deployment_run(run: RunConfig) -> None:
+    """The CLI's quiet console for a flow run started from a deployment (in this process of its own, by a
+    worker); nothing when the CLI already set it up or the flow runs in a caller's process."""
+    from rlhf_core import console
+
+    if runtime.deployment.id is None or console.configured_log_file() is not None:
+        return
+    console.configure_console(console.log_file_for(run.run_url(), run.run_name), run.verbose)
+    console.open_log_file()  # the run is real: validate_run_start passed
+
+
 def _committed_steps(run: RunConfig, stage: str) -> set[int]:
     return {info.step for info in open_store(run, stage).list() if info.is_committed}
 
@@ -214,6 +230,7 @@ def rlhf(config: RunConfig) -> dict:
     if (runtime.flow_run.run_count or 1) > 1:  # a Prefect retry of this flow run always resumes
         run = run.model_copy(update={"load_checkpoint": True})
     validate_run_start(run)
+    _quiet_console_in_a_deployment_run(run)
     stop_at = (datetime.now(timezone.utc) + timedelta(minutes=run.time_budget_minutes)
                if run.time_budget_minutes else None)
     summary, upstream_digest, num_trained = {}, "", 0

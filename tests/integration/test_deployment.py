@@ -9,12 +9,15 @@ a local Ray cluster and DeepSpeed, on the toy model with chunks of a few steps.
 - `rlhf/full` (sft -> rm -> ppo -> merge -> export, tiny): one subflow run per stage; through the API,
   each training stage's progress artifact at 100, a chunk table row per chunk, the checkpoint links,
   the curve embedded as a PNG data URI (also saved in the run folder); the `rlhf.checkpoint.committed`
-  events with size and URI.
+  events with size and URI, and no `rlhf.alert.*` event. The worker's terminal gets the quiet console
+  (no Ray actor lines; they are in the run folder's logs/driver.log).
 - `rlhf/ppo-nightly` with `max_chunks_per_run: 1` on a 2-chunk stage: the first run stops at its
   budget (Completed, not exported), a run started while it is active is cancelled (deployment
   concurrency limit 1, CANCEL_NEW), the next run sets a half-written step aside (log line and
   `rlhf.checkpoint.set-aside` event), continues, and exports the same weights, bit for bit, as the
-  unbudgeted `rlhf/full` run's stage.
+  unbudgeted `rlhf/full` run's stage. Its checkpoint-size tolerance is set tight on purpose: the
+  `rlhf.alert.checkpoint-size` event of its first commit is read back through the events API, once
+  (the second commit repeats the same anomaly), as its alerts.jsonl has it.
 """
 
 from __future__ import annotations
@@ -228,16 +231,19 @@ def flow_run_log(client, flow_run_id, waiting_for: str = "", timeout: float = 30
         time.sleep(1)
 
 
-def read_events_eventually(api_url: str, name: str, resource_prefix: str, expected: int, timeout: float = 30.0):
-    """Events named `name` on resources starting with `resource_prefix`; waits until `expected` have arrived
-    (the flow-run process sends them over a websocket, the server stores them a moment later)."""
+def read_events_eventually(api_url: str, name: str, resource_prefix: str, expected: int, timeout: float = 30.0,
+                           name_prefix: bool = False):
+    """Events named `name` (or, with `name_prefix`, whose names start with it) on resources starting with
+    `resource_prefix`; waits until `expected` have arrived (the flow-run process sends them over a
+    websocket, the server stores them a moment later)."""
     from prefect.client.orchestration import SyncPrefectClient
     from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
 
+    names = EventNameFilter(prefix=[name]) if name_prefix else EventNameFilter(name=[name])
     deadline = time.monotonic() + timeout
     with SyncPrefectClient(api_url) as client:
         while True:
-            page = client.read_events(filter=EventFilter(event=EventNameFilter(name=[name]),
+            page = client.read_events(filter=EventFilter(event=names,
                                                          resource=EventResourceFilter(id_prefix=[resource_prefix])), limit=50)
             if len(page.events) >= expected or time.monotonic() > deadline:
                 return page.events
@@ -281,6 +287,14 @@ def test_full_deployment_shows_each_stage_as_a_subflow_with_artifacts_logs_and_e
         payload = event.payload
         assert payload["run"] == "deploy-full" and payload["uri"] == str(run_dir / payload["stage"] / f"step_{payload['step']}")
         assert payload["size_bytes"] > 0, payload
+    # A healthy run raises no alert (its events are emitted with the commits' just read).
+    alerts = read_events_eventually(deployed.server.api_url, "rlhf.alert.", "rlhf.run.deploy-full.", 0, name_prefix=True)
+    assert [event.payload for event in alerts] == [] and not (run_dir / "alerts.jsonl").exists()
+
+    # The worker's flow-run process set up the quiet console: the Ray actors' output went to the run folder's
+    # log file, not to the worker's terminal (the worker relays its flow runs' output into its own log).
+    assert "(TrainWorker pid=" in (run_dir / "logs" / "driver.log").read_text()
+    assert "(TrainWorker pid=" not in deployed.worker.log_path.read_text()
 
 
 def check_stage_artifacts(artifacts: dict, config: dict, stage: str, committed_steps: list[int]) -> None:
@@ -319,6 +333,7 @@ def test_ppo_nightly_stops_at_its_chunk_budget_and_the_next_run_finishes_with_th
     workdir = deployed.workdir / "nightly"
     config = {"run_name": "nightly", "stages": ["ppo"], "ckpt_path": str(workdir / "ckpt"), "load_checkpoint": True,
               "seed": 42, "num_workers": 1, "max_chunks_per_run": 1,
+              "alert_size_tolerance": 1e-9,  # every checkpoint is "off" its predicted size: an alert on purpose
               "ppo": ppo_section(deployed.toy, full["sft"]["save_path"], workdir / "ppo_lora", lora_rank=8)}
     stage_dir, save_path = workdir / "ckpt" / "nightly" / "ppo", workdir / "ppo_lora"
 
@@ -350,6 +365,17 @@ def test_ppo_nightly_stops_at_its_chunk_budget_and_the_next_run_finishes_with_th
     set_aside = read_events_eventually(deployed.server.api_url, "rlhf.checkpoint.set-aside", "rlhf.run.nightly.", 1)
     assert [(event.payload["step"], event.payload["reason"].split(":")[0]) for event in set_aside] == [(2, "incomplete")]
     assert (Path(set_aside[0].payload["uri"]) / "partial.bin").read_bytes() == b"cut short"
+
+    # The size alert of step 1, through the events API, once: step 2 repeats the same anomaly (the same
+    # findings as step 1), so it raises nothing, in the events as in alerts.jsonl.
+    read_events_eventually(deployed.server.api_url, "rlhf.checkpoint.committed", "rlhf.run.nightly.", 2)
+    alert_events = read_events_eventually(deployed.server.api_url, "rlhf.alert.", "rlhf.run.nightly.", 1,
+                                          name_prefix=True)
+    assert [(event.event, event.resource.id, event.payload["stage"], event.payload["step"])
+            for event in alert_events] == [("rlhf.alert.checkpoint-size", "rlhf.run.nightly.ppo", "ppo", 1)]
+    assert "predict" in alert_events[0].payload["message"], alert_events[0].payload
+    logged = [json.loads(line) for line in (workdir / "ckpt" / "nightly" / "alerts.jsonl").read_text().splitlines()]
+    assert logged == [alert_events[0].payload]
 
     expected_dir = Path(full["ppo"]["save_path"])
     expected_files = sorted(p.name for p in expected_dir.glob("*.safetensors"))
