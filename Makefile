@@ -26,8 +26,21 @@ test: $(BIN)/rlhf
 test-fast: $(BIN)/rlhf
 	$(BIN)/python -m pytest tests/unit -q
 
-bench: $(BIN)/rlhf
-	$(BIN)/python bench/chunk_overhead.py
+# The benchmark runs TRL in a venv of its own (torch first, CPU build, as above), so TRL never enters ours.
+TRL_VENV := bench/.cache/trl-venv
+TRL_SPEC ?= trl==1.16.0
+BENCH_ARGS ?=
+
+$(TRL_VENV)/.installed:
+	test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/pip install --quiet --upgrade pip
+	$(TRL_VENV)/bin/python -c "import torch" 2>/dev/null || $(TRL_VENV)/bin/pip install --quiet "$(TORCH_SPEC)"
+	$(TRL_VENV)/bin/pip install --quiet "$(TRL_SPEC)"
+	touch $@
+
+# Every ratio of issue 10 in one run (~15-20 min on 2 cores); BENCH_ARGS="--only ckpt" runs a subset.
+bench: $(BIN)/rlhf $(TRL_VENV)/.installed
+	$(BIN)/python bench/suite.py $(BENCH_ARGS)
 
 clean:
 	rm -rf demo ckpt out toy

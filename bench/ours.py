@@ -1,0 +1,237 @@
+"""Our side of the suite: the project's own code paths, timed in this process (a local Ray, real DeepSpeed).
+
+- `step_seconds`: a worker group of one rank trains step by step (`WorkerGroup.train_until(s)`), each
+  step timed from the driver; the suite takes the median after warm-up. Per-step medians resist the
+  noise of a shared machine, and no checkpoint or evaluation falls inside the steps (the RM evaluates
+  at every checkpoint step, which TRL's defaults never do).
+- `checkpoint_costs`: chunks of one step on the ~100M model through `ensure_checkpoint`, read from its
+  own timers (`ChunkResult.seconds`: "stall" and "commit" when checkpoints are asynchronous, else
+  "save_and_commit"); next to an in-memory copy of the rank's tensors, `cp -r` of the committed step
+  folder, and a fresh group's `WorkerGroup.load` (fetch + verify + load) next to `cp` of the files it reads.
+- `chunk_boundaries`: the `rlhf` Prefect flow in this process, with `WorkerGroup.train_until` wrapped to
+  record when each chunk's training starts and ends: the gap between two chunks is everything a warm
+  chunk boundary costs outside training (save, commit, Prefect's task, cache and result, planning).
+- `startup_seconds`: the `rlhf train sft` command in a subprocess, until its first step has trained.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+BATCH = 8
+MAX_LEN = 64
+LEARNING_RATE = 1e-4
+TOY_SAMPLES = 256  # per toy data set (rlhf_core.toy.make_datasets)
+
+
+def stage_config(stage: str, toy: dict[str, str], model_dir: str, out_dir: str, num_steps: int, save_steps: int,
+                 param_dtype: str = "fp32", grpo: dict | None = None):
+    """One stage's settings, matching trl_side.py's: batch BATCH in one micro-batch, max length MAX_LEN."""
+    from rlhf_core.config import PPOConfig, RMConfig, SFTConfig
+
+    common = {"pretrain": model_dir, "learning_rate": LEARNING_RATE, "save_steps": save_steps,
+              "param_dtype": param_dtype, "save_path": out_dir}
+    if stage == "sft":  # past one pass over the 256 toy samples, more epochs
+        num_epochs = -(-num_steps * BATCH // TOY_SAMPLES)
+        return SFTConfig(dataset=toy["sft"], input_key="prompt", output_key="response", max_len=MAX_LEN,
+                         train_batch_size=BATCH, micro_train_batch_size=BATCH, max_epochs=num_epochs,
+                         max_samples=num_steps * BATCH if num_epochs == 1 else None, **common)
+    if stage == "rm":
+        # eval_holdout keeps 10% of the pairs out of training: ask for enough pairs to fill num_steps.
+        return RMConfig(dataset=toy["prefs"], max_len=MAX_LEN, train_batch_size=BATCH, micro_train_batch_size=BATCH,
+                        max_samples=int(num_steps * BATCH / 0.9) + 1, **common)
+    samples = grpo["prompts"] * grpo["generations"]
+    return PPOConfig(prompt_data=toy["prompts"], input_key="prompt", reward_fn="rlhf_core.toy:gold_reward",
+                     advantage_estimator="group_norm", n_samples_per_prompt=grpo["generations"],
+                     rollout_batch_size=grpo["prompts"], micro_rollout_batch_size=samples, train_batch_size=samples,
+                     micro_train_batch_size=samples, max_new_tokens=grpo["max_new_tokens"], temperature=1.0,
+                     init_kl_coef=0.0, max_samples=num_steps * grpo["prompts"], **common)
+
+
+def stage_run(workdir: str, name: str, stage: str, cfg, **extra):
+    from rlhf_core.chunk import resolve_paths
+    from rlhf_core.config import RunConfig
+
+    return resolve_paths(RunConfig(run_name=name, stages=[stage], ckpt_path=os.path.join(workdir, "ckpt"),
+                                   num_workers=1, **{stage: cfg}, **extra))
+
+
+def step_seconds(run, stage: str, num_steps: int) -> list[float]:
+    """Seconds of each of `num_steps` optimizer steps (PPO steps for ppo), one rank, timed from the driver."""
+    from rlhf_core.chunk import plan_stage
+    from rlhf_core.engine import WorkerGroup
+
+    plan = plan_stage(run, stage)
+    group = WorkerGroup(run)
+    try:
+        group.setup(run, stage, plan.total_steps)
+        seconds = []
+        for step in range(1, min(num_steps, plan.total_steps) + 1):
+            started = time.perf_counter()
+            group.train_until(step)
+            seconds.append(time.perf_counter() - started)
+        return seconds
+    finally:
+        group.shutdown()
+
+
+def stall_and_commit(seconds: dict[str, float]) -> tuple[float, float]:
+    """(training stall, save-to-commit wall) of one chunk from its own timers: with asynchronous
+    checkpoints "stall" + "commit", else the synchronous "save_and_commit" is both."""
+    if "stall" in seconds:
+        return seconds["stall"], seconds["stall"] + seconds.get("commit", 0.0)
+    return seconds["save_and_commit"], seconds["save_and_commit"]
+
+
+def copy_rank_tensors(worker, repeat: int) -> dict:
+    """Runs inside a rank (`__ray_call__`): seconds to clone, once, every tensor a checkpoint holds (the
+    models' weights, the optimizer's parameters, e.g. ZeRO's fp32 partitions, and its state); median of
+    `repeat`. The reference an in-memory snapshot is held against."""
+    import torch
+
+    tensors: dict[int, torch.Tensor] = {}
+    for engine in worker.trainer.engines.values():
+        tensors.update((t.data_ptr(), t) for t in engine.module.state_dict().values())
+        optimizer = engine.optimizer
+        while not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer"):
+            optimizer = optimizer.optimizer
+        tensors.update((p.data_ptr(), p) for group in optimizer.param_groups for p in group["params"])
+        tensors.update((v.data_ptr(), v) for state in optimizer.state.values() for v in state.values()
+                       if torch.is_tensor(v) and v.dim() > 0)
+    seconds = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        copies = [tensor.detach().clone() for tensor in tensors.values()]
+        seconds.append(time.perf_counter() - started)
+        del copies
+    return {"seconds": statistics.median(seconds),
+            "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+
+
+def timed_copy(command: list[str], target: str, repeat: int, cwd: str | None = None, make_target: bool = False) -> float:
+    """Median seconds of `command` (a cp into `target`), `target` removed before each run (and created
+    empty with `make_target`) and removed after."""
+    seconds = []
+    for _ in range(repeat):
+        shutil.rmtree(target, ignore_errors=True)
+        if make_target:
+            os.makedirs(target)
+        started = time.perf_counter()
+        subprocess.run(command, check=True, cwd=cwd)
+        seconds.append(time.perf_counter() - started)
+    shutil.rmtree(target, ignore_errors=True)
+    return statistics.median(seconds)
+
+
+def local_path(uri: str) -> str:
+    return uri[len("file://"):] if uri.startswith("file://") else uri
+
+
+def wait_committed(step_dir: str, timeout_s: float = 300.0) -> None:
+    """Asynchronous commits may still be writing when the chunk returns: wait for the manifest."""
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(os.path.join(step_dir, "MANIFEST.json")):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{step_dir} was not committed within {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
+def checkpoint_costs(run, repeat: int) -> dict:
+    """Chunks of one step each on `run` (SFT), then the references; see the module docstring."""
+    import ray
+
+    from rlhf_core import chunk
+    from rlhf_core.engine import WorkerGroup, files_for_rank
+    from rlhf_core.resume import begin_stage
+
+    plan, lineage = chunk.plan_stage(run, "sft"), begin_stage(run, "sft")
+    results = [chunk.ensure_checkpoint(run, "sft", target, lineage) for target in plan.targets]
+    warm = results[1:] or results  # the first chunk's save also pays one-time set-up
+    stalls, commits = zip(*(stall_and_commit(result.seconds) for result in warm))
+    group = chunk._WarmGroup.group
+    in_memory = ray.get(group.workers[0].__ray_call__.remote(copy_rank_tensors, repeat)) if group else None
+    chunk.release_workers()
+    step_dir = local_path(results[-1].uri)
+    wait_committed(step_dir)
+    scratch = tempfile.mkdtemp(prefix="bench-cp-", dir=os.path.dirname(step_dir))
+    try:
+        cp_all = timed_copy(["cp", "-r", step_dir, os.path.join(scratch, "all")], os.path.join(scratch, "all"), repeat)
+        with open(os.path.join(step_dir, "MANIFEST.json")) as handle:
+            paths = [entry["path"] for entry in json.load(handle)["files"]]
+        read_paths = files_for_rank(paths, 0, False)
+        cp_read = timed_copy(["cp", "--parents", *read_paths, os.path.join(scratch, "read")],
+                             os.path.join(scratch, "read"), repeat, cwd=step_dir, make_target=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    group = WorkerGroup(run)
+    try:
+        group.setup(run, "sft", plan.total_steps)
+        loads = []
+        for _ in range(repeat):
+            started = time.perf_counter()
+            group.load(run.stage_url("sft"), run.storage_options, plan.total_steps)
+            loads.append(time.perf_counter() - started)
+    finally:
+        group.shutdown()
+    return {"stall": statistics.median(stalls), "save_to_commit": statistics.median(commits),
+            "in_memory_copy": in_memory["seconds"] if in_memory else None,
+            "tensor_bytes": in_memory["bytes"] if in_memory else None, "cp_all": cp_all, "cp_read": cp_read,
+            "checkpoint_bytes": results[-1].size_bytes, "resume": statistics.median(loads),
+            "chunk_seconds": [result.seconds for result in results]}
+
+
+@contextlib.contextmanager
+def recorded_training_spans():
+    """Wrap `WorkerGroup.train_until` (the driver's call that trains a chunk) to record (start, end) of each."""
+    from rlhf_core.engine import WorkerGroup
+
+    spans: list[tuple[float, float]] = []
+    original = WorkerGroup.train_until
+
+    def timed(self, target_step):
+        started = time.perf_counter()
+        try:
+            return original(self, target_step)
+        finally:
+            spans.append((started, time.perf_counter()))
+
+    WorkerGroup.train_until = timed
+    try:
+        yield spans
+    finally:
+        WorkerGroup.train_until = original
+
+
+def chunk_boundaries(run) -> dict:
+    """The `rlhf` flow over `run`'s chunks; (start, end) of every chunk's training and the flow's summary."""
+    from flows.pipeline import rlhf
+
+    with recorded_training_spans() as spans:
+        started = time.perf_counter()
+        summary = rlhf(config=run)
+        wall = time.perf_counter() - started
+    return {"spans": list(spans), "wall": wall, "chunks": summary["sft"].get("chunks", [])}
+
+
+def startup_seconds(workdir: str, toy: dict[str, str], model_dir: str, env: dict[str, str]) -> float:
+    """`rlhf train sft` (2 steps, one chunk) in a subprocess: seconds from launch to the end of step 1.
+    The end of step 1 is when the rank reaches the test hook `train_step@2` (RLHF_FAULT_INJECT with a
+    no-op sleep): with RLHF_FAULT_STATE set, the hook touches a marker file, whose mtime we read."""
+    state = tempfile.mkdtemp(prefix="bench-startup-state-", dir=workdir)
+    command = [os.path.join(os.path.dirname(sys.executable), "rlhf"), "train", "sft", "--pretrain", model_dir,
+               "--dataset", toy["sft"], "--input_key", "prompt", "--output_key", "response",
+               "--max_len", str(MAX_LEN), "--train_batch_size", str(BATCH), "--micro_train_batch_size", str(BATCH),
+               "--max_samples", str(2 * BATCH), "--learning_rate", str(LEARNING_RATE),
+               "--ckpt_path", os.path.join(workdir, "startup-ckpt"), "--save_path", os.path.join(workdir, "startup-out")]
+    child_env = {**env, "RLHF_FAULT_INJECT": "train_step@2=sleep:0", "RLHF_FAULT_STATE": state}
+    launched = time.time()
+    subprocess.run(command, env=child_env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return os.stat(os.path.join(state, "train_step@2")).st_mtime - launched

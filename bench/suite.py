@@ -1,0 +1,230 @@
+"""The benchmark suite of issue 10: every goal's ratio, ours next to TRL's (or next to a plain copy of
+the same bytes), measured side by side in one run and printed as one table.
+
+    .venv/bin/python bench/suite.py [--only steps,grpo,startup,chunk,ckpt] [--trl_python PATH]
+
+`make bench` builds TRL's venv (bench/.cache/trl-venv) and runs this. Sections, in the order they run:
+
+- startup: command -> end of the first training step, `rlhf train sft` against TRL's SFTTrainer script
+  (both as fresh processes on the 23.6M model);
+- steps: SFT and RM seconds per step on the 23.6M model, batch 8, our fp32 against TRL's `bf16=False`
+  and our `--param_dtype bf16` (CPU autocast) against TRL's default; the median step after warm-up;
+- grpo: GRPO samples per second (8 prompts x 8 samples, 8 new tokens, fp32 both) against GRPOTrainer;
+- chunk: time outside training per warm chunk boundary, as a share of a 50-step chunk's training
+  (the `rlhf` Prefect flow, 23.6M model);
+- ckpt: on the ~100M model, the training stall per checkpoint against one in-memory copy of the
+  rank's tensors, save-to-commit against `cp -r` of the committed step, and resume (fetch + verify
+  + load) against `cp` of the files the rank reads.
+
+The startup section runs first, before this process starts its own Ray. The machine may be shared:
+the load average is printed at the start and the end, and every number is a median. No number here
+is a test: the suite reports, it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, BENCH_DIR)
+
+import ours  # noqa: E402 - the bench folder is not a package
+from table import Row, boundary_gaps, format_table, median_or_none  # noqa: E402
+
+SECTIONS = ("startup", "steps", "grpo", "chunk", "ckpt")
+CACHE_DIR = os.path.join(BENCH_DIR, ".cache")
+DEFAULT_TRL_PYTHON = os.path.join(CACHE_DIR, "trl-venv", "bin", "python")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default=",".join(SECTIONS), help=f"Comma-separated sections: {', '.join(SECTIONS)}.")
+    parser.add_argument("--trl_python", default=DEFAULT_TRL_PYTHON, help="Python of the venv with TRL installed.")
+    parser.add_argument("--steps", type=int, default=24, help="Optimizer steps per step-speed run.")
+    parser.add_argument("--warmup", type=int, default=4, help="Steps left out of the step-speed medians.")
+    parser.add_argument("--grpo_steps", type=int, default=8)
+    parser.add_argument("--chunk_steps", type=int, default=50, help="Steps per chunk in the chunk section.")
+    parser.add_argument("--num_chunks", type=int, default=3, help="Full chunks in the chunk section.")
+    parser.add_argument("--repeat", type=int, default=3, help="Repeats of each copy/load in the ckpt section.")
+    parser.add_argument("--keep", action="store_true", help="Keep the work folder (models, checkpoints).")
+    args = parser.parse_args()
+    args.sections = [name.strip() for name in args.only.split(",") if name.strip()]
+    unknown = set(args.sections) - set(SECTIONS)
+    if unknown:
+        parser.error(f"--only: unknown section(s) {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}")
+    return args
+
+
+def trl_run(args: argparse.Namespace, task: str, model_dir: str, data: str, num_steps: int, fp32: bool,
+            env: dict) -> dict:
+    """One trl_side.py run; its step end times, and its launch time on the same clock."""
+    command = [args.trl_python, os.path.join(BENCH_DIR, "trl_side.py"), task, "--model", model_dir, "--data", data,
+               "--steps", str(num_steps), "--batch", str(ours.BATCH), "--learning_rate", str(ours.LEARNING_RATE)]
+    if fp32:
+        command.append("--fp32")
+    launched = time.time()
+    completed = subprocess.run(command, env=env, capture_output=True, text=True)
+    lines = [line for line in completed.stdout.splitlines() if line.startswith("BENCH_RESULT ")]
+    if completed.returncode != 0 or not lines:
+        raise RuntimeError(f"TRL {task} run failed (exit {completed.returncode}):\n{completed.stderr[-3000:]}")
+    return {**json.loads(lines[-1].split(" ", 1)[1]), "launched": launched}
+
+
+def step_durations(step_ends: list[float]) -> list[float]:
+    return [later - earlier for earlier, later in zip(step_ends, step_ends[1:])]
+
+
+def median_after(values: list[float], warmup: int) -> float | None:
+    return median_or_none(values[warmup:])
+
+
+def section_steps(args, assets, env, results: dict) -> list[Row]:
+    rows = []
+    for stage, data in (("sft", assets["toy"]["sft"]), ("rm", assets["toy"]["prefs"])):
+        for precision, trl_label in (("fp32", "TRL bf16=False"), ("bf16", "TRL default (bf16 autocast)")):
+            trl = trl_run(args, stage, assets["m23"], data, args.steps, precision == "fp32", env)
+            # TRL's step k lasts from the end of step k-1 to its own end; step 1 has no start, so drop it too.
+            trl_step = median_after(step_durations(trl["step_ends"]), args.warmup - 1)
+            cfg = ours.stage_config(stage, assets["toy"], assets["m23"], os.path.join(assets["work"], "out"),
+                                    args.steps, 0, precision)
+            mine = ours.step_seconds(ours.stage_run(assets["work"], f"steps-{stage}-{precision}", stage, cfg),
+                                     stage, args.steps)
+            our_step = median_after(mine, args.warmup)
+            results[f"{stage}_{precision}"] = {"trl_step_ends": trl["step_ends"], "ours_steps": mine,
+                                                "trl_bf16": trl["bf16"]}
+            print(f"  {stage} {precision}: ours {our_step:.3f} s/step, {trl_label} {trl_step:.3f} s/step", flush=True)
+            rows.append(Row(f"{stage.upper()} s/step, ours {precision} vs {trl_label}", trl_step, our_step, "s",
+                            "<=", 1.0))
+    return rows
+
+
+def section_grpo(args, assets, env, results: dict) -> list[Row]:
+    shape = {"prompts": ours.BATCH, "generations": 8, "max_new_tokens": 8}
+    samples = shape["prompts"] * shape["generations"]
+    trl = trl_run(args, "grpo", assets["m23"], assets["toy"]["prompts"], args.grpo_steps, True, env)
+    trl_step = median_after(step_durations(trl["step_ends"]), 1)
+    cfg = ours.stage_config("ppo", assets["toy"], assets["m23"], os.path.join(assets["work"], "out"), args.grpo_steps,
+                            0, grpo=shape)
+    mine = ours.step_seconds(ours.stage_run(assets["work"], "grpo", "ppo", cfg), "ppo", args.grpo_steps)
+    our_step = median_after(mine, 2)
+    results["grpo"] = {"trl_step_ends": trl["step_ends"], "ours_steps": mine, "samples_per_step": samples}
+    ours_rate, trl_rate = samples / our_step, samples / trl_step
+    print(f"  grpo: ours {ours_rate:.1f} samples/s ({our_step:.3f} s/step), TRL {trl_rate:.1f} samples/s", flush=True)
+    return [Row("GRPO samples/s (8x8 samples, 8 new tokens, fp32)", trl_rate, ours_rate, "/s", ">=", 1.0)]
+
+
+def section_startup(args, assets, env, results: dict) -> list[Row]:
+    mine = ours.startup_seconds(assets["work"], assets["toy"], assets["m23"], env)
+    trl = trl_run(args, "sft", assets["m23"], assets["toy"]["sft"], 2, True, env)
+    trl_startup = trl["step_ends"][0] - trl["launched"]
+    results["startup"] = {"ours": mine, "trl": trl_startup}
+    print(f"  startup: ours {mine:.1f} s, TRL {trl_startup:.1f} s", flush=True)
+    return [Row("start-up: command -> first step trained (SFT)", trl_startup, mine, "s", "<=", 2.0)]
+
+
+def section_chunk(args, assets, env, results: dict) -> list[Row]:
+    num_steps = args.chunk_steps * args.num_chunks + 1  # a last chunk of one step adds one more warm boundary
+    cfg = ours.stage_config("sft", assets["toy"], assets["m23"], os.path.join(assets["work"], "chunk-out"),
+                            num_steps, args.chunk_steps)
+    run = ours.stage_run(assets["work"], "chunk", "sft", cfg)
+    flow = ours.chunk_boundaries(run)
+    spans = flow["spans"]
+    gaps = boundary_gaps(spans)
+    full_chunks = [end - start for start, end in spans[1:args.num_chunks]]  # warm chunks of chunk_steps steps
+    outside, chunk_train = median_or_none(gaps), median_or_none(full_chunks)
+    results["chunk"] = {"spans": spans, "gaps": gaps, "wall": flow["wall"], "chunks": flow["chunks"]}
+    print(f"  chunk: outside training per warm boundary {gaps} s; warm {args.chunk_steps}-step chunks train "
+          f"{full_chunks} s; flow wall {flow['wall']:.1f} s", flush=True)
+    return [Row(f"outside training per warm chunk / {args.chunk_steps}-step chunk (23.6M)", chunk_train, outside, "s",
+                "<=", 0.02, as_percent=True)]
+
+
+def section_ckpt(args, assets, env, results: dict) -> list[Row]:
+    cfg = ours.stage_config("sft", assets["toy"], assets["m100"], os.path.join(assets["work"], "ckpt-out"), 3, 1)
+    run = ours.stage_run(assets["work"], "ckpt", "sft", cfg, max_ckpt_num=2)
+    costs = ours.checkpoint_costs(run, args.repeat)
+    results["ckpt"] = costs
+    print(f"  ckpt: {costs['checkpoint_bytes'] / 1e9:.2f} GB checkpoint, {(costs['tensor_bytes'] or 0) / 1e9:.2f} GB "
+          f"of tensors; stall {costs['stall']:.2f} s, in-memory copy {costs['in_memory_copy']:.2f} s, save-to-commit "
+          f"{costs['save_to_commit']:.2f} s, cp -r {costs['cp_all']:.2f} s, resume {costs['resume']:.2f} s, "
+          f"cp of the files read {costs['cp_read']:.2f} s", flush=True)
+    return [Row("ckpt stall / one in-memory copy of its tensors (100M)", costs["in_memory_copy"], costs["stall"], "s",
+                "<=", 1.5),
+            Row("ckpt save-to-commit / cp -r of the step (100M)", costs["cp_all"], costs["save_to_commit"], "s",
+                "<=", 1.25),
+            Row("resume: fetch + verify + load / cp of the files read (100M)", costs["cp_read"], costs["resume"], "s",
+                "<=", 1.25)]
+
+
+RUNNERS = {"startup": section_startup, "steps": section_steps, "grpo": section_grpo, "chunk": section_chunk,
+           "ckpt": section_ckpt}
+
+
+def prepare(work: str, sections: list[str]) -> dict:
+    from models import build_model_dir
+    from rlhf_core.toy import init_toy
+
+    assets = {"work": work, "toy": init_toy(os.path.join(work, "toy"))}
+    if set(sections) - {"ckpt"}:
+        assets["m23"], count = build_model_dir(os.path.join(work, "llama-23.6m"), "23.6m")
+        print(f"model 23.6m: {count / 1e6:.1f}M parameters")
+    if "ckpt" in sections:
+        assets["m100"], count = build_model_dir(os.path.join(work, "llama-100m"), "100m")
+        print(f"model 100m: {count / 1e6:.1f}M parameters")
+    return assets
+
+
+def bench_environment() -> dict:
+    """Offline, quiet, and a Prefect home of the bench's own, created once (its first server start migrates
+    the database, which would otherwise land in whichever section starts Prefect first)."""
+    prefect_home = os.path.join(CACHE_DIR, "prefect-home")
+    os.environ.update(PREFECT_HOME=prefect_home, PREFECT_SERVER_ANALYTICS_ENABLED="false", HF_HUB_OFFLINE="1",
+                      TRANSFORMERS_OFFLINE="1", RAY_DEDUP_LOGS="0", RAY_AUTH_MODE="disabled")
+    if not os.path.exists(os.path.join(prefect_home, "prefect.db")):
+        os.makedirs(prefect_home, exist_ok=True)
+        subprocess.run([sys.executable, "-c", "from prefect import flow\nflow(lambda: None)()"], check=True,
+                       capture_output=True)
+    return dict(os.environ)
+
+
+def main() -> None:
+    args = parse_args()
+    if {"startup", "steps", "grpo"} & set(args.sections) and not os.path.exists(args.trl_python):
+        sys.exit(f"--trl_python {args.trl_python} does not exist; `make bench` builds it (or pass the python of a "
+                 "venv with trl installed).")
+    env = bench_environment()
+    print(f"load average at start: {os.getloadavg()}, {os.cpu_count()} CPUs", flush=True)
+    work = tempfile.mkdtemp(prefix="rlhf-bench-")
+    rows, results, started = [], {}, time.perf_counter()
+    try:
+        assets = prepare(work, args.sections)
+        for section in [name for name in SECTIONS if name in args.sections]:
+            print(f"== {section}", flush=True)
+            section_started = time.perf_counter()
+            rows += RUNNERS[section](args, assets, env, results)
+            print(f"  ({time.perf_counter() - section_started:.0f} s)", flush=True)
+    finally:
+        from rlhf_core.chunk import release_workers
+
+        release_workers()
+        if args.keep:
+            print(f"work folder kept: {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    with open(os.path.join(CACHE_DIR, "last-results.json"), "w") as handle:
+        json.dump(results, handle, indent=1, default=str)
+    print(f"\nload average at end: {os.getloadavg()}; suite wall {time.perf_counter() - started:.0f} s; raw numbers in "
+          f"{os.path.join(CACHE_DIR, 'last-results.json')}\n")
+    print(format_table(rows))
+
+
+if __name__ == "__main__":
+    main()
