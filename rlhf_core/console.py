@@ -407,6 +407,12 @@ def end_live_line() -> None:
         _console.live_bar.end_line()
 
 
+def live_progress() -> bool:
+    """Whether a live bar is drawn (a terminal is watching): then the chunk's training loop may stop at each
+    logged step to move it (`show_step`); otherwise a chunk need not stop before its end for the console."""
+    return _console is not None and _console.live_bar is not None
+
+
 def show_step(stage: str, step: int, total_steps: int, metrics: dict[str, Any]) -> None:
     """A step logged inside a chunk (rlhf_core.chunk's training loop): moves the live bar on a terminal;
     nothing otherwise (the chunk line says it at the chunk's end)."""

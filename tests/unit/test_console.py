@@ -181,6 +181,7 @@ def test_on_a_terminal_each_stage_is_one_bar_redrawn_in_place_per_chunk_and_step
     monkeypatch.setenv("TERM", "xterm")
     monkeypatch.setenv("COLUMNS", "200")
     terminal, log_file = quiet(terminal=True)
+    assert console.live_progress()
     logger = logging.getLogger("prefect.flow_runs")
     logger.info(_chunk_line("sft", 1, 2, 4, 8, 2.5))
     console.show_step("sft", 5, 8, {"loss": 2.4, "lr": 1e-3})
@@ -211,6 +212,7 @@ def test_on_a_terminal_each_stage_is_one_bar_redrawn_in_place_per_chunk_and_step
 def test_not_on_a_terminal_or_verbose_the_chunk_lines_stay_lines(quiet):
     for terminal, verbose in ((False, False), (True, True)):
         stream, _ = quiet(verbose=verbose, terminal=terminal)
+        assert not console.live_progress()
         logging.getLogger("prefect.flow_runs").info(_chunk_line("sft", 1, 2, 4, 8, 2.5))
         console.show_step("sft", 5, 8, {"loss": 2.4})
         assert stream.getvalue() == "sft [#####-----] 1/2 chunks  step 4/8: trained 4 steps  loss 2.5\n"
