@@ -301,7 +301,7 @@ class GoodputLedger:
         """Read, apply `change(doc, this process's attempt)`, write; begins an attempt when none runs here
         (`start_new`: always, ending this process's previous one)."""
         with _MUTEX:
-            doc = self.read()
+            doc = self._read_or_restart()
             attempt = _attempt(doc, _ATTEMPT_IDS.get(self._key, ""))
             if start_new and attempt is not None and attempt["state"] == RUNNING:
                 finish_attempt(doc, attempt, self.clock())
@@ -309,6 +309,17 @@ class GoodputLedger:
                 attempt = self._begin(doc)
             change(doc, attempt)
             self._write(doc)
+
+    def _read_or_restart(self) -> dict:
+        """The ledger, or a new one when the file is not a ledger (e.g. emptied by a power loss between the
+        write and the rename reaching the disk): the old file is kept beside it as goodput.json.corrupt."""
+        try:
+            return self.read()
+        except ValueError as error:
+            self.fs.mv(self.path, f"{self.path}.corrupt")
+            logger.warning("%s is not a goodput ledger (%s): kept as %s.corrupt; recording starts again", self.url,
+                           error, GOODPUT_FILE_NAME)
+            return empty_ledger()
 
     def _begin(self, doc: dict) -> dict:
         global _command_started

@@ -227,12 +227,20 @@ def test_attempt_started_leaves_the_ledger_alone_while_another_live_run_holds_th
         assert summary.num_attempts == 1 and summary.num_crashed == 0 and summary.pending
 
 
-def test_recording_never_fails_the_chunk(tmp_path, caplog):
+def test_recording_never_fails_the_chunk(tmp_path, caplog, monkeypatch):
+    ledger = GoodputLedger(str(tmp_path / "run"))
+    monkeypatch.setattr(ledger, "_write", lambda doc: (_ for _ in ()).throw(OSError("disk full")))
+    ledger.chunk_started("sft", 0, 5)  # warns, does not raise
+    assert "could not record goodput" in caplog.text and "disk full" in caplog.text
+
+
+def test_a_file_that_is_not_a_ledger_is_kept_aside_and_recording_starts_again(tmp_path, caplog):
     (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "goodput.json").write_text("[]")
-    GoodputLedger(str(tmp_path / "run")).chunk_started("sft", 0, 5)  # warns, does not raise
-    assert "could not record goodput" in caplog.text
-    assert (tmp_path / "run" / "goodput.json").read_text() == "[]"
+    (tmp_path / "run" / "goodput.json").write_text("")  # a power loss before the rename reached the disk
+    GoodputLedger(str(tmp_path / "run")).chunk_started("sft", 0, 5)
+    assert (tmp_path / "run" / "goodput.json.corrupt").read_text() == ""
+    assert GoodputLedger(str(tmp_path / "run")).read()["pending"][0]["to_step"] == 5
+    assert "kept as goodput.json.corrupt" in caplog.text
 
 
 # --------------------------------------------------------------------------- rlhf goodput, rlhf plan
