@@ -509,8 +509,12 @@ def read_ledger(run_url: str, storage_options: Mapping[str, Any] | None = None) 
             raise UserError(f"{run_url} is not a folder; give a run folder {{ckpt_path}}/{{run_name}} "
                             "(e.g. ./ckpt/rlhf).")
         if not ledger.exists():
+            from rlhf_core.config import STAGES
+
+            parent, _, name = run_url.rstrip("/").rpartition("/")
+            hint = f" ({name} is a stage folder: give its parent, {parent})" if name in STAGES else ""
             raise UserError(f"{run_url} has no {GOODPUT_FILE_NAME}: give a run folder {{ckpt_path}}/{{run_name}} "
-                            "that has trained at least one chunk.")
+                            f"that has trained at least one chunk{hint}.")
         return ledger.summary()
     except ValueError as error:
         raise UserError(f"{ledger.url} is not a goodput ledger ({error}); it is written by rlhf training runs only.") \

@@ -269,9 +269,10 @@ def test_rlhf_goodput_prints_a_few_lines_and_json(tmp_path, capsys):
     assert total["steps"] == 40 and total["goodput"] == pytest.approx(20 / 24)
 
 
-@pytest.mark.parametrize("where, message", [("missing", "is not a folder"), ("empty", "has no goodput.json")])
+@pytest.mark.parametrize("where, message", [("missing", "is not a folder"), ("empty", "has no goodput.json"),
+                                            ("empty/sft", "sft is a stage folder: give its parent")])
 def test_rlhf_goodput_of_a_wrong_folder_is_one_sentence_and_exit_2(tmp_path, capsys, where, message):
-    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "sft").mkdir(parents=True)
     assert main(["goodput", str(tmp_path / where)]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
