@@ -18,7 +18,7 @@ Ratios: save/put = (ds_save + upload) / put and load/get = (fetch + ds_load) / g
 operation against moving its bytes; upload/put and fetch/get isolate the cost of hashing. Each
 phase is run --repeat times (median), starting with no dirty pages and including the flush of its
 own writes, so no phase pays for another's. The model is the toy one, or with --model 100m a
-~100M-parameter Llama (toy tokenizer, wider and deeper); the store is a local folder, or with
+~100M-parameter Llama (bench/models.py); the store is a local folder, or with
 --store s3 a moto S3 endpoint on loopback. One local Ray; 2 ranks share this machine's cores and
 disk, so their phases overlap as on one host.
 
@@ -35,20 +35,6 @@ import tempfile
 import time
 
 PHASES = ("ds_save", "upload", "put", "fetch", "ds_load", "get")
-
-
-def make_large_model(directory: str) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from rlhf_core.toy import build_tokenizer
-
-    tokenizer = build_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=1024, intermediate_size=4096, num_hidden_layers=6,
-                         num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=128,
-                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    LlamaForCausalLM(config).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
 
 
 def timed_durable(action, repeat: int) -> float:
@@ -188,11 +174,12 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="Runs of each phase; the median is shown.")
     args = parser.parse_args()
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    from models import build_model_dir  # bench/models.py: the suite's models
     from rlhf_core.toy import init_toy
 
     with tempfile.TemporaryDirectory(prefix="rlhf-bench-ckpt-io-") as workdir:
         toy = init_toy(os.path.join(workdir, "toy"))
-        model_dir = toy["model"] if args.model == "toy" else make_large_model(os.path.join(workdir, "large"))
+        model_dir = toy["model"] if args.model == "toy" else build_model_dir(os.path.join(workdir, "large"), "100m")[0]
         server, storage_options, ckpt_root = None, {}, os.path.join(workdir, "store")
         if args.store == "s3":
             server = start_moto()

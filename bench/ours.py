@@ -9,8 +9,9 @@
   "save_and_commit"); next to an in-memory copy of the rank's tensors, `cp -r` of the committed step
   folder, and a fresh group's `WorkerGroup.load` (fetch + verify + load) next to `cp` of the files it reads.
 - `chunk_boundaries`: the `rlhf` Prefect flow in this process, with `WorkerGroup.train_until` wrapped to
-  record when each chunk's training starts and ends: the gap between two chunks is everything a warm
-  chunk boundary costs outside training (save, commit, Prefect's task, cache and result, planning).
+  record when each chunk's training is collected: the period between two chunks, less the ranks' own
+  step-loop seconds ("step_loop", else "train"), is everything a warm chunk costs outside training
+  (snapshot, commit, Prefect's task, cache and result, planning).
 - `startup_seconds`: the `rlhf train sft` command in a subprocess, until its first step has trained.
 """
 

@@ -70,20 +70,9 @@ def median_or_none(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def window_means(timestamps: list[float], window: int, skip: int) -> list[float]:
-    """Mean seconds per step over consecutive windows of `window` steps, from the end times of steps
-    1..N (`timestamps[i]` = end of step i+1), skipping the first `skip` steps (warm-up). Window k covers
-    steps skip+k*window+1 .. skip+(k+1)*window and is measured end to end, so it includes everything
-    between steps, as a chunk's train timer does."""
-    means = []
-    start = skip
-    while start + window <= len(timestamps) and start > 0:
-        means.append((timestamps[start + window - 1] - timestamps[start - 1]) / window)
-        start += window
-    return means
-
-
-def boundary_gaps(spans: list[tuple[float, float]]) -> list[float]:
-    """Seconds between the end of one training span and the start of the next: the time a warm chunk
-    boundary spends outside training (spans are (start, end) of consecutive train calls)."""
-    return [following[0] - previous[1] for previous, following in zip(spans, spans[1:])]
+def outside_per_chunk(chunk_ends: list[float], loop_seconds: list[float]) -> list[float]:
+    """Seconds of each warm chunk (the second on) that the ranks spent outside their step loop: the time
+    from the end of one chunk's training to the end of the next one's, less the next one's step loop.
+    With asynchronous checkpoints the ranks train a chunk while the previous one commits, so the driver's
+    view of when training ran says nothing; the period and the ranks' own loop time still do."""
+    return [(later - earlier) - loop for earlier, later, loop in zip(chunk_ends, chunk_ends[1:], loop_seconds[1:])]
