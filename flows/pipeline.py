@@ -38,6 +38,7 @@ from rlhf_core.chunk import ChunkResult, plan_stage, release_workers, resolve_pa
 from rlhf_core.checkpoint import ASIDE_DIR_NAME
 from rlhf_core.config import STAGES, RunConfig
 from rlhf_core.errors import UserError
+from rlhf_core.goodput import GoodputLedger
 from rlhf_core.lease import RunLease
 from rlhf_core.resume import begin_stage, open_store, validate_run_start
 from tasks.chunks import chunk_task_for, export_final_task, export_model, merge_lora_task
@@ -234,6 +235,8 @@ def rlhf(config: RunConfig) -> dict:
     stop_at = (datetime.now(timezone.utc) + timedelta(minutes=run.time_budget_minutes)
                if run.time_budget_minutes else None)
     summary, upstream_digest, num_trained = {}, "", 0
+    ledger = GoodputLedger(run.run_url(), run.storage_options)
+    ledger.attempt_started()  # before the lease: it still names a crashed predecessor's process
     with RunLease(run.run_url(), run.storage_options):
         try:
             for stage in run.stages:
@@ -252,6 +255,7 @@ def rlhf(config: RunConfig) -> dict:
                 logger.info("%s: output in %s (%s s)", stage, summary[stage]["save_path"], summary[stage]["seconds"])
         finally:
             release_workers()
+            ledger.attempt_finished()
     return summary
 
 

@@ -31,6 +31,7 @@ from rlhf_core.data import dataset_fingerprint
 from rlhf_core.engine import WorkerGroup
 from rlhf_core.errors import UserError
 from rlhf_core.faults import fault_point
+from rlhf_core.goodput import GoodputLedger
 from rlhf_core.hub import is_hub_id
 from rlhf_core.models import input_model_fingerprints
 from rlhf_core.lease import RunLease, held_lease
@@ -233,18 +234,22 @@ def _trackers_at(run: RunConfig, stage: str, store: CheckpointStore, start_step:
 
 
 def _train_and_log(group: WorkerGroup, start_step: int, target_step: int, trackers: StageTrackers | None,
-                   logging_steps: int) -> list[dict[str, float]]:
-    """Train to `target_step`; with trackers, stop at each logged step so its metrics show while the chunk runs."""
-    if trackers is None or group.training_ahead_to == target_step:
-        step_metrics = group.train_until(target_step)
-        if trackers is not None:
-            trackers.log(step_metrics)
-        return step_metrics
-    stops = [step for step in range(start_step + 1, target_step) if step % logging_steps == 0] + [target_step]
+                   logging_steps: int, stage: str, total_steps: int) -> list[dict[str, float]]:
+    """Train to `target_step`; with trackers (or a live console bar), stop at each logged step so its metrics
+    show while the chunk runs (steps the group already trained ahead come back together)."""
+    from rlhf_core import console
+
+    if trackers is None and not console.live_progress():
+        return group.train_until(target_step)
+    ahead = group.training_ahead_to or 0
+    stops = [step for step in range(max(start_step, ahead) + 1, target_step) if step % logging_steps == 0]
     step_metrics = []
-    for stop in stops:
+    for stop in ([ahead] if start_step < ahead < target_step else []) + stops + [target_step]:
         new_metrics = group.train_until(stop)
-        trackers.log(new_metrics)
+        if trackers is not None:
+            trackers.log(new_metrics)
+        if new_metrics:
+            console.show_step(stage, stop, total_steps, new_metrics[-1])
         step_metrics += new_metrics
     return step_metrics
 
@@ -262,6 +267,8 @@ def ensure_checkpoint(run: RunConfig, stage: str, target_step: int, lineage: Lin
             close_trackers(run, stage)
         return ChunkResult(stage, target_step, done.uri, done.manifest_digest, 0,
                            store.read_metadata(target_step).get("metrics", {}), size_bytes=done.size_bytes)
+    ledger = GoodputLedger(run.run_url(), run.storage_options)
+    ledger.chunk_started(stage, max((info.step for info in infos if info.is_committed), default=0), target_step)
     try:
         require_tracker_packages(run)  # before the workers start, not after a chunk of training
         prepared = time.perf_counter()
@@ -270,14 +277,15 @@ def ensure_checkpoint(run: RunConfig, stage: str, target_step: int, lineage: Lin
         start_step = group.step
         trackers = _trackers_at(run, stage, store, start_step, warm=group is warm_group)
         loaded = time.perf_counter()
-        step_metrics = _train_and_log(group, start_step, target_step, trackers, run.stage_config(stage).logging_steps)
+        step_metrics = _train_and_log(group, start_step, target_step, trackers, run.stage_config(stage).logging_steps,
+                                      stage, plan.total_steps)
         trained = time.perf_counter()
         summary = chunk_summary(step_metrics)
         _refuse_non_finite(run, stage, target_step, step_metrics, group)
         metadata = _metadata(run, stage, plan, target_step, summary, trackers, group.world_size,
                              _WarmGroup.world_size_changes)
         metadata |= _alert_inputs(store, group, start_step, target_step, summary)
-        info, commit_seconds = _commit(run, stage, store, group, target_step, metadata, _next_target(plan, target_step))
+        info, commit_seconds = _commit(run, stage, store, group, target_step, metadata, _ahead_target(run, stage, plan, target_step))
         alerts = commit_alerts(run.run_name, stage, target_step, metadata, info.size_bytes,
                                [known.size_bytes for known in infos if known.is_committed and known.step < target_step],
                                has_ds_state=not run.stage_config(stage).disable_ds_ckpt,
@@ -294,7 +302,9 @@ def ensure_checkpoint(run: RunConfig, stage: str, target_step: int, lineage: Lin
     store.retain(run.max_ckpt_num, run.max_ckpt_mem)
     finished = time.perf_counter()
     seconds = {"plan": prepared - started, "workers_and_load": loaded - prepared, "train": trained - loaded,
-               "save_and_commit": finished - trained, **commit_seconds}
+               "save_and_commit": finished - trained, **commit_seconds,
+               "step_loop": group.take_step_loop_seconds()}  # the ranks' own, training ahead included
+    ledger.chunk_committed(stage, target_step, seconds, num_steps=target_step - start_step)
     return ChunkResult(stage, target_step, info.uri, info.manifest_digest, target_step - start_step, summary, seconds,
                        group.world_size, [json.loads(alert.to_json()) for alert in alerts], info.size_bytes)
 
@@ -317,15 +327,22 @@ def _alert_inputs(store: CheckpointStore, group: WorkerGroup, start_step: int, s
     return {"metric_history": history, "model_sizes": group.model_sizes()}
 
 
-def _next_target(plan: StagePlan, step: int) -> int | None:
+def _ahead_target(run: RunConfig, stage: str, plan: StagePlan, step: int) -> int | None:
+    """How far the ranks train on while `step` commits: to the next chunk's end, or with trackers to the
+    next logged step (so its metrics show without waiting for the chunk); None after the last chunk."""
     later = [target for target in plan.targets if target > step]
-    return later[0] if later else None
+    if not later:
+        return None
+    if tracking_enabled(run):
+        logging_steps = run.stage_config(stage).logging_steps
+        return min(later[0], (step // logging_steps + 1) * logging_steps)
+    return later[0]
 
 
 def _commit(run: RunConfig, stage: str, store: CheckpointStore, group: WorkerGroup, step: int, metadata: dict,
-            next_target: int | None) -> tuple[CheckpointInfo, dict[str, float]]:
+            ahead_to: int | None) -> tuple[CheckpointInfo, dict[str, float]]:
     """Every rank snapshots its share into memory and uploads it into the uncommitted step; the driver
-    commits them under the run lease. Unless --sync_checkpoint, the ranks train on to `next_target`
+    commits them under the run lease. Unless --sync_checkpoint, the ranks train on to `ahead_to`
     meanwhile (collected by the next chunk), so training waits only for the snapshot. The chunk returns
     after its commit: a chunk the flow (and Prefect's cache) calls done is always committed."""
     pending = store.prepare_step(step)
@@ -335,8 +352,8 @@ def _commit(run: RunConfig, stage: str, store: CheckpointStore, group: WorkerGro
     folders = group.snapshot()
     snapshotted = time.perf_counter()
     writes = group.start_write(folders, run.stage_url(stage), run.storage_options, pending)
-    if next_target is not None and not run.sync_checkpoint:
-        group.train_ahead(next_target)
+    if ahead_to is not None and not run.sync_checkpoint:
+        group.train_ahead(ahead_to)
     entries = group.finish_write(writes)
     with run_lease(run) as lease:
         info = store.finish_commit(pending, entries, metadata, fence=lease)

@@ -122,14 +122,15 @@ class TrainWorker:
 
         self.trainer = trainer_class(stage)(run, total_steps, self.rank, self.world_size, load_universal)
 
-    def train_until(self, target_step: int) -> list[dict[str, float]]:
+    def train_until(self, target_step: int) -> tuple[list[dict[str, float]], float]:
+        """The metrics of each step up to `target_step`, and the seconds this rank spent in its step loop."""
         from rlhf_core.faults import fault_point
 
-        metrics = []
+        started, metrics = time.perf_counter(), []
         while self.trainer.step < target_step:
             fault_point("train_step", self.trainer.step + 1)
             metrics.append(self.trainer.train_step())
-        return metrics
+        return metrics, time.perf_counter() - started
 
     def model_sizes(self) -> dict:
         from rlhf_core.alerts import model_size_report
@@ -255,6 +256,7 @@ class WorkerGroup:
             raise
         self.step = 0
         self._ahead: tuple[int, list] | None = None
+        self._step_loop_seconds = 0.0  # rank 0's, since the last take_step_loop_seconds()
 
     def setup(self, run: RunConfig, stage: str, total_steps: int, load_universal: bool = False) -> None:
         self._model_sizes = None
@@ -272,14 +274,25 @@ class WorkerGroup:
         if self._ahead:
             ahead_step, ahead = self._ahead
             self._ahead = None
-            metrics = self._gather(ahead)[0]
+            metrics = self._collect(ahead)
             self.step = ahead_step
         if self.step > target_step:
             raise RuntimeError(f"the worker group trained ahead to step {self.step}, past the target {target_step}")
         if self.step < target_step:
-            metrics += self._gather([worker.train_until.remote(target_step) for worker in self.workers])[0]
+            metrics += self._collect([worker.train_until.remote(target_step) for worker in self.workers])
         self.step = target_step
         return metrics
+
+    def _collect(self, trainings: list) -> list[dict[str, float]]:
+        metrics, seconds = self._gather(trainings)[0]
+        self._step_loop_seconds += seconds
+        return metrics
+
+    def take_step_loop_seconds(self) -> float:
+        """Seconds rank 0 spent in its step loop for the steps collected since the last call (for the
+        goodput ledger: training ahead runs while the driver waits for a commit, so the driver cannot time it)."""
+        seconds, self._step_loop_seconds = self._step_loop_seconds, 0.0
+        return seconds
 
     def snapshot(self) -> list[str]:
         """Every rank's share of the current step, saved into memory on its node (one folder per rank)."""

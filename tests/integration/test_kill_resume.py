@@ -65,3 +65,12 @@ def test_sigkill_mid_chunk_then_rerun_matches_uninterrupted_run(toy_assets, rlhf
     assert reference_sft_weights.keys() == actual.keys()
     for name, tensor in reference_sft_weights.items():
         assert actual[name].equal(tensor), f"{name} differs from the uninterrupted run"
+
+    # The goodput ledger saw both attempts: the killed one as crashed, every step committed once.
+    from rlhf_core.goodput import GoodputLedger
+
+    ledger = GoodputLedger(str(ckpt / "rlhf")).summary()
+    assert ledger.num_attempts == 2 and ledger.num_crashed == 1, ledger
+    assert (ledger.stages[0].steps, ledger.stages[0].chunks) == (32, 7), ledger
+    assert ledger.stages[0].lost_steps in (0, 5), ledger  # 5 once chunk 15 had started before the kill
+    assert 0 < ledger.total.goodput < 1, ledger

@@ -184,6 +184,8 @@ def test_open_trackers_are_kept_per_stage_and_closed(tmp_path):
 class FakeGroup:
     """train_until as WorkerGroup's: the metrics of every step up to the target."""
 
+    training_ahead_to = None  # never trained ahead (a chunk's own round trips)
+
     def __init__(self, step: int):
         self.step, self.calls = step, []
 
@@ -198,12 +200,24 @@ def test_chunk_trains_to_each_logged_step_so_metrics_stream(tmp_path):
     run = make_run(tmp_path, logging_steps=4, use_tensorboard=str(tmp_path / "tb"))
     trackers = open_stage_trackers(run, "sft", {}, start_step=5)
     group = FakeGroup(step=5)
-    step_metrics = _train_and_log(group, 5, 15, trackers, logging_steps=4)
+    step_metrics = _train_and_log(group, 5, 15, trackers, 4, "sft", 32)
     assert group.calls == [8, 12, 15]
     assert [metrics["step"] for metrics in step_metrics] == list(range(6, 16))
     close_trackers()
     assert [step for step, _ in scalars(trackers.tensorboard_dir, "train/loss")] == [8, 12]
 
     untracked = FakeGroup(step=0)
-    assert len(_train_and_log(untracked, 0, 10, None, logging_steps=1)) == 10
+    assert len(_train_and_log(untracked, 0, 10, None, 1, "sft", 32)) == 10
     assert untracked.calls == [10]  # no trackers: one round trip per chunk, as before
+
+
+def test_a_chunk_trained_ahead_to_its_first_logged_step_collects_it_then_stops_at_the_next(tmp_path):
+    run = make_run(tmp_path, logging_steps=2, use_tensorboard=str(tmp_path / "tb"))
+    trackers = open_stage_trackers(run, "sft", {}, start_step=5)
+    group = FakeGroup(step=5)
+    group.training_ahead_to = 6  # the previous chunk's commit let the ranks train on to step 6
+    step_metrics = _train_and_log(group, 5, 10, trackers, 2, "sft", 32)
+    assert group.calls == [6, 8, 10]
+    assert [metrics["step"] for metrics in step_metrics] == list(range(6, 11))
+    close_trackers()
+    assert [step for step, _ in scalars(trackers.tensorboard_dir, "train/loss")] == [6, 8, 10]
