@@ -1,5 +1,5 @@
 """bf16 autocast on a CPU resumes exactly after a real crash: an SFT job with `--param_dtype bf16` is
-SIGKILLed mid-stage (a fault hook inside a training step, after two checkpoints), run again, and ends
+SIGKILLed mid-stage (a fault hook inside training step 5, checkpoints every 2 steps), run again, and ends
 with the same weights, tensor for tensor, as the same job never interrupted.
 
 The jobs are `tests.integration.fault_driver` processes (rlhf_core with its own local Ray and DeepSpeed,
@@ -25,7 +25,7 @@ from rlhf_core.ds_config import cpu_supports_bf16
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not cpu_supports_bf16(), reason="this CPU has no native bf16 (avx512_bf16/AMX)")]
 
-KILL_POINT = "train_step@5"  # inside step 5: steps 2 and 4 are committed, step 5 is lost
+KILL_POINT = "train_step@5"  # inside step 5: step 2 is committed (and 4, unless its commit was still running)
 
 
 def bf16_sft_run(toy: dict[str, str], root: Path) -> RunConfig:
@@ -70,7 +70,8 @@ def test_bf16_sft_killed_mid_stage_resumes_to_the_uninterrupted_weights(toy_asse
     (tmp_path / "faults").mkdir()
     status, log = run_job(killed, fault_env, tmp_path / "killed.log")
     assert status == -9, f"the job did not die at {KILL_POINT} (rc {status}):\n{log}"
-    assert committed_steps(killed) == [2, 4]
+    # Step 4's commit may still be in flight behind step 5 (asynchronous checkpoints): then it is lost too.
+    assert committed_steps(killed) in ([2], [2, 4])
     assert not Path(killed.sft.save_path).exists()
 
     status, log = run_job(killed, fault_env, tmp_path / "resumed.log")  # the fault fired once: this run completes
