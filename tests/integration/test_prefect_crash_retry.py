@@ -263,6 +263,9 @@ def test_killed_worker_run_is_crashed_then_retry_completes_it(prefect_server, ba
     # The rank is inside chunk 2, paused before step 3, once the fault hook has left its marker.
     wait_until("the rank paused in chunk 2", lambda: (fault_state / f"train_step@{PAUSED_STEP}").exists(),
                RUN_TIMEOUT, context=worker.log_tail)
+    # Chunk 1's checkpoint commits in the background while chunk 2 trains: wait for its manifest.
+    wait_until("step 2 committed", lambda: (stage_dir / "step_2" / "MANIFEST.json").exists(), RUN_TIMEOUT,
+               context=worker.log_tail)
     before_kill = committed_manifests(stage_dir)
     assert sorted(before_kill) == ["step_2"], sorted(before_kill)
     assert flow_run_state(prefect_server.api_url, flow_run_id).type.value == "RUNNING"

@@ -236,7 +236,12 @@ def check_node_loss(cluster, toy_assets, cluster_env, tmp_path, stage_url, fault
         run = subprocess.Popen([RLHF, *args], env=cluster_env, stdout=log_file, stderr=subprocess.STDOUT,
                                stdin=subprocess.DEVNULL, start_new_session=True)
     try:
-        wait_for_path(faults / "train_step@3", run, log_path)  # step 2 committed, node 1's rank paused in step 3
+        wait_for_path(faults / "train_step@3", run, log_path)  # node 1's rank paused in step 3
+        # Step 2 commits in the background while step 3 trains: wait for its manifest.
+        deadline = time.monotonic() + RUN_TIMEOUT  # a hang guard, not a speed check
+        while not any(info.step == 2 and info.is_committed for info in CheckpointStore(stage_url).list()):
+            assert run.poll() is None and time.monotonic() < deadline, "step 2 never committed"
+            time.sleep(0.2)
         before = committed_steps(stage_url)
         manifests = {step: read_bytes(f"{stage_url}/step_{step}/MANIFEST.json") for step in before}
         killed_at = cluster.kill_worker(1)
