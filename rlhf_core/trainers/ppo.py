@@ -382,7 +382,8 @@ class PPOTrainer(DeepSpeedTrainer):
                  for _ in range(cfg.eval_n_samples_per_prompt)]
         self.actor.eval()
         # Every rank samples, even with no prompt left to it: with ZeRO-3 the gather is a collective.
-        responses = self.sample([item.ids for item in items], cfg.eval_temperature, use_vllm=False)
+        with self.autocast():  # the same precision as the training rollouts
+            responses = self.sample([item.ids for item in items], cfg.eval_temperature, use_vllm=False)
         return self.mean_over_ranks(self.rewards(items, responses).rewards)
 
     def sum_over_ranks(self, value: float) -> float:
