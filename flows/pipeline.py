@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from datetime import datetime, timedelta, timezone
 
@@ -262,7 +263,29 @@ def rlhf(config: RunConfig) -> dict:
 def run_pipeline(run: RunConfig) -> dict:
     """The flow `rlhf` run in this process, after everything that can be checked before Prefect starts has been
     (rlhf_core.preflight): a user mistake is then one sentence, not a failed flow run's traceback."""
+    from rlhf_core.engine import ensure_ray
     from rlhf_core.preflight import preflight
 
     preflight(resolve_paths(run))
+    server_start = _start_ephemeral_server_in_background()
+    try:
+        if any(STAGES[stage].kind == "train" for stage in run.stages):
+            ensure_ray(run.ray_address)  # while Prefect's server starts, not after it
+    finally:
+        if server_start is not None:
+            server_start.join()  # never leave the start half done (an exit would wait on it)
     return rlhf(config=run)
+
+
+def _start_ephemeral_server_in_background() -> threading.Thread | None:
+    """Start Prefect's ephemeral API server (~10 s here) in a thread, so that Ray's start overlaps it; None
+    when a server is configured (PREFECT_API_URL). A failed start is retried, and reported, by the flow's
+    own client."""
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        return None
+    thread = threading.Thread(target=SubprocessASGIServer().start, name="prefect-server-start", daemon=True)
+    thread.start()
+    return thread

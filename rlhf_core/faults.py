@@ -5,8 +5,8 @@
 makes the process sleep 60 s right after committing step 10, and SIGKILL itself when about to train
 step 7; `loss@3=nan` makes SFT's loss NaN at step 3 (`fault_requested`). With RLHF_FAULT_JOB_PID set (a driver sets it to its own pid before starting Ray), `kill`
 in a Ray worker takes the whole job down: the driver first, then the worker. With RLHF_FAULT_STATE set to a folder, each rule fires once (a marker file remembers it), so a
-retried chunk gets past the point. Unset (the normal case), `fault_point` does nothing. Ray workers
-inherit both variables.
+retried chunk gets past the point. A rank whose job is already dead (it trains ahead until Ray reaps it)
+fires nothing. Unset (the normal case), `fault_point` does nothing. Ray workers inherit the variables.
 """
 
 from __future__ import annotations
@@ -33,6 +33,21 @@ def _first_time(point: str) -> bool:
     return True
 
 
+def _orphaned() -> bool:
+    """A rank whose job (RLHF_FAULT_JOB_PID) is already dead: it is training ahead or uploading until Ray
+    reaps it, and must not use up a rule meant for the job's next run."""
+    job_pid = int(os.environ.get(JOB_PID_ENV_VAR, "0"))
+    if not job_pid or job_pid == os.getpid():
+        return False
+    try:
+        os.kill(job_pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
 def fault_requested(name: str, step: int, action: str) -> bool:
     """Whether a rule `name@step=action` fires now (once per RLHF_FAULT_STATE), for faults the caller
     injects itself, e.g. `loss@3=nan`: the trainer multiplies that step's loss by NaN."""
@@ -48,6 +63,8 @@ def fault_point(name: str, step: int) -> None:
     if not spec:
         return
     point = f"{name}@{step}"
+    if _orphaned():
+        return
     for rule in spec.split(","):
         where, _, action = rule.strip().partition("=")
         if where != point or not _first_time(point):

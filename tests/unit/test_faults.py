@@ -1,0 +1,36 @@
+"""The fault hook (`rlhf_core.faults`): rules fire once, and never in a rank whose job is already dead."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from rlhf_core import faults
+
+
+def dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_a_rule_fires_once_per_state_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv(faults.ENV_VAR, "train_step@3=sleep:0")
+    monkeypatch.setenv(faults.STATE_ENV_VAR, str(tmp_path))
+    faults.fault_point("train_step", 2)
+    assert not (tmp_path / "train_step@3").exists()
+    faults.fault_point("train_step", 3)
+    assert (tmp_path / "train_step@3").exists()
+
+
+def test_a_rank_of_a_dead_job_fires_nothing_and_leaves_the_rule_for_the_next_run(tmp_path, monkeypatch):
+    monkeypatch.setenv(faults.ENV_VAR, "train_step@8=kill")  # would SIGKILL this process if it fired
+    monkeypatch.setenv(faults.STATE_ENV_VAR, str(tmp_path))
+    monkeypatch.setenv(faults.JOB_PID_ENV_VAR, str(dead_pid()))
+    faults.fault_point("train_step", 8)
+    assert not (tmp_path / "train_step@8").exists()
+    monkeypatch.setenv(faults.JOB_PID_ENV_VAR, str(os.getpid()))  # the job itself: not orphaned
+    monkeypatch.setenv(faults.ENV_VAR, "train_step@8=sleep:0")
+    faults.fault_point("train_step", 8)
+    assert (tmp_path / "train_step@8").exists()
