@@ -500,7 +500,21 @@ def ensure_ray(ray_address: str | None) -> None:
 
     address = ray_address or os.environ.get("RAY_ADDRESS") or None
     if address and address.startswith("ray://"):
-        ray.init(address=address, **console.ray_init_options(client=True))
+        _connect_client(address, console.ray_init_options(client=True))
     else:
         ray.init(address=address, include_dashboard=False, configure_logging=True, **console.ray_init_options())
     console.route_ray_worker_output()
+
+
+def _connect_client(address: str, options: dict, num_attempts: int = 3) -> None:
+    """`ray.init` as a Ray client, tried again on a connection error: a cluster's first client connection can
+    fail while its proxy starts the client server ("Starting Ray client server failed")."""
+    for attempt in range(1, num_attempts + 1):
+        try:
+            ray.init(address=address, **options)
+            return
+        except ConnectionError as error:  # ConnectionAbortedError on a failed server start
+            if attempt == num_attempts:
+                raise
+            logger.warning("connecting to %s failed (%s); trying again", address, str(error).splitlines()[0])
+            time.sleep(2.0 * attempt)

@@ -117,11 +117,18 @@ def one_host_reference(toy_assets, cluster_env, tmp_path_factory) -> dict:
 
 
 PROBE = """
-import json, os, sys, ray
+import json, os, sys, time, ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-ray.init(address=sys.argv[1], logging_level="ERROR")
+for attempt in range(3):  # a fresh cluster's first ray:// connect can fail to start its client server
+    try:
+        ray.init(address=sys.argv[1], logging_level="ERROR")
+        break
+    except ConnectionError:
+        if attempt == 2:
+            raise
+        time.sleep(2)
 group = placement_group([{"CPU": 1}] * 2, strategy="STRICT_SPREAD")
 ray.get(group.ready(), timeout=60)
 
