@@ -16,6 +16,8 @@ import signal
 import time
 from pathlib import Path
 
+from rlhf_core.lease import process_exists
+
 ENV_VAR = "RLHF_FAULT_INJECT"
 STATE_ENV_VAR = "RLHF_FAULT_STATE"
 JOB_PID_ENV_VAR = "RLHF_FAULT_JOB_PID"
@@ -37,15 +39,7 @@ def _orphaned() -> bool:
     """A rank whose job (RLHF_FAULT_JOB_PID) is already dead: it is training ahead or uploading until Ray
     reaps it, and must not use up a rule meant for the job's next run."""
     job_pid = int(os.environ.get(JOB_PID_ENV_VAR, "0"))
-    if not job_pid or job_pid == os.getpid():
-        return False
-    try:
-        os.kill(job_pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
+    return bool(job_pid) and job_pid != os.getpid() and not process_exists(job_pid)
 
 
 def fault_requested(name: str, step: int, action: str) -> bool:

@@ -91,7 +91,8 @@ class Holder:
             return None  # garbled: nobody holds it
 
 
-def _process_exists(pid: int) -> bool:
+def process_exists(pid: int) -> bool:
+    """Whether a process with this pid runs on this host (one we may not signal counts as running)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -290,7 +291,7 @@ class RunLease:
     def _may_take_over(self, current: Holder, now: float) -> bool:
         if current.released or current.id == self.holder.id or now - current.heartbeat > self.stale_after_s:
             return True
-        return current.host == self.holder.host and not _process_exists(current.pid)
+        return current.host == self.holder.host and not process_exists(current.pid)
 
     def check_available(self) -> None:
         """Raise UserError naming the holder if another live run holds the lease."""

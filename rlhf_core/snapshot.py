@@ -20,6 +20,8 @@ import os
 import shutil
 import tempfile
 
+from rlhf_core.lease import process_exists
+
 SHM_ROOT = "/dev/shm"
 PREFIX = "rlhf-snapshot-"
 # Room to leave in tmpfs beside a snapshot: it is RAM, shared with the training process and Ray's object store.
@@ -42,20 +44,10 @@ def remove_stale_snapshots() -> list[str]:
     for root in {SHM_ROOT, tempfile.gettempdir()}:
         for path in glob.glob(os.path.join(root, f"{PREFIX}*")):
             owner = os.path.basename(path)[len(PREFIX):].split("-", 1)[0]
-            if owner.isdigit() and not _process_exists(int(owner)):
+            if owner.isdigit() and not process_exists(int(owner)):
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
     return removed
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @contextlib.contextmanager
