@@ -399,13 +399,7 @@ class CheckpointStore:
         """Download the files of the committed ``step_N`` that ``select`` picks from the manifest's paths
         (all by default) into ``local_dir``, each hashed as it arrives and compared with the manifest
         (CorruptCheckpoint on a mismatch). Returns the manifest's bytes."""
-        info = self._inspect(step, verify=False)
-        if not info.is_committed:
-            raise UserError(
-                f"Checkpoint {info.uri} is {info.status} ({info.reason}); "
-                "pick a committed step from `rlhf ckpt ls`."
-            )
-        manifest_bytes = self.fs.cat_file(f"{self._path(info.name)}/{MANIFEST_NAME}")
+        info, manifest_bytes = self._committed_manifest(step)
         entries = {entry.path: entry for entry in Manifest.from_bytes(manifest_bytes).files}
         chosen = [entries[path] for path in (select or list)(list(entries))]
         os.makedirs(local_dir, exist_ok=True)
@@ -419,13 +413,9 @@ class CheckpointStore:
         store, whose files must be fetched (``fetch``). CorruptCheckpoint on a mismatch."""
         if not self._is_local:
             return None
-        info = self._inspect(step, verify=False)
-        if not info.is_committed:
-            raise UserError(f"Checkpoint {info.uri} is {info.status} ({info.reason}); "
-                            "pick a committed step from `rlhf ckpt ls`.")
+        info, manifest_bytes = self._committed_manifest(step)
         step_path = self._path(info.name)
-        manifest = Manifest.from_bytes(self.fs.cat_file(f"{step_path}/{MANIFEST_NAME}"))
-        entries = {entry.path: entry for entry in manifest.files}
+        entries = {entry.path: entry for entry in Manifest.from_bytes(manifest_bytes).files}
 
         def check(entry: ManifestEntry) -> None:
             with open(os.path.join(step_path, *entry.path.split("/")), "rb") as source:
@@ -453,6 +443,16 @@ class CheckpointStore:
         return data
 
     # ------------------------------------------------------------------ helpers
+
+    def _committed_manifest(self, step: int) -> tuple[CheckpointInfo, bytes]:
+        """The committed ``step_N`` and its manifest's bytes; one sentence (UserError) when it is not committed."""
+        info = self._inspect(step, verify=False)
+        if not info.is_committed:
+            raise UserError(
+                f"Checkpoint {info.uri} is {info.status} ({info.reason}); "
+                "pick a committed step from `rlhf ckpt ls`."
+            )
+        return info, self.fs.cat_file(f"{self._path(info.name)}/{MANIFEST_NAME}")
 
     def _path(self, name: str) -> str:
         return f"{self.root}/{name}"
