@@ -253,6 +253,29 @@ def prefect_server(tmp_path_factory) -> Iterator[PrefectServer]:
         process.stop()
 
 
+def kill_fault_driver_once_committed(run_json: str, env: dict[str, str], paused_step: int, faults_dir: Path,
+                                     committed_step_dir: Path) -> None:
+    """Run tests.integration.fault_driver with `run_json`, pause it inside step `paused_step` (the ranks train
+    it while the previous step commits in the background), and SIGKILL its whole session once that step's
+    MANIFEST.json exists: a mid-chunk kill one commit behind."""
+    faults_dir.mkdir(exist_ok=True)
+    point = f"train_step@{paused_step}"
+    paused = subprocess.Popen([sys.executable, "-m", "tests.integration.fault_driver", run_json],
+                              env={**env, "RLHF_FAULT_INJECT": f"{point}=sleep:600", "RLHF_FAULT_STATE": str(faults_dir)},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                              cwd=PROJECT_DIR)
+    try:
+        manifest = committed_step_dir / "MANIFEST.json"
+        deadline = time.monotonic() + 500  # a hang guard, not a speed check
+        while not manifest.exists() or not (faults_dir / point).exists():
+            assert paused.poll() is None, f"the job ended (rc {paused.returncode}) before {manifest} appeared"
+            assert time.monotonic() < deadline, f"{manifest} did not appear while {point} was paused"
+            time.sleep(0.2)
+    finally:
+        os.killpg(paused.pid, signal.SIGKILL)
+        paused.wait()
+
+
 def train_sft_args(toy: dict[str, str], ckpt: Path, out: Path) -> list[str]:
     """The SFT command of the README, as an OpenRLHF user would type it."""
     return [

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +23,7 @@ from rlhf_core.evaluate import mean_gold_score
 from rlhf_core.export import export_final, merge_lora
 from rlhf_core.resume import begin_stage
 from rlhf_core.toy import init_toy
+from tests.integration.conftest import kill_fault_driver_once_committed
 
 pytestmark = pytest.mark.slow
 # PPO's gain over SFT on 64 held-out prompts, seed 0: 0.107 measured (0.590 -> 0.697). Half of it
@@ -146,24 +145,8 @@ def test_ppo_sigkill_mid_chunk_then_rerun_matches_uninterrupted_run(pipeline, tm
     reference = small_ppo(pipeline, tmp_path / "reference")
     assert job(reference, rlhf_env).returncode == 0
     run = small_ppo(pipeline, tmp_path / "killed")
-    # Paused inside step 3 (the ranks train it while step 2 commits in the background), killed once step 2
-    # is committed: a mid-chunk kill one commit behind.
-    (tmp_path / "faults").mkdir()
-    paused = subprocess.Popen([sys.executable, "-m", "tests.integration.fault_driver", run.model_dump_json()],
-                              env={**rlhf_env, "RLHF_FAULT_INJECT": "train_step@3=sleep:600",
-                                   "RLHF_FAULT_STATE": str(tmp_path / "faults")},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                              cwd=Path(__file__).parents[2])
-    try:
-        manifest = Path(run.stage_url("ppo")) / "step_2" / "MANIFEST.json"
-        deadline = time.monotonic() + 500  # a hang guard, not a speed check
-        while not manifest.exists() or not (tmp_path / "faults" / "train_step@3").exists():
-            assert paused.poll() is None, f"the job ended (rc {paused.returncode}) before step 2 committed"
-            assert time.monotonic() < deadline, "step 2 was not committed while step 3 was paused"
-            time.sleep(0.2)
-    finally:
-        os.killpg(paused.pid, signal.SIGKILL)
-        paused.wait()
+    kill_fault_driver_once_committed(run.model_dump_json(), rlhf_env, 3, tmp_path / "faults",
+                                     Path(run.stage_url("ppo")) / "step_2")
     assert not (Path(run.stage_url("ppo")) / "step_4").exists()
     resumed = job(run, rlhf_env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -17,11 +17,8 @@ rank-local controller would pass unnoticed). Measured with rank-local KLs: 0.019
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -29,6 +26,7 @@ from safetensors.torch import load_file
 
 from rlhf_core.chunk import resolve_paths
 from rlhf_core.config import PPOConfig, RunConfig
+from tests.integration.conftest import kill_fault_driver_once_committed
 
 pytestmark = pytest.mark.slow
 
@@ -64,24 +62,8 @@ def test_two_rank_ppo_with_kl_target_killed_and_resumed_matches_the_uninterrupte
     assert step_metadata(reference, 4)["world_size"] == 2
 
     run = two_rank_ppo(toy_assets, tmp_path / "killed")
-    (tmp_path / "faults").mkdir()
-    # Paused on its way into step 4 (the ranks train it while step 3 commits in the background), killed
-    # once step 3 is committed.
     stage_dir = Path(run.stage_url("ppo"))
-    paused = subprocess.Popen([sys.executable, "-m", "tests.integration.fault_driver", run.model_dump_json()],
-                              env={**rlhf_env, "RLHF_FAULT_INJECT": "train_step@4=sleep:600",
-                                   "RLHF_FAULT_STATE": str(tmp_path / "faults")},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                              cwd=Path(__file__).parents[2])
-    try:
-        deadline = time.monotonic() + 500  # a hang guard, not a speed check
-        while not ((stage_dir / "step_3" / "MANIFEST.json").exists() and (tmp_path / "faults" / "train_step@4").exists()):
-            assert paused.poll() is None, f"the job ended (rc {paused.returncode}) before step 3 committed"
-            assert time.monotonic() < deadline, "step 3 was not committed while step 4 was paused"
-            time.sleep(0.2)
-    finally:
-        os.killpg(paused.pid, signal.SIGKILL)
-        paused.wait()
+    kill_fault_driver_once_committed(run.model_dump_json(), rlhf_env, 4, tmp_path / "faults", stage_dir / "step_3")
     assert not (stage_dir / "step_4").exists()
     resumed = job(run, rlhf_env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
