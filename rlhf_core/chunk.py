@@ -148,7 +148,8 @@ def _group_at(run: RunConfig, stage: str, plan: StagePlan, store: CheckpointStor
               infos: list[CheckpointInfo], lineage: Lineage) -> tuple[WorkerGroup, StartState | None]:
     """A worker group holding the state of the newest good checkpoint in `infos` (or the pretrained
     model), and that checkpoint (None when the warm group of the last chunk already holds it)."""
-    identity = (run.stage_url(stage), semantic_hash(run, stage), run.num_workers, plan.total_steps)
+    identity = (run.stage_url(stage), semantic_hash(run, stage), run.num_workers, run.stage_config(stage).zero_stage,
+                plan.total_steps)
     warm = _WarmGroup.group
     if warm is not None and _WarmGroup.identity == identity and infos and infos[-1].is_committed \
             and warm.step == infos[-1].step:
@@ -173,7 +174,8 @@ def _world_size_changes(group: WorkerGroup, start: StartState | None) -> list[di
 
 
 def _metadata(run: RunConfig, stage: str, plan: StagePlan, step: int, metrics: dict,
-              trackers: StageTrackers | None, world_size: int, world_size_changes: list[dict]) -> dict:
+              trackers: StageTrackers | None, world_size: int, world_size_changes: list[dict],
+              zero_stage: int) -> dict:
     import deepspeed
     import torch
     import transformers
@@ -189,7 +191,7 @@ def _metadata(run: RunConfig, stage: str, plan: StagePlan, step: int, metrics: d
         "seed": run.seed,
         "world_size": world_size,
         "world_size_changes": world_size_changes,
-        "zero_stage": cfg.zero_stage,
+        "zero_stage": zero_stage,
         "config_hash": semantic_hash(run, stage),
         "config": semantic_fields(cfg),
         "save_path": getattr(cfg, STAGES[stage].output_field, None),
@@ -283,7 +285,7 @@ def ensure_checkpoint(run: RunConfig, stage: str, target_step: int, lineage: Lin
         summary = chunk_summary(step_metrics)
         _refuse_non_finite(run, stage, target_step, step_metrics, group)
         metadata = _metadata(run, stage, plan, target_step, summary, trackers, group.world_size,
-                             _WarmGroup.world_size_changes)
+                             _WarmGroup.world_size_changes, group.zero_stage)
         metadata |= _alert_inputs(store, group, start_step, target_step, summary)
         info, commit_seconds = _commit(run, stage, store, group, target_step, metadata, _ahead_target(run, stage, plan, target_step))
         alerts = commit_alerts(run.run_name, stage, target_step, metadata, info.size_bytes,

@@ -60,7 +60,11 @@ class StageConfig(BaseModel):
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine_with_min_lr decays to this fraction of the "
                                                              "peak learning rate.")
     max_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
-    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage (0, 1, 2 or 3).")
+    zero_stage: Literal[0, 1, 2, 3] | None = Field(
+        None, **_operational("DeepSpeed ZeRO stage (0, 1, 2 or 3). Default: the stage the stage's checkpoints were "
+                             "written with when resuming; else 0 on one rank (ZeRO has nothing to partition "
+                             "there), 2 (OpenRLHF's default) on more ranks or with --adam_offload.")
+    )
     param_dtype: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32", description="Training precision: fp32; bf16 (bf16 weights on a GPU, bf16 autocast on a CPU with "
                             "bf16 support, else fp32 with a warning); fp16 needs a GPU.")

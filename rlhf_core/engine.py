@@ -43,6 +43,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlhf_core.config import RunConfig
+from rlhf_core.ds_config import resolve_zero_stage
 from rlhf_core.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -255,10 +256,17 @@ class WorkerGroup:
             self.shutdown()
             raise
         self.step = 0
+        self.zero_stage: int | None = None  # resolved by setup
         self._ahead: tuple[int, list] | None = None
         self._step_loop_seconds = 0.0  # rank 0's, since the last take_step_loop_seconds()
 
-    def setup(self, run: RunConfig, stage: str, total_steps: int, load_universal: bool = False) -> None:
+    def setup(self, run: RunConfig, stage: str, total_steps: int, load_universal: bool = False,
+              saved_zero_stage: int | None = None) -> None:
+        """Build the stage's trainers on every rank, with the ZeRO stage resolved for this group
+        (`rlhf_core.ds_config.resolve_zero_stage`; `saved_zero_stage`: the checkpoint's, when resuming)."""
+        cfg = run.stage_config(stage)
+        self.zero_stage = resolve_zero_stage(cfg.zero_stage, self.world_size, cfg.adam_offload, saved_zero_stage)
+        run = run.model_copy(update={stage: cfg.model_copy(update={"zero_stage": self.zero_stage})})
         self._model_sizes = None
         self._gather([worker.setup.remote(run, stage, total_steps, load_universal) for worker in self.workers])
 

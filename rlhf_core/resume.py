@@ -94,6 +94,20 @@ def check_drift(run: RunConfig, stage: str, info: CheckpointInfo, metadata: dict
             f"{info.uri} was trained with other settings ({'; '.join(changes)}); resume with the original "
             f"settings, pass --allow_config_change to accept the change, or start a new --run_name."
         )
+    check_zero_stage(run.stage_config(stage).zero_stage, run.load_weights_only, info, metadata)
+
+
+def check_zero_stage(configured: int | None, weights_only: bool, info: CheckpointInfo, metadata: dict) -> None:
+    """Refuse an explicit --zero_stage that cannot read the checkpoint's optimizer state (DeepSpeed loads
+    another stage's layout only as weights, and ZeRO-3's partitioned weights not even so)."""
+    saved = metadata.get("zero_stage")
+    if configured is None or saved is None or configured == saved or (weights_only and 3 not in (configured, saved)):
+        return
+    raise UserError(
+        f"{info.uri} was written with ZeRO stage {saved} and --zero_stage {configured} cannot load it; pass "
+        f"--zero_stage {saved} (or leave it unset to keep it)"
+        + (", or --load_weights_only to start fresh optimizers." if 3 not in (configured, saved) else ".")
+    )
 
 
 def validate_run_start(run: RunConfig) -> None:
@@ -154,7 +168,8 @@ def load_start(run: RunConfig, stage: str, store: CheckpointStore, infos: list[C
             check_drift(run, stage, info, metadata)
             start = StartState(info, metadata, needs_universal(metadata, group.world_size),
                                lineage.weights_only and info.step == lineage.start_step)
-            group.setup(run, stage, total_steps, load_universal=start.universal)
+            group.setup(run, stage, total_steps, load_universal=start.universal,
+                        saved_zero_stage=metadata.get("zero_stage"))
             group.load(run.stage_url(stage), run.storage_options, info.step, start.universal, start.weights_only)
             return start
         except CorruptCheckpoint as error:

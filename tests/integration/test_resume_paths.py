@@ -132,6 +132,7 @@ def test_resume_on_another_world_size(first, second, toy_assets, reference, tmp_
     assert result.num_steps_trained == 10
     metadata = json.loads((Path(run.stage_url("sft")) / "step_20" / "training_metadata.json").read_text())
     assert metadata["world_size"] == second
+    assert metadata["zero_stage"] == (0 if first == 1 else 2)  # the line keeps the layout it began with
     expected = json.loads((Path(reference.stage_url("sft")) / "step_20" / "training_metadata.json").read_text())
     assert abs(metadata["metrics"]["loss"] - expected["metrics"]["loss"]) < 1e-3  # loss of step 20
     assert_same(weights(run, 20), weights(reference, 20), atol=1e-3)

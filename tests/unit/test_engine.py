@@ -15,7 +15,7 @@ import torch
 
 from rlhf_core.config import RMConfig, SFTConfig
 from rlhf_core.data import TokenizedPair, TokenizedSample, collate_pairs, collate_sft
-from rlhf_core.ds_config import deepspeed_config, lr_scheduler_factory, resolve_precision
+from rlhf_core.ds_config import deepspeed_config, lr_scheduler_factory, resolve_precision, resolve_zero_stage
 from rlhf_core.errors import CorruptCheckpoint, UnsafeCheckpoint, UserError
 from rlhf_core.packing import pack_sequences, pack_sft, packed_scores, score_positions
 from rlhf_core.trainers.base import DeepSpeedTrainer, continue_schedule
@@ -34,6 +34,22 @@ def test_deepspeed_config_maps_the_flags():
     assert config["optimizer"]["params"]["weight_decay"] == 0.1 and config["optimizer"]["params"]["torch_adam"]
     assert config["gradient_clipping"] == 0.5 and config["checkpoint"] == {"load_universal": True}
     assert "scheduler" not in config  # the schedule is a torch LambdaLR passed to deepspeed.initialize
+
+
+@pytest.mark.parametrize("configured, num_workers, adam_offload, saved, expected", [
+    (None, 1, False, None, 0),  # one rank: nothing to partition
+    (None, 2, False, None, 2),  # OpenRLHF's default
+    (None, 1, True, None, 2),  # DeepSpeed offloads with ZeRO 1-3 only
+    (None, 2, False, 0, 0),  # a resumed line keeps its layout at any world size
+    (None, 1, False, 2, 2),
+    (3, 1, False, 0, 3),  # an explicit stage wins (check_zero_stage refuses what cannot load)
+])
+def test_zero_stage_default_is_zero_on_one_rank_and_a_resume_keeps_the_saved_one(
+        configured, num_workers, adam_offload, saved, expected):
+    assert resolve_zero_stage(configured, num_workers, adam_offload, saved) == expected
+    if saved is None:
+        cfg = sft_config(zero_stage=configured, adam_offload=adam_offload)
+        assert deepspeed_config(cfg, num_workers)["zero_optimization"]["stage"] == expected
 
 
 def test_precision_on_gpu_is_deepspeeds_and_on_cpu_never():
@@ -189,3 +205,18 @@ def test_rm_pairwise_losses():
     logexp = pairwise_loss("logexploss", chosen, rejected, margin)  # margins ignored, as OpenRLHF
     assert logexp.item() == pytest.approx(torch.log1p(torch.exp(torch.tensor([-1.0, 1.0]))).mean().item())
     assert RMConfig(dataset="p.jsonl", loss="logexploss").loss == "logexploss"
+
+
+def test_an_explicit_zero_stage_that_cannot_load_the_checkpoint_is_one_sentence():
+    from rlhf_core.checkpoint import STATUS_COMMITTED, CheckpointInfo
+    from rlhf_core.resume import check_zero_stage
+
+    info = CheckpointInfo(8, "step_8", "/ckpt/exp/sft/step_8", STATUS_COMMITTED, 1)
+    for configured, saved, weights_only in ((None, 0, False), (0, 0, False), (2, None, False), (2, 0, True)):
+        check_zero_stage(configured, weights_only, info, {"zero_stage": saved})  # loads: nothing raised
+    with pytest.raises(UserError, match=r"^/ckpt/exp/sft/step_8 was written with ZeRO stage 0 and --zero_stage 2 "
+                                        r"cannot load it; pass --zero_stage 0 \(or leave it unset to keep it\), or "
+                                        r"--load_weights_only to start fresh optimizers\.$"):
+        check_zero_stage(2, False, info, {"zero_stage": 0})
+    with pytest.raises(UserError, match=r"pass --zero_stage 3 \(or leave it unset to keep it\)\.$"):
+        check_zero_stage(0, True, info, {"zero_stage": 3})
