@@ -27,6 +27,11 @@ OpenRLHF's reward options, as built here:
   still depends on the number of ranks: the sampling seed of each rank's share (seed, step, rank), its
   update shuffle, and each micro-batch's token-mean loss, so `num_workers` changes a PPO run's samples.
 - With ZeRO-3, generation and scoring with a trained model run inside `GatheredParameters`.
+- `--init_kl_coef 0`: no reference model is loaded (as OpenRLHF), and the KL is 0. If moreover each
+  rollout makes one optimizer step (one epoch, `rollout_batch_size * n_samples_per_prompt ==
+  train_batch_size`), the policy cannot move between sampling and update, so the update's own log-probs,
+  detached, stand in for the old ones (as TRL's GRPO does): the ratio is 1 and its gradient the policy
+  gradient, without the scoring forward pass.
 """
 
 from __future__ import annotations
@@ -163,7 +168,10 @@ class PPOTrainer(DeepSpeedTrainer):
         self.actor = self.build_engine("actor_model", actor, num_optimizer_steps=num_optimizer_steps)
         # The frozen models follow the actor onto its device and precision (bf16 on GPU if asked).
         placement = {"device": self.actor.device, "dtype": next(self.actor.module.parameters()).dtype}
-        self.reference = load_causal_lm(cfg.pretrain, **loading).eval().requires_grad_(False).to(**placement)
+        self.reference = None
+        if cfg.init_kl_coef > 0:
+            self.reference = load_causal_lm(cfg.pretrain, **loading).eval().requires_grad_(False).to(**placement)
+        self.scores_old_logprobs = self.reference is not None or optimizer_steps_per_ppo_step(cfg) > 1
         self.critic = None
         if cfg.advantage_estimator == "gae":
             critic = load_scalar_model(cfg.critic_pretrain, self.tokenizer.pad_token_id, flag="--critic_pretrain",
@@ -257,10 +265,12 @@ class PPOTrainer(DeepSpeedTrainer):
         if cfg.dynamic_filtering:
             experience["keep"] = ppo_math.group_filter(torch.tensor(rewarded.scores), cfg.n_samples_per_prompt,
                                                        *cfg.dynamic_filtering_reward_range)
-        for name in ("old_logprobs", "ref_logprobs") + (("values",) if self.critic else ()):
+        for name in (name for name, scored in rows.items() if scored):
             experience[name] = pad_rows([row[:n] for row, n in zip(rows[name], lengths)])
-        experience["kl"] = ppo_math.kl_estimate(experience["old_logprobs"], experience["ref_logprobs"],
-                                                cfg.kl_estimator) * experience["mask"]
+        experience["kl"] = torch.zeros_like(experience["mask"])
+        if self.reference is not None:
+            experience["kl"] = ppo_math.kl_estimate(experience["old_logprobs"], experience["ref_logprobs"],
+                                                    cfg.kl_estimator) * experience["mask"]
         return experience
 
     def sample(self, prompts: list[list[int]], temperature: float, use_vllm: bool) -> list[list[int]]:
@@ -278,8 +288,10 @@ class PPOTrainer(DeepSpeedTrainer):
     def score_micro_batch(self, prompts, responses, rows: dict) -> None:
         # Experience is kept on the CPU in float32, whatever device and precision the models use.
         batch = collate_sequences(prompts, responses, self.tokenizer.pad_token_id)
-        rows["old_logprobs"] += list(response_logprobs(self.actor.module, batch).cpu())
-        rows["ref_logprobs"] += list(response_logprobs(self.reference, batch).cpu())
+        if self.scores_old_logprobs:
+            rows["old_logprobs"] += list(response_logprobs(self.actor.module, batch).cpu())
+        if self.reference is not None:
+            rows["ref_logprobs"] += list(response_logprobs(self.reference, batch).cpu())
         if self.critic is not None:
             values = token_values(self.critic.module, batch["input_ids"], batch["attention_mask"])
             rows["values"] += list(values[:, batch["prompt_len"] - 1 : -1].float().cpu())
@@ -347,9 +359,10 @@ class PPOTrainer(DeepSpeedTrainer):
             with self.autocast():
                 logprobs = response_logprobs(self.actor, batch)
             eps_low, eps_high = cfg.eps_clip_low_high or (cfg.eps_clip, cfg.eps_clip)
-            loss, clip_fraction = ppo_math.policy_loss(logprobs, take("old_logprobs"), take("advantages"), mask,
+            old_logprobs = take("old_logprobs") if self.scores_old_logprobs else logprobs.detach()
+            loss, clip_fraction = ppo_math.policy_loss(logprobs, old_logprobs, take("advantages"), mask,
                                                        eps_low, eps_high)
-            if cfg.use_kl_loss:  # GRPO style: the KL to the reference in the loss, not in the reward
+            if cfg.use_kl_loss and self.reference is not None:  # GRPO style: the KL in the loss, not the reward
                 loss = loss + self.kl.coef * ppo_math.masked_mean(
                     ppo_math.kl_estimate(logprobs, take("ref_logprobs"), cfg.kl_estimator), mask)
             self.actor.backward(loss)

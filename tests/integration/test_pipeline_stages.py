@@ -137,6 +137,24 @@ def test_every_advantage_estimator_trains_a_chunk(estimator, pipeline, tmp_path)
     assert "kl_coef" in final_metadata(run, "ppo")["metrics"]
 
 
+def test_without_kl_one_update_per_rollout_skips_the_scoring_pass_and_trains_the_same(pipeline, tmp_path):
+    """--init_kl_coef 0 with one optimizer step per rollout: no reference, and the update's detached
+    log-probs stand in for the old ones. Against a KL so small it changes nothing, which loads the
+    reference and scores the old log-probs: the same weights."""
+    weights = {}
+    for name, kl in (("on_policy", 0.0), ("scored", 1e-30)):
+        run = small_ppo(pipeline, tmp_path / name, advantage_estimator="reinforce", init_kl_coef=kl)
+        result = ensure_checkpoint(run, "ppo", 2, begin_stage(run, "ppo"))
+        release_workers()
+        assert result.num_steps_trained == 2 and (kl > 0 or result.metrics["kl"] == 0)
+        weights[name] = load_file(os.path.join(run.stage_url("ppo"), "step_2", "actor_model", "hf", "model.safetensors"))
+    assert weights["on_policy"].keys() == weights["scored"].keys()
+    for key, tensor in weights["scored"].items():
+        torch.testing.assert_close(weights["on_policy"][key], tensor, rtol=0, atol=1e-5)
+    start = load_file(os.path.join(pipeline["run"].sft.save_path, "model.safetensors"))
+    assert max((weights["scored"][key] - start[key]).abs().max().item() for key in start) > 1e-3  # it trained
+
+
 def test_ppo_sigkill_mid_chunk_then_rerun_matches_uninterrupted_run(pipeline, tmp_path, rlhf_env):
     def job(run: RunConfig, env: dict) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "tests.integration.fault_driver", run.model_dump_json()],
