@@ -33,6 +33,7 @@ checkpoints, and never removes the newest committed one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -42,7 +43,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, BinaryIO, Callable, Protocol
+from typing import Any, BinaryIO, Callable, Protocol, Sequence
 
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
@@ -327,18 +328,25 @@ class CheckpointStore:
         self.fs.makedirs(staging_path, exist_ok=True)
         return PendingStep(step, staging_path)
 
-    def upload_tree(self, pending: PendingStep, local_dir: str) -> list[ManifestEntry]:
-        """Upload every file below ``local_dir`` into ``pending``, hashing each as it is written (one
-        read); returns their manifest entries. Ranks call this, each with its own files."""
-        files = list(_list_local_files(local_dir).items())
-        if not files:
+    def upload_tree(self, pending: PendingStep, local_dir: str,
+                    streams: Sequence[tuple[str, Callable[[BinaryIO], None]]] = ()) -> list[ManifestEntry]:
+        """Upload every file below ``local_dir`` into ``pending``, and write each of ``streams`` (a relative
+        path and a function that writes the file's bytes into a file object, e.g. a ``torch.save`` of
+        tensors held in memory) straight into it, hashing everything as it is written (one pass); returns
+        their manifest entries. Ranks call this, each with its own files."""
+        files = sorted(_list_local_files(local_dir).items(), key=lambda item: -os.path.getsize(item[1]))
+        # Streams (a rank's largest state), then the largest file first: the mid_upload kill point then
+        # lands inside a real transfer.
+        uploads = [functools.partial(self._write_stream, pending, *stream) for stream in streams]
+        uploads += [functools.partial(self._upload_file, pending, *item) for item in files]
+        if not uploads:
             return []
-        # The largest file first, so that the mid_upload kill point lands inside a real transfer.
-        files.sort(key=lambda item: -os.path.getsize(item[1]))
-        entries = [self._upload_file(pending, *files[0])]
+        entries = [uploads[0]()]
         fault_point("between_uploads", pending.step)
+        # Streams serialize under the GIL, so they go one at a time; files copy and hash outside it.
+        entries += [upload() for upload in uploads[1:len(streams)]]
         with ThreadPoolExecutor(TRANSFER_THREADS) as pool:
-            entries += pool.map(lambda item: self._upload_file(pending, *item), files[1:])
+            entries += pool.map(lambda upload: upload(), uploads[max(len(streams), 1):])
         return entries
 
     def finish_commit(self, pending: PendingStep, entries: list[ManifestEntry], metadata: dict[str, Any],
@@ -530,11 +538,22 @@ class CheckpointStore:
         return ""
 
     def _upload_file(self, pending: PendingStep, relative_path: str, local_path: str) -> ManifestEntry:
+        def copy(target: BinaryIO) -> None:
+            with open(local_path, "rb") as source:
+                while block := source.read(TRANSFER_BLOCK_BYTES):
+                    target.write(block)
+
+        return self._write_stream(pending, relative_path, copy)
+
+    def _write_stream(self, pending: PendingStep, relative_path: str, write: Callable[[BinaryIO], None]
+                      ) -> ManifestEntry:
         remote_path = f"{pending.path}/{relative_path}"
         self._make_parent_dirs(remote_path)
-        with open(local_path, "rb") as source, self.fs.open(remote_path, "wb") as target:
-            size, sha256 = _copy_hashing(source, target, lambda: fault_point("mid_upload", pending.step))
-        return ManifestEntry(relative_path, size, sha256)
+        with self.fs.open(remote_path, "wb") as target:
+            sink = HashingWriter(target, lambda: fault_point("mid_upload", pending.step))
+            write(sink)
+            sink.close()
+        return ManifestEntry(relative_path, sink.size, sink.hexdigest())
 
     def _fetch_file(self, info: CheckpointInfo, entry: ManifestEntry, local_dir: str) -> None:
         local_path = os.path.join(local_dir, *entry.path.split("/"))
@@ -611,19 +630,58 @@ def _list_local_files(local_dir: str) -> dict[str, str]:
     return files
 
 
-def _copy_hashing(source: BinaryIO, target: BinaryIO | None,
-                  after_first_block: Callable[[], None] | None = None) -> tuple[int, str]:
+class HashingWriter:
+    """A write-only file object that passes what it is given to ``target`` (None: nowhere) and hashes it
+    on the way: each large block is hashed in a second thread while it is written (both release the
+    GIL), so hashing costs no extra pass. ``after_first_block`` is a fault hook: a kill there lands
+    mid-transfer."""
+
+    _PARALLEL_BYTES = 1 << 20  # smaller writes are hashed inline (a thread hand-off costs more)
+
+    def __init__(self, target: BinaryIO | None, after_first_block: Callable[[], None] | None = None):
+        self.target, self.after_first_block = target, after_first_block
+        self.size, self._digest = 0, hashlib.sha256()
+        self._hasher: ThreadPoolExecutor | None = None
+
+    def write(self, block) -> int:
+        num_bytes = memoryview(block).nbytes
+        if num_bytes >= self._PARALLEL_BYTES and self.target is not None:
+            self._hasher = self._hasher or ThreadPoolExecutor(1, thread_name_prefix="sha256")
+            hashed = self._hasher.submit(self._digest.update, block)
+            self.target.write(block)
+            hashed.result()
+        else:
+            self._digest.update(block)
+            if self.target is not None:
+                self.target.write(block)
+        first = not self.size
+        self.size += num_bytes
+        if first and self.after_first_block is not None:
+            self.after_first_block()
+        return num_bytes
+
+    def flush(self) -> None:
+        if self.target is not None:
+            self.target.flush()
+
+    def close(self) -> None:
+        if self._hasher is not None:
+            self._hasher.shutdown()
+
+    def hexdigest(self) -> str:
+        return self._digest.hexdigest()
+
+
+def _copy_hashing(source: BinaryIO, target: BinaryIO | None) -> tuple[int, str]:
     """Copy ``source`` into ``target`` (None: only hash) block by block, hashing on the way (one read):
-    (size, sha256). ``after_first_block`` is a fault hook: a kill there lands mid-transfer."""
-    digest, size = hashlib.sha256(), 0
-    while block := source.read(TRANSFER_BLOCK_BYTES):
-        digest.update(block)
-        if target is not None:
-            target.write(block)
-        if not size and after_first_block is not None:
-            after_first_block()
-        size += len(block)
-    return size, digest.hexdigest()
+    (size, sha256)."""
+    sink = HashingWriter(target)
+    try:
+        while block := source.read(TRANSFER_BLOCK_BYTES):
+            sink.write(block)
+    finally:
+        sink.close()
+    return sink.size, sink.hexdigest()
 
 
 def _checksum_mismatch(info: CheckpointInfo, entry: ManifestEntry) -> CorruptCheckpoint:

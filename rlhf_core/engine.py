@@ -90,6 +90,7 @@ class TrainWorker:
         rank_warnings()
         self.rank, self.world_size = rank, world_size
         self.trainer = None
+        self._kept_in_memory: dict[str, list] = {}  # a snapshot's state dicts, by its folder (see snapshot)
 
     def location(self) -> RankLocation:
         return RankLocation(socket.gethostname(), ray.util.get_node_ip_address(),
@@ -148,15 +149,16 @@ class TrainWorker:
     def snapshot(self) -> str:
         """Save this rank's share of the current step into a folder in memory (`rlhf_core.snapshot`) and
         return it; training may go on while `write_snapshot` uploads it."""
-        from rlhf_core.snapshot import snapshot_folder, without_zip_crc32
+        from rlhf_core.snapshot import snapshot_folder, tensors_kept_in_memory, without_zip_crc32
 
         folder = snapshot_folder(self.rank, self._expected_checkpoint_bytes())
         try:
-            with without_zip_crc32():
+            with without_zip_crc32(), tensors_kept_in_memory(self.trainer.engines.values(), folder) as kept:
                 self.trainer.save(folder)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
+        self._kept_in_memory[folder] = kept
         return folder
 
     @ray.method(concurrency_group="io")
@@ -166,7 +168,8 @@ class TrainWorker:
         from rlhf_core.checkpoint import CheckpointStore
 
         try:
-            return CheckpointStore(store_url, storage_options).upload_tree(pending, folder)
+            return CheckpointStore(store_url, storage_options).upload_tree(pending, folder,
+                                                                            self._kept_in_memory.pop(folder, []))
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 

@@ -1,10 +1,12 @@
-"""Where a rank puts the in-memory snapshot of a checkpoint, so training goes on while it is written.
+"""The in-memory snapshot of a rank's share of a checkpoint, so training goes on while it is written.
 
-At a chunk boundary each rank saves its share of the checkpoint (DeepSpeed state and the Hugging Face
-copy) into a folder in memory: `/dev/shm` (tmpfs) when it has room, else the temporary folder (the page
-cache absorbs it until it is written back). Writing there costs about one in-memory copy of the
-tensors; the rank's background writer then streams the files into the store, hashing as it writes
-(`rlhf_core.checkpoint.upload_tree`), and removes the folder.
+At a chunk boundary each rank saves its share of the checkpoint. DeepSpeed's state files are not
+written then: a checkpoint engine (`tensors_kept_in_memory`) keeps each state dict DeepSpeed hands it as
+a clone of its tensors, which costs one in-memory copy. The rest (the Hugging Face copy, small files)
+goes into a folder in memory: `/dev/shm` (tmpfs) when it has room, else the temporary folder (the page
+cache absorbs it until it is written back). The rank's background writer then serializes the kept
+state dicts straight into the store and streams the folder's files there, hashing as it writes
+(`rlhf_core.checkpoint.CheckpointStore.upload_tree`), and removes the folder.
 
 A rank killed mid-write leaves its folder behind, and tmpfs holds it in RAM until reboot, so every
 new snapshot first removes the folders of processes that no longer exist (the folder's name carries its
@@ -19,6 +21,7 @@ import glob
 import os
 import shutil
 import tempfile
+from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 from rlhf_core.lease import process_exists
 
@@ -64,3 +67,39 @@ def without_zip_crc32():
         yield
     finally:
         config.save.compute_crc32 = previous
+
+
+@contextlib.contextmanager
+def tensors_kept_in_memory(engines: Iterable[Any], folder: str) -> Iterator[list[tuple[str, Callable[[BinaryIO], None]]]]:
+    """While DeepSpeed `engines` save into `folder`, keep each state dict they would write there in memory
+    (a clone of its tensors, as DeepSpeed's own engine clones before `torch.save`). Yields the list that
+    fills up: (path relative to `folder`, a function that writes the file into a file object)."""
+    import torch
+    from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    kept: list[tuple[str, Callable[[BinaryIO], None]]] = []
+
+    def writer(state: Any) -> Callable[[BinaryIO], None]:
+        def write(target: BinaryIO) -> None:
+            with without_zip_crc32():
+                torch.save(state, target)
+        return write
+
+    class KeepInMemory(TorchCheckpointEngine):
+        def save(self, state_dict: Any, path: str) -> None:
+            relative_path = os.path.relpath(path, folder).replace(os.sep, "/")
+            kept.append((relative_path, writer(clone_tensors_for_torch_save(state_dict))))
+
+        def preserves_storage_sharing(self) -> bool:
+            return False  # save() clones every tensor, so DeepSpeed need not clone them first
+
+    engines = list(engines)
+    originals = [engine.checkpoint_engine for engine in engines]
+    try:
+        for engine in engines:
+            engine.checkpoint_engine = KeepInMemory()
+        yield kept
+    finally:
+        for engine, original in zip(engines, originals):
+            engine.checkpoint_engine = original

@@ -540,3 +540,24 @@ def test_verify_in_place_refuses_an_uncommitted_step(store: CheckpointStore, com
     os.remove(remote_path(store, f"step_3/{MANIFEST_NAME}"))
     with pytest.raises(UserError, match="step_3"):
         store.verify_in_place(3)
+
+
+def test_streams_are_written_and_hashed_beside_the_files(store: CheckpointStore, make_local_checkpoint):
+    """A rank's state kept in memory goes straight into the step (no local file), hashed as it is written,
+    large blocks (hashed in a second thread while written) and small ones alike."""
+    local_dir = make_local_checkpoint()
+    large, small = os.urandom(3 << 20), b"tail"
+
+    def write_state(target) -> None:
+        target.write(large)
+        target.write(memoryview(small))
+
+    pending = store.prepare_step(7)
+    entries = store.upload_tree(pending, str(local_dir), [("model/ds/state.pt", write_state)])
+    info = store.finish_commit(pending, entries, {"step": 7})
+    manifest = {entry["path"]: entry for entry in json.loads(read_remote(store, f"step_7/{MANIFEST_NAME}"))["files"]}
+    assert read_remote(store, "step_7/model/ds/state.pt") == large + small
+    assert manifest["model/ds/state.pt"] == {"path": "model/ds/state.pt", "size": len(large) + len(small),
+                                             "sha256": hashlib.sha256(large + small).hexdigest()}
+    assert set(manifest) == {"model/ds/state.pt", METADATA_NAME, *local_files(local_dir)}
+    assert store.list(verify=True) == [info]
