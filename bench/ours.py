@@ -231,7 +231,7 @@ def startup_seconds(workdir: str, toy: dict[str, str], model_dir: str, env: dict
                "--dataset", toy["sft"], "--input_key", "prompt", "--output_key", "response",
                "--max_len", str(MAX_LEN), "--train_batch_size", str(BATCH), "--micro_train_batch_size", str(BATCH),
                "--max_samples", str(2 * BATCH), "--learning_rate", str(LEARNING_RATE),
-               "--ckpt_path", os.path.join(workdir, "startup-ckpt"), "--save_path", os.path.join(workdir, "startup-out")]
+               "--ckpt_path", os.path.join(state, "ckpt"), "--save_path", os.path.join(state, "out")]
     child_env = {**env, "RLHF_FAULT_INJECT": "train_step@2=sleep:0", "RLHF_FAULT_STATE": state}
     launched = time.time()
     subprocess.run(command, env=child_env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -139,7 +139,8 @@ FLAGS: tuple[Flag, ...] = (
                PPO: "actor.muon.nesterov|critic.muon.nesterov|actor.muon.no_nesterov|critic.muon.no_nesterov"},
           "a Muon setting; only AdamW is built here", takes="switch"),
     # DeepSpeed and precision
-    _same("zero_stage", "ds.zero_stage", value_type=int),
+    _same("zero_stage", "ds.zero_stage", value_type=int, note="same stages; unset, 0 on one rank (nothing to partition) "
+          "and 2 (OpenRLHF's default) on more, and a resume keeps its checkpoints' stage"),
     _same("param_dtype", "ds.param_dtype",
           note="bf16 is bf16 autocast on a CPU with bf16 support (fp32 with a warning otherwise); fp16 needs a GPU"),
     _same("bf16", "", (COMBINER,), takes="switch", note="the seed's spelling; OpenRLHF 0.9 says --param_dtype bf16"),
