@@ -26,6 +26,7 @@ The DeepSpeed config lives in `rlhf_core.ds_config`, which the ranks import with
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -90,7 +91,8 @@ class TrainWorker:
         rank_warnings()
         self.rank, self.world_size = rank, world_size
         self.trainer = None
-        self._kept_in_memory: dict[str, list] = {}  # a snapshot's state dicts, by its folder (see snapshot)
+        self._kept_in_memory: dict[str, dict] = {}  # a snapshot's state dicts, by its folder (see snapshot)
+        self._written_state: dict = {}  # the last written snapshot's state dicts: buffers for the next one
 
     def location(self) -> RankLocation:
         return RankLocation(socket.gethostname(), ray.util.get_node_ip_address(),
@@ -153,7 +155,9 @@ class TrainWorker:
 
         folder = snapshot_folder(self.rank, self._expected_checkpoint_bytes())
         try:
-            with without_zip_crc32(), tensors_kept_in_memory(self.trainer.engines.values(), folder) as kept:
+            # Only a snapshot whose write has finished lends its buffers (popped: never two at once).
+            reuse, self._written_state = self._written_state, {}
+            with without_zip_crc32(), tensors_kept_in_memory(self.trainer.engines.values(), folder, reuse) as kept:
                 self.trainer.save(folder)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
@@ -166,12 +170,16 @@ class TrainWorker:
         """Upload a snapshot into the uncommitted step folder `pending` (hashing as it writes), remove it,
         and return its manifest entries. Runs in the actor's I/O thread, beside `train_until`."""
         from rlhf_core.checkpoint import CheckpointStore
+        from rlhf_core.snapshot import write_state
 
+        kept = self._kept_in_memory.pop(folder, {})
+        streams = [(path, functools.partial(write_state, state)) for path, state in kept.items()]
         try:
-            return CheckpointStore(store_url, storage_options).upload_tree(pending, folder,
-                                                                            self._kept_in_memory.pop(folder, []))
+            entries = CheckpointStore(store_url, storage_options).upload_tree(pending, folder, streams)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
+        self._written_state = kept  # the same peak memory as while writing, without page faults next time
+        return entries
 
     def _expected_checkpoint_bytes(self) -> int:
         """About what this rank's snapshot holds: weights (DeepSpeed's and the HF copy), and for trained

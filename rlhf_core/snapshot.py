@@ -21,7 +21,7 @@ import glob
 import os
 import shutil
 import tempfile
-from typing import Any, BinaryIO, Callable, Iterable, Iterator
+from typing import Any, BinaryIO, Iterable, Iterator
 
 from rlhf_core.lease import process_exists
 
@@ -70,29 +70,25 @@ def without_zip_crc32():
 
 
 @contextlib.contextmanager
-def tensors_kept_in_memory(engines: Iterable[Any], folder: str) -> Iterator[list[tuple[str, Callable[[BinaryIO], None]]]]:
+def tensors_kept_in_memory(engines: Iterable[Any], folder: str, reuse: dict[str, Any] | None = None
+                           ) -> Iterator[dict[str, Any]]:
     """While DeepSpeed `engines` save into `folder`, keep each state dict they would write there in memory
-    (a clone of its tensors, as DeepSpeed's own engine clones before `torch.save`). Yields the list that
-    fills up: (path relative to `folder`, a function that writes the file into a file object)."""
-    import torch
-    from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+    instead: a copy of its tensors (DeepSpeed's own engine clones before `torch.save` too), made into the
+    buffers of `reuse` (the last snapshot's, once written) where shapes match, so a snapshot after the first
+    costs no page faults. Yields the dict that fills up: path relative to `folder` -> state dict (see
+    `write_state`)."""
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-    kept: list[tuple[str, Callable[[BinaryIO], None]]] = []
-
-    def writer(state: Any) -> Callable[[BinaryIO], None]:
-        def write(target: BinaryIO) -> None:
-            with without_zip_crc32():
-                torch.save(state, target)
-        return write
+    kept: dict[str, Any] = {}
+    reuse = reuse or {}
 
     class KeepInMemory(TorchCheckpointEngine):
         def save(self, state_dict: Any, path: str) -> None:
             relative_path = os.path.relpath(path, folder).replace(os.sep, "/")
-            kept.append((relative_path, writer(clone_tensors_for_torch_save(state_dict))))
+            kept[relative_path] = copy_into(reuse.get(relative_path), state_dict)
 
         def preserves_storage_sharing(self) -> bool:
-            return False  # save() clones every tensor, so DeepSpeed need not clone them first
+            return False  # save() copies every tensor, so DeepSpeed need not clone them first
 
     engines = list(engines)
     originals = [engine.checkpoint_engine for engine in engines]
@@ -103,3 +99,30 @@ def tensors_kept_in_memory(engines: Iterable[Any], folder: str) -> Iterator[list
     finally:
         for engine, original in zip(engines, originals):
             engine.checkpoint_engine = original
+
+
+def copy_into(previous: Any, item: Any) -> Any:
+    """`item` with every tensor copied to CPU memory of its own: into the same-shaped tensor at the same place
+    in `previous` when there is one, else a new one."""
+    import torch
+
+    if torch.is_tensor(item):
+        item = item.detach()
+        if torch.is_tensor(previous) and previous.shape == item.shape and previous.dtype == item.dtype:
+            return previous.copy_(item)
+        return item.clone() if item.device.type == "cpu" else item.to("cpu")
+    if isinstance(item, dict):
+        previous = previous if isinstance(previous, dict) else {}
+        return type(item)({key: copy_into(previous.get(key), value) for key, value in item.items()})
+    if isinstance(item, (list, tuple)):
+        previous = previous if isinstance(previous, (list, tuple)) and len(previous) == len(item) else [None] * len(item)
+        return type(item)(copy_into(old, value) for old, value in zip(previous, item))
+    return item
+
+
+def write_state(state: Any, target: BinaryIO) -> None:
+    """Serialize a kept state dict into `target` (a file object), as DeepSpeed would have into a file."""
+    import torch
+
+    with without_zip_crc32():
+        torch.save(state, target)

@@ -52,25 +52,36 @@ def test_without_zip_crc32_writes_files_torch_loads_back(tmp_path):
     assert torch.load(tmp_path / "state.pt")["weight"].equal(tensors["weight"])
 
 
-def test_kept_state_is_a_clone_written_later_as_torch_saved(tmp_path):
-    """DeepSpeed's saves are kept in memory as clones: training on after the snapshot changes nothing in
-    what the background writer serializes, and the engine's own checkpoint engine comes back."""
+def test_kept_state_is_a_copy_written_later_as_torch_saved_and_its_buffers_serve_the_next(tmp_path):
+    """DeepSpeed's saves are kept in memory as copies: training on after the snapshot changes nothing in what
+    the background writer serializes; the next snapshot copies into the same buffers; and the engine's own
+    checkpoint engine comes back."""
     import io
 
     class Engine:  # what tensors_kept_in_memory touches of a DeepSpeedEngine
         checkpoint_engine = "torch's"
 
+    def take_snapshot(reuse=None) -> dict:
+        with snapshot.tensors_kept_in_memory([engine], folder, reuse) as kept:
+            engine.checkpoint_engine.save({"module": {"w": weights[2:]}, "step": 3}, f"{folder}/actor/ds/mp_rank_00.pt")
+            assert not engine.checkpoint_engine.preserves_storage_sharing()
+        assert engine.checkpoint_engine == "torch's"
+        return kept
+
+    def written(kept: dict) -> dict:
+        buffer = io.BytesIO()
+        snapshot.write_state(kept["actor/ds/mp_rank_00.pt"], buffer)
+        return torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+
     engine, weights = Engine(), torch.arange(6, dtype=torch.float32)
     folder = str(tmp_path / "snapshot")
-    with snapshot.tensors_kept_in_memory([engine], folder) as kept:
-        engine.checkpoint_engine.save({"module": {"w": weights[2:]}, "step": 3}, f"{folder}/actor/ds/mp_rank_00.pt")
-        assert not engine.checkpoint_engine.preserves_storage_sharing()
-    assert engine.checkpoint_engine == "torch's"
+    first = take_snapshot()
     weights.add_(100)  # the next chunk trains on
-    [(relative_path, write)] = kept
-    buffer = io.BytesIO()
-    write(buffer)
-    saved = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
-    assert relative_path == "actor/ds/mp_rank_00.pt" and saved["step"] == 3
+    saved = written(first)
+    assert list(first) == ["actor/ds/mp_rank_00.pt"] and saved["step"] == 3
     assert torch.equal(saved["module"]["w"], torch.arange(2, 6, dtype=torch.float32))
     assert saved["module"]["w"].untyped_storage().nbytes() == 4 * 4  # the slice alone, not its base
+    buffer = first["actor/ds/mp_rank_00.pt"]["module"]["w"]
+    second = take_snapshot(reuse=first)
+    assert second["actor/ds/mp_rank_00.pt"]["module"]["w"] is buffer
+    assert torch.equal(written(second)["module"]["w"], torch.arange(102, 106, dtype=torch.float32))
