@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Iterator
 
 BATCH = 8
 MAX_LEN = 64
@@ -220,6 +221,35 @@ def chunk_boundaries(run) -> dict:
         summary = rlhf(config=run)
         wall = time.perf_counter() - started
     return {"spans": list(spans), "wall": wall, "chunks": summary["sft"].get("chunks", [])}
+
+
+@contextlib.contextmanager
+def running_prefect_server(env: dict[str, str], timeout_s: float = 120.0) -> Iterator[str]:
+    """`prefect server start` on a free port, as users with the Prefect UI run it; yields its API URL."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    prefect = os.path.join(os.path.dirname(sys.executable), "prefect")
+    server = subprocess.Popen([prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    api_url = f"http://127.0.0.1:{port}/api"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                urllib.request.urlopen(f"{api_url}/health", timeout=2).read()
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"prefect server start did not answer on {api_url}") from None
+                time.sleep(0.5)
+        yield api_url
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
 
 
 def startup_seconds(workdir: str, toy: dict[str, str], model_dir: str, env: dict[str, str]) -> float:
