@@ -32,6 +32,7 @@ checkpoints, and never removes the newest committed one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -43,7 +44,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, BinaryIO, Callable, Protocol, Sequence
+from typing import Any, BinaryIO, Callable, Iterator, Protocol, Sequence
 
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
@@ -415,12 +416,16 @@ class CheckpointStore:
             list(pool.map(lambda entry: self._fetch_file(info, entry, local_dir), chosen))
         return manifest_bytes
 
-    def verify_in_place(self, step: int, select: Callable[[list[str]], list[str]] | None = None) -> str | None:
-        """On a local store, check the files of the committed ``step_N`` that ``select`` picks against the
-        manifest where they lie (one read each, no copy) and return the step's folder; None for an object
-        store, whose files must be fetched (``fetch``). CorruptCheckpoint on a mismatch."""
+    @contextlib.contextmanager
+    def read_in_place(self, step: int, select: Callable[[list[str]], list[str]] | None = None) -> Iterator[str | None]:
+        """On a local store, the folder of the committed ``step_N``, to read where it lies (no copy) while
+        the files ``select`` picks are checked against the manifest in background threads (one read each,
+        from the page cache the reader warms). Leaving the block waits for the check: CorruptCheckpoint on a
+        mismatch, also when the block raised (a damaged file may trip its reader first), so nothing read may
+        be used until then. None for an object store, whose files must be fetched (``fetch``)."""
         if not self._is_local:
-            return None
+            yield None
+            return
         info, manifest_bytes = self._committed_manifest(step)
         step_path = self._path(info.name)
         entries = {entry.path: entry for entry in Manifest.from_bytes(manifest_bytes).files}
@@ -432,8 +437,12 @@ class CheckpointStore:
                 raise _checksum_mismatch(info, entry)
 
         with ThreadPoolExecutor(TRANSFER_THREADS) as pool:
-            list(pool.map(check, [entries[path] for path in (select or list)(list(entries))]))
-        return step_path
+            checks = [pool.submit(check, entries[path]) for path in (select or list)(list(entries))]
+            try:
+                yield step_path
+            finally:
+                for checked in checks:
+                    checked.result()
 
     def read_verified(self, step: int, relative_path: str) -> bytes:
         """One small file of the committed ``step_N`` (e.g. its metadata), checked against the manifest."""

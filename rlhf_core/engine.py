@@ -193,8 +193,8 @@ class TrainWorker:
 
     def load_from_store(self, store_url: str, storage_options: dict, step: int, universal: bool,
                         weights_only: bool) -> int:
-        """Verify the files of committed `step` this rank reads (fetching them from an object store),
-        then load them."""
+        """Load the files of committed `step` this rank reads, verified against the manifest: on a local
+        store in place while they are hashed, else fetched (hashed as they arrive) first."""
         from rlhf_core.checkpoint import CheckpointStore
         from rlhf_core.resume import convert_to_universal
         from rlhf_core.safe_load import check_no_pickled_code
@@ -205,9 +205,11 @@ class TrainWorker:
         store = CheckpointStore(store_url, storage_options)
         select = lambda paths: files_for_rank(paths, self.rank, reads_all_shards)  # noqa: E731
         if not reads_all_shards:  # both of those write into the folder they read: they get a copy
-            in_place = store.verify_in_place(step, select)
-            if in_place is not None:
-                return self.trainer.load(in_place, False, weights_only)
+            # DeepSpeed loads while the files are hashed; a mismatch raises CorruptCheckpoint at the end of
+            # the block, and the driver then loads an older checkpoint over whatever this load set.
+            with store.read_in_place(step, select) as in_place:
+                if in_place is not None:
+                    return self.trainer.load(in_place, False, weights_only)
         local_dir = tempfile.mkdtemp(prefix=f"rlhf-load-rank{self.rank}-")
         try:
             store.fetch(step, local_dir, select)

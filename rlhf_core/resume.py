@@ -9,7 +9,8 @@ cache key.
 
 Loading (`load_start`): the driver reads the newest committed candidate's metadata (checked against
 its manifest) and checks it for drift; each rank then fetches the files it reads, verifying their
-sha256s as they arrive (`rlhf_core.engine.TrainWorker.load_from_store`). A bad candidate is set aside
+sha256s as they arrive, or on a local store loads them in place while they are hashed
+(`rlhf_core.engine.TrainWorker.load_from_store`). A bad candidate is set aside
 with one log line and the next older one is tried. No pickle is unpickled with code allowed: DeepSpeed
 reads its files through `rlhf_core.safe_load`'s guarded loader, and a checkpoint written at another
 world size (ZeRO-1/2 partition optimizer state by rank, ZeRO-3 the weights too; ZeRO-0 keeps it

@@ -508,38 +508,48 @@ def test_s3_store_commits_moves_aside_verifies_retains_and_downloads(
     assert all(downloaded[name] == data for name, data in committed.items())
 
 
-def test_verify_in_place_returns_the_local_step_folder_and_copies_nothing(store: CheckpointStore, commit,
-                                                                          tmp_path: Path):
+def test_read_in_place_yields_the_local_step_folder_and_copies_nothing(store: CheckpointStore, commit,
+                                                                       tmp_path: Path):
     commit(3)
     files_before = sorted(tmp_path.rglob("*"))
-    folder = store.verify_in_place(3, lambda paths: [path for path in paths if path.startswith("model/")])
-    if not isinstance(store.fs, LocalFileSystem):
-        assert folder is None  # an object store's files must be fetched
-        return
-    assert folder == remote_path(store, "step_3")
+    with store.read_in_place(3, lambda paths: [path for path in paths if path.startswith("model/")]) as folder:
+        if not isinstance(store.fs, LocalFileSystem):
+            assert folder is None  # an object store's files must be fetched
+            return
+        assert folder == remote_path(store, "step_3")
     assert sorted(tmp_path.rglob("*")) == files_before
 
 
-def test_verify_in_place_detects_a_changed_byte_in_a_selected_file_only(store: CheckpointStore, commit):
+def test_read_in_place_detects_a_changed_byte_in_a_selected_file_only_and_it_wins_over_the_readers_error(
+        store: CheckpointStore, commit):
     commit(3)
     if not isinstance(store.fs, LocalFileSystem):
-        pytest.skip("verify_in_place is for local stores")
+        pytest.skip("read_in_place is for local stores")
     path = remote_path(store, "step_3/model/shard_1.bin")
     data = bytearray(open(path, "rb").read())
     data[100] ^= 0xFF
     open(path, "wb").write(bytes(data))
-    assert store.verify_in_place(3, lambda paths: [p for p in paths if p.endswith("shard_0.bin")])
+    with store.read_in_place(3, lambda paths: [p for p in paths if p.endswith("shard_0.bin")]) as folder:
+        assert folder
     with pytest.raises(CorruptCheckpoint, match="shard_1.bin"):
-        store.verify_in_place(3)
+        with store.read_in_place(3):
+            pass
+    with pytest.raises(CorruptCheckpoint, match="shard_1.bin"):
+        with store.read_in_place(3):
+            raise RuntimeError("PytorchStreamReader failed reading zip archive")  # the damaged file's reader
+    with pytest.raises(RuntimeError, match="not the files"):
+        with store.read_in_place(3, lambda paths: [p for p in paths if p.endswith("shard_0.bin")]):
+            raise RuntimeError("not the files' fault")
 
 
-def test_verify_in_place_refuses_an_uncommitted_step(store: CheckpointStore, commit):
+def test_read_in_place_refuses_an_uncommitted_step(store: CheckpointStore, commit):
     commit(3)
     if not isinstance(store.fs, LocalFileSystem):
-        pytest.skip("verify_in_place is for local stores")
+        pytest.skip("read_in_place is for local stores")
     os.remove(remote_path(store, f"step_3/{MANIFEST_NAME}"))
     with pytest.raises(UserError, match="step_3"):
-        store.verify_in_place(3)
+        with store.read_in_place(3):
+            pass
 
 
 def test_streams_are_written_and_hashed_beside_the_files(store: CheckpointStore, make_local_checkpoint):
