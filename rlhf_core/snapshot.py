@@ -115,7 +115,8 @@ def copy_into(previous: Any, item: Any) -> Any:
         previous = previous if isinstance(previous, dict) else {}
         return type(item)({key: copy_into(previous.get(key), value) for key, value in item.items()})
     if isinstance(item, (list, tuple)):
-        previous = previous if isinstance(previous, (list, tuple)) and len(previous) == len(item) else [None] * len(item)
+        if not (isinstance(previous, (list, tuple)) and len(previous) == len(item)):
+            previous = [None] * len(item)
         return type(item)(copy_into(old, value) for old, value in zip(previous, item))
     return item
 
