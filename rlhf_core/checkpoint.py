@@ -345,9 +345,10 @@ class CheckpointStore:
         entries = [uploads[0]()]
         fault_point("between_uploads", pending.step)
         # Streams serialize under the GIL, so they go one at a time; files copy and hash outside it.
-        entries += [upload() for upload in uploads[1:len(streams)]]
+        num_serial = max(len(streams), 1)
+        entries += [upload() for upload in uploads[1:num_serial]]
         with ThreadPoolExecutor(TRANSFER_THREADS) as pool:
-            entries += pool.map(lambda upload: upload(), uploads[max(len(streams), 1):])
+            entries += pool.map(lambda upload: upload(), uploads[num_serial:])
         return entries
 
     def finish_commit(self, pending: PendingStep, entries: list[ManifestEntry], metadata: dict[str, Any],
@@ -560,8 +561,10 @@ class CheckpointStore:
         self._make_parent_dirs(remote_path)
         with self.fs.open(remote_path, "wb") as target:
             sink = HashingWriter(target, lambda: fault_point("mid_upload", pending.step))
-            write(sink)
-            sink.close()
+            try:
+                write(sink)
+            finally:
+                sink.close()
         return ManifestEntry(relative_path, sink.size, sink.hexdigest())
 
     def _fetch_file(self, info: CheckpointInfo, entry: ManifestEntry, local_dir: str) -> None:

@@ -151,13 +151,13 @@ class TrainWorker:
     def snapshot(self) -> str:
         """Save this rank's share of the current step into a folder in memory (`rlhf_core.snapshot`) and
         return it; training may go on while `write_snapshot` uploads it."""
-        from rlhf_core.snapshot import snapshot_folder, tensors_kept_in_memory, without_zip_crc32
+        from rlhf_core.snapshot import snapshot_folder, tensors_kept_in_memory
 
-        folder = snapshot_folder(self.rank, self._expected_checkpoint_bytes())
+        folder = snapshot_folder(self.rank, self._expected_folder_bytes())
         try:
             # Only a snapshot whose write has finished lends its buffers (popped: never two at once).
             reuse, self._written_state = self._written_state, {}
-            with without_zip_crc32(), tensors_kept_in_memory(self.trainer.engines.values(), folder, reuse) as kept:
+            with tensors_kept_in_memory(self.trainer.engines.values(), folder, reuse) as kept:
                 self.trainer.save(folder)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
@@ -181,15 +181,11 @@ class TrainWorker:
         self._written_state = kept  # the same peak memory as while writing, without page faults next time
         return entries
 
-    def _expected_checkpoint_bytes(self) -> int:
-        """About what this rank's snapshot holds: weights (DeepSpeed's and the HF copy), and for trained
-        parameters the fp32 master and AdamW's two moments."""
-        total = 0
-        for engine in self.trainer.engines.values():
-            for parameter in engine.module.parameters():
-                size = parameter.numel() * parameter.element_size()
-                total += 2 * size + (3 * parameter.numel() * 4 if parameter.requires_grad else 0)
-        return total
+    def _expected_folder_bytes(self) -> int:
+        """About what the snapshot's folder holds: the HF copy of each model's weights (DeepSpeed's state
+        stays in memory, `tensors_kept_in_memory`)."""
+        return sum(parameter.numel() * parameter.element_size()
+                   for engine in self.trainer.engines.values() for parameter in engine.module.parameters())
 
     def load_from_store(self, store_url: str, storage_options: dict, step: int, universal: bool,
                         weights_only: bool) -> int:
