@@ -4,7 +4,9 @@ DeepSpeed reads its own state with `torch.load(weights_only=False)`, which execu
 asks for. `guard_checkpoint_loads` swaps each engine's checkpoint loader for
 `torch.load(weights_only=True)`: tensors, containers and a short allowlist of DeepSpeed's plain state
 classes pass; anything else (say `os.system`) is refused with the file and the offending global
-named. So the check is DeepSpeed's own read of the file, not a second one. The universal-checkpoint
+named. So the check is DeepSpeed's own read of the file, not a second one. DeepSpeed itself reads its
+model-states file twice per load (once to check `mp_world_size`, then to load it); inside
+`reading_checkpoint` the second read returns the object of the first. The universal-checkpoint
 converter (a subprocess with a plain unpickler) is the exception: its inputs are scanned first with
 `check_no_pickled_code`. Safetensors and JSON files need no scan.
 """
@@ -41,16 +43,19 @@ def _refusal_reason(error: Exception) -> str:
 
 
 _checkpoint_root: contextvars.ContextVar[str | None] = contextvars.ContextVar("checkpoint_root", default=None)
+# The last file read inside `reading_checkpoint`: {"key": (path, mapping), "value": what torch.load returned}.
+_last_read: contextvars.ContextVar[dict | None] = contextvars.ContextVar("last_read", default=None)
 
 
 @contextlib.contextmanager
 def reading_checkpoint(directory: str):
     """Name refused files relative to `directory` (the checkpoint folder being loaded)."""
-    token = _checkpoint_root.set(directory)
+    token, last_read = _checkpoint_root.set(directory), _last_read.set({})
     try:
         yield
     finally:
         _checkpoint_root.reset(token)
+        _last_read.reset(last_read)
 
 
 def _load_plain_data(path: str, root: str, map_location=None):
@@ -71,7 +76,15 @@ def guard_checkpoint_loads(engine) -> None:
     loader = engine.checkpoint_engine
 
     def load(path, map_location=None):
-        return _load_plain_data(path, _checkpoint_root.get() or os.path.dirname(path), map_location)
+        last = _last_read.get()
+        # DeepSpeed maps to CPU with lambdas (a new one per call): any callable counts as the same mapping.
+        key = (os.path.realpath(path), "callable" if callable(map_location) else str(map_location))
+        if last is not None and last.get("key") == key:
+            return last["value"]
+        value = _load_plain_data(path, _checkpoint_root.get() or os.path.dirname(path), map_location)
+        if last is not None:
+            last.update(key=key, value=value)  # one entry: a new file replaces the last one
+        return value
 
     loader.load = load
 
