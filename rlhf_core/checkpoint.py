@@ -342,14 +342,23 @@ class CheckpointStore:
         uploads += [functools.partial(self._upload_file, pending, *item) for item in files]
         if not uploads:
             return []
-        entries = [uploads[0]()]
-        fault_point("between_uploads", pending.step)
-        # Streams serialize under the GIL, so they go one at a time; files copy and hash outside it.
-        num_serial = max(len(streams), 1)
-        entries += [upload() for upload in uploads[1:num_serial]]
+        # Streams pickle under the GIL, so they go one at a time, in one thread; files copy and hash outside
+        # it, beside them. Without streams the largest file goes alone first.
+        num_serial = len(streams) or 1
+        serial, parallel = uploads[:num_serial], uploads[num_serial:]
+
+        def in_order() -> list[ManifestEntry]:
+            written = [serial[0]()]
+            fault_point("between_uploads", pending.step)
+            return written + [upload() for upload in serial[1:]]
+
         with ThreadPoolExecutor(TRANSFER_THREADS) as pool:
-            entries += pool.map(lambda upload: upload(), uploads[num_serial:])
-        return entries
+            if streams:
+                first = pool.submit(in_order)
+                rest = [pool.submit(upload) for upload in parallel]
+                return first.result() + [job.result() for job in rest]
+            entries = in_order()
+            return entries + list(pool.map(lambda upload: upload(), parallel))
 
     def finish_commit(self, pending: PendingStep, entries: list[ManifestEntry], metadata: dict[str, Any],
                       fence: Fence | None = None) -> CheckpointInfo:
@@ -649,6 +658,10 @@ class HashingWriter:
     mid-transfer."""
 
     _PARALLEL_BYTES = 1 << 20  # smaller writes are hashed inline (a thread hand-off costs more)
+    # Passed on in pieces this large: on a VM whose kernel reports free memory to its host (Firecracker's
+    # page_reporting), a write() of MiBs allocates large page-cache folios from memory the host took back,
+    # about 9x slower (1.2 GB: 2.4-3.1 s in 4 MiB writes, 0.28 s in 64 KiB writes; cp's splice 0.30 s).
+    _PIECE_BYTES = 64 << 10
 
     def __init__(self, target: BinaryIO | None, after_first_block: Callable[[], None] | None = None):
         self.target, self.after_first_block = target, after_first_block
@@ -660,7 +673,7 @@ class HashingWriter:
         if num_bytes >= self._PARALLEL_BYTES and self.target is not None:
             self._hasher = self._hasher or ThreadPoolExecutor(1, thread_name_prefix="sha256")
             hashed = self._hasher.submit(self._digest.update, block)
-            self.target.write(block)
+            self._write_in_pieces(block, num_bytes)
             hashed.result()
         else:
             self._digest.update(block)
@@ -671,6 +684,11 @@ class HashingWriter:
         if first and self.after_first_block is not None:
             self.after_first_block()
         return num_bytes
+
+    def _write_in_pieces(self, block, num_bytes: int) -> None:
+        view = memoryview(block).cast("B")
+        for start in range(0, num_bytes, self._PIECE_BYTES):
+            self.target.write(view[start:start + self._PIECE_BYTES])
 
     def flush(self) -> None:
         if self.target is not None:
