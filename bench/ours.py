@@ -191,6 +191,7 @@ def checkpoint_costs(run, repeat: int) -> dict:
     finally:
         group.shutdown()
     return {"stall": statistics.median(stalls), "save_to_commit": statistics.median(commits),
+            "save_to_commit_alone": stall_and_commit(results[-1].seconds)[1],  # the last chunk: nothing trains beside it
             "in_memory_copy": in_memory["seconds"] if in_memory else None,
             "tensor_bytes": in_memory["bytes"] if in_memory else None, "cp_all": cp_all, "cp_read": cp_read,
             "checkpoint_bytes": results[-1].size_bytes, "resume": statistics.median(loads),

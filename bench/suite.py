@@ -173,7 +173,8 @@ def section_ckpt(args, assets, env, results: dict) -> list[Row]:
     results["ckpt"] = costs
     print(f"  ckpt: {costs['checkpoint_bytes'] / 1e9:.2f} GB checkpoint, {(costs['tensor_bytes'] or 0) / 1e9:.2f} GB "
           f"of tensors; stall {costs['stall']:.2f} s, in-memory copy {costs['in_memory_copy']:.2f} s, save-to-commit "
-          f"{costs['save_to_commit']:.2f} s, cp -r {costs['cp_all']:.2f} s, resume {costs['resume']:.2f} s, "
+          f"{costs['save_to_commit']:.2f} s (the last chunk's, with no training beside it: "
+          f"{costs['save_to_commit_alone']:.2f} s), cp -r {costs['cp_all']:.2f} s, resume {costs['resume']:.2f} s, "
           f"cp of the files read {costs['cp_read']:.2f} s", flush=True)
     return [Row("ckpt stall / one in-memory copy of its tensors (100M)", costs["in_memory_copy"], costs["stall"], "s",
                 "<=", 1.5),
