@@ -659,8 +659,9 @@ class HashingWriter:
 
     _PARALLEL_BYTES = 1 << 20  # smaller writes are hashed inline (a thread hand-off costs more)
     # Passed on in pieces this large: on a VM whose kernel reports free memory to its host (Firecracker's
-    # page_reporting), a write() of MiBs allocates large page-cache folios from memory the host took back,
-    # about 9x slower (1.2 GB: 2.4-3.1 s in 4 MiB writes, 0.28 s in 64 KiB writes; cp's splice 0.30 s).
+    # page_reporting), MiB-sized write()s soon after memory was freed measured about 9x slower (1.2 GB:
+    # 2.4-3.1 s in 4 MiB writes, 0.28 s in 64 KiB writes; cp's splice 0.30 s), likely because they take
+    # large page-cache folios from memory the host took back.
     _PIECE_BYTES = 64 << 10
 
     def __init__(self, target: BinaryIO | None, after_first_block: Callable[[], None] | None = None):
