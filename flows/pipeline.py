@@ -35,7 +35,7 @@ from prefect.events import emit_event
 
 from flows.stage_report import StageReport, artifact_key
 from rlhf_core.alerts import NonFiniteTraining
-from rlhf_core.chunk import ChunkResult, plan_stage, release_workers, resolve_paths
+from rlhf_core.chunk import ChunkResult, plan_stage, prestart_workers, release_workers, resolve_paths
 from rlhf_core.checkpoint import ASIDE_DIR_NAME
 from rlhf_core.config import STAGES, RunConfig
 from rlhf_core.errors import UserError
@@ -266,26 +266,37 @@ def run_pipeline(run: RunConfig) -> dict:
     from rlhf_core.engine import ensure_ray
     from rlhf_core.preflight import preflight
 
-    preflight(resolve_paths(run))
+    resolved = resolve_paths(run)
+    preflight(resolved)
     server_start = _start_ephemeral_server_in_background()
     try:
-        if any(STAGES[stage].kind == "train" for stage in run.stages):
-            ensure_ray(run.ray_address)  # while Prefect's server starts, not after it
+        training = [stage for stage in run.stages if STAGES[stage].kind == "train"]
+        if training:  # Ray and the first chunk's ranks start while Prefect's server does, not after it
+            ensure_ray(run.ray_address)
+            prestart_workers(resolved, training[0])
     finally:
         if server_start is not None:
             server_start.join()  # never leave the start half done (an exit would wait on it)
-    return rlhf(config=run)
+    try:
+        return rlhf(config=run)
+    finally:
+        release_workers()  # the prestarted group, when no chunk adopted it (all cached, or a refused start)
 
 
 def _start_ephemeral_server_in_background() -> threading.Thread | None:
     """Start Prefect's ephemeral API server (~10 s here) in a thread, so that Ray's start overlaps it; None
     when a server is configured (PREFECT_API_URL). A failed start is retried, and reported, by the flow's
     own client."""
-    from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
 
     if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
         return None
-    thread = threading.Thread(target=SubprocessASGIServer().start, name="prefect-server-start", daemon=True)
+
+    def start() -> None:
+        from prefect.server.api.server import SubprocessASGIServer  # 1.4 s of imports: off the main thread too
+
+        SubprocessASGIServer().start()
+
+    thread = threading.Thread(target=start, name="prefect-server-start", daemon=True)
     thread.start()
     return thread

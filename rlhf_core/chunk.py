@@ -4,7 +4,8 @@ The checkpoint store is the source of truth. Asking for a target already committ
 trains nothing; otherwise training starts from the newest good checkpoint at or below the target
 (or from the pretrained model), runs to the target on a Ray worker group, and commits. A group left
 warm by the previous chunk is reused when it holds exactly the state the store would load, so the
-steady state pays neither a download nor a verification. Each rank uploads its own files and the driver
+steady state pays neither a download nor a verification. The first chunk of a command can adopt a group
+started ahead (`prestart_workers`) while the driver was still starting Prefect. Each rank uploads its own files and the driver
 commits them under the run lease (`run_lease`: the one this process holds, else one taken for the commit).
 
 With --use_tensorboard / --use_wandb, the driver logs each step's metrics to the stage's trackers
@@ -18,7 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -28,7 +31,7 @@ from rlhf_core.alerts import AlertLog, NonFiniteTraining, commit_alerts, history
 from rlhf_core.checkpoint import CheckpointInfo, CheckpointStore
 from rlhf_core.config import STAGES, RunConfig, fields_with_role, semantic_fields, semantic_hash
 from rlhf_core.data import dataset_fingerprint
-from rlhf_core.engine import WorkerGroup
+from rlhf_core.engine import WorkerGroup, group_settings
 from rlhf_core.errors import UserError
 from rlhf_core.faults import fault_point
 from rlhf_core.goodput import GoodputLedger
@@ -41,6 +44,8 @@ from rlhf_core.trackers import (StageTrackers, close_trackers, open_stage_tracke
 from rlhf_core.trainers import trainer_class
 
 CHECKPOINT_FORMAT_VERSION = 1
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -137,9 +142,63 @@ class _WarmGroup:
         cls.group, cls.identity, cls.world_size_changes = None, (), []
 
 
+class _Prestart:
+    """A worker group being started in a thread (`prestart_workers`), and the settings it was started with."""
+
+    settings: dict = {}
+    thread: threading.Thread | None = None
+    outcome: WorkerGroup | BaseException | None = None
+
+    @classmethod
+    def start(cls, run: RunConfig, stage: str) -> None:
+        def build() -> None:
+            try:
+                group = WorkerGroup(run)
+                group.warm_up(run, stage)
+                cls.outcome = group
+            except BaseException as error:  # noqa: BLE001 - handed to the chunk that adopts the group
+                cls.outcome = error
+
+        cls.settings, cls.outcome = group_settings(run), None
+        cls.thread = threading.Thread(target=build, name="rlhf-prestart-workers", daemon=True)
+        cls.thread.start()
+
+    @classmethod
+    def take(cls, run: RunConfig | None = None) -> WorkerGroup | None:
+        """The started group if it suits `run` (raising its start's error, if that failed); None when none
+        was started or it does not suit `run` (then stopped). Without `run`: the group, if it started."""
+        if cls.thread is None:
+            return None
+        cls.thread.join()
+        outcome, suits = cls.outcome, run is None or cls.settings == group_settings(run)
+        cls.thread, cls.outcome, cls.settings = None, None, {}
+        if isinstance(outcome, BaseException):
+            if suits and run is not None:
+                raise outcome
+            return None
+        if not suits:
+            outcome.shutdown()
+            return None
+        return outcome
+
+
+def prestart_workers(run: RunConfig, stage: str) -> None:
+    """Start the worker group of this command's first chunk in a thread: placement, rank processes,
+    DeepSpeed's process group, and the imports of `stage`'s trainer (`WorkerGroup.warm_up`), about 4 s on
+    a CPU, while the caller starts Prefect. The first chunk that needs a new group adopts it, or stops it
+    when the settings differ; `release_workers` stops one never adopted. Ray must be connected."""
+    stale = _Prestart.take()
+    if stale is not None:
+        stale.shutdown()
+    _Prestart.start(run, stage)
+
+
 def release_workers() -> None:
-    """Stop the warm worker group, if any, and close every open tracker (end of a flow, or before a
-    test starts another)."""
+    """Stop the warm worker group and any prestarted one, and close every open tracker (end of a flow, or
+    before a test starts another)."""
+    prestarted = _Prestart.take()
+    if prestarted is not None:
+        prestarted.shutdown()
     _WarmGroup.release()
     close_trackers()
 
@@ -155,7 +214,7 @@ def _group_at(run: RunConfig, stage: str, plan: StagePlan, store: CheckpointStor
             and warm.step == infos[-1].step:
         return warm, None
     _WarmGroup.release()
-    group = WorkerGroup(run)
+    group = _Prestart.take(run) or WorkerGroup(run)
     _WarmGroup.group, _WarmGroup.identity = group, identity
     start = load_start(run, stage, store, infos, lineage, group, plan.total_steps)
     _WarmGroup.world_size_changes = _world_size_changes(group, start)

@@ -121,6 +121,20 @@ class TrainWorker:
         warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.* is deprecated")
         deepspeed.init_distributed()
 
+    def warm_up(self, run: RunConfig, stage: str) -> None:
+        """Import what `setup` of `stage` imports (the trainer, transformers, datasets, the model family's
+        classes: about 2.5 s on a CPU rank), while the driver still starts Prefect. Best effort: any error
+        here is left for `setup` to report."""
+        from rlhf_core.trainers import trainer_class
+
+        try:
+            trainer_class(stage)
+            from rlhf_core.models import import_model_classes
+
+            import_model_classes(run.stage_config(stage).pretrain)
+        except Exception:  # noqa: BLE001
+            logger.debug("warming up rank %d for %s failed", self.rank, stage, exc_info=True)
+
     def setup(self, run: RunConfig, stage: str, total_steps: int, load_universal: bool) -> None:
         from rlhf_core.trainers import trainer_class
 
@@ -279,6 +293,11 @@ class WorkerGroup:
         self._model_sizes = None
         self._gather([worker.setup.remote(run, stage, total_steps, load_universal) for worker in self.workers])
 
+    def warm_up(self, run: RunConfig, stage: str) -> None:
+        """Start every rank's imports for `stage` without waiting: `setup` runs after them on each rank."""
+        for worker in self.workers:
+            worker.warm_up.remote(run, stage)
+
     def load(self, store_url: str, storage_options: dict, step: int, universal: bool = False,
              weights_only: bool = False) -> None:
         self.step = self._gather([worker.load_from_store.remote(store_url, storage_options, step, universal,
@@ -409,6 +428,12 @@ class WorkerGroup:
         if blind:
             raise UserError(f"--ckpt_path {run.ckpt_path} is a local folder that node {', '.join(blind)} cannot see; "
                             "use a folder shared by every node at the same path, or an object store (s3://...).")
+
+
+def group_settings(run: RunConfig) -> dict:
+    """The settings a WorkerGroup is built from: two runs that agree on them can use the same group."""
+    return run.model_dump(include={"ray_address", "num_workers", "num_cpus_per_worker", "placement_strategy",
+                                   "placement_timeout_s", "allow_fewer_workers", "ckpt_path", "storage_options"})
 
 
 def forwarded_environment() -> dict[str, str]:

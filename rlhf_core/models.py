@@ -274,6 +274,18 @@ def enable_activation_checkpointing(model, use_reentrant: bool) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
 
 
+def import_model_classes(url: str | None) -> None:
+    """Import transformers and the model family of the local model folder `url` (its configuration and
+    modeling modules: about 1.5 s on a CPU), so that a later load does not wait for them; nothing for
+    other URLs, which are fetched at load time."""
+    if not url or not os.path.isfile(os.path.join(url, "config.json")):
+        return
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(url))]  # noqa: B018 - the lookup imports it
+
+
 def load_causal_lm(url: str, lora_rank: int = 0, lora_alpha: int = 16, target_modules: list[str] | None = None,
                    gradient_checkpointing: bool = False, *, lora_dropout: float = 0.0,
                    attn_implementation: str | None = None, storage_options: dict | None = None,
