@@ -176,7 +176,10 @@ def rlhf_stage(run: RunConfig, stage: str, upstream_digest: str = "", chunks_lef
                                 stop_at if chunks_trained_before + num_trained else None)
         if reason and target not in _committed_steps(run, stage):
             return _stopped(run, stage, plan.total_steps, result, report, num_trained, reason, logger)
-        state = train_chunk(run, stage, target, upstream_digest, lineage, return_state=True)
+        # The last chunk the chunk budget allows: training ahead would be thrown away at the stop.
+        last_allowed = chunks_left is not None and chunks_left - num_trained <= 1
+        state = train_chunk(run, stage, target, upstream_digest, lineage, train_ahead=not last_allowed,
+                            return_state=True)
         aside = _emit_set_aside_events(run, stage, aside)
         try:
             result = ChunkResult(**state.result())

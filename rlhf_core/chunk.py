@@ -315,8 +315,10 @@ def _train_and_log(group: WorkerGroup, start_step: int, target_step: int, tracke
     return step_metrics
 
 
-def ensure_checkpoint(run: RunConfig, stage: str, target_step: int, lineage: Lineage = Lineage()) -> ChunkResult:
-    """Make sure a valid checkpoint at `target_step` exists (training only what is missing)."""
+def ensure_checkpoint(run: RunConfig, stage: str, target_step: int, lineage: Lineage = Lineage(),
+                      train_ahead: bool = True) -> ChunkResult:
+    """Make sure a valid checkpoint at `target_step` exists (training only what is missing). With
+    `train_ahead`, the ranks train on towards the next chunk while this one commits."""
     started = time.perf_counter()
     plan = plan_stage(run, stage)
     target_step = min(target_step, plan.total_steps)
@@ -346,7 +348,8 @@ def ensure_checkpoint(run: RunConfig, stage: str, target_step: int, lineage: Lin
         metadata = _metadata(run, stage, plan, target_step, summary, trackers, group.world_size,
                              _WarmGroup.world_size_changes, group.zero_stage)
         metadata |= _alert_inputs(store, group, start_step, target_step, summary)
-        info, commit_seconds = _commit(run, stage, store, group, target_step, metadata, _ahead_target(run, stage, plan, target_step))
+        ahead = _ahead_target(run, stage, plan, target_step) if train_ahead else None
+        info, commit_seconds = _commit(run, stage, store, group, target_step, metadata, ahead)
         alerts = commit_alerts(run.run_name, stage, target_step, metadata, info.size_bytes,
                                [known.size_bytes for known in infos if known.is_committed and known.step < target_step],
                                has_ds_state=not run.stage_config(stage).disable_ds_ckpt,

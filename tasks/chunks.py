@@ -89,9 +89,11 @@ def _retry_unless_user_error(task, task_run, state) -> bool:
     result_serializer="json",
     task_run_name="{stage}-to-step-{target_step}",
 )
-def train_chunk(run: RunConfig, stage: str, target_step: int, upstream_digest: str, lineage: Lineage) -> dict:
-    """Train `stage` up to `target_step` and commit the checkpoint; returns a ChunkResult dict."""
-    return ensure_checkpoint(run, stage, target_step, lineage).to_dict()
+def train_chunk(run: RunConfig, stage: str, target_step: int, upstream_digest: str, lineage: Lineage,
+                train_ahead: bool = True) -> dict:
+    """Train `stage` up to `target_step` and commit the checkpoint; returns a ChunkResult dict. `train_ahead`
+    (not part of the cache key): train the next chunk while this one commits."""
+    return ensure_checkpoint(run, stage, target_step, lineage, train_ahead).to_dict()
 
 
 @task(name="export_model", retries=1, retry_condition_fn=_retry_unless_user_error)
