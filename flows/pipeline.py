@@ -243,6 +243,7 @@ def rlhf(config: RunConfig) -> dict:
     ledger.attempt_started()  # before the lease: it still names a crashed predecessor's process
     with RunLease(run.run_url(), run.storage_options):
         try:
+            _prestart_first_training_stage(run)  # a deployment run's; the CLI's run_pipeline started it already
             for stage in run.stages:
                 started = time.perf_counter()
                 kind = STAGES[stage].kind
@@ -266,17 +267,13 @@ def rlhf(config: RunConfig) -> dict:
 def run_pipeline(run: RunConfig) -> dict:
     """The flow `rlhf` run in this process, after everything that can be checked before Prefect starts has been
     (rlhf_core.preflight): a user mistake is then one sentence, not a failed flow run's traceback."""
-    from rlhf_core.engine import ensure_ray
     from rlhf_core.preflight import preflight
 
     resolved = resolve_paths(run)
     preflight(resolved)
     server_start = _start_ephemeral_server_in_background()
     try:
-        training = [stage for stage in run.stages if STAGES[stage].kind == "train"]
-        if training:  # Ray and the first chunk's ranks start while Prefect's server does, not after it
-            ensure_ray(run.ray_address)
-            prestart_workers(resolved, training[0])
+        _prestart_first_training_stage(resolved)  # Ray and the first chunk's ranks start beside Prefect's server
     finally:
         if server_start is not None:
             server_start.join()  # never leave the start half done (an exit would wait on it)
@@ -284,6 +281,17 @@ def run_pipeline(run: RunConfig) -> dict:
         return rlhf(config=run)
     finally:
         release_workers()  # the prestarted group, when no chunk adopted it (all cached, or a refused start)
+
+
+def _prestart_first_training_stage(run: RunConfig) -> None:
+    """Connect Ray and start the worker group of the first training stage in the background
+    (`rlhf_core.chunk.prestart_workers`), so that the first chunk finds its ranks started and imported."""
+    from rlhf_core.engine import ensure_ray
+
+    training = [stage for stage in run.stages if STAGES[stage].kind == "train"]
+    if training:
+        ensure_ray(run.ray_address)
+        prestart_workers(run, training[0])
 
 
 def _start_ephemeral_server_in_background() -> threading.Thread | None:

@@ -186,7 +186,11 @@ def prestart_workers(run: RunConfig, stage: str) -> None:
     """Start the worker group of this command's first chunk in a thread: placement, rank processes,
     DeepSpeed's process group, and the imports of `stage`'s trainer (`WorkerGroup.warm_up`), about 4 s on
     a CPU, while the caller starts Prefect. The first chunk that needs a new group adopts it, or stops it
-    when the settings differ; `release_workers` stops one never adopted. Ray must be connected."""
+    when the settings differ; `release_workers` stops one never adopted. Ray must be connected. Nothing
+    when a group with the same settings is already starting, or is warm."""
+    settings = group_settings(run)
+    if (_Prestart.thread is not None and _Prestart.settings == settings) or _WarmGroup.group is not None:
+        return
     stale = _Prestart.take()
     if stale is not None:
         stale.shutdown()
@@ -215,6 +219,7 @@ def _group_at(run: RunConfig, stage: str, plan: StagePlan, store: CheckpointStor
         return warm, None
     _WarmGroup.release()
     group = _Prestart.take(run) or WorkerGroup(run)
+    group.log_placement()
     _WarmGroup.group, _WarmGroup.identity = group, identity
     start = load_start(run, stage, store, infos, lineage, group, plan.total_steps)
     _WarmGroup.world_size_changes = _world_size_changes(group, start)

@@ -267,9 +267,9 @@ class WorkerGroup:
         try:
             self.locations = self._gather([worker.location.remote() for worker in self.workers])
             nodes = [location.describe() for location in self.locations]
-            log = logger.warning if self.world_size < run.num_workers else logger.info
-            log("placed %d of %d ranks (%s) on nodes: %s", self.world_size, run.num_workers, run.placement_strategy,
-                ", ".join(f"{node} x{nodes.count(node)}" for node in dict.fromkeys(nodes)))
+            self._placement_line = (logging.WARNING if self.world_size < run.num_workers else logging.INFO,
+                                    f"placed {self.world_size} of {run.num_workers} ranks ({run.placement_strategy}) on "
+                                    f"nodes: {', '.join(f'{node} x{nodes.count(node)}' for node in dict.fromkeys(nodes))}")
             self._check_store_visible(run)
             master_addr, master_port = self._gather(self.workers[0].rendezvous_address.remote())
             node_ids = [location.node_id for location in self.locations]
@@ -282,6 +282,11 @@ class WorkerGroup:
         self.zero_stage: int | None = None  # resolved by setup
         self._ahead: tuple[int, list] | None = None
         self._step_loop_seconds = 0.0  # rank 0's, since the last take_step_loop_seconds()
+
+    def log_placement(self) -> None:
+        """Log where the ranks were placed, from the chunk that uses the group (its Prefect run shows the line;
+        the group may have been started before any run, `rlhf_core.chunk.prestart_workers`)."""
+        logger.log(*self._placement_line)
 
     def setup(self, run: RunConfig, stage: str, total_steps: int, load_universal: bool = False,
               saved_zero_stage: int | None = None) -> None:
