@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import threading
 import time
@@ -44,8 +43,6 @@ from rlhf_core.trackers import (StageTrackers, close_trackers, open_stage_tracke
 from rlhf_core.trainers import trainer_class
 
 CHECKPOINT_FORMAT_VERSION = 1
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -164,22 +161,32 @@ class _Prestart:
         cls.thread.start()
 
     @classmethod
-    def take(cls, run: RunConfig | None = None) -> WorkerGroup | None:
+    def take(cls, run: RunConfig) -> WorkerGroup | None:
         """The started group if it suits `run` (raising its start's error, if that failed); None when none
-        was started or it does not suit `run` (then stopped). Without `run`: the group, if it started."""
+        was started or it does not suit `run` (then stopped)."""
         if cls.thread is None:
             return None
         cls.thread.join()
-        outcome, suits = cls.outcome, run is None or cls.settings == group_settings(run)
+        outcome, suits = cls.outcome, cls.settings == group_settings(run)
         cls.thread, cls.outcome, cls.settings = None, None, {}
         if isinstance(outcome, BaseException):
-            if suits and run is not None:
+            if suits:
                 raise outcome
             return None
         if not suits:
             outcome.shutdown()
             return None
         return outcome
+
+    @classmethod
+    def discard(cls) -> None:
+        """Stop the started group, if any (waiting for its start to end); a failed start leaves nothing."""
+        if cls.thread is None:
+            return
+        cls.thread.join()
+        if isinstance(cls.outcome, WorkerGroup):
+            cls.outcome.shutdown()
+        cls.thread, cls.outcome, cls.settings = None, None, {}
 
 
 def prestart_workers(run: RunConfig, stage: str) -> None:
@@ -191,18 +198,14 @@ def prestart_workers(run: RunConfig, stage: str) -> None:
     settings = group_settings(run)
     if (_Prestart.thread is not None and _Prestart.settings == settings) or _WarmGroup.group is not None:
         return
-    stale = _Prestart.take()
-    if stale is not None:
-        stale.shutdown()
+    _Prestart.discard()
     _Prestart.start(run, stage)
 
 
 def release_workers() -> None:
     """Stop the warm worker group and any prestarted one, and close every open tracker (end of a flow, or
     before a test starts another)."""
-    prestarted = _Prestart.take()
-    if prestarted is not None:
-        prestarted.shutdown()
+    _Prestart.discard()
     _WarmGroup.release()
     close_trackers()
 

@@ -122,8 +122,8 @@ class TrainWorker:
         deepspeed.init_distributed()
 
     def warm_up(self, run: RunConfig, stage: str) -> None:
-        """Import what `setup` of `stage` imports (the trainer, transformers, datasets, the model family's
-        classes: about 2.5 s on a CPU rank), while the driver still starts Prefect. Best effort: any error
+        """Import what `setup` of `stage` imports (the trainer, transformers, the model family's classes:
+        about 1.8 s on a CPU rank), while the driver still starts Prefect. Best effort: any error
         here is left for `setup` to report."""
         from rlhf_core.trainers import trainer_class
 
