@@ -14,7 +14,8 @@ $(BIN)/rlhf: pyproject.toml
 	$(BIN)/pip install --quiet -e ".[test]"
 	# DeepSpeed JIT-builds its CPU communication op on first use (~80 s on 2 cores); build it now, with
 	# the venv's ninja as the workers use, so the first training run (or test) does not pay for it.
-	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+	# A lock left in its build folder by a killed process would make this wait forever: jit_build removes it.
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m rlhf_core.jit_build
 	touch $(BIN)/rlhf
 
 demo: $(BIN)/rlhf

@@ -119,6 +119,9 @@ class TrainWorker:
         deepspeed_logger.setLevel(logging.WARNING)
         # ZeRO-3 on torch >= 2.13 calls a collective torch deprecated, once per step and rank.
         warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.* is deprecated")
+        from rlhf_core.jit_build import clear_stale_build_lock
+
+        clear_stale_build_lock()
         deepspeed.init_distributed()
 
     def warm_up(self, run: RunConfig, stage: str) -> None:

@@ -1,0 +1,68 @@
+"""DeepSpeed's CPU communication op, and the build lock a killed process leaves behind.
+
+On CPU, `deepspeed.init_distributed()` loads a C++ op ("deepspeed_shm_comm") through torch's JIT
+extension loader. That loader holds a `lock` file in the op's build folder while it checks (and if
+need be runs) the build, even when the op is already built. A process killed in that window (a
+SIGKILLed rank, a lost node, a CI job stopped mid-test) leaves the file behind, and torch's
+`FileBaton` then waits for it forever: every later rank, and so every resume, hangs in
+`init_distributed` with no message. `clear_stale_build_lock` waits for a lock that is in use and
+removes one that is older than any real holder keeps it (about 1 s when the op is already built,
+about 80 s for a first build on 2 cores), with a warning naming the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+
+logger = logging.getLogger(__name__)
+
+SHM_OP = "deepspeed_shm_comm"
+# Seconds after which a lock is taken to be left by a dead process: when the op is already built a
+# holder only runs ninja's no-op check; a first build on a loaded 2-core machine can take minutes.
+STALE_WHEN_BUILT_S = 120.0
+STALE_WHEN_UNBUILT_S = 900.0
+
+
+def clear_stale_build_lock(extension: str = SHM_OP, *, poll_s: float = 0.5) -> None:
+    """Return once `extension`'s build folder holds no lock, removing a lock left by a dead process."""
+    try:  # torch's own rule for where `load(name=...)` builds; private, so a rename only skips the check
+        from torch.utils.cpp_extension import _get_build_directory
+    except ImportError:
+        return
+    folder = _get_build_directory(extension, verbose=False)
+    lock = os.path.join(folder, "lock")
+    waited_s = 0.0
+    while True:
+        try:
+            age_s = time.time() - os.stat(lock).st_mtime
+        except FileNotFoundError:
+            return
+        built = any(name.endswith(".so") for name in os.listdir(folder))
+        stale_after_s = STALE_WHEN_BUILT_S if built else STALE_WHEN_UNBUILT_S
+        if age_s > stale_after_s:
+            logger.warning("removing %s: it is %.0f s old, so the process that took it to build %s died "
+                           "(torch would wait for it forever)", lock, age_s, extension)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(lock)
+            return
+        if waited_s == 0.0:
+            logger.info("waiting for %s (%.0f s old; taken as left by a dead process at %.0f s)",
+                        lock, age_s, stale_after_s)
+        time.sleep(poll_s)
+        waited_s += poll_s
+
+
+def build_shm_op() -> None:
+    """Build (or check) DeepSpeed's CPU communication op once, as `make` does after installing."""
+    clear_stale_build_lock()
+    from deepspeed.comm.torch import build_shm_op as deepspeed_build_shm_op
+
+    deepspeed_build_shm_op()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    build_shm_op()
