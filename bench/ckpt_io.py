@@ -2,9 +2,11 @@
 
 Each rank saves into a staging folder on its own node and uploads its own files into the store
 (hashing while it writes), and on load fetches and verifies only the files it reads; the driver only
-writes the manifest. This times those per-rank paths inside the ranks themselves, phase by phase as
-`TrainWorker.save_to_store` and `TrainWorker.load_from_store` run them, next to a plain fsspec copy
-of exactly the bytes that rank moved:
+writes the manifest. This times those per-rank paths inside the ranks themselves, phase by phase, next to
+a plain fsspec copy of exactly the bytes that rank moved. It saves as a plain folder save does (the trainer's
+`save` into a folder on disk, then `upload_tree` of it), not as `TrainWorker.snapshot` + `write_snapshot` do
+(DeepSpeed's state kept in memory and streamed into the store); the suite's `ckpt` section times that path.
+Loads go through `fetch` into a folder (as `TrainWorker.load_from_store` does for a remote store):
 
     ds_save  DeepSpeed + HF save into the rank's node-local staging folder
     upload   `upload_tree` of that folder into the uncommitted step (sha256 while writing)
@@ -51,8 +53,7 @@ def timed_durable(action, repeat: int) -> float:
 
 
 def rank_save(worker, store_url: str, storage_options: dict, pending, raw_url: str, repeat: int) -> dict:
-    """Runs inside a rank (`__ray_call__`), step by step as `TrainWorker.save_to_store`: DeepSpeed + HF
-    save into node-local staging, then `upload_tree` into the pending step; next to a raw put of the
+    """Runs inside a rank (`__ray_call__`): DeepSpeed + HF save into node-local staging, then `upload_tree` into the pending step; next to a raw put of the
     same staged files. Returns the rank's manifest entries and seconds."""
     import fsspec
 

@@ -7,7 +7,8 @@
 - `checkpoint_costs`: chunks of one step on the ~100M model through `ensure_checkpoint`, read from its
   own timers (`ChunkResult.seconds`: "stall" and "commit" when checkpoints are asynchronous, else
   "save_and_commit"); next to an in-memory copy of the rank's tensors, `cp -r` of the committed step
-  folder, and a fresh group's `WorkerGroup.load` (fetch + verify + load) next to `cp` of the files it reads.
+  folder, and a fresh group's `WorkerGroup.load` (fetch + verify + load) next to `cp` of the files it reads;
+  and the sha256 of the same files alone (`timed_sha256`), the floor the manifest's checksums set.
 - `chunk_boundaries`: the `rlhf` Prefect flow in this process, with `WorkerGroup.train_until` wrapped to
   record when each chunk's training is collected: the period between two chunks, less the ranks' own
   step-loop seconds ("step_loop", else "train"), is everything a warm chunk costs outside training
@@ -134,6 +135,26 @@ def timed_copy(command: list[str], target: str, repeat: int, cwd: str | None = N
     return statistics.median(seconds)
 
 
+def timed_sha256(root: str, relative_paths: list[str], repeat: int) -> float:
+    """Median seconds to sha256 the files, one after another on one core, from the page cache (mmap: no
+    copy, no write). The manifest records each file's whole sha256, so save-to-commit and resume pay at
+    least this; `cp` pays none of it."""
+    import hashlib
+    import mmap
+
+    seconds = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        for relative_path in relative_paths:
+            path = os.path.join(root, relative_path)
+            if not os.path.getsize(path):
+                continue
+            with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as view:
+                hashlib.sha256(view).hexdigest()
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds)
+
+
 def local_path(uri: str) -> str:
     return uri[len("file://"):] if uri.startswith("file://") else uri
 
@@ -178,6 +199,7 @@ def checkpoint_costs(run, repeat: int) -> dict:
         read_paths = files_for_rank(paths, 0, False)
         cp_read = timed_copy(["cp", "--parents", *read_paths, os.path.join(scratch, "read")],
                              os.path.join(scratch, "read"), repeat, cwd=step_dir, make_target=True)
+        sha256_all, sha256_read = timed_sha256(step_dir, paths, repeat), timed_sha256(step_dir, read_paths, repeat)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     group = WorkerGroup(run)
@@ -194,6 +216,7 @@ def checkpoint_costs(run, repeat: int) -> dict:
             "save_to_commit_alone": stall_and_commit(results[-1].seconds)[1],  # the last chunk: nothing trains beside it
             "in_memory_copy": in_memory["seconds"] if in_memory else None,
             "tensor_bytes": in_memory["bytes"] if in_memory else None, "cp_all": cp_all, "cp_read": cp_read,
+            "sha256_all": sha256_all, "sha256_read": sha256_read,
             "checkpoint_bytes": results[-1].size_bytes, "resume": statistics.median(loads),
             "chunk_seconds": [result.seconds for result in results]}
 
