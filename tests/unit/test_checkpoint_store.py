@@ -571,3 +571,16 @@ def test_streams_are_written_and_hashed_beside_the_files(store: CheckpointStore,
                                              "sha256": hashlib.sha256(large + small).hexdigest()}
     assert set(manifest) == {"model/ds/state.pt", METADATA_NAME, *local_files(local_dir)}
     assert store.list(verify=True) == [info]
+
+
+def test_sha256_of_local_file_hashes_in_place_and_reads_nothing_of_the_wrong_size(tmp_path):
+    import hashlib
+
+    from rlhf_core.checkpoint import sha256_of_local_file
+
+    data, empty = tmp_path / "data.bin", tmp_path / "empty.bin"
+    data.write_bytes(b"x" * 300_000)
+    empty.write_bytes(b"")
+    assert sha256_of_local_file(str(data)) == (300_000, hashlib.sha256(b"x" * 300_000).hexdigest())
+    assert sha256_of_local_file(str(data), 300_001) == (300_000, None)
+    assert sha256_of_local_file(str(empty), 0) == (0, hashlib.sha256(b"").hexdigest())
