@@ -139,6 +139,16 @@ def _budget_reason(chunks_left: int | None, stop_at: datetime | None) -> str | N
     return None
 
 
+def _last_chunk_allowed(chunks_left: int | None, stop_at: datetime | None, last_chunk_s: float) -> bool:
+    """Whether the chunk about to train is the last a run budget allows, so that training the next chunk
+    ahead while it commits would be thrown away at the stop: the chunk budget's last, or a chunk that will
+    end past the time budget if it takes as long as the previous one (`last_chunk_s`; 0 before any, so the
+    first is judged only by a budget already spent). A wrong guess costs the overlap, never work."""
+    if chunks_left is not None and chunks_left <= 1:
+        return True
+    return stop_at is not None and datetime.now(timezone.utc) + timedelta(seconds=last_chunk_s) >= stop_at
+
+
 def _quiet_console_in_a_deployment_run(run: RunConfig) -> None:
     """The CLI's quiet console for a flow run started from a deployment (in this process of its own, by a
     worker); nothing when the CLI already set it up or the flow runs in a caller's process."""
@@ -170,14 +180,15 @@ def rlhf_stage(run: RunConfig, stage: str, upstream_digest: str = "", chunks_lef
     plan = plan_stage(run, stage)
     train_chunk = chunk_task_for(run)
     report = StageReport(run, stage, plan, logger)
-    result, num_trained = None, 0
+    result, num_trained, last_chunk_s = None, 0, 0.0
     for target in plan.targets:
         reason = _budget_reason(None if chunks_left is None else chunks_left - num_trained,
                                 stop_at if chunks_trained_before + num_trained else None)
         if reason and target not in _committed_steps(run, stage):
             return _stopped(run, stage, plan.total_steps, result, report, num_trained, reason, logger)
-        # The last chunk the chunk budget allows: training ahead would be thrown away at the stop.
-        last_allowed = chunks_left is not None and chunks_left - num_trained <= 1
+        started = time.monotonic()
+        last_allowed = _last_chunk_allowed(None if chunks_left is None else chunks_left - num_trained, stop_at,
+                                           last_chunk_s)
         state = train_chunk(run, stage, target, upstream_digest, lineage, train_ahead=not last_allowed,
                             return_state=True)
         aside = _emit_set_aside_events(run, stage, aside)
@@ -188,6 +199,7 @@ def rlhf_stage(run: RunConfig, stage: str, upstream_digest: str = "", chunks_lef
             raise
         trained = state.name != "Cached" and result.num_steps_trained > 0
         num_trained += int(trained)
+        last_chunk_s = time.monotonic() - started if trained else last_chunk_s
         if state.name != "Cached":
             _emit_commit_events(run, result)
         report.add_chunk(result, _chunk_status(run, state.name, result))

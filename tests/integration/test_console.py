@@ -6,8 +6,9 @@ transformers' load bars or Prefect's temporary-server lines; those go to the run
 
 The quiet run carries a time budget of 1e-6 minutes: spent by the end of its first chunk (a flow run always
 trains one), so it stops cleanly at that chunk boundary whatever the machine's speed: Completed, nothing
-exported, the console saying why. The same command with `--verbose` and no budget then continues from
-there and finishes with the weights of an uninterrupted run (`reference_sft_weights`), tensor for tensor.
+exported, the console saying why, and without training the next chunk ahead (the budget was spent before the
+chunk began, so those steps would be thrown away). The same command with `--verbose` and no budget then
+continues from there and finishes with the weights of an uninterrupted run (`reference_sft_weights`), tensor for tensor.
 One run continued, rather than a quiet run and a separate verbose one: the suite pays for one more start.
 
 Real processes: the CLI, Prefect's ephemeral server, a local Ray cluster and DeepSpeed (rlhf_core.console).
@@ -34,7 +35,11 @@ def test_quiet_console_and_a_time_budget_stop_then_a_verbose_run_finishes_it(toy
     args = train_sft_args(toy_assets, ckpt, out)
     log_file = ckpt / "rlhf" / "logs" / "driver.log"
 
-    budgeted = run_rlhf([*args, "--time_budget_minutes", "1e-6"], rlhf_env)
+    faults = tmp_path / "faults"  # the test hook's marker files: which steps a rank was about to train
+    faults.mkdir()
+    budgeted = run_rlhf([*args, "--time_budget_minutes", "1e-6"],
+                        {**rlhf_env, "RLHF_FAULT_INJECT": "train_step@5=sleep:0,train_step@6=sleep:0",
+                         "RLHF_FAULT_STATE": str(faults)})
     assert budgeted.returncode == 0, budgeted.stderr[-3000:]  # the flow run Completed
     console = budgeted.stdout + budgeted.stderr
     for noise in NOISE:
@@ -49,6 +54,8 @@ def test_quiet_console_and_a_time_budget_stop_then_a_verbose_run_finishes_it(toy
     assert [(info.step, info.status) for info in CheckpointStore(str(ckpt / "rlhf" / "sft")).list()] == \
         [(5, "committed")]
     assert not out.exists(), "a stage stopped by its budget was exported"
+    assert (faults / "train_step@5").exists(), "the hook fires on this machine"
+    assert not (faults / "train_step@6").exists(), "a rank trained ahead past a time budget already spent"
 
     verbose = run_rlhf([*args, "--verbose"], rlhf_env)  # no budget: continues from step 5 and finishes
     assert verbose.returncode == 0, verbose.stderr[-3000:]
