@@ -357,7 +357,7 @@ def ensure_checkpoint(run: RunConfig, stage: str, target_step: int, lineage: Lin
                              _WarmGroup.world_size_changes, group.zero_stage)
         metadata |= _alert_inputs(store, group, start_step, target_step, summary)
         ahead = _ahead_target(run, stage, plan, target_step) if train_ahead else None
-        info, commit_seconds = _commit(run, stage, store, group, target_step, metadata, ahead)
+        info, commit_seconds, ahead_since = _commit(run, stage, store, group, target_step, metadata, ahead)
         alerts = commit_alerts(run.run_name, stage, target_step, metadata, info.size_bytes,
                                [known.size_bytes for known in infos if known.is_committed and known.step < target_step],
                                has_ds_state=not run.stage_config(stage).disable_ds_ckpt,
@@ -376,7 +376,8 @@ def ensure_checkpoint(run: RunConfig, stage: str, target_step: int, lineage: Lin
     seconds = {"plan": prepared - started, "workers_and_load": loaded - prepared, "train": trained - loaded,
                "save_and_commit": finished - trained, **commit_seconds,
                "step_loop": group.take_step_loop_seconds()}  # the ranks' own, training ahead included
-    ledger.chunk_committed(stage, target_step, seconds, num_steps=target_step - start_step)
+    ledger.chunk_committed(stage, target_step, seconds, num_steps=target_step - start_step,
+                           trained_ahead_s=0.0 if ahead_since is None else finished - ahead_since)
     return ChunkResult(stage, target_step, info.uri, info.manifest_digest, target_step - start_step, summary, seconds,
                        group.world_size, [json.loads(alert.to_json()) for alert in alerts], info.size_bytes)
 
@@ -412,26 +413,29 @@ def _ahead_target(run: RunConfig, stage: str, plan: StagePlan, step: int) -> int
 
 
 def _commit(run: RunConfig, stage: str, store: CheckpointStore, group: WorkerGroup, step: int, metadata: dict,
-            ahead_to: int | None) -> tuple[CheckpointInfo, dict[str, float]]:
+            ahead_to: int | None) -> tuple[CheckpointInfo, dict[str, float], float | None]:
     """Every rank snapshots its share into memory and uploads it into the uncommitted step; the driver
     commits them under the run lease. Unless --sync_checkpoint, the ranks train on to `ahead_to`
     meanwhile (collected by the next chunk), so training waits only for the snapshot. The chunk returns
-    after its commit: a chunk the flow (and Prefect's cache) calls done is always committed."""
+    after its commit: a chunk the flow (and Prefect's cache) calls done is always committed. Also returns when
+    the ranks began to train ahead (`time.perf_counter()`), or None."""
     pending = store.prepare_step(step)
     if isinstance(pending, CheckpointInfo):
-        return pending, {}
+        return pending, {}, None
     started = time.perf_counter()
     folders = group.snapshot()
     snapshotted = time.perf_counter()
     writes = group.start_write(folders, run.stage_url(stage), run.storage_options, pending)
+    ahead_since = None
     if ahead_to is not None and not run.sync_checkpoint:
         group.train_ahead(ahead_to)
+        ahead_since = snapshotted
     entries = group.finish_write(writes)
     with run_lease(run) as lease:
         info = store.finish_commit(pending, entries, metadata, fence=lease)
     committed = time.perf_counter()
     stall = (committed if run.sync_checkpoint else snapshotted) - started
-    return info, {"stall": stall, "commit": committed - snapshotted}
+    return info, {"stall": stall, "commit": committed - snapshotted}, ahead_since
 
 
 @contextlib.contextmanager

@@ -14,7 +14,9 @@ retry in a new process) and says where the rest of the time went, per stage and 
 - load: checkpoint fetch, verify and load (`load`, or `workers_and_load` where they are not told apart);
 - plan: the chunk's own planning (`plan`);
 - lost: chunks that started and never committed (a crash or a failed chunk), from their start to the
-  failure: their steps are trained again;
+  failure: their steps are trained again. A chunk's start is when the ranks began training it ahead, during
+  the previous chunk's commit (`trained_ahead_s`); training ahead that no chunk took over (a crash right
+  after a commit, a stop at a run budget) is lost too;
 - other: the rest of the wall time (Prefect between chunks, export, teardown), by subtraction;
 - down: time between a crashed attempt's end and the next attempt's start, not part of the wall time
   (nothing runs; a restart a week later must not count as a week of badput).
@@ -109,7 +111,7 @@ def _new_stage() -> dict[str, Any]:
 
 def empty_ledger() -> dict[str, Any]:
     return {"format": LEDGER_FORMAT, "attempts": [], "pending": [], "stages": {}, "outside_stages_s": 0.0,
-            "down_s": 0.0}
+            "down_s": 0.0, "ahead": {}}
 
 
 # --------------------------------------------------------------------------- transitions (pure)
@@ -178,7 +180,7 @@ def _close_crashed(doc: dict, old: dict, next_started: float, lease_holder: Mapp
     committed = [chunk for chunk in pending if is_committed(chunk["stage"], chunk["to_step"])]
     lost = [chunk for chunk in pending if chunk not in committed]
     first_pending = min(pending, key=lambda chunk: chunk["started"], default=None)
-    _tick(doc, old, first_pending["stage"] if first_pending else None, end)
+    _tick(doc, old, first_pending["stage"] if first_pending else _ahead_stage(doc, old), end)
     for chunk in committed:  # died after the commit, before recording it: the chunk's whole time counts as useful
         record = _stage(doc, chunk["stage"])
         record["chunks"] += 1
@@ -186,6 +188,7 @@ def _close_crashed(doc: dict, old: dict, next_started: float, lease_holder: Mapp
         record["useful_s"] += max(0.0, end - chunk["started"])
     doc["pending"] = [chunk for chunk in doc["pending"] if chunk not in committed]
     _lose(doc, lost, end)
+    _lose_ahead(doc, old, end)
     old["end"], old["state"] = end, state
     doc["down_s"] += max(0.0, next_started - end)
 
@@ -203,14 +206,23 @@ def start_chunk(doc: dict, attempt: dict, stage: str, from_step: int, to_step: i
     _tick(doc, attempt, stage, now)
     attempt["chunks_started"] += 1
     _lose(doc, [chunk for chunk in doc["pending"] if chunk["stage"] == stage and chunk["to_step"] > from_step], now)
-    doc["pending"].append({"stage": stage, "from_step": int(from_step), "to_step": int(to_step), "started": now,
+    ahead = doc.setdefault("ahead", {}).pop(stage, None)
+    started = now
+    if ahead and ahead["attempt"] == attempt["id"] and ahead["after_step"] == from_step:
+        started = min(now, ahead["since"])  # its first steps trained while the previous chunk committed
+    doc["pending"].append({"stage": stage, "from_step": int(from_step), "to_step": int(to_step), "started": started,
                            "attempt": attempt["id"]})
 
 
 def commit_chunk(doc: dict, attempt: dict, stage: str, step: int, seconds: Mapping[str, float], now: float,
-                 num_steps: int | None = None) -> None:
-    """The chunk of `stage` ending at `step` committed; `seconds` are its timers (ChunkResult.seconds)."""
+                 num_steps: int | None = None, trained_ahead_s: float = 0.0) -> None:
+    """The chunk of `stage` ending at `step` committed; `seconds` are its timers (ChunkResult.seconds). The
+    ranks have been training the next chunk ahead for the last `trained_ahead_s` seconds: that chunk's record
+    starts then (`start_chunk`), and if none starts, that time is lost (`_lose_ahead`)."""
     _tick(doc, attempt, stage, now)
+    doc.setdefault("ahead", {}).pop(stage, None)
+    if trained_ahead_s > 0:
+        doc["ahead"][stage] = {"after_step": int(step), "since": now - trained_ahead_s, "attempt": attempt["id"]}
     record = _stage(doc, stage)
     match = next((chunk for chunk in doc["pending"] if chunk["stage"] == stage and chunk["to_step"] == step), None)
     if match is not None:
@@ -227,9 +239,25 @@ def commit_chunk(doc: dict, attempt: dict, stage: str, step: int, seconds: Mappi
 
 def finish_attempt(doc: dict, attempt: dict, now: float) -> None:
     """The attempt ends cleanly; chunks it left pending never committed (a failed stage)."""
-    _tick(doc, attempt, None, now)
+    _tick(doc, attempt, _ahead_stage(doc, attempt), now)
     _lose(doc, [chunk for chunk in doc["pending"] if chunk["attempt"] == attempt["id"]], now)
+    _lose_ahead(doc, attempt, now)
     attempt["end"], attempt["state"] = now, FINISHED
+
+
+def _lose_ahead(doc: dict, attempt: dict, until: float) -> None:
+    """Training ahead that `attempt` began after a commit and no chunk record took over (the process died, or
+    the run stopped at that boundary): trained, never committed, so lost until `until`. Its steps are not
+    known here; its time is."""
+    for stage, ahead in list(doc.setdefault("ahead", {}).items()):
+        if ahead["attempt"] == attempt["id"]:
+            _stage(doc, stage)["lost_s"] += max(0.0, until - ahead["since"])
+            del doc["ahead"][stage]
+
+
+def _ahead_stage(doc: dict, attempt: dict) -> str | None:
+    """The stage `attempt` was training ahead in after its last commit, if any."""
+    return next((stage for stage, ahead in doc.get("ahead", {}).items() if ahead["attempt"] == attempt["id"]), None)
 
 
 # --------------------------------------------------------------------------- the file
@@ -366,9 +394,9 @@ class GoodputLedger:
 
     @_best_effort
     def chunk_committed(self, stage: str, step: int, seconds: Mapping[str, float] | None = None,
-                        num_steps: int | None = None) -> None:
+                        num_steps: int | None = None, trained_ahead_s: float = 0.0) -> None:
         self._update(lambda doc, attempt: commit_chunk(doc, attempt, stage, step, seconds or {}, self.clock(),
-                                                       num_steps))
+                                                       num_steps, trained_ahead_s))
 
     @_best_effort
     def attempt_finished(self) -> None:
