@@ -7,7 +7,8 @@ SIGKILLed rank, a lost node, a CI job stopped mid-test) leaves the file behind, 
 `FileBaton` then waits for it forever: every later rank, and so every resume, hangs in
 `init_distributed` with no message. `clear_stale_build_lock` waits for a lock that is in use and
 removes one that is older than any real holder keeps it (about 1 s when the op is already built,
-about 80 s for a first build on 2 cores), with a warning naming the file.
+about 80 s for a first build on 2 cores), with a warning naming the file. The other ops DeepSpeed
+JIT-builds into the same folder (FusedAdam, DeepSpeedCPUAdam) lock the same way; their stale locks go too.
 """
 
 from __future__ import annotations
@@ -27,32 +28,41 @@ STALE_WHEN_UNBUILT_S = 900.0
 
 
 def clear_stale_build_lock(extension: str = SHM_OP, *, poll_s: float = 0.5) -> None:
-    """Return once `extension`'s build folder holds no lock, removing a lock left by a dead process."""
+    """Return once `extension`'s build folder holds no lock, removing a lock left by a dead process. Stale
+    locks of the other ops built there (FusedAdam, DeepSpeedCPUAdam on a GPU machine) go too, unwaited."""
     try:  # torch's own rule for where `load(name=...)` builds; private, so a rename only skips the check
         from torch.utils.cpp_extension import _get_build_directory
     except ImportError:
         return
     folder = _get_build_directory(extension, verbose=False)
-    lock = os.path.join(folder, "lock")
+    root = os.path.dirname(folder)
+    for name in sorted(os.listdir(root)):
+        if name != extension and os.path.isdir(os.path.join(root, name)):
+            _remove_if_stale(os.path.join(root, name), name)
     waited_s = 0.0
-    while True:
-        try:
-            age_s = time.time() - os.stat(lock).st_mtime
-        except FileNotFoundError:
-            return
-        built = any(name.endswith(".so") for name in os.listdir(folder))
-        stale_after_s = STALE_WHEN_BUILT_S if built else STALE_WHEN_UNBUILT_S
-        if age_s > stale_after_s:
-            logger.warning("removing %s: it is %.0f s old, so the process that took it to build %s died "
-                           "(torch would wait for it forever)", lock, age_s, extension)
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(lock)
-            return
+    while (age_s := _remove_if_stale(folder, extension)) is not None:
         if waited_s == 0.0:
-            logger.info("waiting for %s (%.0f s old; taken as left by a dead process at %.0f s)",
-                        lock, age_s, stale_after_s)
+            logger.info("waiting for %s/lock (%.0f s old) to be released", folder, age_s)
         time.sleep(poll_s)
         waited_s += poll_s
+
+
+def _remove_if_stale(folder: str, extension: str) -> float | None:
+    """Remove `folder`'s lock when it is older than any live holder keeps it; the age of a lock left in
+    place (a build or check under way), or None when there is no lock (any more)."""
+    lock = os.path.join(folder, "lock")
+    try:
+        age_s = time.time() - os.stat(lock).st_mtime
+    except FileNotFoundError:
+        return None
+    built = any(name.endswith(".so") for name in os.listdir(folder))
+    if age_s <= (STALE_WHEN_BUILT_S if built else STALE_WHEN_UNBUILT_S):
+        return age_s
+    logger.warning("removing %s: it is %.0f s old, so the process that took it to build %s died "
+                   "(torch would wait for it forever)", lock, age_s, extension)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(lock)
+    return None
 
 
 def build_shm_op() -> None:

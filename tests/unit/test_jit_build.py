@@ -63,3 +63,16 @@ def test_no_lock_returns_at_once(op_folder):
     started = time.monotonic()
     jit_build.clear_stale_build_lock(poll_s=10)
     assert time.monotonic() - started < 5
+
+
+def test_stale_locks_of_other_ops_go_too_and_fresh_ones_are_not_waited_for(op_folder):
+    fused_adam, cpu_adam = op_folder.parent / "fused_adam", op_folder.parent / "cpu_adam"
+    for other in (fused_adam, cpu_adam):
+        other.mkdir()
+        (other / f"{other.name}.so").touch()
+    stale = _lock(fused_adam, jit_build.STALE_WHEN_BUILT_S + 60)
+    fresh = _lock(cpu_adam, 1)
+    started = time.monotonic()
+    jit_build.clear_stale_build_lock(poll_s=10)
+    assert time.monotonic() - started < 5
+    assert not stale.exists() and fresh.exists()
