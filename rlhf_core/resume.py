@@ -67,12 +67,14 @@ def open_store(run: RunConfig, stage: str) -> CheckpointStore:
 
 
 def config_drift(run: RunConfig, stage: str, metadata: dict) -> list[str]:
-    """Semantic settings that differ between `run` and a checkpoint's metadata, as 'field: old -> new'."""
+    """Semantic settings that differ between `run` and a checkpoint's metadata, as 'field: old -> new'. Only
+    settings both know are compared: a checkpoint written by another version of this package may record a
+    setting that is no longer semantic (--zero_stage became operational) or lack one added since."""
     cfg = run.stage_config(stage)
     current = {**semantic_fields(cfg), "seed": run.seed}
     saved = {**metadata.get("config", {}), "seed": metadata.get("seed")}
-    changes = [f"{name}: {saved.get(name)!r} -> {current.get(name)!r}"
-               for name in sorted(set(current) | set(saved)) if saved.get(name) != current.get(name)]
+    changes = [f"{name}: {saved[name]!r} -> {current[name]!r}"
+               for name in sorted(set(current) & set(saved)) if saved[name] != current[name]]
     saved_world_size = metadata.get("world_size")
     if stage in WORLD_SIZE_DEPENDENT_STAGES and saved_world_size not in (None, run.num_workers) \
             and not run.allow_fewer_workers:

@@ -78,3 +78,16 @@ def test_each_rank_fetches_only_the_files_it_reads():
     # a checkpoint saved with --disable_ds_ckpt has only the Hugging Face weights to load
     weights_only = ["actor_model/hf/model.safetensors", "trainer_state.json"]
     assert files_for_rank(weights_only, 1, all_shards=False) == weights_only
+
+
+def test_drift_compares_only_settings_both_versions_know(toy_assets):
+    from rlhf_core.resume import config_drift
+
+    run = toy_run(toy_assets)
+    saved = {"config": semantic_fields(run.sft), "seed": run.seed}
+    assert config_drift(run, "sft", saved) == []
+    older = dict(saved["config"], zero_stage=2)  # semantic in an older version, operational now
+    del older["learning_rate"]  # a setting the writing version did not have
+    assert config_drift(run, "sft", {**saved, "config": older}) == []
+    changed = dict(saved["config"], max_len=128)
+    assert config_drift(run, "sft", {**saved, "config": changed}) == ["max_len: 128 -> 64"]
