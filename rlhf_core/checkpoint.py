@@ -664,7 +664,7 @@ def _list_local_files(local_dir: str) -> dict[str, str]:
 
 
 class HashingWriter:
-    """A write-only file object that passes what it is given to ``target`` (None: nowhere) and hashes it
+    """A write-only file object that passes what it is given to ``target`` and hashes it
     on the way: each large block is hashed in a second thread while it is written (both release the
     GIL), so hashing costs no extra pass. ``after_first_block`` is a fault hook: a kill there lands
     mid-transfer."""
@@ -676,22 +676,21 @@ class HashingWriter:
     # large page-cache folios from memory the host took back.
     _PIECE_BYTES = 64 << 10
 
-    def __init__(self, target: BinaryIO | None, after_first_block: Callable[[], None] | None = None):
+    def __init__(self, target: BinaryIO, after_first_block: Callable[[], None] | None = None):
         self.target, self.after_first_block = target, after_first_block
         self.size, self._digest = 0, hashlib.sha256()
         self._hasher: ThreadPoolExecutor | None = None
 
     def write(self, block) -> int:
         num_bytes = memoryview(block).nbytes
-        if num_bytes >= self._PARALLEL_BYTES and self.target is not None:
+        if num_bytes >= self._PARALLEL_BYTES:
             self._hasher = self._hasher or ThreadPoolExecutor(1, thread_name_prefix="sha256")
             hashed = self._hasher.submit(self._digest.update, block)
             self._write_in_pieces(block, num_bytes)
             hashed.result()
         else:
             self._digest.update(block)
-            if self.target is not None:
-                self.target.write(block)
+            self.target.write(block)
         first = not self.size
         self.size += num_bytes
         if first and self.after_first_block is not None:
@@ -704,8 +703,7 @@ class HashingWriter:
             self.target.write(view[start:start + self._PIECE_BYTES])
 
     def flush(self) -> None:
-        if self.target is not None:
-            self.target.flush()
+        self.target.flush()
 
     def close(self) -> None:
         if self._hasher is not None:
@@ -715,8 +713,8 @@ class HashingWriter:
         return self._digest.hexdigest()
 
 
-def _copy_hashing(source: BinaryIO, target: BinaryIO | None) -> tuple[int, str]:
-    """Copy ``source`` into ``target`` (None: only hash) block by block, hashing on the way (one read):
+def _copy_hashing(source: BinaryIO, target: BinaryIO) -> tuple[int, str]:
+    """Copy ``source`` into ``target`` block by block, hashing on the way (one read):
     (size, sha256)."""
     sink = HashingWriter(target)
     try:

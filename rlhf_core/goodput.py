@@ -206,7 +206,7 @@ def start_chunk(doc: dict, attempt: dict, stage: str, from_step: int, to_step: i
     _tick(doc, attempt, stage, now)
     attempt["chunks_started"] += 1
     _lose(doc, [chunk for chunk in doc["pending"] if chunk["stage"] == stage and chunk["to_step"] > from_step], now)
-    ahead = doc.setdefault("ahead", {}).pop(stage, None)
+    ahead = _ahead(doc).pop(stage, None)
     started = now
     if ahead and ahead["attempt"] == attempt["id"] and ahead["after_step"] == from_step:
         started = min(now, ahead["since"])  # its first steps trained while the previous chunk committed
@@ -220,9 +220,9 @@ def commit_chunk(doc: dict, attempt: dict, stage: str, step: int, seconds: Mappi
     ranks have been training the next chunk ahead for the last `trained_ahead_s` seconds: that chunk's record
     starts then (`start_chunk`), and if none starts, that time is lost (`_lose_ahead`)."""
     _tick(doc, attempt, stage, now)
-    doc.setdefault("ahead", {}).pop(stage, None)
+    _ahead(doc).pop(stage, None)
     if trained_ahead_s > 0:
-        doc["ahead"][stage] = {"after_step": int(step), "since": now - trained_ahead_s, "attempt": attempt["id"]}
+        _ahead(doc)[stage] = {"after_step": int(step), "since": now - trained_ahead_s, "attempt": attempt["id"]}
     record = _stage(doc, stage)
     match = next((chunk for chunk in doc["pending"] if chunk["stage"] == stage and chunk["to_step"] == step), None)
     if match is not None:
@@ -249,15 +249,21 @@ def _lose_ahead(doc: dict, attempt: dict, until: float) -> None:
     """Training ahead that `attempt` began after a commit and no chunk record took over (the process died, or
     the run stopped at that boundary): trained, never committed, so lost until `until`. Its steps are not
     known here; its time is."""
-    for stage, ahead in list(doc.setdefault("ahead", {}).items()):
+    for stage, ahead in list(_ahead(doc).items()):
         if ahead["attempt"] == attempt["id"]:
             _stage(doc, stage)["lost_s"] += max(0.0, until - ahead["since"])
-            del doc["ahead"][stage]
+            del _ahead(doc)[stage]
 
 
 def _ahead_stage(doc: dict, attempt: dict) -> str | None:
     """The stage `attempt` was training ahead in after its last commit, if any."""
-    return next((stage for stage, ahead in doc.get("ahead", {}).items() if ahead["attempt"] == attempt["id"]), None)
+    return next((stage for stage, ahead in _ahead(doc).items() if ahead["attempt"] == attempt["id"]), None)
+
+
+def _ahead(doc: dict) -> dict[str, dict]:
+    """Per stage, the training ahead begun after its last commit that no chunk record took over yet (a ledger
+    written by an older version has none)."""
+    return doc.setdefault("ahead", {})
 
 
 # --------------------------------------------------------------------------- the file

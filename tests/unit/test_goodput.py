@@ -163,13 +163,17 @@ def test_the_ranks_step_loop_seconds_are_the_useful_time_when_the_chunk_reports_
     assert summarize(doc).stages[0].useful_s == 9.5
 
 
+def _chunk_then_train_ahead(doc, attempt, clock, commit_s: float) -> None:
+    """Steps 0-10 of sft: 10 s of steps, a 0.2 s snapshot, then the ranks train ahead during the commit."""
+    start_chunk(doc, attempt, "sft", 0, 10, clock.advance(0.1))
+    commit_chunk(doc, attempt, "sft", 10, {"step_loop": 10.0, "stall": 0.2, "commit": commit_s},
+                 clock.advance(10.2 + commit_s), trained_ahead_s=commit_s)
+
+
 def test_a_chunk_killed_after_training_ahead_loses_the_steps_it_trained_during_the_previous_commit():
     clock, doc = Clock(), empty_ledger()
     first = begin_attempt(doc, "a", clock.now)
-    start_chunk(doc, first, "sft", 0, 10, clock.advance(0.1))
-    # 10 s of steps, a 0.2 s snapshot, then the ranks train ahead during the 4 s commit.
-    commit_chunk(doc, first, "sft", 10, {"step_loop": 10.0, "stall": 0.2, "commit": 4.0}, clock.advance(14.2),
-                 trained_ahead_s=4.0)
+    _chunk_then_train_ahead(doc, first, clock, commit_s=4.0)
     start_chunk(doc, first, "sft", 10, 20, clock.advance(0.1))
     clock.advance(5.0)  # killed 5 s into the chunk, with no lease record: lost until the next attempt starts
     begin_attempt(doc, "b", clock.now)
@@ -182,9 +186,7 @@ def test_a_chunk_killed_after_training_ahead_loses_the_steps_it_trained_during_t
 def test_training_ahead_that_no_chunk_took_over_is_lost_at_a_crash_or_a_stop():
     clock, doc = Clock(), empty_ledger()
     first = begin_attempt(doc, "a", clock.now)
-    start_chunk(doc, first, "sft", 0, 10, clock.advance(0.1))
-    commit_chunk(doc, first, "sft", 10, {"step_loop": 10.0, "stall": 0.2, "commit": 3.0}, clock.advance(13.2),
-                 trained_ahead_s=3.0)
+    _chunk_then_train_ahead(doc, first, clock, commit_s=3.0)
     clock.advance(2.0)  # killed before the next chunk's record
     second = begin_attempt(doc, "b", clock.now)
     sft = summarize(doc).stages[0]
