@@ -49,7 +49,7 @@ def stage_config(stage: str, toy: dict[str, str], model_dir: str, out_dir: str, 
                          max_samples=num_steps * BATCH if num_epochs == 1 else None, **common)
     if stage == "rm":
         # eval_holdout keeps 10% of the pairs out of training: ask for enough pairs to fill num_steps.
-        return RMConfig(dataset=toy["prefs"], max_len=MAX_LEN, train_batch_size=BATCH, micro_train_batch_size=BATCH,
+        return RMConfig(dataset=toy["prefs"], prompt_key="prompt", max_len=MAX_LEN, train_batch_size=BATCH, micro_train_batch_size=BATCH,
                         max_samples=int(num_steps * BATCH / 0.9) + 1, **common)
     samples = grpo["prompts"] * grpo["generations"]
     return PPOConfig(prompt_data=toy["prompts"], input_key="prompt", reward_fn="rlhf_core.toy:gold_reward",

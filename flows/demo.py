@@ -29,8 +29,8 @@ def demo_config(workdir: str, num_workers: int, stages: list[str] | None = None)
             lr_warmup_ratio=0.05, save_steps=16, save_path=os.path.join(out, "sft"),
         ),
         rm=RMConfig(
-            dataset=os.path.join(toy, "prefs.jsonl"), max_len=64, train_batch_size=16, micro_train_batch_size=8,
-            max_epochs=3, learning_rate=1e-3, save_steps=16, save_path=os.path.join(out, "rm"),
+            dataset=os.path.join(toy, "prefs.jsonl"), prompt_key="prompt", max_len=64, train_batch_size=16,
+            micro_train_batch_size=8, max_epochs=3, learning_rate=1e-3, save_steps=16, save_path=os.path.join(out, "rm"),
         ),
         ppo=PPOConfig(
             prompt_data=os.path.join(toy, "prompts.jsonl"), input_key="prompt", reward_fn="rlhf_core.toy:gold_reward",

@@ -144,11 +144,17 @@ class SFTConfig(StageConfig):
     """Supervised fine-tuning on (prompt, response) pairs; the loss covers response tokens only."""
 
     dataset: str = Field(**_input("Training data (prompt, response): JSONL, JSON, CSV or Parquet at a local path or "
-                                  "fsspec URL, a `datasets` folder, or a hub dataset name; several, comma-separated, "
-                                  "are mixed by dataset_probs.", role="data"))
-    input_key: str = Field("input", description="Key of the prompt in each sample.")
-    output_key: str = Field("output", description="Key of the response in each sample.")
-    apply_chat_template: bool = Field(False, description="Wrap the prompt in the tokenizer's chat template.")
+                                  "fsspec URL, a `datasets` folder, a hub dataset name, or OpenRLHF's name@data_dir; "
+                                  "several, comma-separated, are mixed by dataset_probs.", role="data"))
+    input_key: str = Field("input", description="Key of the prompt in each sample: a string, or with "
+                                                "apply_chat_template a list of {role, content} messages (without "
+                                                "output_key: the whole conversation, its last message the response).")
+    output_key: str | None = Field(None, description="Key of the response in each sample (a string or messages); "
+                                                     "none: input_key holds whole conversations (apply_chat_template).")
+    apply_chat_template: bool = Field(False, description="Render prompt and response with the tokenizer's chat "
+                                                         "template, as OpenRLHF does.")
+    multiturn: bool = Field(False, description="Put loss on every assistant turn of the conversation in input_key "
+                                               "(with apply_chat_template), not only on the last.")
     tokenizer_chat_template: str | None = Field(None, description="A Jinja chat template that replaces the "
                                                                   "tokenizer's own (with apply_chat_template).")
     pretrain_mode: bool = Field(False, description="Continued pre-training: the loss covers every token of each "
@@ -165,10 +171,12 @@ class RMConfig(StageConfig):
                                                 role="model"))
     dataset: str = Field(**_input("Preference data (prompt, chosen, rejected), in any form --dataset of SFT takes.",
                                   role="data"))
-    prompt_key: str = Field("prompt", description="Key of the prompt in each sample.")
-    chosen_key: str = Field("chosen", description="Key of the preferred response.")
-    rejected_key: str = Field("rejected", description="Key of the dispreferred response.")
-    apply_chat_template: bool = Field(False, description="Wrap the prompt in the tokenizer's chat template.")
+    prompt_key: str | None = Field(None, description="Key of the prompt in each sample; none (OpenRLHF's default): "
+                                                     "chosen and rejected each hold the whole text or conversation.")
+    chosen_key: str = Field("chosen", description="Key of the preferred response (a string, or messages).")
+    rejected_key: str = Field("rejected", description="Key of the dispreferred response (a string, or messages).")
+    apply_chat_template: bool = Field(False, description="Render prompt and replies with the tokenizer's chat "
+                                                         "template, as OpenRLHF does.")
     tokenizer_chat_template: str | None = Field(None, description="A Jinja chat template that replaces the "
                                                                   "tokenizer's own (with apply_chat_template).")
     eval_holdout: float = Field(0.1, ge=0, lt=1, description="Without eval_dataset: fraction of the pairs held out "

@@ -1,4 +1,4 @@
-"""Datasets from files, folders or hub names: read, validate, tokenize, and batch in a deterministic order.
+"""Datasets from files, folders or hub names: read, validate, fingerprint, and batch in a deterministic order.
 
 `read_records` accepts what OpenRLHF's `blending_datasets` (v0.9.10) accepts, each source read into the
 same `Record`s:
@@ -11,16 +11,14 @@ same `Record`s:
   read offline.
 Several comma-separated sources are concatenated, or, with `probs`, interleaved as OpenRLHF does
 (`datasets.interleave_datasets`, stopping when every source is exhausted, seeded by the run's seed).
+OpenRLHF's `name@data_dir` (a hub name or local folder, then a folder inside it) loads that folder alone.
 Departures: probabilities are normalised (OpenRLHF needs them to sum to 1); `max_samples` caps each
 source and then the mixture, as OpenRLHF; a DatasetDict's missing split is an error (OpenRLHF uses the
-whole dict); OpenRLHF's `name@data_dir` and dataset scripts are not supported.
+whole dict); dataset scripts are not supported.
 
-Every problem a user can fix (missing file or name, bytes that are not UTF-8, bad JSON, missing key,
-nothing left after truncation) stops before training with one sentence that names the file and the
-line (JSONL), item (JSON array) or row (Parquet, datasets). Tokenization follows OpenRLHF's datasets:
-the prompt (through the chat template, or else `input_template`) followed by the response and EOS;
-prompt tokens are masked out of the loss. A template without '{}' is refused (OpenRLHF drops it with a
-warning).
+Every problem a user can fix (missing file or name, bytes that are not UTF-8, bad JSON) stops before
+training with one sentence that names the file and the line (JSONL), item (JSON array) or row (Parquet,
+datasets). How records become tokens is `rlhf_core.samples`.
 """
 
 from __future__ import annotations
@@ -40,7 +38,6 @@ import torch
 from rlhf_core.errors import UserError
 from rlhf_core.hub import is_hub_id, not_cached, store_unreachable
 
-IGNORE_INDEX = -100
 SPLIT_FLAGS = {"--dataset": "--dataset_split", "--prompt_data": "--prompt_split", "--eval_dataset": "--eval_split"}
 SAVED_DATASET_FILES = ("dataset_dict.json", "state.json")  # what `save_to_disk` writes at the top
 
@@ -57,12 +54,6 @@ class Record:
     def where(self, url: str) -> str:
         """`file line N` (or item/row), for messages."""
         return f"{self.source or url} {self.unit} {self.line}"
-
-
-@dataclass(frozen=True)
-class TokenizedSample:
-    input_ids: list[int]
-    loss_mask: list[int]  # 1 where the token is a training target
 
 
 def _open(url: str, storage_options: dict | None, mode: str = "rb", flag: str = "--dataset"):
@@ -150,8 +141,24 @@ def _interleave(per_source: list[list[Record]], weights: list[float], seed: int)
     return [per_source[source][row] for source, row in zip(mixed["source"], mixed["row"])]
 
 
+def split_data_dir(source: str, flag: str) -> tuple[str, str | None]:
+    """OpenRLHF's `name@data_dir`: (name, data_dir), or (source, None) without '@' (or for an fsspec URL)."""
+    if "@" not in source or "://" in source:
+        return source, None
+    name, data_dir = (part.strip() for part in source.split("@", 1))
+    if not data_dir or not (os.path.isdir(name) or is_hub_id(name)):
+        raise UserError(f"{flag}: {source}: name@data_dir needs a hub name or a local folder before '@' and a "
+                        "folder inside it after.")
+    return name, data_dir
+
+
 def _read_source(source: str, storage_options: dict | None, max_samples: int | None, split: str,
                  flag: str) -> list[Record]:
+    name, data_dir = split_data_dir(source, flag)
+    if data_dir is not None:
+        dataset = (_load_dataset(name, split, flag, data_dir=data_dir) if os.path.isdir(name)
+                   else _hub_dataset(name, split, flag, data_dir))
+        return _dataset_records(dataset, max_samples)
     protocol, path = fsspec.core.split_protocol(source)
     if protocol in (None, "file") and not os.path.exists(path) and is_hub_id(source):
         return _dataset_records(_hub_dataset(source, split, flag), max_samples)
@@ -243,12 +250,12 @@ def _pick_split(name: str, dataset, split: str, flag: str):
     return dataset[split]
 
 
-def _load_dataset(path: str, split: str, flag: str, name: str | None = None):
+def _load_dataset(path: str, split: str, flag: str, name: str | None = None, data_dir: str | None = None):
     """`datasets.load_dataset(path, split=split)`, an unknown split named with the user's flag and `name`."""
     import datasets
 
     try:
-        return datasets.load_dataset(path, split=split)
+        return datasets.load_dataset(path, split=split, data_dir=data_dir)
     except ValueError as error:
         if "split" not in str(error).lower():
             raise
@@ -258,17 +265,19 @@ def _load_dataset(path: str, split: str, flag: str, name: str | None = None):
                         f"{SPLIT_FLAGS.get(flag, '--dataset_split')}.") from None
 
 
-def _hub_dataset(name: str, split: str, flag: str):
+def _hub_dataset(name: str, split: str, flag: str, data_dir: str | None = None):
     """A hub dataset from `datasets`' cache (or the hub when online), else from a cached hub snapshot."""
     from rlhf_core.hub import hub_snapshot
 
     try:
-        return _load_dataset(name, split, flag)
+        return _load_dataset(name, split, flag, data_dir=data_dir)
     except (ConnectionError, FileNotFoundError) as error:  # offline / not on the hub / unreachable
         snapshot = hub_snapshot(name, repo_type="dataset", download=False)
         if snapshot is None:
             raise not_cached(flag, name, "dataset") from error
-    return _load_dataset(snapshot, split, flag, name)
+    if data_dir is not None and not os.path.isdir(os.path.join(snapshot, data_dir)):
+        raise UserError(f"{flag}: {name}@{data_dir}: the cached dataset has no folder {data_dir!r}.")
+    return _load_dataset(snapshot, split, flag, name, data_dir)
 
 
 def _folder_dataset(url: str, filesystem, path: str, split: str, storage_options: dict | None, flag: str):
@@ -287,105 +296,6 @@ def _folder_dataset(url: str, filesystem, path: str, split: str, storage_options
         return _load_dataset(path, split, flag)
     except FileNotFoundError as error:
         raise UserError(f"{flag}: {url} is a folder without data files datasets can read ({error}).") from None
-
-
-def require_text(url: str, record: Record, key: str, flag: str) -> str:
-    value = record.fields.get(key)
-    if value is None:
-        raise UserError(f"{record.where(url)}: no key {key!r} (choose the key with {flag}).")
-    if not isinstance(value, str):
-        raise UserError(f"{record.where(url)}: {key!r} must be a string, got {type(value).__name__}.")
-    return value
-
-
-_TEMPLATES_CHECKED: set[str] = set()
-
-
-def check_input_template(template: str) -> None:
-    """A template must hold one '{}' for the prompt and nothing else str.format would read."""
-    if template in _TEMPLATES_CHECKED:
-        return
-    if "{}" not in template:
-        raise UserError(f"--input_template {template!r} has no '{{}}' where the prompt goes "
-                        "(e.g. 'User: {}\\nAssistant: ').")
-    try:
-        template.format("")
-    except (IndexError, KeyError, ValueError) as error:
-        raise UserError(f"--input_template {template!r} is not a str.format template with one '{{}}' ({error!r}); "
-                        "write other braces as '{{' and '}}'.") from None
-    if "\\n" in template:  # as OpenRLHF: a shell quoting slip, not an error
-        logger.warning("--input_template contains the two characters \\n, not a newline; in bash pass $'...\\n...'.")
-    _TEMPLATES_CHECKED.add(template)
-
-
-def render_prompt(tokenizer, prompt: str, apply_chat_template: bool, input_template: str | None = None) -> str:
-    """The prompt through the tokenizer's chat template, else through `input_template` (OpenRLHF's order)."""
-    if not apply_chat_template:
-        if not input_template:
-            return prompt
-        check_input_template(input_template)
-        return input_template.format(prompt)
-    if not getattr(tokenizer, "chat_template", None):
-        raise UserError("--apply_chat_template: the tokenizer of --pretrain has no chat template.")
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-    )
-
-
-def _bos_ids(tokenizer) -> list[int]:
-    """The BOS token to put before a prompt, or nothing for tokenizers without one."""
-    return [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-
-
-def tokenize_sft(url: str, records: list[Record], tokenizer, input_key: str, output_key: str,
-                 max_len: int, apply_chat_template: bool, input_template: str | None = None) -> list[TokenizedSample]:
-    """Prompt + response + EOS, truncated to max_len; samples with no response token left are dropped."""
-    samples = []
-    bos = _bos_ids(tokenizer)
-    for record in records:
-        prompt = render_prompt(tokenizer, require_text(url, record, input_key, "--input_key"), apply_chat_template,
-                               input_template)
-        response = require_text(url, record, output_key, "--output_key")
-        prompt_ids = bos + tokenizer(prompt, add_special_tokens=False).input_ids
-        response_ids = tokenizer(response, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
-        input_ids = (prompt_ids + response_ids)[:max_len]
-        loss_mask = ([0] * len(prompt_ids) + [1] * len(response_ids))[:max_len]
-        if sum(loss_mask) > 0:
-            samples.append(TokenizedSample(input_ids, loss_mask))
-    if not samples:
-        raise UserError(
-            f"{url}: every sample is truncated away at --max_len {max_len} (no response token fits); raise --max_len."
-        )
-    return samples
-
-
-def tokenize_pretraining(url: str, records: list[Record], tokenizer, input_key: str,
-                         max_len: int) -> list[TokenizedSample]:
-    """OpenRLHF's --pretrain_mode: each sample's text, truncated to max_len, every token a training target."""
-    bos = _bos_ids(tokenizer)
-    samples = []
-    for record in records:
-        input_ids = (bos + tokenizer(require_text(url, record, input_key, "--input_key"),
-                                     add_special_tokens=False).input_ids)[:max_len]
-        if len(input_ids) > 1:  # the first token is never predicted
-            samples.append(TokenizedSample(input_ids, [1] * len(input_ids)))
-    if not samples:
-        raise UserError(f"{url}: no sample has two tokens to learn from (--pretrain_mode, --input_key {input_key}).")
-    return samples
-
-
-def collate_sft(samples: list[TokenizedSample], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded input_ids, attention_mask and labels (IGNORE_INDEX outside the response)."""
-    length = max(len(sample.input_ids) for sample in samples)
-    input_ids = torch.full((len(samples), length), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(samples), length), dtype=torch.long)
-    labels = torch.full((len(samples), length), IGNORE_INDEX, dtype=torch.long)
-    for row, sample in enumerate(samples):
-        ids = torch.tensor(sample.input_ids)
-        input_ids[row, : len(ids)] = ids
-        attention_mask[row, : len(ids)] = 1
-        labels[row, : len(ids)] = torch.where(torch.tensor(sample.loss_mask).bool(), ids, IGNORE_INDEX)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
 def rank_micro_batches(global_indices: list[int], rank: int, world_size: int, micro_batch_size: int) -> list[list[int]]:
@@ -434,11 +344,14 @@ def fingerprint(url: str, storage_options: dict | None = None, *, split: str = "
     if len(sources) > 1:
         parts = "\n".join(fingerprint(source, storage_options, split=split, flag=flag) for source in sources)
         return hashlib.sha256(parts.encode()).hexdigest()
-    protocol, path = fsspec.core.split_protocol(url)
-    if protocol in (None, "file") and not os.path.exists(path) and is_hub_id(url):
+    name, data_dir = split_data_dir(url, flag)
+    if data_dir is not None and os.path.isdir(name):
+        return fingerprint(os.path.join(name, data_dir), storage_options, split=split, flag=flag)
+    protocol, path = fsspec.core.split_protocol(name)
+    if protocol in (None, "file") and not os.path.exists(path) and is_hub_id(name):
         key = ("hub", url, split)
         if key not in _FINGERPRINTS:
-            _FINGERPRINTS[key] = "hub:" + _hub_dataset(url, split, flag)._fingerprint
+            _FINGERPRINTS[key] = "hub:" + _hub_dataset(name, split, flag, data_dir)._fingerprint
         return _FINGERPRINTS[key]
     try:
         filesystem, fs_path = fsspec.core.url_to_fs(url, **(storage_options or {}))
@@ -464,56 +377,6 @@ def _file_fingerprint(url: str, storage_options: dict | None, flag: str) -> str:
     if version is not None:
         _FINGERPRINTS[version] = digest.hexdigest()
     return digest.hexdigest()
-
-
-@dataclass(frozen=True)
-class TokenizedPair:
-    chosen_ids: list[int]
-    rejected_ids: list[int]
-
-
-def tokenize_pairs(url: str, records: list[Record], tokenizer, prompt_key: str, chosen_key: str, rejected_key: str,
-                   max_len: int, apply_chat_template: bool, input_template: str | None = None) -> list[TokenizedPair]:
-    """Prompt + chosen and prompt + rejected, each ending in EOS (the reward is read there)."""
-    bos = _bos_ids(tokenizer)
-    pairs = []
-    for record in records:
-        prompt = render_prompt(tokenizer, require_text(url, record, prompt_key, "--prompt_key"), apply_chat_template,
-                               input_template)
-        prompt_ids = bos + tokenizer(prompt, add_special_tokens=False).input_ids
-
-        def completion(key: str, flag: str) -> list[int]:
-            response = require_text(url, record, key, flag)
-            ids = prompt_ids + tokenizer(response, add_special_tokens=False).input_ids
-            return ids[: max_len - 1] + [tokenizer.eos_token_id]
-
-        pairs.append(TokenizedPair(completion(chosen_key, "--chosen_key"), completion(rejected_key, "--rejected_key")))
-    return pairs
-
-
-def collate_pairs(pairs: list[TokenizedPair], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Chosen sequences first, then rejected ones, right-padded into one batch."""
-    sequences = [pair.chosen_ids for pair in pairs] + [pair.rejected_ids for pair in pairs]
-    length = max(map(len, sequences))
-    input_ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, ids in enumerate(sequences):
-        input_ids[row, : len(ids)] = torch.tensor(ids)
-        attention_mask[row, : len(ids)] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask}
-
-
-def tokenize_prompts(url: str, records: list[Record], tokenizer, input_key: str, prompt_max_len: int,
-                     apply_chat_template: bool, input_template: str | None = None) -> list[tuple[str, list[int]]]:
-    """(prompt text, token ids) per record; long prompts keep their end, which holds the question."""
-    bos = _bos_ids(tokenizer)
-    prompts = []
-    for record in records:
-        text = require_text(url, record, input_key, "--input_key")
-        rendered = render_prompt(tokenizer, text, apply_chat_template, input_template)
-        ids = tokenizer(rendered, add_special_tokens=False).input_ids
-        prompts.append((text, bos + ids[-(prompt_max_len - len(bos)):]))
-    return prompts
 
 
 def split_holdout(items: list, fraction: float, seed: int) -> tuple[list, list]:

@@ -11,7 +11,7 @@ import json
 import random
 from pathlib import Path
 
-from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
 from rlhf_core.errors import UserError
 
@@ -32,6 +32,8 @@ def build_tokenizer():
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     backend.decoder = decoders.WordPiece(prefix="##")  # joins word tokens with spaces
+    # BOS before plain text, as Llama's tokenizers put it (the chat template writes none)
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
     )

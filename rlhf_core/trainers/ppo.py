@@ -46,12 +46,13 @@ import torch.distributed as dist
 
 from rlhf_core import ppo_math
 from rlhf_core.config import PPOConfig, RunConfig
-from rlhf_core.data import Record, read_records, tokenize_prompts
+from rlhf_core.data import Record, read_records
 from rlhf_core.determinism import derive_seed, generator, step_sample_indices
 from rlhf_core.errors import UserError
 from rlhf_core.models import load_causal_lm, load_scalar_model, load_tokenizer, token_values
 from rlhf_core.rewards import RewardBatch, RewardInputs, reward_function
 from rlhf_core.rollout import collate_sequences, generate, on_device, require_vllm, response_logprobs
+from rlhf_core.samples import Renderer, tokenize_prompts
 from rlhf_core.trainers.base import DeepSpeedTrainer, gathered
 
 logger = logging.getLogger(__name__)
@@ -59,9 +60,10 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PromptItem:
-    text: str  # the prompt field as written in the data
-    ids: list[int]  # the tokens the model sees (BOS, template, truncated from the left)
+    text: Any  # the prompt field as written in the data: a string, or a list of {role, content} messages
+    ids: list[int]  # the tokens the model sees (template or BOS, truncated from the left)
     label: Any  # the --label_key value; "" without --label_key, as OpenRLHF
+    bos_added: bool = False  # ids[0] is a BOS added here, not written by the chat template
 
 
 def record_label(url: str, record: Record, label_key: str | None) -> Any:
@@ -82,19 +84,18 @@ def load_prompts(run: RunConfig, tokenizer, eval_data: bool = False) -> list[Pro
         url = cfg.prompt_data
         records = read_records(url, run.storage_options, cfg.max_samples, split=cfg.prompt_split,
                                probs=cfg.dataset_probs, seed=run.seed, flag="--prompt_data")
-    tokenized = tokenize_prompts(url, records, tokenizer, cfg.input_key, cfg.prompt_max_len, cfg.apply_chat_template,
-                                 cfg.input_template)
+    renderer = Renderer(tokenizer, url, cfg.apply_chat_template, cfg.input_template)
+    tokenized = tokenize_prompts(renderer, records, cfg.input_key, cfg.prompt_max_len)
     assert len(tokenized) == len(records), "tokenize_prompts must keep one prompt per record"
-    return [PromptItem(text, ids, record_label(url, record, cfg.label_key))
-            for (text, ids), record in zip(tokenized, records)]
+    return [PromptItem(prompt.value, prompt.ids, record_label(url, record, cfg.label_key), prompt.bos_added)
+            for prompt, record in zip(tokenized, records)]
 
 
 def reward_inputs(tokenizer, items: list[PromptItem], responses: list[list[int]]) -> RewardInputs:
     """Every form's arguments: OpenRLHF's prompt and query are decoded from the tokens the model saw
     (without the BOS we add), so each query starts with its prompt."""
-    skip = 1 if tokenizer.bos_token_id is not None else 0
-    prompts = [tokenizer.decode(item.ids[skip:], skip_special_tokens=False) for item in items]
-    queries = [tokenizer.decode(item.ids[skip:] + response, skip_special_tokens=False)
+    prompts = [tokenizer.decode(item.ids[item.bos_added:], skip_special_tokens=False) for item in items]
+    queries = [tokenizer.decode(item.ids[item.bos_added:] + response, skip_special_tokens=False)
                for item, response in zip(items, responses)]
     return RewardInputs(raw_prompts=[item.text for item in items], prompts=prompts, queries=queries,
                         responses=tokenizer.batch_decode(responses, skip_special_tokens=True),

@@ -18,13 +18,13 @@ import torch
 import torch.nn.functional as F
 
 from rlhf_core.config import RunConfig
-from rlhf_core.data import (TokenizedPair, collate_pairs, rank_micro_batches, read_stage_dataset, split_holdout,
-                            tokenize_pairs)
+from rlhf_core.data import rank_micro_batches, read_stage_dataset, split_holdout
 from rlhf_core.determinism import derive_seed, step_sample_indices
 from rlhf_core.ds_config import warn_once
 from rlhf_core.errors import UserError
 from rlhf_core.models import load_scalar_model, load_tokenizer
 from rlhf_core.packing import pack_sequences, packed_scores, score_positions
+from rlhf_core.samples import Renderer, TokenizedPair, collate_pairs, tokenize_pairs
 from rlhf_core.trainers.base import DeepSpeedTrainer
 
 MARGIN_KEY = "margin"
@@ -42,8 +42,8 @@ def read_pairs(run: RunConfig, tokenizer, evaluation: bool = False) -> list[Pair
     url, records = read_stage_dataset(cfg, run.storage_options, run.seed, evaluation)
     if cfg.tokenizer_chat_template:
         tokenizer.chat_template = cfg.tokenizer_chat_template
-    tokenized = tokenize_pairs(url, records, tokenizer, cfg.prompt_key, cfg.chosen_key, cfg.rejected_key,
-                               cfg.max_len, cfg.apply_chat_template, cfg.input_template)
+    renderer = Renderer(tokenizer, url, cfg.apply_chat_template, cfg.input_template)
+    tokenized = tokenize_pairs(renderer, records, cfg.prompt_key, cfg.chosen_key, cfg.rejected_key, cfg.max_len)
     return [Pair(tokens, pair_margin(url, record, cfg.margin_loss)) for tokens, record in zip(tokenized, records)]
 
 

@@ -13,12 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from rlhf_core.config import RunConfig
-from rlhf_core.data import (IGNORE_INDEX, TokenizedSample, collate_sft, rank_micro_batches, read_stage_dataset,
-                            tokenize_pretraining, tokenize_sft)
+from rlhf_core.data import rank_micro_batches, read_stage_dataset
 from rlhf_core.determinism import derive_seed, step_sample_indices
 from rlhf_core.faults import fault_requested
 from rlhf_core.models import load_causal_lm, load_tokenizer
 from rlhf_core.packing import pack_sft
+from rlhf_core.samples import (IGNORE_INDEX, Renderer, TokenizedSample, collate_sft, tokenize_pretraining,
+                               tokenize_sft)
 from rlhf_core.trainers.base import DeepSpeedTrainer
 
 
@@ -30,8 +31,8 @@ def load_sft_samples(run: RunConfig, tokenizer, evaluation: bool = False) -> lis
         return tokenize_pretraining(url, records, tokenizer, cfg.input_key, cfg.max_len)
     if cfg.tokenizer_chat_template:
         tokenizer.chat_template = cfg.tokenizer_chat_template
-    return tokenize_sft(url, records, tokenizer, cfg.input_key, cfg.output_key, cfg.max_len,
-                        cfg.apply_chat_template, cfg.input_template)
+    renderer = Renderer(tokenizer, url, cfg.apply_chat_template, cfg.input_template)
+    return tokenize_sft(renderer, records, cfg.input_key, cfg.output_key, cfg.max_len, cfg.multiturn)
 
 
 class SFTTrainer(DeepSpeedTrainer):

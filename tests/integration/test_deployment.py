@@ -78,7 +78,7 @@ def full_config(workdir: Path, toy: dict[str, str]) -> dict:
         "run_name": "deploy-full", "stages": ["sft", "rm", "ppo", "merge", "export"],
         "ckpt_path": str(workdir / "ckpt"), "load_checkpoint": True, "seed": 42, "num_workers": 1,
         "sft": sft_section(toy, out / "sft", save_steps=16),
-        "rm": {"dataset": toy["prefs"], "max_len": 64, "max_samples": 64, "train_batch_size": 16,
+        "rm": {"dataset": toy["prefs"], "prompt_key": "prompt", "max_len": 64, "max_samples": 64, "train_batch_size": 16,
                "micro_train_batch_size": 8, "max_epochs": 1, "learning_rate": 1e-3, "save_steps": 2,
                "save_path": str(out / "rm")},
         "ppo": {key: value for key, value in ppo_section(toy, "", out / "ppo_lora", lora_rank=8).items()

@@ -105,7 +105,7 @@ def write_prefs_with_margins(source: str, target: Path) -> str:
 
 def test_reward_model_packed_with_margins_reports_eval_and_records_reward_stats(toy_assets, tmp_path):
     prefs = write_prefs_with_margins(toy_assets["prefs"], tmp_path / "prefs.jsonl")
-    rm = RMConfig(pretrain=toy_assets["model"], dataset=prefs, eval_dataset=prefs, max_samples=48, max_len=64,
+    rm = RMConfig(pretrain=toy_assets["model"], dataset=prefs, prompt_key="prompt", eval_dataset=prefs, max_samples=48, max_len=64,
                   train_batch_size=8, micro_train_batch_size=4, learning_rate=1e-3, save_steps=3, eval_steps=2,
                   packing_samples=True, margin_loss=True)
     run = RunConfig(rm=rm, stages=["rm"], ckpt_path=str(tmp_path / "ckpt"), max_ckpt_num=0, load_checkpoint=True)

@@ -7,15 +7,21 @@ import os
 
 import pytest
 
-from rlhf_core.data import IGNORE_INDEX, collate_sft, rank_micro_batches, read_records, tokenize_sft
+from rlhf_core.data import rank_micro_batches, read_records
 from rlhf_core.determinism import step_sample_indices
 from rlhf_core.errors import UserError
+from rlhf_core.samples import IGNORE_INDEX, Renderer, collate_sft, tokenize_pairs, tokenize_prompts
+from rlhf_core.samples import tokenize_sft as _tokenize_sft
 from rlhf_core.toy import build_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
     return build_tokenizer()
+
+
+def tokenize_sft(url, records, tokenizer, input_key, output_key, max_len, chat, input_template=None):
+    return _tokenize_sft(Renderer(tokenizer, url, chat, input_template), records, input_key, output_key, max_len)
 
 
 def write(path, text):
@@ -44,7 +50,7 @@ def test_empty_and_missing_files(tmp_path):
 
 def test_everything_truncated_away(tmp_path, tokenizer):
     url = write(tmp_path / "d.jsonl", json.dumps({"prompt": "sort : 1 2 3 4 5 6 7 8 =", "response": "1"}) + "\n")
-    with pytest.raises(UserError, match="truncated away at --max_len 8"):
+    with pytest.raises(UserError, match="no sample fits --max_len 8"):
         tokenize_sft(url, read_records(url), tokenizer, "prompt", "response", 8, False)
 
 
@@ -66,6 +72,7 @@ def test_prompt_tokens_are_masked(tmp_path, tokenizer):
     url = write(tmp_path / "d.jsonl", json.dumps({"prompt": "sort : 2 1 =", "response": "1 2"}) + "\n")
     [sample] = tokenize_sft(url, read_records(url), tokenizer, "prompt", "response", 64, False)
     num_prompt = 1 + len(tokenizer("sort : 2 1 =", add_special_tokens=False).input_ids)  # BOS + prompt
+    assert sample.input_ids[0] == tokenizer.bos_token_id  # the toy's tokenizer adds BOS to plain text, as Llama's
     assert sample.loss_mask == [0] * num_prompt + [1] * 3  # "1", "2", EOS
     labels = collate_sft([sample], tokenizer.pad_token_id)["labels"][0].tolist()
     assert labels[:num_prompt] == [IGNORE_INDEX] * num_prompt
@@ -76,7 +83,8 @@ def test_chat_template_wraps_the_prompt(tmp_path, tokenizer):
     url = write(tmp_path / "d.jsonl", json.dumps({"prompt": "sort : 2 1 =", "response": "1 2"}) + "\n")
     [plain] = tokenize_sft(url, read_records(url), tokenizer, "prompt", "response", 64, False)
     [chat] = tokenize_sft(url, read_records(url), tokenizer, "prompt", "response", 64, True)
-    assert tokenizer.decode(chat.input_ids).startswith("<s> user : sort")
+    assert tokenizer.decode(chat.input_ids).startswith("user : sort")  # the template writes no BOS: none added
+    assert tokenizer.decode(chat.input_ids).endswith("assistant : 1 2 </s>")
     assert len(chat.input_ids) > len(plain.input_ids)
 
 
@@ -137,23 +145,22 @@ def test_csv_rows(tmp_path):
 
 
 def test_input_template_wraps_the_prompt_unless_a_chat_template_applies(tmp_path, tokenizer):
-    from rlhf_core.data import render_prompt, tokenize_pairs, tokenize_prompts
-
     template = "sort : {} ="
-    assert render_prompt(tokenizer, "2 1", False, template) == "sort : 2 1 ="
-    assert render_prompt(tokenizer, "2 1", True, template).startswith("user : 2 1")  # the chat template wins
     url = write(tmp_path / "d.jsonl", json.dumps({"prompt": "2 1", "response": "1 2", "bad": "1"}) + "\n")
     records = read_records(url)
+    plain, chat = Renderer(tokenizer, url, False, template), Renderer(tokenizer, url, True, template)
+    [chat_prompt] = tokenize_prompts(chat, records, "prompt", 64)
+    assert tokenizer.decode(chat_prompt.ids) == "user : 2 1 assistant :"  # the chat template wins over the template
     [sample] = tokenize_sft(url, records, tokenizer, "prompt", "response", 64, False, input_template=template)
     assert tokenizer.decode(sample.input_ids).startswith("<s> sort : 2 1 =")
-    [(text, ids)] = tokenize_prompts(url, records, tokenizer, "prompt", 64, False, input_template=template)
-    assert text == "2 1" and tokenizer.decode(ids) == "<s> sort : 2 1 ="
-    [pair] = tokenize_pairs(url, records, tokenizer, "prompt", "response", "bad", 64, False, input_template=template)
+    [item] = tokenize_prompts(plain, records, "prompt", 64)
+    assert item.value == "2 1" and tokenizer.decode(item.ids) == "<s> sort : 2 1 =" and item.bos_added
+    [pair] = tokenize_pairs(plain, records, "prompt", "response", "bad", 64)
     assert tokenizer.decode(pair.chosen_ids).startswith("<s> sort : 2 1 =")
     with pytest.raises(UserError, match=r"^--input_template 'User: ' has no '\{\}' where the prompt goes"):
-        render_prompt(tokenizer, "2 1", False, "User: ")
+        tokenize_prompts(Renderer(tokenizer, url, False, "User: "), records, "prompt", 64)
     with pytest.raises(UserError, match=r"^--input_template 'Q \{\} \{name\}' is not a str\.format template"):
-        render_prompt(tokenizer, "2 1", False, "Q {} {name}")
+        tokenize_prompts(Renderer(tokenizer, url, False, "Q {} {name}"), records, "prompt", 64)
 
 
 def test_unreachable_s3_dataset_names_flag_url_and_endpoint(monkeypatch):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rlhf_core.config import RMConfig, SFTConfig
-from rlhf_core.data import TokenizedPair, TokenizedSample, collate_pairs, collate_sft
+from rlhf_core.samples import TokenizedPair, TokenizedSample, collate_pairs, collate_sft
 from rlhf_core.ds_config import deepspeed_config, lr_scheduler_factory, resolve_precision, resolve_zero_stage
 from rlhf_core.errors import CorruptCheckpoint, UnsafeCheckpoint, UserError
 from rlhf_core.packing import pack_sequences, pack_sft, packed_scores, score_positions
@@ -155,12 +155,13 @@ def test_score_positions_skip_trailing_pad_like_the_padded_model():
 
 
 def toy_samples(toy_assets, count: int = 6):
-    from rlhf_core.data import read_records, tokenize_sft
+    from rlhf_core.data import read_records
     from rlhf_core.models import load_tokenizer
+    from rlhf_core.samples import Renderer, tokenize_sft
 
     tokenizer = load_tokenizer(toy_assets["model"])
     records = read_records(toy_assets["sft"], max_samples=count)
-    return tokenizer, tokenize_sft(toy_assets["sft"], records, tokenizer, "prompt", "response", 64, False)
+    return tokenizer, tokenize_sft(Renderer(tokenizer, toy_assets["sft"], False), records, "prompt", "response", 64)
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])

@@ -154,6 +154,6 @@ def test_mixture_follows_probabilities_and_seed(tmp_path):
     with pytest.raises(UserError, match=r"--dataset_probs '0.7' has 1 weights for 2 comma-separated datasets"):
         read_records(url, probs="0.7")
     with pytest.raises(UserError, match=r"small.jsonl line 3: no key 'response'"):
-        from rlhf_core.data import require_text
+        from rlhf_core.samples import require_text
 
         require_text(url, read_records(url)[42], "response", "--output_key")

@@ -211,7 +211,7 @@ def test_openrlhf_arguments_query_is_prompt_plus_response_with_special_tokens(to
     from rlhf_core.trainers.ppo import PromptItem, reward_inputs
 
     tokenizer = load_tokenizer(toy_assets["model"])
-    item = PromptItem("sort : 2 1 =", [tokenizer.bos_token_id] + tokenizer("sort : 2 1 =").input_ids, "1 2")
+    item = PromptItem("sort : 2 1 =", tokenizer("sort : 2 1 =").input_ids, "1 2", bos_added=True)  # the toy adds BOS
     response = tokenizer("1 2", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
     inputs = reward_inputs(tokenizer, [item], [response])
     assert inputs.prompts == ["sort : 2 1 ="] and inputs.queries == ["sort : 2 1 = 1 2 </s>"]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rlhf_core.config import RMConfig, RunConfig, SFTConfig
-from rlhf_core.data import TokenizedPair, TokenizedSample
+from rlhf_core.samples import TokenizedPair, TokenizedSample
 from rlhf_core.ds_config import Precision, deepspeed_config
 from rlhf_core.toy import build_model, build_tokenizer
 from rlhf_core.trainers.rm import Pair, RewardModelTrainer
