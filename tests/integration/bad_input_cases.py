@@ -239,6 +239,21 @@ def data_rm_missing_chosen_key(w):
 
 
 @case
+def data_sft_conversation_with_an_unknown_role(w):
+    conversation = [{"role": "user", "content": "sort : 2 1 ="}, {"role": "bot", "content": "1 2"}]
+    return Bad(w.sft("--apply_chat_template", dataset=w.jsonl("chat.jsonl", {"messages": conversation}),
+                     input_key="messages", output_key=None),
+               ["chat.jsonl line 1", "'messages' message 2", "role 'bot'"])
+
+
+@case
+def data_ppo_prompt_message_with_empty_content(w):
+    messages = [{"role": "system", "content": "You sort."}, {"role": "user", "content": " "}]
+    return Bad(w.ppo("--apply_chat_template", prompt_data=w.jsonl("prompts.jsonl", {"prompt": messages})),
+               ["prompts.jsonl line 1", "'prompt' message 2", "empty content"])
+
+
+@case
 def data_ppo_prompts_missing_key(w):
     return Bad(w.ppo(prompt_data=w.jsonl("prompts.jsonl", {"question": "sort : 2 1 ="})),
                ["prompts.jsonl line 1", "'prompt'", "--input_key"])
