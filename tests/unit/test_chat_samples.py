@@ -163,6 +163,16 @@ def test_reward_pairs_match_openrlhf(tokenizer, prompt_key):
     assert pair.chosen_ids.count(tokenizer.bos_token_id) == (tokenizer.bos_token_id is not None)
 
 
+def test_reward_pairs_of_strings_through_the_chat_template(tokenizer):
+    """Strings with --prompt_key and --apply_chat_template: each string is one message (OpenRLHF would hand the
+    template a concatenated string), so the pair equals the conversation form token for token."""
+    strings = {"prompt": "sort : 3 1 2 =", "chosen": "1 2 3", "rejected": "3 2 1"}
+    messages = {"prompt": [user("sort : 3 1 2 =")], "chosen": [assistant("1 2 3")], "rejected": [assistant("3 2 1")]}
+    renderer = Renderer(tokenizer, "prefs.jsonl", True)
+    [from_strings] = tokenize_pairs(renderer, records_of(strings), "prompt", "chosen", "rejected", MAX_LEN)
+    assert (from_strings.chosen_ids, from_strings.rejected_ids) == openrlhf_pair(tokenizer, messages, "prompt")
+
+
 @pytest.mark.parametrize("value", [[SYSTEM, user("sort : 3 1 2 ="), assistant("1 2 3"), user("and 5 4 =")],
                                    "sort : 3 1 2 ="])
 def test_ppo_prompts_match_openrlhf(tokenizer, value):
