@@ -18,6 +18,12 @@ written ``step_N``; object stores have no rename, so there the manifest alone is
 commit marker. A leftover uncommitted ``step_N`` is moved to ``.aside/`` instead of
 being deleted, so nothing a person might still want is ever destroyed by a retry.
 
+Durability (`rlhf_core.durable`): on a local or NFS filesystem a commit survives a power cut. Each file
+is fsync'd by the rank that writes it, the metadata and the manifest by the driver; then every folder
+of the staging tree is fsync'd, the staging dir renamed to ``step_N`` and the store's folder fsync'd;
+``latest`` is replaced durably (temp + fsync + rename + fsync), and retention runs only after all that.
+On an object store a PUT that returned is durable already.
+
 Per-rank writes: `prepare_step` gives the uncommitted folder (the local staging dir, or ``step_N`` on
 an object store), every rank uploads its own files there (`upload_tree`, hashing while it writes,
 one pass) and returns their manifest entries, and the driver alone writes the metadata, the
@@ -50,6 +56,7 @@ from typing import Any, BinaryIO, Callable, Iterator, Protocol, Sequence
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
+from rlhf_core import durable
 from rlhf_core.errors import CorruptCheckpoint, UserError
 from rlhf_core.faults import fault_point
 from rlhf_core.hub import store_unreachable
@@ -265,7 +272,7 @@ class CheckpointStore:
             return None
 
     def write_json(self, name: str, value: Any) -> None:
-        self._write_bytes(self._path(name), json.dumps(value, sort_keys=True).encode())
+        self._replace_bytes(self._path(name), json.dumps(value, sort_keys=True).encode())
 
     def require_folder(self) -> None:
         """A UserError naming the URL when it is not a folder: `rlhf ckpt ls` on a mistyped path."""
@@ -335,7 +342,7 @@ class CheckpointStore:
         if not self._is_local:
             return PendingStep(step, self._path(name))
         staging_path = self._path(f"{STAGING_PREFIX}{name}_{secrets.token_hex(4)}")
-        self.fs.makedirs(staging_path, exist_ok=True)
+        durable.make_dirs_durably(staging_path)  # the first commit also creates the run's folders
         return PendingStep(step, staging_path)
 
     def upload_tree(self, pending: PendingStep, local_dir: str,
@@ -389,8 +396,11 @@ class CheckpointStore:
         # The manifest goes last: its presence is what marks the step as committed.
         self._write_bytes(f"{pending.path}/{MANIFEST_NAME}", manifest.to_bytes())
         if self._is_local:
+            # Every file is fsync'd as it is written; the names go down before the rename that publishes them.
+            durable.fsync_tree_dirs(pending.path)
             # os.rename is atomic and, unlike shutil.move, never merges into an existing dir.
             os.rename(pending.path, self._path(step_dir_name(pending.step)))
+            durable.fsync_dir(self.root)
         fault_point("before_latest", pending.step)
         self._advance_latest(pending.step)
         self.fs.invalidate_cache()
@@ -586,6 +596,9 @@ class CheckpointStore:
                 write(sink)
             finally:
                 sink.close()
+            if self._is_local:  # in the rank's background writer, beside the other files' writes
+                target.flush()
+                os.fsync(target.fileno())
         return ManifestEntry(relative_path, sink.size, sink.hexdigest())
 
     def _fetch_file(self, info: CheckpointInfo, entry: ManifestEntry, local_dir: str) -> None:
@@ -601,7 +614,7 @@ class CheckpointStore:
         """Point ``latest`` at ``step`` unless it already names this or a newer step."""
         current_step = parse_step_dir_name(self.latest_name() or "")
         if current_step is None or step > current_step:
-            self._write_bytes(self._path(LATEST_NAME), step_dir_name(step).encode())
+            self._replace_bytes(self._path(LATEST_NAME), step_dir_name(step).encode())
 
     def _move_aside(self, name: str) -> str:
         """Move an uncommitted step dir under ``.aside/`` so a new commit can take its name."""
@@ -627,15 +640,43 @@ class CheckpointStore:
         # Without its manifest a half-deleted dir reads as incomplete, never as committed.
         try:
             self.fs.rm_file(f"{dir_path}/{MANIFEST_NAME}")
+            if self._is_local:  # the manifest's removal lands before any file's, or a cut could leave it alone
+                durable.fsync_dir(dir_path)
         except FileNotFoundError:
             pass
         fault_point("during_removal", parse_step_dir_name(name) or 0)
         self.fs.rm(dir_path, recursive=True)
+        if self._is_local:  # else a power cut brings the half-removed folder back, to lie there for ever
+            durable.fsync_dir(posixpath.dirname(dir_path))
         self.fs.invalidate_cache()
 
     def _write_bytes(self, path: str, data: bytes) -> None:
+        """A new file (one PUT on an object store; written and fsync'd on a local filesystem)."""
         self._make_parent_dirs(path)
-        self.fs.pipe_file(path, data)
+        if not self._is_local:
+            self.fs.pipe_file(path, data)
+            return
+        with self.fs.open(path, "wb") as target:
+            target.write(data)
+            target.flush()
+            os.fsync(target.fileno())
+
+    def _replace_bytes(self, path: str, data: bytes) -> None:
+        """A file replaced whole: one PUT, or locally a temp file beside it (`.NAME.<hex>`) written and fsync'd,
+        renamed over it, and its folder fsync'd."""
+        if not self._is_local:
+            self._write_bytes(path, data)
+            return
+        folder, name = posixpath.split(path)
+        temporary = f"{folder}/.{name}.{secrets.token_hex(4)}"
+        try:
+            self._write_bytes(temporary, data)
+            os.replace(temporary, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            raise
+        durable.fsync_dir(folder)
 
     def _make_parent_dirs(self, path: str) -> None:
         # Object stores have no directories; only a local filesystem needs them made.

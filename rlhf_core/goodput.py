@@ -36,7 +36,8 @@ gap counts).
 Why one small JSON document, rewritten whole: it has a constant size (aggregates per stage, the chunks in
 flight, one record per attempt), so a write costs the same at chunk 10 and at chunk 10,000, and a reader
 needs one GET. A rewrite cannot be torn: on a local disk it is written to a temporary file in the same folder
-and renamed over the old one (`os.replace`, atomic on POSIX); on an object store a PUT replaces the whole
+and renamed over the old one (`os.replace`, atomic on POSIX), fsync'd on both sides of the rename so a power
+cut keeps the old or the new; on an object store a PUT replaces the whole
 object or nothing. Only the run's lease holder trains, so there is one writer; a lock orders this process's
 own threads (a background checkpoint writer may record its commit while the next chunk starts). Recording is
 best effort: a store error while recording costs a warning, never a chunk.
@@ -50,7 +51,6 @@ loses half an interval of work on average plus the restart.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import logging
@@ -58,7 +58,6 @@ import math
 import os
 import posixpath
 import socket
-import tempfile
 import threading
 import time
 import uuid
@@ -68,6 +67,7 @@ from typing import Any, Callable, Mapping
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
+from rlhf_core import durable
 from rlhf_core.errors import UserError
 
 GOODPUT_FILE_NAME = "goodput.json"
@@ -319,17 +319,7 @@ class GoodputLedger:
         if not isinstance(self.fs, LocalFileSystem):
             self.fs.pipe_file(self.path, payload)  # one PUT: the object is replaced whole or not at all
             return
-        folder = os.path.dirname(self.path) or "."
-        os.makedirs(folder, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(prefix=f".{GOODPUT_FILE_NAME}.", dir=folder)
-        try:
-            with os.fdopen(handle, "wb") as stream:
-                stream.write(payload)
-            os.replace(temporary, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
-            raise
+        durable.replace_durably(self.path, payload, prefix=f".{GOODPUT_FILE_NAME}.")
 
     def _update(self, change: Callable[[dict, dict], None], start_new: bool = False) -> None:
         """Read, apply `change(doc, this process's attempt)`, write; begins an attempt when none runs here

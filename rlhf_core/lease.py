@@ -10,7 +10,8 @@ Every change to the lease is a compare-and-swap against the record last read, so
 for a free lease exactly one wins, and a holder whose lease was taken over finds out:
 - Local filesystem: the first lease is created with `os.link(temp, LEASE.json)`, atomic together
   with its content (EEXIST: someone else has it). Take-over, renewal and release read, compare and
-  replace (temp + `os.replace`, so readers never see half a record) under `fcntl.flock` on
+  replace (temp + `os.replace`, so readers never see half a record; the temp file fsync'd before and the
+  folder after, so a power cut keeps a whole record) under `fcntl.flock` on
   `LEASE.json.lock`: atomic between processes of one host, and across hosts only on a shared
   filesystem whose server honours flock (NFSv4 does).
 - S3 (s3fs): conditional PUTs. Create with `If-None-Match: *`; take over, renew and release with
@@ -52,6 +53,7 @@ from dataclasses import asdict, dataclass, fields, replace
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from rlhf_core import durable
 from rlhf_core.errors import UserError
 
 LEASE_NAME = "LEASE.json"
@@ -125,6 +127,8 @@ class _LocalStore:
         staging = f"{self.path}.{uuid.uuid4().hex}.tmp"
         with open(staging, "wb") as handle:
             handle.write(payload)
+            handle.flush()
+            os.fsync(handle.fileno())  # the record is durable before any name points at it
         return staging
 
     def create(self, payload: bytes) -> bytes | None:
@@ -139,6 +143,7 @@ class _LocalStore:
             return self.swap(None, payload)  # no hard links here: a create is a swap from "absent"
         finally:
             os.unlink(staging)
+        durable.fsync_dir(os.path.dirname(self.path))
         return payload
 
     def swap(self, expected: bytes | None, payload: bytes) -> bytes | None:
@@ -148,6 +153,7 @@ class _LocalStore:
             if self.read()[1] != expected:
                 return None
             os.replace(self._staged(payload), self.path)
+            durable.fsync_dir(os.path.dirname(self.path))
         return payload
 
 

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import posixpath
+import re
 import threading
 import uuid
 from pathlib import Path
@@ -108,9 +109,11 @@ def record_writes(store: CheckpointStore, monkeypatch: pytest.MonkeyPatch, on_wr
 
     def open_file(path, mode="rb", *args, **kwargs):
         if "w" in mode and not getattr(inside_pipe, "active", False):  # pipe_file may open the file itself
+            # a local durable replace writes `.NAME.<hex>` beside NAME, then renames it over NAME
+            named = re.sub(r"/\.([^/]+)\.[0-9a-f]{8}$", r"/\1", path)
             if on_write:
-                on_write(path)
-            written_paths.append(path)
+                on_write(named)
+            written_paths.append(named)
         return original_open(path, mode, *args, **kwargs)
 
     def put_file(local_path, path, *args, **kwargs):
