@@ -48,6 +48,7 @@ import os
 import posixpath
 import re
 import secrets
+import shutil
 import time
 from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
@@ -57,7 +58,7 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
 from rlhf_core import durable
-from rlhf_core.errors import CorruptCheckpoint, UserError
+from rlhf_core.errors import CorruptCheckpoint, UserError, is_full, store_full
 from rlhf_core.faults import fault_point
 from rlhf_core.hub import store_unreachable
 
@@ -342,8 +343,33 @@ class CheckpointStore:
         if not self._is_local:
             return PendingStep(step, self._path(name))
         staging_path = self._path(f"{STAGING_PREFIX}{name}_{secrets.token_hex(4)}")
-        durable.make_dirs_durably(staging_path)  # the first commit also creates the run's folders
+        with self._full_is_one_sentence():
+            durable.make_dirs_durably(staging_path)  # the first commit also creates the run's folders
         return PendingStep(step, staging_path)
+
+    def discard(self, pending: PendingStep) -> None:
+        """Remove an uncommitted step's files (after a failed write): its space goes back, nothing committed moves."""
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(pending.path, recursive=True)
+        self.fs.invalidate_cache()
+
+    def free_bytes(self) -> int | None:
+        """Free space on the store's filesystem, or None where the store has no such limit (object stores)."""
+        if not self._is_local:
+            return None
+        folder = self.root
+        while not os.path.isdir(folder):
+            folder = os.path.dirname(folder)
+        return shutil.disk_usage(folder).free
+
+    @contextlib.contextmanager
+    def _full_is_one_sentence(self):
+        try:
+            yield
+        except OSError as error:
+            if is_full(error):
+                raise store_full(self.url, error) from None
+            raise
 
     def upload_tree(self, pending: PendingStep, local_dir: str,
                     streams: Sequence[tuple[str, Callable[[BinaryIO], None]]] = ()) -> list[ManifestEntry]:
@@ -589,6 +615,11 @@ class CheckpointStore:
     def _write_stream(self, pending: PendingStep, relative_path: str, write: Callable[[BinaryIO], None]
                       ) -> ManifestEntry:
         remote_path = f"{pending.path}/{relative_path}"
+        with self._full_is_one_sentence():
+            return self._write_stream_into(pending, relative_path, remote_path, write)
+
+    def _write_stream_into(self, pending: PendingStep, relative_path: str, remote_path: str,
+                           write: Callable[[BinaryIO], None]) -> ManifestEntry:
         self._make_parent_dirs(remote_path)
         with self.fs.open(remote_path, "wb") as target:
             sink = HashingWriter(target, lambda: fault_point("mid_upload", pending.step))
@@ -652,14 +683,15 @@ class CheckpointStore:
 
     def _write_bytes(self, path: str, data: bytes) -> None:
         """A new file (one PUT on an object store; written and fsync'd on a local filesystem)."""
-        self._make_parent_dirs(path)
-        if not self._is_local:
-            self.fs.pipe_file(path, data)
-            return
-        with self.fs.open(path, "wb") as target:
-            target.write(data)
-            target.flush()
-            os.fsync(target.fileno())
+        with self._full_is_one_sentence():
+            self._make_parent_dirs(path)
+            if not self._is_local:
+                self.fs.pipe_file(path, data)
+                return
+            with self.fs.open(path, "wb") as target:
+                target.write(data)
+                target.flush()
+                os.fsync(target.fileno())
 
     def _replace_bytes(self, path: str, data: bytes) -> None:
         """A file replaced whole: one PUT, or locally a temp file beside it (`.NAME.<hex>`) written and fsync'd,

@@ -26,12 +26,13 @@ from dataclasses import asdict, dataclass, field
 
 import fsspec
 
-from rlhf_core.alerts import AlertLog, NonFiniteTraining, commit_alerts, history_entry, non_finite_metrics
+from rlhf_core.alerts import (AlertLog, NonFiniteTraining, commit_alerts, expected_bytes_from_metadata, history_entry,
+                              non_finite_metrics)
 from rlhf_core.checkpoint import CheckpointInfo, CheckpointStore
 from rlhf_core.config import STAGES, RunConfig, fields_with_role, semantic_fields, semantic_hash
 from rlhf_core.data import dataset_fingerprint
 from rlhf_core.engine import WorkerGroup, group_settings
-from rlhf_core.errors import UserError
+from rlhf_core.errors import StoreFull, UserError, store_full
 from rlhf_core.faults import fault_point
 from rlhf_core.goodput import GoodputLedger
 from rlhf_core.hub import is_hub_id
@@ -354,6 +355,7 @@ def ensure_checkpoint(run: RunConfig, stage: str, target_step: int, lineage: Lin
                              _WarmGroup.world_size_changes, group.zero_stage)
         metadata |= _alert_inputs(store, group, start_step, target_step, summary)
         ahead = _ahead_target(run, stage, plan, target_step) if train_ahead else None
+        _require_room(run, stage, store, metadata, infos)
         info, commit_seconds, ahead_since = _commit(run, stage, store, group, target_step, metadata, ahead)
         alerts = commit_alerts(run.run_name, stage, target_step, metadata, info.size_bytes,
                                [known.size_bytes for known in infos if known.is_committed and known.step < target_step],
@@ -409,6 +411,18 @@ def _ahead_target(run: RunConfig, stage: str, plan: StagePlan, step: int) -> int
     return later[0]
 
 
+def _require_room(run: RunConfig, stage: str, store: CheckpointStore, metadata: dict, infos: list) -> None:
+    """Stop at this chunk boundary, before writing anything, when the checkpoint will not fit on the store's
+    disk: its predicted size (the size alert's) or the previous checkpoint's, whichever is larger."""
+    free_bytes = store.free_bytes()
+    if free_bytes is None:
+        return
+    predicted = expected_bytes_from_metadata(metadata, has_ds_state=not run.stage_config(stage).disable_ds_ckpt)
+    known = [size for size in (predicted, *(info.size_bytes for info in infos[-1:] if info.is_committed)) if size]
+    if known and max(known) > free_bytes:
+        raise store_full(store.url, free_bytes=free_bytes, needed_bytes=max(known))
+
+
 def _commit(run: RunConfig, stage: str, store: CheckpointStore, group: WorkerGroup, step: int, metadata: dict,
             ahead_to: int | None) -> tuple[CheckpointInfo, dict[str, float], float | None]:
     """Every rank snapshots its share into memory and uploads it into the uncommitted step; the driver
@@ -427,9 +441,13 @@ def _commit(run: RunConfig, stage: str, store: CheckpointStore, group: WorkerGro
     if ahead_to is not None and not run.sync_checkpoint:
         group.train_ahead(ahead_to)
         ahead_since = snapshotted
-    entries = group.finish_write(writes)
-    with run_lease(run) as lease:
-        info = store.finish_commit(pending, entries, metadata, fence=lease)
+    try:
+        entries = group.finish_write(writes)
+        with run_lease(run) as lease:
+            info = store.finish_commit(pending, entries, metadata, fence=lease)
+    except StoreFull:
+        store.discard(pending)  # its space back for the next try; the committed steps are untouched
+        raise
     committed = time.perf_counter()
     stall = (committed if run.sync_checkpoint else snapshotted) - started
     return info, {"stall": stall, "commit": committed - snapshotted}, ahead_since

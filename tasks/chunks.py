@@ -22,7 +22,7 @@ from prefect.filesystems import RemoteFileSystem
 from rlhf_core.alerts import NonFiniteTraining
 from rlhf_core.chunk import CHECKPOINT_FORMAT_VERSION, ensure_checkpoint, export_stage
 from rlhf_core.config import RunConfig, semantic_hash
-from rlhf_core.errors import UserError
+from rlhf_core.errors import UserError, is_permanent_os_error
 from rlhf_core.lease import LeaseLost
 from rlhf_core.export import export_final, merge_lora
 from rlhf_core.resume import Lineage
@@ -68,14 +68,14 @@ def run_result_storage(run: RunConfig) -> Path | str:
 
 
 def _retry_unless_user_error(task, task_run, state) -> bool:
-    """A user mistake or a NaN will fail the same way again, and a run that lost its lease to another writer
-    must stop: don't spend retries on them."""
+    """A user mistake, a NaN or an OSError no retry fixes (a full disk, a read-only store) will fail the same way
+    again, and a run that lost its lease to another writer must stop: don't spend retries on them."""
     try:
         state.result()
     except (UserError, LeaseLost, NonFiniteTraining):
         return False
-    except BaseException:
-        return True
+    except BaseException as error:  # noqa: BLE001 - classified, not handled
+        return not is_permanent_os_error(error)
     return True
 
 

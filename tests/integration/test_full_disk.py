@@ -1,0 +1,59 @@
+"""A full disk is one clear stop with nothing lost: `rlhf train sft` with --ckpt_path on a small tmpfs that holds
+two checkpoints. The third chunk's checkpoint will not fit: the run stops at that boundary with exit 2 and one
+sentence (path, free and needed bytes, remedies), no traceback and no Prefect retry; both commits verify, and
+once the disk grows the same command finishes with the uninterrupted run's weights, bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from rlhf_core.checkpoint import CheckpointStore
+from tests.conftest import run_rlhf
+from tests.integration.conftest import train_sft_args
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs (needs root)")]
+
+TWO_CHECKPOINTS = "3600k"  # the toy SFT checkpoint is ~1.4 MB; logs, lease and ledger share the disk
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TWO_CHECKPOINTS}", "tmpfs", str(disk)], check=True)
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_full_disk_stops_the_run_cleanly_and_the_same_command_resumes(small_disk, tmp_path, toy_assets, rlhf_env,
+                                                                       reference_sft_weights):
+    ckpt, out = small_disk / "ckpt", tmp_path / "out"
+    args = train_sft_args(toy_assets, ckpt, out)
+    full = run_rlhf(args, rlhf_env, timeout=600)
+    output = full.stdout + full.stderr
+    assert full.returncode == 2, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
+    errors = [line for line in output.splitlines() if line.startswith("rlhf: error:")]
+    assert len(errors) == 1, output[-4000:]
+    assert f"--ckpt_path {ckpt}/rlhf/sft: the checkpoint will not fit (" in errors[0]
+    assert " MB free, the checkpoint needs " in errors[0] and "--max_ckpt_num" in errors[0], errors[0]
+    assert "AwaitingRetry" not in output and "Retrying" not in output, "a full disk was retried"
+    store = CheckpointStore(str(ckpt / "rlhf" / "sft"))
+    assert [(info.step, info.status) for info in store.list(verify=True)] == [(5, "committed"), (10, "committed")]
+    assert not [name for name in os.listdir(store.root) if name.startswith(".tmp_")], "staging left on the disk"
+
+    subprocess.run(["mount", "-o", "remount,size=32m", str(small_disk)], check=True)
+    resumed = run_rlhf(args, rlhf_env, timeout=600)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
+    weights = load_file(str(Path(out) / "model.safetensors"))
+    assert weights.keys() == reference_sft_weights.keys()
+    assert all(weights[name].equal(reference_sft_weights[name]) for name in weights)
