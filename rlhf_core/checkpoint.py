@@ -58,7 +58,7 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
 from rlhf_core import durable
-from rlhf_core.errors import CorruptCheckpoint, UserError, is_full, store_full
+from rlhf_core.errors import CorruptCheckpoint, StoreFull, UserError, is_full, store_full
 from rlhf_core.faults import fault_point
 from rlhf_core.hub import store_unreachable
 
@@ -325,7 +325,11 @@ class CheckpointStore:
         pending = self.prepare_step(step)
         if isinstance(pending, CheckpointInfo):
             return pending
-        return self.finish_commit(pending, self.upload_tree(pending, local_dir), metadata, fence)
+        try:
+            return self.finish_commit(pending, self.upload_tree(pending, local_dir), metadata, fence)
+        except StoreFull:
+            self.discard(pending)  # its space back; the committed steps are untouched
+            raise
 
     def prepare_step(self, step: int) -> PendingStep | CheckpointInfo:
         """The uncommitted folder that step_N's files are uploaded into, or the committed step_N itself

@@ -57,3 +57,26 @@ def test_a_full_disk_stops_the_run_cleanly_and_the_same_command_resumes(small_di
     weights = load_file(str(Path(out) / "model.safetensors"))
     assert weights.keys() == reference_sft_weights.keys()
     assert all(weights[name].equal(reference_sft_weights[name]) for name in weights)
+
+
+def test_a_disk_that_fills_during_a_write_names_the_store_and_keeps_the_commits(tmp_path):
+    """Someone else fills the disk mid-write (no prediction can see it): ENOSPC becomes the same one sentence,
+    the uncommitted staging is removed, the committed step still verifies."""
+    from rlhf_core.errors import StoreFull
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], check=True)
+    try:
+        store = CheckpointStore(str(disk / "run" / "sft"))
+        small, large = tmp_path / "small", tmp_path / "large"
+        small.mkdir(), large.mkdir()
+        (small / "weights.bin").write_bytes(b"s" * 500_000)
+        (large / "weights.bin").write_bytes(b"l" * 3_000_000)
+        store.commit(1, str(small), {"global_step": 1})
+        with pytest.raises(StoreFull, match=rf"^--ckpt_path {disk}/run/sft: the disk is full; nothing was committed"):
+            store.commit(2, str(large), {"global_step": 2})
+        assert [(info.step, info.status) for info in store.list(verify=True)] == [(1, "committed")]
+        assert sorted(os.listdir(store.root)) == ["latest", "step_1"]
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
