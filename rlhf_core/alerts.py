@@ -32,6 +32,12 @@ can show it. This module only computes and records; it never imports prefect or 
   (`non_finite_parameters`). Why: such a checkpoint poisons every resume from it, so the chunk raises
   `NonFiniteTraining` before committing, and it is not worth retrying (same data, same seed, same NaN).
 
+Every alert recorded (`AlertLog.append`) is also announced as one warning of the logger `rlhf_core.alerts`,
+`rlhf: warning: <message> (<name>)`: the quiet console prints it as that line (rlhf_core.console), the run's log
+file keeps it, and Prefect's API handler on `rlhf_core` (PREFECT_LOGGING_EXTRA_LOGGERS) puts it in the flow
+run's log, beside the event the flow emits. Why: an alert in a file and an event reaches automations, not the
+person watching `rlhf train` (the stagnant-reward alert went unseen there).
+
 After each commit, `commit_alerts` computes the first two from the checkpoint's own metadata: its
 `metric_history` (one `history_entry` per checkpoint of its line, carried forward from the checkpoint it
 resumed from, so retention by --max_ckpt_num does not shorten it) and its `model_sizes` (`model_size_report`,
@@ -55,6 +61,7 @@ What DeepSpeed writes, which the prediction follows (DeepSpeed 0.19; checked aga
 from __future__ import annotations
 
 import json
+import logging
 import math
 import posixpath
 import statistics
@@ -64,6 +71,10 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
+
+from rlhf_core.console import WARNING_PREFIX
+
+logger = logging.getLogger(__name__)
 
 ALERT_REWARD_STAGNANT = "rlhf.alert.reward-stagnant"
 ALERT_CHECKPOINT_SIZE = "rlhf.alert.checkpoint-size"
@@ -457,16 +468,19 @@ class AlertLog:
         self.url = f"{run_url.rstrip('/')}/{ALERTS_FILE_NAME}"
 
     def append(self, *alerts: Alert) -> None:
+        """Record the alerts, then announce each one (`announce`)."""
         if not alerts:
             return
         lines = "".join(alert.to_json() + "\n" for alert in alerts).encode()
         if isinstance(self.fs, LocalFileSystem):
             self._append_local(lines)
-            return
-        existing = self._read_bytes()
-        if existing and not existing.endswith(b"\n"):
-            existing += b"\n"
-        self.fs.pipe_file(self.path, existing + lines)
+        else:
+            existing = self._read_bytes()
+            if existing and not existing.endswith(b"\n"):
+                existing += b"\n"
+            self.fs.pipe_file(self.path, existing + lines)
+        for alert in alerts:
+            announce(alert)
 
     def _append_local(self, lines: bytes) -> None:
         self.fs.makedirs(posixpath.dirname(self.path), exist_ok=True)
@@ -496,6 +510,11 @@ class AlertLog:
 
     def for_stage(self, stage: str) -> list[Alert]:
         return [alert for alert in self.read() if alert.stage == stage]
+
+
+def announce(alert: Alert) -> None:
+    """One `rlhf: warning:` line for the people watching: the console and the flow run's log (module docstring)."""
+    logger.warning("%s%s (%s)", WARNING_PREFIX, alert.message, alert.name)
 
 
 # --- after a commit ---------------------------------------------------------------------------------------

@@ -197,8 +197,10 @@ class PPOConfig(StageConfig):
                                                 role="model"))
     reward_pretrain: str | None = Field(None, **_input("Reward model; default: the RM output of this run.",
                                                        role="model"))
-    reward_fn: str | None = Field(None, description="A Python reward 'module:function(prompts, responses) -> scores', "
-                                                    "used instead of a reward model (verifiable rewards).")
+    reward_fn: str | None = Field(None, description="A Python reward function 'package.module:function', used instead "
+                                                    "of a reward model (verifiable rewards): OpenRLHF's form "
+                                                    "(queries, prompts, labels, **kwargs) or fn(prompts, responses), "
+                                                    "told apart by its signature.")
     critic_pretrain: str | None = Field(None, **_input("Critic to start from (gae only); default: the reward model, "
                                                        "else the actor (a new value head).", role="model"))
     prompt_data: str = Field(**_input("Prompts, in any form --dataset takes (several, comma-separated, are mixed by "
@@ -225,14 +227,20 @@ class PPOConfig(StageConfig):
     eps_clip_low_high: tuple[float, float] | None = Field(
         None, description="Asymmetric ratio clip (low high), e.g. DAPO's clip-higher 0.2 0.28; default: eps_clip "
                           "both ways.")
+    entropy_loss_coef: float | None = Field(
+        None, allow_inf_nan=False,
+        description="Entropy bonus of the actor loss (OpenRLHF's): unset, none; 0, the policy's mean entropy over "
+                    "the response tokens is logged as entropy_loss and the loss is unchanged; otherwise the loss "
+                    "minus coef x that entropy.")
     value_clip: float = Field(0.2, gt=0, description="PPO value clip (gae).")
     gamma: float = Field(1.0, gt=0, le=1, description="Discount factor.")
     lambd: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
     critic_learning_rate: float = Field(9e-6, gt=0, description="Critic learning rate (gae).")
     remote_rm_url: str | None = Field(None, **_input("OpenRLHF's reward function: a .py file defining "
-                                                        "reward_func(queries, prompts, labels, **kwargs), or an HTTP "
-                                                        "reward server URL (as serve_remote_rm.sh); replaces the "
-                                                        "reward model.", role="path"))
+                                                        "reward_func(queries, prompts, labels, **kwargs) (or "
+                                                        "reward_func(prompts, responses)), or an HTTP reward server "
+                                                        "URL (as serve_remote_rm.sh); replaces the reward model.",
+                                                        role="path"))
     label_key: str | None = Field(None, description="Key of each prompt's label (e.g. the answer), passed to the "
                                                     "reward function as `labels`.")
     prompt_split: str = Field("train", description="Split of prompt_data when it is a hub dataset name.")

@@ -9,6 +9,9 @@ FutureWarnings, and Prefect's temporary-server and per-task "Finished in state" 
 the console: our own lines (the flow run's chunk and stage lines, `rlhf_core` notices), each warning once,
 errors from anyone, and Ray's raylet/autoscaler lines (an OOM kill, a dead node). Everything, shown or not,
 is also written to the log file, with Ray actors' output under the logger name `ray.worker_output`.
+A record of `rlhf_core` whose message is already a console line (`rlhf: warning: ...`: an alert, see
+rlhf_core.alerts) is printed as it is, without the console handler's time and logger name (`_OwnLineFormatter`);
+the same record reaches the flow run's log through Prefect's API handler (PREFECT_LOGGING_EXTRA_LOGGERS).
 With `verbose` (`--verbose`) the console shows everything as before and the file still gets it all.
 
 One progress bar per stage: the flow logs one line per chunk (`sft [#####-----] 4/8 chunks  step 32/64: ...`,
@@ -63,6 +66,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+WARNING_PREFIX = "rlhf: warning: "  # how rlhf_core's warnings read on the console (ranks' and alerts)
 LOG_DIR_NAME = "logs"
 LOG_FILE_NAME = "driver.log"
 REMOTE_FALLBACK_DIR = "rlhf-logs"
@@ -192,6 +196,21 @@ class _CopyToFileThenGate(logging.Filter):
         return shown
 
 
+class _OwnLineFormatter(logging.Formatter):
+    """A console handler's formatter, except for `rlhf_core`'s lines already spelled for the console (`rlhf:
+    warning: ...`), which are written as they are, as the CLI writes its notes and errors."""
+
+    def __init__(self, original: logging.Formatter | None):
+        super().__init__()
+        self.original, self.inner = original, original or logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = record.getMessage()
+        if record.name.startswith("rlhf_core") and message.startswith(WARNING_PREFIX):
+            return message
+        return self.inner.format(record)
+
+
 class _RootConsoleFilter(logging.Filter):
     """On the root logger's console handler (Prefect's): no temporary-server or task "Finished" lines, each
     warning once, chunk lines drawn as the live bar on a terminal, the rest as is (after ending the bar's line)."""
@@ -266,6 +285,8 @@ def configure_console(log_file: str, verbose: bool = False, live_progress: bool 
     _console = _Console(verbose, file_handler, LiveBar(bar_stream) if live_progress and not verbose else None)
     for handler in console_handlers:
         _add_once(handler, _RootConsoleFilter())
+        if not isinstance(handler.formatter, _OwnLineFormatter):
+            handler.setFormatter(_OwnLineFormatter(handler.formatter))
     root.addHandler(file_handler)
     _add_once(logging.getLogger("DeepSpeed"), _CopyToFileThenGate())  # before deepspeed is imported
     import ray  # noqa: F401 - creates Ray's logger and its console handler, to be gated now
@@ -294,6 +315,8 @@ def reset_console() -> None:
         for target in (library_logger, *library_logger.handlers):
             for installed in [f for f in target.filters if isinstance(f, _CONSOLE_FILTERS)]:
                 target.removeFilter(installed)
+            if isinstance(getattr(target, "formatter", None), _OwnLineFormatter):
+                target.setFormatter(target.formatter.original)
     _console.file_handler.close()
     warnings.showwarning = _ORIGINAL_SHOWWARNING
     if not _console.verbose:
@@ -495,7 +518,7 @@ def _cluster_lines(batch: dict) -> list[str]:
 
 # Each rank prints rlhf_core's own warnings (a flag with no effect here, a fallback) with this prefix
 # (`rank_warnings`), so quiet mode can show them on the console, once each, among the actors' output.
-RANK_WARNING_PREFIX = "rlhf: warning: "
+RANK_WARNING_PREFIX = WARNING_PREFIX
 _rank_warnings_shown: set[str] = set()
 
 

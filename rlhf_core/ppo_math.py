@@ -14,7 +14,10 @@ Shapes: [batch, response_len] per token, with `mask` marking real response token
 - reinforce_baseline: score minus its prompt group's mean, returns whitened over the batch;
 - group_norm (GRPO): score minus its group's mean, divided by the group's std (+1e-9);
 - dr_grpo (Dr. GRPO): score minus its group's mean, no std division and no whitening;
-- the group estimators use gamma = 1 whatever `gamma` says, as OpenRLHF forces it.
+- the group estimators use gamma = 1 whatever `gamma` says, as OpenRLHF forces it;
+- `--entropy_loss_coef` (0.11: `actor.entropy_coef`), as OpenRLHF 0.9.10 and 0.11.0: unset, no entropy is
+  computed; 0, the policy's mean entropy over the response tokens is logged as `entropy_loss`; otherwise
+  coef x that entropy is subtracted from the actor loss (an exploration bonus for coef > 0).
 
 Batch statistics (the whitening's mean and variance, the KL fed to the controller) are over the global
 batch: every rank's samples. The functions stay free of torch.distributed; a caller with several ranks
@@ -180,6 +183,21 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     clipped = ratio.clamp(1 - eps_clip, 1 + (eps_clip if eps_clip_high is None else eps_clip_high)) * advantages
     loss = masked_mean(-torch.min(unclipped, clipped), mask)
     return loss, masked_mean((unclipped > clipped).float(), mask)
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of each position's next-token distribution, from its logits, in fp32: logsumexp(logits) minus
+    sum(softmax(logits) * logits), as OpenRLHF's compute_entropy (untempered logits, as OpenRLHF's)."""
+    logits = logits.float()
+    return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+
+
+def entropy_bonus(loss: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor,
+                  coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss - coef * mean entropy, mean entropy), the mean over the masked response tokens as the policy
+    loss's (OpenRLHF's `entropy_loss` metric); coef 0 leaves the loss as it is: the entropy is only measured."""
+    mean_entropy = masked_mean(entropy, mask)
+    return (loss if coef == 0 else loss - coef * mean_entropy), mean_entropy
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,

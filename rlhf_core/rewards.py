@@ -1,15 +1,26 @@
-"""Reward functions that replace the reward model: ours, OpenRLHF's file form, and OpenRLHF's HTTP form.
+"""Reward functions that replace the reward model: Python functions in either form, and OpenRLHF's HTTP form.
 
-- `--reward_fn package.module:function`: `fn(prompts, responses) -> scores`, prompts as written in the
-  data, responses decoded without special tokens (this project's own form).
-- `--remote_rm_url path/to/reward_func.py`: OpenRLHF's `reward_func(queries, prompts, labels, **kwargs)`,
-  loaded from the file. `queries` are prompt + response as one decoded text with special tokens kept
-  (OpenRLHF decodes the whole sequence with skip_special_tokens=False), `prompts` the prompt as the model
-  saw it (after --input_template / chat template), `labels` the `--label_key` values ("" without
-  --label_key, as OpenRLHF's prompts dataset gives).
-- `--remote_rm_url http://host:port/get_reward`: POSTs OpenRLHF's JSON body
-  {"query": [...], "prompts": [...], "labels": [...]} and reads the JSON reply, as
-  `openrlhf.cli.serve_rm` serves it; transport errors are retried (HTTP_ATTEMPTS, HTTP_TIMEOUT_S each).
+A Python function comes from `--reward_fn package.module:function` or from `--remote_rm_url path/to/file.py`
+(the file's `reward_func`, as OpenRLHF loads it), and is written in one of two forms, whichever the flag:
+- ours, `fn(prompts, responses) -> scores`: prompts as written in the data (for a prompt given as a list of
+  chat messages, the content of its last user message, else of its last message), responses decoded
+  without special tokens;
+- OpenRLHF's, `reward_func(queries, prompts, labels, **kwargs)`: `queries` are prompt + response as one
+  decoded text with special tokens kept (OpenRLHF decodes the whole sequence with skip_special_tokens=False),
+  `prompts` the prompt as the model saw it (after --input_template / chat template), `labels` the
+  `--label_key` values ("" without --label_key, as OpenRLHF's prompts dataset gives).
+The form is read from the signature (`reward_form`) when the function loads, and the function is called in
+it, positionally, as OpenRLHF calls reward_func. A form fits when the function accepts that many positional
+arguments and none of its leading parameters bears another of the two forms' argument names in that place
+(so `prompts, responses, labels=None` is ours, `q, p, l` OpenRLHF's, `prompts, queries, labels` neither);
+a function that fits both forms (`*args`, `a, b, c=None`) or neither is refused with one sentence naming
+both, before any training (a function called in the wrong form trains on garbage without a word).
+`reward_inputs` builds both forms' arguments from PPO's prompt items, `check_reward_setup` is the check
+before training (preflight).
+
+A reward server, `--remote_rm_url http://host:port/get_reward`, is POSTed OpenRLHF's JSON body
+{"query": [...], "prompts": [...], "labels": [...]} and its JSON reply read, as `openrlhf.cli.serve_rm`
+serves it; transport errors are retried (HTTP_ATTEMPTS, HTTP_TIMEOUT_S each).
 
 Every form may return a tensor, a list, or OpenRLHF's dict {"rewards", "scores", "extra_logs"}:
 rewards drive the advantages, scores (default: the rewards) drive dynamic filtering, extra_logs (a
@@ -24,13 +35,17 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
+import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf_core.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 HTTP_ATTEMPTS = 5
 HTTP_TIMEOUT_S = 180.0
@@ -50,7 +65,7 @@ class RewardBatch:
 class RewardInputs:
     """What any reward function may be given, one entry per sample."""
 
-    raw_prompts: list[str]  # the prompt field as written in the data (--reward_fn's `prompts`)
+    raw_prompts: list[str]  # the prompt as written in the data, as text (our form's `prompts`; `prompt_text`)
     prompts: list[str]  # the prompt as the model saw it (OpenRLHF's `prompts`)
     queries: list[str]  # prompt + response, decoded with special tokens (OpenRLHF's `queries`)
     responses: list[str]  # the response, decoded without special tokens (--reward_fn's `responses`)
@@ -130,7 +145,7 @@ def parse_reward_output(name: str, output: Any, num_samples: int) -> RewardBatch
 
 
 def load_reward_fn(spec: str) -> Callable:
-    """`package.module:function` -> the function (called as fn(prompts, responses) -> scores)."""
+    """`package.module:function` -> the function (in either form, `reward_form`)."""
     module_name, _, function_name = spec.partition(":")
     try:
         function = getattr(importlib.import_module(module_name), function_name)
@@ -156,8 +171,8 @@ def load_reward_file(path: str) -> Callable:
         raise UserError(f"--remote_rm_url {path}: cannot load it ({type(error).__name__}: {_short(error)}).") from None
     function = getattr(module, "reward_func", None)
     if not callable(function):
-        raise UserError(f"--remote_rm_url {path}: the file defines no function reward_func(queries, prompts, "
-                        f"labels, **kwargs).")
+        raise UserError(f"--remote_rm_url {path}: the file defines no function reward_func (OpenRLHF's "
+                        f"reward_func(queries, prompts, labels, **kwargs), or reward_func(prompts, responses)).")
     return function
 
 
@@ -188,15 +203,104 @@ def post_to_reward_server(url: str, inputs: RewardInputs) -> Any:
     raise UserError(f"reward server {url} did not answer after {HTTP_ATTEMPTS} attempts ({problem}).")
 
 
+# The two forms of a Python reward function, by the names of their positional arguments.
+OURS = ("prompts", "responses")
+OPENRLHF = ("queries", "prompts", "labels")
+FORMS_TEXT = "OpenRLHF's reward_func(queries, prompts, labels, **kwargs) or ours, fn(prompts, responses)"
+
+
+def prompt_text(prompt: Any) -> str:
+    """A prompt as our form's `prompts` gives it: a string as written; for a list of chat messages
+    ({"role", "content"}), the content of the last user message (of the last message when none is the user's)."""
+    if not isinstance(prompt, list):
+        return prompt
+    messages = [message for message in prompt if isinstance(message, dict)]
+    chosen = next((message for message in reversed(messages) if message.get("role") == "user"),
+                  messages[-1] if messages else {})
+    return str(chosen.get("content", ""))
+
+
+def _fits(signature: inspect.Signature, form: tuple[str, ...]) -> bool:
+    """Whether the function takes `form`'s arguments positionally without one of them landing on a parameter
+    named after another argument of the two forms (`fn(prompts, queries, labels)` does not fit OpenRLHF's)."""
+    try:
+        signature.bind(*form)
+    except TypeError:
+        return False
+    positional = [parameter.name for parameter in signature.parameters.values()
+                  if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)]
+    known = set(OURS) | set(OPENRLHF)
+    return all(name == wanted or name not in known for name, wanted in zip(positional, form))
+
+
+def reward_form(name: str, function: Callable) -> tuple[str, ...]:
+    """OPENRLHF or OURS, read from `function`'s signature (see the module docstring); a UserError naming both
+    forms when it fits both or neither."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing says which form it is
+        raise UserError(f"{name}: its signature cannot be read, so it fits neither reward-function form; define "
+                        f"it as {FORMS_TEXT}.") from None
+    forms = [form for form in (OPENRLHF, OURS) if _fits(signature, form)]
+    if len(forms) == 1:
+        return forms[0]
+    which = "both reward-function forms" if forms else "neither reward-function form"
+    raise UserError(f"{name}: its signature {getattr(function, '__name__', 'fn')}{signature} fits {which}, so "
+                    f"which arguments it wants cannot be told; define it as {FORMS_TEXT}.")
+
+
+def python_reward_function(name: str, function: Callable) -> RewardFunction:
+    """A Python function, called in the form its signature declares."""
+    if reward_form(name, function) == OPENRLHF:
+        return RewardFunction(name, lambda x: function(x.queries, x.prompts, x.labels))
+    return RewardFunction(name, lambda x: function(x.raw_prompts, x.responses))
+
+
 def reward_function(reward_fn: str | None, remote_rm_url: str | None) -> RewardFunction | None:
     """The configured reward function, loaded and ready to call; None when a reward model scores."""
     if reward_fn:
-        function = load_reward_fn(reward_fn)
-        return RewardFunction(f"--reward_fn {reward_fn}", lambda x: function(x.raw_prompts, x.responses))
+        return python_reward_function(f"--reward_fn {reward_fn}", load_reward_fn(reward_fn))
     if not remote_rm_url:
         return None
     if remote_rm_url.startswith(("http://", "https://")):
         return RewardFunction(f"reward server {remote_rm_url}", lambda x: post_to_reward_server(remote_rm_url, x))
-    function = load_reward_file(remote_rm_url)
-    return RewardFunction(f"--remote_rm_url {remote_rm_url} (reward_func)",
-                          lambda x: function(x.queries, x.prompts, x.labels))
+    return python_reward_function(f"--remote_rm_url {remote_rm_url} (reward_func)", load_reward_file(remote_rm_url))
+
+
+def reward_inputs(tokenizer, items: Sequence[Any], responses: list[list[int]]) -> RewardInputs:
+    """Every form's arguments for prompt items (`trainers.ppo.PromptItem`: text, ids, label, bos_added) and
+    their sampled responses: OpenRLHF's prompt and query are decoded from the tokens the model saw (without
+    the BOS we add), so each query starts with its prompt; our form's prompt is `prompt_text` of the field."""
+    prompts = [tokenizer.decode(item.ids[item.bos_added:], skip_special_tokens=False) for item in items]
+    queries = [tokenizer.decode(item.ids[item.bos_added:] + response, skip_special_tokens=False)
+               for item, response in zip(items, responses)]
+    return RewardInputs(raw_prompts=[prompt_text(item.text) for item in items], prompts=prompts, queries=queries,
+                        responses=tokenizer.batch_decode(responses, skip_special_tokens=True),
+                        labels=[item.label for item in items])
+
+
+def check_reward_setup(cfg, tokenizer, sample: Any) -> None:
+    """Before any training (preflight): PPO settings `cfg`'s reward function loads, its form is told from its
+    signature, and it scores one real prompt item with an empty response."""
+    function = reward_function(cfg.reward_fn, cfg.remote_rm_url)
+    if function is None:
+        return
+    if cfg.normalize_reward:
+        logger.warning("--normalize_reward has no effect with a reward function (%s); as in OpenRLHF, only "
+                       "reward-model scores are normalized.", function.name)
+    function(reward_inputs(tokenizer, [sample], [[tokenizer.eos_token_id]]))
+
+
+def mean_extra_logs_over_ranks(logs: dict[str, list[float]], world_size: int) -> dict[str, float]:
+    """A rank's `extra_logs`, each averaged over every value of every rank (a collective: every rank calls it)."""
+    import torch.distributed as dist
+
+    gathered: list[dict] = [{}] * world_size
+    dist.all_gather_object(gathered, {key: (sum(values), len(values)) for key, values in logs.items()})
+    totals: dict[str, list[float]] = {}
+    for rank_logs in gathered:
+        for key, (total, count) in rank_logs.items():
+            totals.setdefault(key, [0.0, 0])
+            totals[key][0] += total
+            totals[key][1] += count
+    return {key: total / count for key, (total, count) in sorted(totals.items()) if count}

@@ -13,8 +13,10 @@ Responses come from transformers `generate`, or on GPU from a colocated vLLM eng
 OpenRLHF's reward options, as built here:
 - `--normalize_reward`: reward-model scores become (score - mean) / std with the mean and std recorded
   in the reward model's config.json; a reward model without them, or a reward function, warns once.
-- `--reward_clip_range`, `--use_kl_loss` / `--kl_estimator`: see `rlhf_core.ppo_math`. The KL is in the
-  reward for every estimator unless `--use_kl_loss` (OpenRLHF 0.9.10 does the same for group_norm).
+- `--reward_clip_range`, `--use_kl_loss` / `--kl_estimator`, `--entropy_loss_coef`: see `rlhf_core.ppo_math`.
+  The KL is in the reward for every estimator unless `--use_kl_loss` (OpenRLHF 0.9.10 does the same for group_norm).
+- A rollout batch whose rewards are all equal (over every rank) teaches nothing: one warning, at most once per
+  chunk (`warn_if_rewards_equal`); OpenRLHF says nothing.
 - `--dynamic_filtering`: prompts whose samples' mean score lies outside the range are dropped from the
   update. Departure: OpenRLHF draws replacement prompts until the batch is full; our rollout is a fixed
   slice of the (seed, step) prompt order (so a resumed run replays it), so dropped samples are masked
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +53,8 @@ from rlhf_core.data import Record, read_records
 from rlhf_core.determinism import derive_seed, generator, step_sample_indices
 from rlhf_core.errors import UserError
 from rlhf_core.models import load_causal_lm, load_scalar_model, load_tokenizer, token_values
-from rlhf_core.rewards import RewardBatch, RewardInputs, reward_function
+from rlhf_core.rewards import (RewardBatch, check_reward_setup, mean_extra_logs_over_ranks, reward_function,
+                               reward_inputs)
 from rlhf_core.rollout import collate_sequences, generate, on_device, require_vllm, response_logprobs
 from rlhf_core.samples import Renderer, tokenize_prompts
 from rlhf_core.trainers.base import DeepSpeedTrainer, gathered
@@ -91,29 +95,6 @@ def load_prompts(run: RunConfig, tokenizer, eval_data: bool = False) -> list[Pro
             for prompt, record in zip(tokenized, records)]
 
 
-def reward_inputs(tokenizer, items: list[PromptItem], responses: list[list[int]]) -> RewardInputs:
-    """Every form's arguments: OpenRLHF's prompt and query are decoded from the tokens the model saw
-    (without the BOS we add), so each query starts with its prompt."""
-    prompts = [tokenizer.decode(item.ids[item.bos_added:], skip_special_tokens=False) for item in items]
-    queries = [tokenizer.decode(item.ids[item.bos_added:] + response, skip_special_tokens=False)
-               for item, response in zip(items, responses)]
-    return RewardInputs(raw_prompts=[item.text for item in items], prompts=prompts, queries=queries,
-                        responses=tokenizer.batch_decode(responses, skip_special_tokens=True),
-                        labels=[item.label for item in items])
-
-
-def check_reward_setup(run: RunConfig, tokenizer, sample: PromptItem) -> None:
-    """Before any training: the reward function loads and scores one real prompt with an empty response."""
-    cfg = run.ppo
-    function = reward_function(cfg.reward_fn, cfg.remote_rm_url)
-    if function is None:
-        return
-    if cfg.normalize_reward:
-        logger.warning("--normalize_reward has no effect with a reward function (%s); as in OpenRLHF, only "
-                       "reward-model scores are normalized.", function.name)
-    function(reward_inputs(tokenizer, [sample], [[tokenizer.eos_token_id]]))
-
-
 def optimizer_steps_per_ppo_step(cfg: PPOConfig) -> int:
     return cfg.rollout_batch_size * cfg.n_samples_per_prompt // cfg.train_batch_size * cfg.max_epochs
 
@@ -141,7 +122,7 @@ class PPOTrainer(DeepSpeedTrainer):
         prompts = load_prompts(run, tokenizer)
         if run.ppo.eval_dataset:  # its keys and labels are checked here, not at the first evaluation
             load_prompts(run, tokenizer, eval_data=True)
-        check_reward_setup(run, tokenizer, prompts[0])
+        check_reward_setup(run.ppo, tokenizer, prompts[0])
         return len(prompts)
 
     @staticmethod
@@ -159,6 +140,7 @@ class PPOTrainer(DeepSpeedTrainer):
         self.prompts = load_prompts(run, self.tokenizer)
         self.eval_prompts = load_prompts(run, self.tokenizer, eval_data=True) if cfg.eval_dataset else []
         self.kl = ppo_math.KLController(cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon)
+        self.equal_rewards_chunk: int | None = None  # the chunk whose equal rewards were warned about
         # Whitening and KL statistics over every rank's samples (one process: its own batch is the batch).
         self.reduce = all_ranks_sum if world_size > 1 else None
         num_optimizer_steps = total_steps * optimizer_steps_per_ppo_step(cfg)
@@ -220,6 +202,7 @@ class PPOTrainer(DeepSpeedTrainer):
         cfg = self.cfg
         with self.autocast():  # bf16 autocast on a CPU run with --param_dtype bf16, as SFT and RM
             experience = self.make_experience()
+        self.warn_if_rewards_equal(experience["rewards"])
         mask = experience["mask"] * experience["keep"][:, None]  # filtered samples leave the update
         kl_in_reward = torch.zeros_like(experience["kl"]) if cfg.use_kl_loss else experience["kl"]
         advantages, returns = ppo_math.advantages_and_returns(
@@ -233,7 +216,7 @@ class PPOTrainer(DeepSpeedTrainer):
         observed_kl, num_samples = ppo_math.batch_kl(experience["kl"], experience["mask"], self.reduce)
         self.kl.update(observed_kl, num_samples)
         self.step += 1
-        metrics = {**self.mean_logs_over_ranks(experience["extra_logs"]),
+        metrics = {**mean_extra_logs_over_ranks(experience["extra_logs"], self.world_size),
                    "step": self.step, "reward": self.mean_over_ranks(experience["rewards"].tolist()),
                    "kl": observed_kl, "kl_coef": self.kl.coef,
                    "response_length": self.mean_over_ranks(experience["mask"].sum(-1).tolist()),
@@ -243,6 +226,19 @@ class PPOTrainer(DeepSpeedTrainer):
         if self.evaluation_due():
             metrics["eval_reward"] = self.evaluate()
         return metrics
+
+    def warn_if_rewards_equal(self, rewards: torch.Tensor) -> None:
+        """A rollout batch (every rank's samples) whose rewards are all equal: one warning, at most once per chunk,
+        since no response scores better than another (a reward function in the wrong form, a broken one)."""
+        highest, negated_lowest = self.max_over_ranks(
+            [rewards.max().item(), -rewards.min().item()] if rewards.numel() else [-math.inf, -math.inf])
+        chunk = self.step // self.cfg.save_steps if self.cfg.save_steps > 0 else 0
+        if self.rank != 0 or highest != -negated_lowest or chunk == self.equal_rewards_chunk:
+            return
+        self.equal_rewards_chunk = chunk
+        logger.warning("ppo step %d: every reward of the rollout batch is %.4g, so its advantages carry no reward "
+                       "signal and the policy learns nothing from it; check the reward function or model (shown "
+                       "at most once per chunk).", self.step + 1, highest)
 
     @torch.no_grad()
     def make_experience(self) -> dict:
@@ -334,6 +330,7 @@ class PPOTrainer(DeepSpeedTrainer):
         cfg, num_rows = self.cfg, len(experience["prompts"])
         train_actor = self.step >= cfg.freezing_actor_steps  # OpenRLHF: global step (1-based) > N
         losses: dict[str, list[float]] = ({"policy_loss": [], "clip_fraction": []} if train_actor else {}) | (
+            {"entropy_loss": []} if train_actor and cfg.entropy_loss_coef is not None else {}) | (
             {"critic_loss": []} if self.critic else {})
         self.actor.train()
         for epoch in range(cfg.max_epochs):
@@ -358,7 +355,7 @@ class PPOTrainer(DeepSpeedTrainer):
         result = {}
         if train_actor:
             with self.autocast():
-                logprobs = response_logprobs(self.actor, batch)
+                logprobs, entropy = self.actor_logprobs(batch)
             eps_low, eps_high = cfg.eps_clip_low_high or (cfg.eps_clip, cfg.eps_clip)
             old_logprobs = take("old_logprobs") if self.scores_old_logprobs else logprobs.detach()
             loss, clip_fraction = ppo_math.policy_loss(logprobs, old_logprobs, take("advantages"), mask,
@@ -366,9 +363,12 @@ class PPOTrainer(DeepSpeedTrainer):
             if cfg.use_kl_loss and self.reference is not None:  # GRPO style: the KL in the loss, not the reward
                 loss = loss + self.kl.coef * ppo_math.masked_mean(
                     ppo_math.kl_estimate(logprobs, take("ref_logprobs"), cfg.kl_estimator), mask)
+            result = {"policy_loss": loss.item(), "clip_fraction": clip_fraction.item()}
+            if entropy is not None:  # --entropy_loss_coef: 0 measures the entropy, anything else adds the bonus
+                loss, mean_entropy = ppo_math.entropy_bonus(loss, entropy, mask, cfg.entropy_loss_coef)
+                result["entropy_loss"] = mean_entropy.item()
             self.actor.backward(loss)
             self.actor.step()
-            result = {"policy_loss": loss.item(), "clip_fraction": clip_fraction.item()}
         if self.critic is not None:
             with self.autocast():
                 values = token_values(self.critic.module, batch["input_ids"], batch["attention_mask"])
@@ -378,6 +378,18 @@ class PPOTrainer(DeepSpeedTrainer):
             self.critic.step()
             result["critic_loss"] = critic_loss.item()
         return result
+
+    def actor_logprobs(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The actor's log-probs of the response tokens and, with --entropy_loss_coef set, the entropy of each
+        response position's distribution (from the same forward pass; detached when the coefficient is 0)."""
+        coef = self.cfg.entropy_loss_coef
+        if coef is None:
+            return response_logprobs(self.actor, batch), None
+        batch = on_device(batch, self.actor.device)
+        logits = self.actor(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                            position_ids=batch["position_ids"]).logits.float()[:, batch["prompt_len"] - 1 : -1]
+        entropy = ppo_math.token_entropy(logits if coef else logits.detach())
+        return ppo_math.token_logprobs(logits, batch["input_ids"][:, batch["prompt_len"]:]), entropy
 
     def evaluation_due(self) -> bool:
         """Every eval_steps steps, and at the last step of each chunk (where a checkpoint is committed)."""
@@ -405,14 +417,7 @@ class PPOTrainer(DeepSpeedTrainer):
         dist.all_reduce(total)
         return total.item()
 
-    def mean_logs_over_ranks(self, logs: dict[str, list[float]]) -> dict[str, float]:
-        """extra_logs of the reward function, each averaged over every value of every rank."""
-        gathered: list[dict] = [{}] * self.world_size
-        dist.all_gather_object(gathered, {key: (sum(values), len(values)) for key, values in logs.items()})
-        totals: dict[str, list[float]] = {}
-        for rank_logs in gathered:
-            for key, (total, count) in rank_logs.items():
-                totals.setdefault(key, [0.0, 0])
-                totals[key][0] += total
-                totals[key][1] += count
-        return {key: total / count for key, (total, count) in sorted(totals.items()) if count}
+    def max_over_ranks(self, values: list[float]) -> list[float]:
+        highest = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(highest, op=dist.ReduceOp.MAX)
+        return highest.tolist()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import pickle
 import uuid
@@ -335,6 +336,15 @@ def test_alert_log_appends_reads_and_filters_by_stage(run_url):
     log.append(second, third)
     assert AlertLog(run_url).read() == [first, second, third]
     assert log.for_stage("sft") == [first, third] and log.for_stage("rm") == []
+
+
+def test_every_alert_recorded_is_announced_as_one_rlhf_warning_line(run_url, caplog):
+    first, second = _alert("sft", 4), _alert("ppo", 8, ALERT_CHECKPOINT_SIZE)
+    with caplog.at_level(logging.WARNING, logger="rlhf_core"):
+        AlertLog(run_url).append(first, second)
+    assert [(record.name, record.levelno, record.getMessage()) for record in caplog.records] == [
+        ("rlhf_core.alerts", logging.WARNING, f"rlhf: warning: {first.message} ({first.name})"),
+        ("rlhf_core.alerts", logging.WARNING, f"rlhf: warning: {second.message} ({second.name})")]
 
 
 def test_alert_log_skips_a_garbled_line_and_heals_a_partial_last_line(run_url):

@@ -80,6 +80,27 @@ def test_library_and_prefect_noise_go_to_the_file_only_and_errors_to_both(quiet)
     assert written.count("set aside step_10") == 2, "the file keeps every record"
 
 
+def test_an_alert_is_one_bare_rlhf_warning_line_on_the_console_and_a_record_in_the_file(quiet):
+    """An alert's record (rlhf_core.alerts.announce) on the console is the line itself, not the console handler's
+    format around it; other records keep that format, and undoing the console gives the handler its formatter."""
+    from rlhf_core.alerts import ALERT_REWARD_STAGNANT, Alert, announce
+
+    handler = [h for h in logging.getLogger().handlers if type(h) is logging.StreamHandler][-1]  # the fixture's
+    prefect_like = logging.Formatter("%(asctime)s | %(levelname)-7s | %(name)s - %(message)s")
+    handler.setFormatter(prefect_like)
+    stream, log_file = quiet()
+    announce(Alert(ALERT_REWARD_STAGNANT, "exp1", "ppo", 6, "ppo reward has not improved for 3 committed checkpoints."))
+    logging.getLogger("rlhf_core.resume").warning("set aside step_10")
+    console.open_log_file()
+    lines = stream.getvalue().splitlines()
+    assert "rlhf: warning: ppo reward has not improved for 3 committed checkpoints. (rlhf.alert.reward-stagnant)" \
+        in lines, lines
+    assert any(line.endswith("| WARNING | rlhf_core.resume - set aside step_10") for line in lines), lines
+    assert "WARNING rlhf_core.alerts - rlhf: warning: ppo reward has not improved" in log_file.read_text()
+    console.reset_console()
+    assert handler.formatter is prefect_like
+
+
 def test_verbose_shows_everything(quiet):
     stream, _ = quiet(verbose=True)
     logging.getLogger("prefect").info("Starting temporary server on http://127.0.0.1:8000")

@@ -264,3 +264,106 @@ def test_the_kl_controller_is_fed_the_global_batch_so_every_rank_holds_one_coeff
         controller.update(kl_value, num_samples)
     # twice the target: error clipped at +0.2, times 16 samples over a horizon of 100
     assert controllers[0].coef == controllers[1].coef == pytest.approx(0.05 * (1 + 0.2 * 16 / 100))
+
+
+def test_token_entropy_is_minus_sum_p_log_p_of_each_position():
+    logits = torch.tensor([[[0.0, 0.0], [2.0, -1.0]], [[5.0, 1.0], [0.5, 0.25]]])
+    probabilities = torch.softmax(logits, dim=-1)
+    direct = -(probabilities * probabilities.log()).sum(-1)
+    assert torch.allclose(ppo_math.token_entropy(logits), direct, atol=1e-6)
+    assert ppo_math.token_entropy(logits)[0, 0].item() == pytest.approx(math.log(2))  # uniform over two tokens
+    assert ppo_math.token_entropy(logits.to(torch.bfloat16)).dtype == torch.float32
+
+
+def test_entropy_bonus_subtracts_coef_times_the_mean_response_token_entropy():
+    entropy = torch.tensor([[1.0, 2.0, 9.0], [3.0, 9.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])  # padding's entropy must not count
+    loss = torch.tensor(0.5)
+    bonused, mean_entropy = ppo_math.entropy_bonus(loss, entropy, mask, 0.01)
+    assert mean_entropy.item() == pytest.approx(2.0)  # (1 + 2 + 3) / 3 tokens
+    assert bonused.item() == pytest.approx(0.5 - 0.01 * 2.0)
+    measured, mean_entropy = ppo_math.entropy_bonus(loss, entropy, mask, 0.0)
+    assert measured is loss and mean_entropy.item() == pytest.approx(2.0)  # 0: logged, the loss untouched
+
+
+def test_the_entropy_bonus_gradient_raises_the_entropy():
+    logits = torch.tensor([[[2.0, 0.0, -1.0]]], requires_grad=True)
+    mask = torch.ones(1, 1)
+    loss, _ = ppo_math.entropy_bonus(torch.tensor(0.0), ppo_math.token_entropy(logits), mask, 0.1)
+    loss.backward()
+    probabilities = torch.softmax(logits.detach(), dim=-1)
+    log_probabilities = probabilities.log()
+    entropy = -(probabilities * log_probabilities).sum()
+    # d(-0.1 * H)/d logit_i = 0.1 * p_i * (log p_i + H), by hand
+    assert torch.allclose(logits.grad, 0.1 * probabilities * (log_probabilities + entropy), atol=1e-6)
+    stepped = logits.detach() - logits.grad  # one gradient-descent step on the loss: the entropy goes up
+    assert ppo_math.token_entropy(stepped).item() > entropy.item()
+
+
+class GradientRecordingEngine:
+    """What PPO's update uses of a DeepSpeed engine, around a plain module; `step` keeps each step's gradients."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, module: torch.nn.Module):
+        self.module, self.gradients = module, []
+
+    def __call__(self, **batch):
+        return self.module(**batch)
+
+    def train(self):
+        self.module.train()
+
+    def backward(self, loss):
+        loss.backward()
+
+    def step(self):
+        self.gradients.append([param.grad.clone() for param in self.module.parameters()])
+        self.module.zero_grad()
+
+
+def ppo_update_with_entropy_coef(coef):
+    """One actor update of a bare PPOTrainer (no DeepSpeed, no torch.distributed) on two fixed samples:
+    (its losses, the gradients it stepped with, the module)."""
+    from rlhf_core.config import PPOConfig, RunConfig
+    from rlhf_core.ds_config import Precision
+    from rlhf_core.toy import build_model, build_tokenizer
+    from rlhf_core.trainers.ppo import PPOTrainer
+
+    run = RunConfig(stages=["ppo"], ppo=PPOConfig(pretrain="m", reward_pretrain="rm", prompt_data="p.jsonl",
+                                                  rollout_batch_size=2,
+                                                  train_batch_size=2, micro_train_batch_size=2,
+                                                  advantage_estimator="reinforce", entropy_loss_coef=coef))
+    trainer = PPOTrainer.__new__(PPOTrainer)
+    trainer.run, trainer.cfg, trainer.rank, trainer.world_size, trainer.step = run, run.ppo, 0, 1, 0
+    trainer.precision, trainer.tokenizer = Precision(), build_tokenizer()
+    trainer.actor = GradientRecordingEngine(build_model(len(trainer.tokenizer), seed=0))
+    trainer.reference, trainer.critic, trainer.scores_old_logprobs = None, None, False
+    responses = [[5, 6, 7, 2], [8, 9]]
+    experience = {"prompts": [[1, 4, 5], [1, 6]], "responses": responses,
+                  "advantages": torch.tensor([[1.0, 1.0, 1.0, 1.0], [-1.0, -1.0, 0.0, 0.0]]),
+                  "loss_mask": torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0]])}
+    losses = trainer.update(experience)
+    return losses, trainer.actor.gradients, trainer.actor.module
+
+
+def test_entropy_loss_coef_0_logs_the_entropy_and_trains_as_without_it_and_above_0_adds_the_bonus():
+    from rlhf_core.rollout import collate_sequences
+
+    plain, plain_gradients, _ = ppo_update_with_entropy_coef(None)
+    logged, logged_gradients, module = ppo_update_with_entropy_coef(0.0)
+    bonus, bonus_gradients, _ = ppo_update_with_entropy_coef(0.5)
+    assert "entropy_loss" not in plain and set(logged) == set(bonus) == set(plain) | {"entropy_loss"}
+    assert logged["policy_loss"] == plain["policy_loss"] == bonus["policy_loss"]  # the surrogate, before the bonus
+    assert all(torch.equal(a, b) for a, b in zip(plain_gradients[0], logged_gradients[0]))
+    assert any(not torch.allclose(a, b) for a, b in zip(plain_gradients[0], bonus_gradients[0]))
+
+    # OpenRLHF's entropy_loss by hand: -sum p log p of each response position, averaged over the response tokens.
+    batch = collate_sequences([[1, 4, 5], [1, 6]], [[5, 6, 7, 2], [8, 9]], 0)
+    with torch.no_grad():
+        logits = module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                        position_ids=batch["position_ids"]).logits[:, batch["prompt_len"] - 1 : -1]
+    probabilities = torch.softmax(logits, dim=-1)
+    entropy = -(probabilities * probabilities.log()).sum(-1)
+    by_hand = ((entropy * batch["action_mask"]).sum() / batch["action_mask"].sum()).item()
+    assert logged["entropy_loss"] == [pytest.approx(by_hand, rel=1e-5)] == bonus["entropy_loss"]

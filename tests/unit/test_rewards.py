@@ -4,6 +4,7 @@ accepted return shape, and every mistake stopping with one sentence that names t
 from __future__ import annotations
 
 import json
+import logging
 import math
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -101,6 +102,124 @@ def test_a_missing_reward_file_or_module_is_refused(tmp_path):
         reward_function("no_such_module:f", None)
     with pytest.raises(UserError, match="--reward_fn rlhf_core.toy:DIGITS: DIGITS is a list, not a function"):
         reward_function("rlhf_core.toy:DIGITS", None)
+
+
+# --- either form through either flag, told apart by the signature ---
+
+OPENRLHF_BODY = """
+def {name}(queries, prompts, labels, **kwargs):
+    return [float(query.startswith(prompt) and label == "1 2") for query, prompt, label in zip(queries, prompts, labels)]
+"""
+OURS_BODY = """
+def {name}(prompts, responses):
+    return [float(response == " ".join(sorted(prompt.split()[2:-1]))) for prompt, response in zip(prompts, responses)]
+"""
+
+
+def reward_module(tmp_path, monkeypatch, body: str) -> str:
+    """`body` as an importable module of its own (a fresh name each time: imports are cached); its spec."""
+    name = f"user_rewards_{len(list(tmp_path.glob('user_rewards_*.py')))}_{abs(hash(body))}"
+    (tmp_path / f"{name}.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+@pytest.mark.parametrize("flag", ["reward_fn", "remote_rm_url"])
+@pytest.mark.parametrize("body", [OPENRLHF_BODY, OURS_BODY], ids=["openrlhf-form", "our-form"])
+def test_either_form_through_either_flag_is_called_in_its_own_form(tmp_path, monkeypatch, flag, body):
+    if flag == "reward_fn":
+        module = reward_module(tmp_path, monkeypatch, body.format(name="score"))
+        function = reward_function(f"{module}:score", None)
+    else:
+        function = reward_function(None, write_reward_file(tmp_path, body.format(name="reward_func")))
+    # OpenRLHF's: each query starts with its prompt and sample 0's label is right; ours: "1 2" sorts "2 1"
+    assert function(INPUTS).rewards == [1.0, 0.0]
+
+
+OPENRLHF_FORM, OUR_FORM = ("queries", "prompts", "labels"), ("prompts", "responses")
+
+
+def sig(source: str):
+    namespace: dict = {}
+    exec(source, namespace)
+    return namespace["f"]
+
+
+@pytest.mark.parametrize("source, form", [
+    ("def f(queries, prompts, labels, **kwargs): pass", OPENRLHF_FORM),
+    ("def f(queries, prompts, labels, /): pass", OPENRLHF_FORM),  # positional-only: names still count
+    ("def f(queries, prompts, labels=None): pass", OPENRLHF_FORM),  # 2 arguments fit, but `queries` first
+    ("def f(q, p, l): pass", OPENRLHF_FORM),  # unnamed: only three positional arguments fit
+    ("def f(queries, prompts, *rest): pass", OPENRLHF_FORM),
+    ("def f(prompts, responses): pass", OUR_FORM),
+    ("def f(prompts, responses, **kwargs): pass", OUR_FORM),
+    ("def f(prompts, responses, labels=None): pass", OUR_FORM),  # 3 fit, but `prompts` first
+    ("def f(prompts, completions): pass", OUR_FORM),
+    ("def f(a, b, *, scale=1.0): pass", OUR_FORM),
+])
+def test_the_form_is_read_from_the_signature(source, form):
+    assert rewards.reward_form("fn", sig(source)) == form
+
+
+@pytest.mark.parametrize("source, which", [
+    ("def f(*args, **kwargs): pass", "fits both"),
+    ("def f(a, b, c=None): pass", "fits both"),
+    ("def f(prompts, queries, labels): pass", "fits neither"),  # OpenRLHF's names in the wrong places
+    ("def f(completions, **kwargs): pass", "fits neither"),  # TRL's form
+    ("def f(*, queries, prompts, labels): pass", "fits neither"),  # keyword-only: OpenRLHF calls positionally
+    ("def f(a, b, c, d): pass", "fits neither"),
+])
+def test_a_signature_that_fits_both_forms_or_neither_is_refused_naming_both(source, which):
+    with pytest.raises(UserError) as error:
+        rewards.reward_form("--reward_fn m:f", sig(source))
+    message = str(error.value)
+    assert message.startswith("--reward_fn m:f: its signature f(") and which in message and "\n" not in message
+    assert "reward_func(queries, prompts, labels, **kwargs)" in message and "fn(prompts, responses)" in message
+
+
+def test_an_ambiguous_reward_fn_is_refused_before_training_with_exit_2_and_no_traceback(
+        toy_assets, tmp_path, monkeypatch, capsys):
+    """`rlhf train ppo` in-process: preflight refuses it; should it get past preflight, the run fails instead
+    of starting Prefect's server and Ray."""
+    import flows.pipeline
+    from flows.cli import main
+    from rlhf_core import console
+
+    def past_preflight():
+        raise AssertionError("an ambiguous reward function got past preflight")
+
+    monkeypatch.setattr(flows.pipeline, "_start_ephemeral_server_in_background", past_preflight)
+    module = reward_module(tmp_path, monkeypatch, "def score(*args, **kwargs):\n    return [1.0] * len(args[0])\n")
+    try:
+        code = main(["train", "ppo", "--pretrain", toy_assets["model"], "--prompt_data", toy_assets["prompts"],
+                     "--input_key", "prompt", "--reward_fn", f"{module}:score", "--rollout_batch_size", "4",
+                     "--train_batch_size", "4", "--micro_train_batch_size", "4", "--advantage_estimator",
+                     "reinforce", "--ckpt_path", str(tmp_path / "ckpt"), "--save_path", str(tmp_path / "out")])
+    finally:
+        console.reset_console()  # a run that got further leaves the quiet console on: the next tests' logging
+    stderr = capsys.readouterr().err
+    assert code == 2, stderr
+    assert "Traceback" not in stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("rlhf: error:")]
+    assert errors == [f"rlhf: error: --reward_fn {module}:score: its signature score(*args, **kwargs) fits both "
+                      f"reward-function forms, so which arguments it wants cannot be told; define it as OpenRLHF's "
+                      f"reward_func(queries, prompts, labels, **kwargs) or ours, fn(prompts, responses)."], stderr
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "out").exists()
+
+
+def test_our_form_gets_the_last_user_message_of_a_prompt_given_as_messages(toy_assets):
+    from rlhf_core.models import load_tokenizer
+    from rlhf_core.trainers.ppo import PromptItem, reward_inputs
+
+    tokenizer = load_tokenizer(toy_assets["model"])
+    messages = [{"role": "system", "content": "sort the digits"}, {"role": "user", "content": "sort : 3 1 ="},
+                {"role": "assistant", "content": "1 3"}, {"role": "user", "content": "sort : 2 1 ="}]
+    items = [PromptItem(messages, tokenizer("sort : 2 1 =").input_ids, "", bos_added=True),
+             PromptItem([{"role": "system", "content": "only a system turn"}], [4, 5], ""),
+             PromptItem("sort : 4 1 =", [4, 5], "")]
+    inputs = reward_inputs(tokenizer, items, [[2], [2], [2]])
+    assert inputs.raw_prompts == ["sort : 2 1 =", "only a system turn", "sort : 4 1 ="]
+    assert inputs.prompts[0] == "sort : 2 1 ="  # OpenRLHF's: the prompt as the model saw it, not the messages
 
 
 class RewardServer:
@@ -211,7 +330,9 @@ def test_openrlhf_arguments_query_is_prompt_plus_response_with_special_tokens(to
     from rlhf_core.trainers.ppo import PromptItem, reward_inputs
 
     tokenizer = load_tokenizer(toy_assets["model"])
-    item = PromptItem("sort : 2 1 =", tokenizer("sort : 2 1 =").input_ids, "1 2", bos_added=True)  # the toy adds BOS
+    ids = tokenizer("sort : 2 1 =").input_ids
+    assert ids[0] == tokenizer.bos_token_id
+    item = PromptItem("sort : 2 1 =", ids, "1 2", bos_added=True)
     response = tokenizer("1 2", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
     inputs = reward_inputs(tokenizer, [item], [response])
     assert inputs.prompts == ["sort : 2 1 ="] and inputs.queries == ["sort : 2 1 = 1 2 </s>"]
@@ -254,3 +375,28 @@ def test_normalize_reward_with_a_reward_function_warns_that_it_does_nothing(toy_
     assert PPOTrainer.count_items(run) == 256
     assert "--normalize_reward has no effect with a reward function (--reward_fn rlhf_core.toy:gold_reward)" \
         in caplog.text
+
+
+def test_a_rollout_batch_of_equal_rewards_warns_once_per_chunk(caplog):
+    """The check of the global batch (every rank's rewards: the max of max and of -min over ranks, stubbed for
+    one rank here): steps 1-2 form chunk 1 and 3-4 chunk 2 at --save_steps 2."""
+    from rlhf_core.config import PPOConfig
+    from rlhf_core.trainers.ppo import PPOTrainer
+
+    trainer = PPOTrainer.__new__(PPOTrainer)
+    trainer.cfg = PPOConfig(pretrain="m", prompt_data="p.jsonl", save_steps=2, rollout_batch_size=2, train_batch_size=2,
+                            micro_train_batch_size=2)
+    trainer.rank, trainer.equal_rewards_chunk = 0, None
+    trainer.max_over_ranks = lambda values: values
+    warned_at = []
+    for step, rewards in enumerate([[0.0, 0.0], [0.0, 0.0], [0.0, 1.0], [0.5, 0.5], [0.5, 0.5]]):
+        trainer.step = step
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="rlhf_core"):
+            trainer.warn_if_rewards_equal(torch.tensor(rewards))
+        if caplog.records:
+            warned_at.append(step + 1)
+            message = caplog.records[0].getMessage()
+            assert f"ppo step {step + 1}: every reward of the rollout batch is {rewards[0]:g}" in message
+            assert "nothing" in message and len(caplog.records) == 1
+    assert warned_at == [1, 4, 5]  # chunk 1 once (not step 2), nothing for unequal rewards, chunk 2, chunk 3
