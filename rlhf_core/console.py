@@ -57,6 +57,7 @@ Nothing here imports prefect: the filters recognise Prefect's handler as "a stre
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -87,6 +88,28 @@ def log_file_for(run_url: str, run_name: str) -> str:
     return os.path.join(os.path.abspath(local), LOG_DIR_NAME, LOG_FILE_NAME)
 
 
+class _FailSafeFileHandler(logging.FileHandler):
+    """A FileHandler that, when its file cannot be written (a full disk, a lost mount), says so once on the
+    console and stops writing, instead of printing logging's traceback for every record that follows."""
+
+    failed = False
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        error = sys.exc_info()[1]
+        if not isinstance(error, OSError):
+            return super().handleError(record)
+        if not self.failed:
+            self.failed = True
+            warn_log_file_lost(self.baseFilename, error)
+        with contextlib.suppress(OSError):
+            self.close()
+
+
+def warn_log_file_lost(path: str, error: OSError) -> None:
+    print(f"rlhf: warning: cannot write the run's log file {path} ({error.strerror or error}); the console "
+          "keeps logging, the file stops here.", file=sys.__stderr__, flush=True)
+
+
 class _RunLogHandler(logging.Handler):
     """The log file, opened only once the run is real: records are held in memory until `open()` (Ray starts,
     or the CLI sees the run end other than by a UserError), so a run refused by preflight writes nothing."""
@@ -106,8 +129,13 @@ class _RunLogHandler(logging.Handler):
         with self.lock:
             if self._file is not None:
                 return False
-            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-            self._file = logging.FileHandler(self.path, encoding="utf-8")
+            try:
+                os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+                self._file = _FailSafeFileHandler(self.path, encoding="utf-8")
+            except OSError as error:  # the run goes on without its file
+                self._file = _FailSafeFileHandler(os.devnull, encoding="utf-8")
+                self._file.failed = True
+                warn_log_file_lost(self.path, error)
             # Not self.formatter: ray.init(configure_logging=True) sets the format of every handler on the
             # "ray" logger, this one included.
             self._file.setFormatter(logging.Formatter(_FILE_FORMAT))
@@ -122,7 +150,8 @@ class _RunLogHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         if self._file is not None:
-            self._file.emit(record)
+            if not self._file.failed:
+                self._file.emit(record)
         elif len(self._held) < _MAX_HELD_RECORDS:
             self._held.append(record)
 

@@ -261,3 +261,22 @@ def test_a_rank_warning_or_a_python_warning_ends_the_bar_line_first(quiet, monke
     assert lines[1] == console.RANK_WARNING_PREFIX + "flag has no effect"
     assert lines[2].endswith("UserWarning: odd")
     assert lines[3].startswith("\rppo [###############")
+
+
+def test_a_log_file_on_a_full_disk_is_one_warning_and_no_traceback(capfd):
+    """/dev/full fails every write with ENOSPC, as a log folder on a full disk does: the run's log handler says so
+    once and stops writing; logging goes on, and no logging traceback reaches the console."""
+    handler = console._RunLogHandler("/dev/full")
+    logger = logging.getLogger("rlhf_core.test_full_log")
+    logger.addHandler(handler)
+    try:
+        logger.warning("held until the run is real")
+        handler.open()
+        for index in range(50):
+            logger.warning("record %d", index)
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
+    errors = capfd.readouterr().err
+    assert errors.count("rlhf: warning: cannot write the run's log file /dev/full (No space left on device)") == 1
+    assert "Traceback" not in errors and "Logging error" not in errors, errors[-2000:]
