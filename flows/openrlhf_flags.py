@@ -289,7 +289,7 @@ FLAGS: tuple[Flag, ...] = (
     _same("max_new_tokens", "rollout.max_new_tokens", (PPO,), value_type=int),
     Flag("generate_max_len", MAPPED, (PPO,), field="max_new_tokens", value_type=int,
          note="the seed's spelling of --max_new_tokens"),
-    _same("prompt_max_len", "", (PPO,), value_type=int, note="OpenRLHF <= 0.8's prompt cap; kept here"),
+    _same("prompt_max_len", "", (PPO,), value_type=int, note="OpenRLHF <= 0.9.0's prompt cap; kept here"),
     _noop("ptx_coef", "", "there is no pre-training data flag in OpenRLHF 0.9 to mix in, so the ptx loss is 0",
           (PPO,), value_type=float),
     _same("eps_clip", "actor.eps_clip", (PPO,), value_type=float),

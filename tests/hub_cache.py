@@ -168,3 +168,55 @@ def chat_data(seed: int = 0, num_rows: int = 64) -> ChatData:
         data.prompts.append({"context_messages": [SYSTEM, user(row["prompt"])], "label": answer})
     return data
 
+
+def openorca_rows(seed: int = 0, num_rows: int = 64) -> list[dict]:
+    """The toy task in Open-Orca/OpenOrca's columns: `id`, `system_prompt`, `question`, `response` (strings)."""
+    from rlhf_core.toy import make_datasets
+
+    toy = make_datasets(seed, num_sft=num_rows, num_prefs=0, num_prompts=0, num_eval_prompts=0)
+    return [{"id": f"toy.{index}", "system_prompt": SYSTEM["content"], "question": row["prompt"],
+             "response": row["response"]} for index, row in enumerate(toy["sft"])]
+
+
+def tiny_llama_reward_model(tokenizer, seed: int = 0, mean: float = 0.0, std: float = 1.0):
+    """A reward model as OpenRLHF's RM checkpoints are laid out: a Llama backbone (`model.*`) with a one-output
+    `score` head, transformers' sequence-classification layout, and the reward mean/std OpenRLHF records in
+    config.json for PPO's --normalize_reward."""
+    import torch
+    from transformers import LlamaForSequenceClassification
+
+    config = tiny_llama(tokenizer, seed).config
+    config.num_labels = 1
+    config.architectures = ["LlamaForSequenceClassification"]
+    config.mean, config.std, config.normalize_reward = mean, std, False
+    torch.manual_seed(seed)
+    return LlamaForSequenceClassification(config)
+
+
+# OpenRLHF's example scripts' hub names, as written in them, and what each holds here.
+OPENRLHF_BASE_MODEL = "meta-llama/Meta-Llama-3-8B"
+OPENRLHF_SFT_MODEL = "OpenRLHF/Llama-3-8b-sft-mixture"
+OPENRLHF_REWARD_MODELS = ("OpenRLHF/Llama-3-8b-rm-mixture", "OpenRLHF/Llama-3-8b-rm-700k")
+OPENRLHF_SFT_DATA = "Open-Orca/OpenOrca"
+OPENRLHF_PREFERENCE_DATA = "OpenRLHF/preference_dataset_mixture2_and_safe_pku"
+OPENRLHF_PROMPT_DATA = "OpenRLHF/prompt-collection-v0.1"
+
+
+def build_openrlhf_hub(home: Path, seed: int = 0, num_rows: int = 64) -> dict[str, Path]:
+    """The models and datasets OpenRLHF's example scripts name, as tiny local stand-ins in the cache at `home`:
+    the base model with a Llama-3 base tokenizer, the SFT model and the reward models with a Llama-3 instruct
+    tokenizer (its chat template writes BOS itself), Open-Orca rows (`question`/`response` strings), preference
+    conversations (`chosen`/`rejected` message lists, no prompt column) and prompts (`context_messages` message
+    lists, with a `label`). Returns each repo id's snapshot folder."""
+    base, instruct = build_tokenizer(LLAMA3_BASE), build_tokenizer(LLAMA3_INSTRUCT)
+    data = chat_data(seed, num_rows)
+    snapshots = {
+        OPENRLHF_BASE_MODEL: save_model(home, OPENRLHF_BASE_MODEL, tiny_llama(base, seed), base),
+        OPENRLHF_SFT_MODEL: save_model(home, OPENRLHF_SFT_MODEL, tiny_llama(instruct, seed), instruct),
+        OPENRLHF_SFT_DATA: save_dataset(home, OPENRLHF_SFT_DATA, {"train": openorca_rows(seed, num_rows)}),
+        OPENRLHF_PREFERENCE_DATA: save_dataset(home, OPENRLHF_PREFERENCE_DATA, {"train": data.prefs}),
+        OPENRLHF_PROMPT_DATA: save_dataset(home, OPENRLHF_PROMPT_DATA, {"train": data.prompts}),
+    }
+    for offset, repo_id in enumerate(OPENRLHF_REWARD_MODELS, start=1):
+        snapshots[repo_id] = save_model(home, repo_id, tiny_llama_reward_model(instruct, seed + offset), instruct)
+    return snapshots

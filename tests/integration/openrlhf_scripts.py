@@ -1,16 +1,17 @@
 """OpenRLHF's example launch scripts as data: parse the command they run, and apply the few edits a user may
-make to run them here (launcher, model/dataset names, data keys, sizes, paths), nothing else.
+make to run them here (launcher, paths, sizes, GPU and engine counts), nothing else.
 
 `parse_script` reads the bash text the way bash would build the command: comments dropped, `\\`-newline
 continuations joined, the `read -r -d '' training_commands <<EOF ... EOF` body substituted (unquoted, so split
 on whitespace) into the line that runs `$training_commands`, or the single command line otherwise (quoted as
-bash quotes, via shlex). The command splits into the launcher (everything up to the `openrlhf.cli.*` module)
-and the module's arguments, grouped into `(flag, values)` options in order.
+bash quotes, via shlex). The command splits into the launcher (everything up to the `openrlhf.cli.*` module:
+`deepspeed --module`, `ray job submit ... -- python3 -m`, `python3 -m`) and the module's arguments, grouped into
+`(flag, values)` options in order.
 
 `edit_command` applies one script's `ScriptEdits`: a new launcher and new values for named flags. Flags are named
-by their OpenRLHF 0.9 spelling; the 0.11 script's dotted spelling is looked up in
+by their OpenRLHF 0.9 spelling; a 0.11 script's dotted spelling is looked up in
 tests/data/openrlhf/dotted_names.json (OpenRLHF's own rename, extracted from its history), so one edit table
-serves both releases. An edit of a flag the script does not have is an error, and `changed_flags` tells which
+serves every release. An edit of a flag the script does not have is an error, and `changed_flags` tells which
 flags differ between two commands, so a test can prove nothing was dropped, added or quietly changed.
 """
 
@@ -24,6 +25,7 @@ from pathlib import Path
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "data" / "openrlhf"
 RELEASES = ("v0.9.10", "v0.11.0")
+DOTTED_RELEASES = ("v0.11.0",)  # releases whose flags are dotted (0.10 on); v0.9.0 and v0.9.10 are flat
 HEREDOC_START = re.compile(r"^read\s+-r\s+-d\s+''\s+(\w+)\s+<<\s*(\w+)\s*$")
 
 
@@ -112,7 +114,7 @@ class ScriptEdits:
     values: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def spelled(self, flag: str, release: str) -> str:
-        return flag if release == "v0.9.10" else dotted_name(self.cli, flag)
+        return dotted_name(self.cli, flag) if release in DOTTED_RELEASES else flag
 
 
 def edit_command(command: Command, edits: ScriptEdits, release: str) -> Command:
