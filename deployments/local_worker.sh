@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create the process work pool (if missing), deploy every deployment of prefect.yaml (rlhf/full, sft,
-# rm, ppo, ppo-nightly; the nightly schedule stays inactive until you resume it), and run a worker in
-# the foreground. Needs a running Prefect server: PREFECT_API_URL set, or `prefect server start`.
+# rm, ppo, ppo-nightly; the nightly schedule stays inactive until you resume it), create or update the
+# automations (deployments/create_automations.py: a killed worker's run is marked Crashed), and run a
+# worker in the foreground. Needs a running Prefect server: PREFECT_API_URL set, or `prefect server start`.
 #
 #   deployments/local_worker.sh              # pool rlhf-local
 #   RLHF_WORK_POOL=gpu-box deployments/local_worker.sh
@@ -12,8 +13,10 @@ PROJECT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"
 POOL="${RLHF_WORK_POOL:-rlhf-local}"
 if [[ -x "$PROJECT_DIR/.venv/bin/prefect" ]]; then
   PREFECT="$PROJECT_DIR/.venv/bin/prefect"   # the worker runs flows with this venv's python
+  PYTHON="$PROJECT_DIR/.venv/bin/python"
 else
   PREFECT="$(command -v prefect)"
+  PYTHON="$(command -v python3)"
 fi
 export PREFECT_SERVER_ANALYTICS_ENABLED="${PREFECT_SERVER_ANALYTICS_ENABLED:-false}"
 # Flow-run processes inherit this even when `prefect deploy --job-variable env=...` replaces the env mapping.
@@ -31,5 +34,9 @@ fi
 if [[ -z "${RLHF_SKIP_DEPLOY:-}" ]]; then
   "$PREFECT" --no-prompt deploy --all --pool "$POOL"
 fi
+
+# Without these a killed worker's run stays Running for ever (deployments/README.md); safe to repeat.
+echo "automations: a run whose worker dies is marked Crashed after 90 s without a heartbeat; alerts show in the UI"
+"$PYTHON" deployments/create_automations.py
 
 exec "$PREFECT" worker start --pool "$POOL"

@@ -385,3 +385,26 @@ def test_ppo_nightly_stops_at_its_chunk_budget_and_the_next_run_finishes_with_th
         assert expected.keys() == actual.keys()
         for tensor_name, tensor in expected.items():
             assert torch.equal(tensor, actual[tensor_name]), f"{name}:{tensor_name} differs from the unbudgeted run"
+
+
+def test_the_quick_start_script_creates_the_automations(prefect_server, tmp_path):
+    """deployments/local_worker.sh, the README's quick start, creates the automations that mark a killed worker's
+    run Crashed (else such a run stays Running for ever), and says so, before it starts its worker."""
+    from prefect.client.orchestration import SyncPrefectClient
+
+    from deployments.create_automations import AUTOMATIONS_FILE, load_automations
+
+    env = {**prefect_server.env, "RLHF_WORK_POOL": "rlhf-quickstart", "RLHF_SKIP_DEPLOY": "1"}
+    script = BackgroundProcess.start("local-worker", [str(PROJECT_DIR / "deployments" / "local_worker.sh")], env,
+                                     tmp_path / "local_worker.log")
+    try:
+        while "Worker" not in script.log_tail():  # `prefect worker start` comes after the automations
+            assert script.alive(), script.log_tail()
+            time.sleep(1)
+        with SyncPrefectClient(prefect_server.api_url) as client:
+            names = {automation.name for automation in client.read_automations()}
+    finally:
+        script.stop(grace=5)
+    assert {automation.name for automation in load_automations(AUTOMATIONS_FILE)} <= names, names
+    assert "a run whose worker dies is marked Crashed" in script.log_tail()
+    assert "rlhf-crash-unresponsive-flow-runs" in script.log_tail()
