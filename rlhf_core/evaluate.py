@@ -16,7 +16,8 @@ def mean_gold_score(model_url: str, prompts_url: str, max_new_tokens: int = 8, n
     scores = []
     for record in read_records(prompts_url)[:num_prompts]:
         prompt = record.fields["prompt"]
-        ids = [tokenizer.bos_token_id] + tokenizer(prompt, add_special_tokens=False).input_ids
+        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []  # Qwen has none
+        ids = bos + tokenizer(prompt, add_special_tokens=False).input_ids
         output = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         response = tokenizer.decode(output[0, len(ids):], skip_special_tokens=True)

@@ -70,7 +70,10 @@ def _file_above(path: str) -> str | None:
 
 def upload_dir(local_dir: str, url: str, storage_options: dict | None = None) -> str:
     """Copy the files of `local_dir` to `url`, removing model files of an older export there first
-    (a full model left beside a new adapter would be loaded instead of it); other files stay."""
+    (a full model left beside a new adapter would be loaded instead of it); other files stay. On a local
+    disk each file lands under a temporary name and is renamed over the old one: a process reading the old
+    export (safetensors are memory-mapped) keeps its bytes, where a rewrite in place would kill it with
+    SIGBUS, and an interrupted export never leaves a truncated file under the real name."""
     filesystem, target = fsspec.core.url_to_fs(url, **(storage_options or {}))
     filesystem.makedirs(target, exist_ok=True)
     new_names = set(os.listdir(local_dir))
@@ -83,7 +86,13 @@ def upload_dir(local_dir: str, url: str, storage_options: dict | None = None) ->
         if MODEL_FILE.fullmatch(name) and name not in new_names and filesystem.isfile(path):
             filesystem.rm_file(path)
     for name in sorted(new_names):
-        filesystem.put_file(os.path.join(local_dir, name), f"{target.rstrip('/')}/{name}")
+        destination = f"{target.rstrip('/')}/{name}"
+        if not isinstance(filesystem, LocalFileSystem):
+            filesystem.put_file(os.path.join(local_dir, name), destination)
+            continue
+        partial = f"{destination}.partial-{uuid.uuid4().hex[:8]}"
+        filesystem.put_file(os.path.join(local_dir, name), partial)
+        os.replace(partial, destination)
     return url
 
 

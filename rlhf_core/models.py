@@ -3,7 +3,9 @@
 A folder holding a LoRA adapter (adapter_config.json) is accepted wherever a model is: its base is
 loaded and the adapter merged in memory, so a LoRA stage's output feeds the next stage directly.
 Reward models and critics are `AutoModelForSequenceClassification` with one label: a backbone and a
-linear `score` head, OpenRLHF's layout; `token_values` reads the head at every position for a critic.
+linear `score` head, OpenRLHF's layout; `token_values` reads the head at every position for a critic, and
+`sequence_scores` at each sequence's last token for a reward. LoRA targets are checked against the model's
+own layers (rlhf_core.lora_targets).
 
 Hub ids (`OpenRLHF/Llama-3-8b-sft-mixture`) resolve through huggingface_hub (rlhf_core.hub); remote
 folders (s3://...) are copied once into a local cache with the run's storage_options. Before anything
@@ -251,10 +253,15 @@ def _from_pretrained(auto_class, url: str, storage_options: dict | None, flag: s
 
 
 def with_lora(model, lora_rank: int, lora_alpha: int, target_modules: list[str] | None, task_type: str,
-              lora_dropout: float = 0.0):
+              lora_dropout: float = 0.0, *, source: str = "the model"):
+    """Fresh LoRA adapters on `target_modules` (None: all-linear, whatever the family names its layers)."""
     if lora_rank <= 0:
         return model
     from peft import LoraConfig, get_peft_model
+
+    from rlhf_core.lora_targets import refuse_unknown_targets
+
+    refuse_unknown_targets(model, target_modules, source)
 
     lora = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout, task_type=task_type,
                       target_modules=target_modules or "all-linear")
@@ -296,7 +303,7 @@ def load_causal_lm(url: str, lora_rank: int = 0, lora_alpha: int = 16, target_mo
     model = _from_pretrained(AutoModelForCausalLM, url, storage_options, flag, **_attention_kwargs(attn_implementation))
     if gradient_checkpointing:
         enable_activation_checkpointing(model, use_reentrant=False)
-    return with_lora(model, lora_rank, lora_alpha, target_modules, "CAUSAL_LM", lora_dropout)
+    return with_lora(model, lora_rank, lora_alpha, target_modules, "CAUSAL_LM", lora_dropout, source=url)
 
 
 def load_scalar_model(url: str, pad_token_id: int, lora_rank: int = 0, lora_alpha: int = 16,
@@ -308,16 +315,34 @@ def load_scalar_model(url: str, pad_token_id: int, lora_rank: int = 0, lora_alph
 
     model = _from_pretrained(AutoModelForSequenceClassification, url, storage_options, flag, num_labels=1,
                              **_attention_kwargs(attn_implementation))
-    model.config.pad_token_id = pad_token_id  # the score is read at the last non-pad token
+    model.config.pad_token_id = pad_token_id  # transformers' pooling needs it; rewards use sequence_scores
     if gradient_checkpointing:
         enable_activation_checkpointing(model, use_reentrant=False)
-    return with_lora(model, lora_rank, lora_alpha, target_modules, "SEQ_CLS", lora_dropout)
+    return with_lora(model, lora_rank, lora_alpha, target_modules, "SEQ_CLS", lora_dropout, source=url)
 
 
 def token_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The `score` head at every position: a critic's per-token values, [batch, length]."""
+    """The `score` head at every position: a critic's per-token values, [batch, length]. Positions count
+    attended tokens only (as OpenRLHF's), so a left-padded row scores as it would unpadded: families with
+    learned absolute positions (GPT-2) depend on it."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # through a LoRA wrapper
     backbone = getattr(inner, inner.base_model_prefix)
     device = inner.score.weight.device
-    hidden = backbone(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).last_hidden_state
+    attention_mask = attention_mask.to(device)
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    hidden = backbone(input_ids=input_ids.to(device), attention_mask=attention_mask,
+                      position_ids=position_ids).last_hidden_state
     return inner.score(hidden).squeeze(-1)
+
+
+def last_token_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Each row's last attended position, left or right padding alike: the EOS a sequence ends with."""
+    return attention_mask.size(1) - 1 - attention_mask.long().fliplr().argmax(dim=1)
+
+
+def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """A reward model's score of each row, read at its last attended token as OpenRLHF reads it, [batch].
+    transformers' own pooling reads the last token that is not the pad token instead, which for a family
+    without a pad token (GPT-2, Mistral: pad = EOS, as OpenRLHF sets it) is the token before the EOS."""
+    values = token_values(model, input_ids, attention_mask)
+    return values.gather(1, last_token_positions(attention_mask).to(values.device).unsqueeze(1)).squeeze(1)

@@ -6,7 +6,7 @@ check), transformers detects the restarts (`masking_utils.find_packed_sequence_i
 attention inside each sequence, for sdpa and eager alike. SFT labels ignore each sequence's first
 token, so no token is predicted from the previous sequence's end: the loss covers the same tokens
 as the padded batch and equals its loss within float rounding. A reward model reads each sequence's
-score where the padded model would (its last token that is not the pad token).
+score at its last token, as it reads a padded batch (`models.sequence_scores`).
 """
 
 from __future__ import annotations
@@ -33,18 +33,6 @@ def pack_sft(samples) -> dict[str, torch.Tensor]:
               for position, (token, keep) in enumerate(zip(sample.input_ids, sample.loss_mask))]
     return {"input_ids": packed["input_ids"], "position_ids": packed["position_ids"],
             "labels": torch.tensor(labels).unsqueeze(0)}
-
-
-def score_positions(input_ids: torch.Tensor, ends: torch.Tensor, pad_token_id: int | None) -> torch.Tensor:
-    """Per packed sequence, the last position holding a non-pad token (the sequence's last if all are pad),
-    the rule `AutoModelForSequenceClassification` applies to a padded row."""
-    row = input_ids[0]
-    starts = torch.cat([torch.zeros(1, dtype=ends.dtype), ends[:-1] + 1])
-    positions = []
-    for start, end in zip(starts.tolist(), ends.tolist()):
-        candidates = [p for p in range(start, end + 1) if pad_token_id is None or row[p].item() != pad_token_id]
-        positions.append(candidates[-1] if candidates else end)
-    return torch.tensor(positions)
 
 
 def packed_scores(model, input_ids: torch.Tensor, position_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

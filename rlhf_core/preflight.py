@@ -5,8 +5,9 @@ with no tokenizer) costs those hours; found here it costs seconds. Checked, in o
 needs --load_checkpoint, settings drift), every output location writable (a probe file, written and removed: this
 also proves an object store reachable), every input model a loadable Hugging Face folder, each training stage's
 data, eval data, tokenizer and reward function (the planner reads and tokenizes them and calls the reward
-function on one sample), precision and attention settings this machine can run, tracker packages, and the run
-lease. Inputs that an earlier stage of this run produces are checked when that stage has run.
+function on one sample), LoRA target modules against the model's architecture (that of the model an earlier
+stage starts from, for its output), precision and attention settings this machine can run, tracker packages,
+and the run lease. Other inputs that an earlier stage of this run produces are checked when that stage has run.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ def preflight(run: RunConfig) -> None:
     """Refuse, before Prefect starts a flow run, a run that would fail on its inputs or outputs."""
     from rlhf_core.chunk import plan_stage
     from rlhf_core.lease import RunLease
+    from rlhf_core.lora_targets import check_lora_targets
     from rlhf_core.resume import validate_run_start
     from rlhf_core.trackers import require_tracker_packages
 
@@ -33,18 +35,22 @@ def preflight(run: RunConfig) -> None:
         for stage in run.stages]
     for url, flag in outputs:
         probe_writable(url, flag, run.storage_options)
-    produced: set[str] = set()
+    produced: dict[str, str] = {}  # an output of an earlier stage -> the model whose architecture it has
     for stage in run.stages:
         cfg = run.stage_config(stage)
         for field in fields_with_role(STAGES[stage].config, "model"):
             url = getattr(cfg, field, None)
             if url and url not in produced:
                 check_model(url, f"--{field}", run.storage_options)
+        architecture = None
         if stage in TRAINING_STAGES:
             check_compute_settings(run, stage)
+            architecture = produced.get(cfg.pretrain) or cfg.pretrain
+            if cfg.lora_rank:
+                check_lora_targets(architecture, cfg.target_modules, run.storage_options)
             if cfg.pretrain not in produced:
                 plan_stage(run, stage)  # the trainer's count_items reads data, eval data and reward function
-        produced.add(getattr(cfg, STAGES[stage].output_field))
+        produced[getattr(cfg, STAGES[stage].output_field)] = architecture
     require_tracker_packages(run)
     RunLease(run.run_url(), run.storage_options).check_available()
 

@@ -1,9 +1,10 @@
 """Generation and scoring of rollouts with transformers (CPU, or GPU without vLLM).
 
-Prompts are left-padded, responses right-padded; a response ends at its first EOS (kept). Sampling
-draws from torch's global generator, which the PPO trainer seeds from (seed, step, rank) before each
-rollout, so a resumed run samples exactly the same responses. vLLM engines are the optional GPU path
-(`--vllm_num_engines`, the `[vllm]` extra, `rlhf_core.vllm_engine`) and are never imported here.
+Prompts are left-padded, responses right-padded; a response ends at its first EOS (kept): the tokenizer's,
+or any other the model's generation config lists. Sampling draws from torch's global generator, which the
+PPO trainer seeds from (seed, step, rank) before each rollout, so a resumed run samples exactly the same
+responses. vLLM engines are the optional GPU path (`--vllm_num_engines`, the `[vllm]` extra,
+`rlhf_core.vllm_engine`) and are never imported here.
 """
 
 from __future__ import annotations
@@ -47,19 +48,28 @@ def response_logprobs(model, batch: dict) -> torch.Tensor:
     return token_logprobs(logits[:, start - 1 : -1], batch["input_ids"][:, start:])
 
 
+def stop_token_ids(model, eos_token_id: int) -> list[int]:
+    """The tokenizer's EOS, then every other EOS the model's generation config lists (Qwen2's: <|im_end|> and
+    <|endoftext|>): a response ends at whichever comes first, as vLLM, OpenRLHF's generator, ends it."""
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    configured = [] if configured is None else [configured] if isinstance(configured, int) else list(configured)
+    return list(dict.fromkeys([eos_token_id, *configured]))
+
+
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], pad_token_id: int, eos_token_id: int, max_new_tokens: int,
              temperature: float, top_p: float) -> list[list[int]]:
-    """One sampled response per prompt (token ids, ending at the first EOS)."""
+    """One sampled response per prompt (token ids, ending at the first EOS of `stop_token_ids`)."""
     batch = on_device(collate_sequences(prompts, [[] for _ in prompts], pad_token_id), model.device)
     prompt_len = batch["prompt_len"]
+    stop = stop_token_ids(model, eos_token_id)
     output = model.generate(input_ids=batch["input_ids"][:, :prompt_len],
                             attention_mask=batch["attention_mask"][:, :prompt_len],
                             do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
-                            max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+                            max_new_tokens=max_new_tokens, eos_token_id=stop, pad_token_id=pad_token_id)
     responses = []
     for row in output[:, prompt_len:].tolist():
-        cut = row.index(eos_token_id) + 1 if eos_token_id in row else len(row)
+        cut = next((index + 1 for index, token in enumerate(row) if token in stop), len(row))
         responses.append(row[:cut])
     return responses
 

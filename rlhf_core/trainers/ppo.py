@@ -52,7 +52,7 @@ from rlhf_core.config import PPOConfig, RunConfig
 from rlhf_core.data import Record, read_records
 from rlhf_core.determinism import derive_seed, generator, step_sample_indices
 from rlhf_core.errors import UserError
-from rlhf_core.models import load_causal_lm, load_scalar_model, load_tokenizer, token_values
+from rlhf_core.models import load_causal_lm, load_scalar_model, load_tokenizer, sequence_scores, token_values
 from rlhf_core.rewards import (RewardBatch, check_reward_setup, mean_extra_logs_over_ranks, reward_function,
                                reward_inputs)
 from rlhf_core.rollout import collate_sequences, generate, on_device, require_vllm, response_logprobs
@@ -318,8 +318,7 @@ class PPOTrainer(DeepSpeedTrainer):
             part = slice(start, start + self.cfg.micro_rollout_batch_size)
             inputs = on_device(collate_sequences(prompts[part], responses[part], self.tokenizer.pad_token_id),
                                self.reward_model.device)
-            scores += self.reward_model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]
-                                        ).logits.squeeze(-1).float().tolist()
+            scores += sequence_scores(self.reward_model, inputs["input_ids"], inputs["attention_mask"]).float().tolist()
         if self.reward_normalization is not None:
             mean, std = self.reward_normalization
             scores = [(score - mean) / std for score in scores]

@@ -22,8 +22,8 @@ from rlhf_core.data import rank_micro_batches, read_stage_dataset, split_holdout
 from rlhf_core.determinism import derive_seed, step_sample_indices
 from rlhf_core.ds_config import warn_once
 from rlhf_core.errors import UserError
-from rlhf_core.models import load_scalar_model, load_tokenizer
-from rlhf_core.packing import pack_sequences, packed_scores, score_positions
+from rlhf_core.models import load_scalar_model, load_tokenizer, sequence_scores
+from rlhf_core.packing import pack_sequences, packed_scores
 from rlhf_core.samples import Renderer, TokenizedPair, collate_pairs, tokenize_pairs
 from rlhf_core.trainers.base import DeepSpeedTrainer
 
@@ -99,11 +99,10 @@ class RewardModelTrainer(DeepSpeedTrainer):
         with self.autocast():
             if self.cfg.packing_samples:
                 packed = pack_sequences(sequences)
-                positions = score_positions(packed["input_ids"], packed["ends"], self.tokenizer.pad_token_id)
-                scores = packed_scores(self.engine.module, packed["input_ids"], packed["position_ids"], positions)
-            else:
+                scores = packed_scores(self.engine.module, packed["input_ids"], packed["position_ids"], packed["ends"])
+            else:  # read at each sequence's last token, its EOS, also when the pad token is the EOS (GPT-2)
                 batch = collate_pairs([pair.tokens for pair in pairs], self.tokenizer.pad_token_id)
-                scores = self.engine(**{name: t.to(self.engine.device) for name, t in batch.items()}).logits.squeeze(-1)
+                scores = sequence_scores(self.engine.module, batch["input_ids"], batch["attention_mask"])
         scores = scores.float()
         return scores[: len(pairs)], scores[len(pairs):]
 

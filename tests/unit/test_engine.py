@@ -17,7 +17,8 @@ from rlhf_core.config import RMConfig, SFTConfig
 from rlhf_core.samples import TokenizedPair, TokenizedSample, collate_pairs, collate_sft
 from rlhf_core.ds_config import deepspeed_config, lr_scheduler_factory, resolve_precision, resolve_zero_stage
 from rlhf_core.errors import CorruptCheckpoint, UnsafeCheckpoint, UserError
-from rlhf_core.packing import pack_sequences, pack_sft, packed_scores, score_positions
+from rlhf_core.models import sequence_scores
+from rlhf_core.packing import pack_sequences, pack_sft, packed_scores
 from rlhf_core.trainers.base import DeepSpeedTrainer, continue_schedule
 
 
@@ -149,11 +150,6 @@ def test_pack_sft_restarts_positions_and_ignores_each_first_token():
     assert pack_sequences([[1, 2], [3], [4, 5, 6]])["ends"].tolist() == [1, 2, 5]
 
 
-def test_score_positions_skip_trailing_pad_like_the_padded_model():
-    packed = pack_sequences([[1, 4, 0], [1, 5, 6]])  # pad id 0 ends the first sequence
-    assert score_positions(packed["input_ids"], packed["ends"], pad_token_id=0).tolist() == [1, 5]
-
-
 def toy_samples(toy_assets, count: int = 6):
     from rlhf_core.data import read_records
     from rlhf_core.models import load_tokenizer
@@ -190,10 +186,9 @@ def test_packed_rewards_equal_padded_rewards(toy_assets):
     model.config.pad_token_id = tokenizer.pad_token_id
     sequences = [p.chosen_ids for p in pairs] + [p.rejected_ids for p in pairs]
     with torch.no_grad():
-        padded = model(**collate_pairs(pairs, tokenizer.pad_token_id)).logits.squeeze(-1)
+        padded = sequence_scores(model, **collate_pairs(pairs, tokenizer.pad_token_id))
         packed = pack_sequences(sequences)
-        positions = score_positions(packed["input_ids"], packed["ends"], tokenizer.pad_token_id)
-        scores = packed_scores(model, packed["input_ids"], packed["position_ids"], positions)
+        scores = packed_scores(model, packed["input_ids"], packed["position_ids"], packed["ends"])
     torch.testing.assert_close(scores, padded, atol=1e-5, rtol=0)
 
 

@@ -112,7 +112,9 @@ def test_every_reward_model_forward_runs_under_the_precisions_autocast(packing, 
     run = RunConfig(stages=["rm"], rm=RMConfig(pretrain="m", dataset="d.jsonl", train_batch_size=4,
                                                micro_train_batch_size=2, packing_samples=packing, eval_steps=1))
     torch.manual_seed(0)
-    model = LlamaForSequenceClassification(build_model(len(build_tokenizer()), seed=0).config)
+    config = build_model(len(build_tokenizer()), seed=0).config
+    config.num_labels = 1  # a reward model's one score, as load_scalar_model builds it
+    model = LlamaForSequenceClassification(config)
     trainer = bare_trainer(RewardModelTrainer, run, model, precision)
     rng = random.Random(0)
     trainer.train_pairs = [Pair(TokenizedPair(random_ids(rng), random_ids(rng)), 0.0) for _ in range(8)]

@@ -1,0 +1,64 @@
+"""LoRA targets checked against the model's own architecture, so no family is assumed to be Llama.
+
+The default (`--target_modules` unset or `all-linear`, OpenRLHF's default) is peft's `all-linear`: every
+nn.Linear and every GPT-2-style Conv1D except the output head, whatever the family calls them (Phi-3's fused
+`qkv_proj` and `gate_up_proj`, GPT-2's `c_attn`). Names given with `--target_modules` follow peft's matching
+rule for a list (a module's full name, or its last dotted parts). A name that matches no module is refused
+with one sentence listing the layers the model does have: peft raises only when no name matches at all, so a
+Llama list on Phi-3 would otherwise silently adapt just `o_proj` and `down_proj`. Preflight runs the same
+check on the architecture built on the meta device (no weights read); each rank runs it on its loaded model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_core.errors import UserError
+
+FLAG = "--target_modules"
+
+
+def matches_module(target: str, module_name: str) -> bool:
+    """peft's rule for one entry of a target list (`check_target_module_exists`)."""
+    return module_name == target or module_name.endswith("." + target)
+
+
+def linear_layer_names(model) -> list[str]:
+    """The distinct last names of the layers `all-linear` adapts: nn.Linear and Conv1D, output heads excluded."""
+    from transformers.pytorch_utils import Conv1D
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = [name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+             if isinstance(module, (torch.nn.Linear, Conv1D)) and module is not head]
+    return [name for name in dict.fromkeys(names) if name not in ("score", "classifier")]
+
+
+def refuse_unknown_targets(model, target_modules: list[str] | None, source: str) -> None:
+    """A UserError naming every entry of `target_modules` that matches no module of `model` (loaded from `source`)."""
+    if not target_modules:
+        return
+    module_names = [name for name, _ in model.named_modules()]
+    missing = [target for target in target_modules if not any(matches_module(target, name) for name in module_names)]
+    if missing:
+        model_type = getattr(getattr(model, "config", None), "model_type", "?")
+        raise UserError(f"{FLAG}: {', '.join(missing)} name no module of {source} ({model_type}); its linear layers "
+                        f"are {', '.join(linear_layer_names(model))} (or leave {FLAG} out for all-linear, the "
+                        "default).")
+
+
+def check_lora_targets(url: str, target_modules: list[str] | None, storage_options: dict | None = None,
+                       flag: str = "--pretrain") -> None:
+    """Before any rank starts: `refuse_unknown_targets` on the architecture of the model at `url` (`flag`'s
+    value; an adapter folder's base), built on the meta device from its config.json."""
+    if not target_modules:
+        return
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rlhf_core.models import is_lora_dir, local_model_dir, lora_base_dir
+
+    directory = local_model_dir(url, storage_options, flag=flag)
+    if is_lora_dir(directory):
+        directory = lora_base_dir(directory, storage_options, flag=flag)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
+    refuse_unknown_targets(model, target_modules, url)
