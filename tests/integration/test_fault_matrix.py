@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -66,14 +67,18 @@ def committed_steps(run: RunConfig) -> list[int]:
     return [info.step for info in CheckpointStore(run.stage_url("sft")).list(verify=True) if info.is_committed]
 
 
-def run_chain(run: RunConfig, env: dict[str, str], faults_dir: Path, points: list[str]) -> int:
-    """Rerun the job until it completes; check the invariants after every death. Returns the deaths."""
+def run_chain(run: RunConfig, env: dict[str, str], faults_dir: Path, points: list[str],
+              after_death: Callable[[], None] = lambda: None) -> int:
+    """Rerun the job until it completes; check the invariants after every death (and `after_death`, e.g. a
+    power cut). Returns the deaths."""
     env = {**env, "RLHF_FAULT_INJECT": ",".join(f"{point}=kill" for point in points),
            "RLHF_FAULT_STATE": str(faults_dir)}
     num_deaths = 0
     for _ in range(len(points) + 1):
         before = committed_steps(run)
         job = run_job(run, env)
+        if job.returncode == -9:
+            after_death()
         after = committed_steps(run)
         if before:  # retention only ever drops the oldest; the newest committed is never lost
             assert after and after[-1] >= before[-1], (before, after)
@@ -90,8 +95,8 @@ def read_weights(url: str) -> dict:
         return load(handle.read())
 
 
-def check_chain(run, env, faults_dir, points, reference_weights, weights_url):
-    num_deaths = run_chain(run, env, faults_dir, points)
+def check_chain(run, env, faults_dir, points, reference_weights, weights_url, after_death=lambda: None):
+    num_deaths = run_chain(run, env, faults_dir, points, after_death)
     fired = sorted(path.name for path in faults_dir.iterdir())
     assert fired == sorted(points), f"never reached: {set(points) - set(fired)}"
     assert num_deaths == len(points)
@@ -149,3 +154,34 @@ def test_fault_matrix_on_a_local_folder_and_on_s3(toy_assets, rlhf_env, tmp_path
             except AssertionError as error:
                 failures[backend] = error
     assert not failures, "\n\n".join(f"[{backend}] {error}" for backend, error in failures.items())
+
+
+# The points where a commit is under way or just done, where what the disk keeps matters.
+POWER_CUT_POINTS = ["between_uploads@5", "before_manifest@5", "before_latest@5", "after_commit@5", "mid_upload@10",
+                    "during_removal@5", "before_latest@25"]
+
+
+@pytest.mark.skipif(not Path("/dev/fuse").exists() or shutil.which("fusermount3") is None,
+                    reason="needs /dev/fuse and fusermount3 (apt-get install fuse3; .ci/run does)")
+def test_power_cuts_at_the_commit_points_lose_no_commit(toy_assets, rlhf_env, tmp_path, reference_sft_weights,
+                                                        ray_cluster):
+    """The local chain with the store on the power-cut filesystem (tests/powercut_fs.py): each kill is also a
+    power cut, which drops every write and rename no fsync made durable. After each one the newest commit
+    made before it is still there, every step listed as committed verifies, and `latest` names one of them;
+    the run ends with the uninterrupted run's weights."""
+    from tests.powercut_fs import PowerCutMount
+
+    run = sft_run(toy_assets, str(tmp_path / "mnt" / "ckpt"), str(tmp_path / "model"))
+    faults_dir = tmp_path / "faults"
+    faults_dir.mkdir()
+    with PowerCutMount(tmp_path / "backing", tmp_path / "mnt", tmp_path / "powercut-fs.log") as disk:
+        def cut_and_check() -> None:
+            disk.cut()
+            store = CheckpointStore(run.stage_url("sft"))
+            listed = [info.step for info in store.list(verify=False) if info.is_committed]
+            assert listed == committed_steps(run), f"listed as committed but not verifying: {listed}"
+            latest = store.latest_name()
+            assert latest is None or int(latest.removeprefix("step_")) in listed, (latest, listed)
+
+        check_chain(run, {**rlhf_env, "RAY_ADDRESS": ray_cluster}, faults_dir, POWER_CUT_POINTS,
+                    reference_sft_weights, str(tmp_path / "model"), cut_and_check)
