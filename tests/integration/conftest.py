@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -253,19 +256,16 @@ def prefect_server(tmp_path_factory) -> Iterator[PrefectServer]:
         process.stop()
 
 
-def kill_fault_driver_once_committed(run_json: str, env: dict[str, str], paused_step: int, faults_dir: Path,
-                                     committed_step_dir: Path) -> None:
-    """Run tests.integration.fault_driver with `run_json`, pause it inside step `paused_step` (the ranks train
-    it while the previous step commits in the background), and SIGKILL its whole session once that step's
-    MANIFEST.json exists: a mid-chunk kill one commit behind."""
+def kill_once_committed(command: list[str], env: dict[str, str], paused_step: int, faults_dir: Path,
+                        manifest: Path, cwd: Path | None = None) -> None:
+    """Run `command` with step `paused_step` paused (the ranks train it while the step before commits in the
+    background), and SIGKILL its whole session once `manifest` exists: a mid-chunk kill one commit behind."""
     faults_dir.mkdir(exist_ok=True)
     point = f"train_step@{paused_step}"
-    paused = subprocess.Popen([sys.executable, "-m", "tests.integration.fault_driver", run_json],
-                              env={**env, "RLHF_FAULT_INJECT": f"{point}=sleep:600", "RLHF_FAULT_STATE": str(faults_dir)},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                              cwd=PROJECT_DIR)
+    paused = subprocess.Popen(command, env={**env, "RLHF_FAULT_INJECT": f"{point}=sleep:600",
+                                            "RLHF_FAULT_STATE": str(faults_dir)},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd=cwd)
     try:
-        manifest = committed_step_dir / "MANIFEST.json"
         deadline = time.monotonic() + 500  # a hang guard, not a speed check
         while not manifest.exists() or not (faults_dir / point).exists():
             assert paused.poll() is None, f"the job ended (rc {paused.returncode}) before {manifest} appeared"
@@ -274,6 +274,37 @@ def kill_fault_driver_once_committed(run_json: str, env: dict[str, str], paused_
     finally:
         os.killpg(paused.pid, signal.SIGKILL)
         paused.wait()
+
+
+def kill_fault_driver_once_committed(run_json: str, env: dict[str, str], paused_step: int, faults_dir: Path,
+                                     committed_step_dir: Path) -> None:
+    """`kill_once_committed` for tests.integration.fault_driver running `run_json`."""
+    kill_once_committed([sys.executable, "-m", "tests.integration.fault_driver", run_json], env, paused_step,
+                        faults_dir, committed_step_dir / "MANIFEST.json", cwd=PROJECT_DIR)
+
+
+@contextmanager
+def ray_head(env: dict[str, str], log_path: Path) -> Iterator[str]:
+    """`ray start --head` on a free loopback port (2 CPUs, no dashboard) in a temp dir of its own, so it never
+    becomes the machine's default cluster; yields its address once `ray status` sees it. Stopped by SIGKILL
+    after a grace period: after SIGTERM its gcs_server and raylet stay alive."""
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    temp_dir = tempfile.mkdtemp(prefix="rlhf-ray-")  # short: Ray's socket paths live under it
+    env = {**env, "RAY_AUTH_MODE": "disabled"}  # `ray start` turns token auth on by default
+    head = BackgroundProcess.start("ray-head", [str(VENV_BIN / "ray"), "start", "--head", "--block", f"--port={port}",
+                                                "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats",
+                                                f"--temp-dir={temp_dir}"], env, log_path)
+    try:
+        deadline = time.monotonic() + 120
+        while "Active:" not in subprocess.run([str(VENV_BIN / "ray"), "status", f"--address={address}"], env=env,
+                                              capture_output=True, text=True).stdout:
+            assert head.alive() and time.monotonic() < deadline, f"the Ray head did not start:\n{head.log_tail()}"
+            time.sleep(1)
+        yield address
+    finally:
+        head.stop(grace=3)
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def train_sft_args(toy: dict[str, str], ckpt: Path, out: Path) -> list[str]:

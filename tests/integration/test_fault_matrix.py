@@ -14,8 +14,6 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-import tempfile
-import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +26,7 @@ from safetensors.torch import load
 from rlhf_core.checkpoint import CheckpointStore
 from rlhf_core.config import RunConfig, SFTConfig
 from tests.conftest import make_bucket, s3_environment
-from tests.integration.conftest import VENV_BIN, free_port
+from tests.integration.conftest import ray_head
 
 pytestmark = pytest.mark.slow
 
@@ -106,24 +104,10 @@ def check_chain(run, env, faults_dir, points, reference_weights, weights_url, af
 
 
 @pytest.fixture
-def ray_cluster(background, rlhf_env) -> str:
-    """A Ray head on a free loopback port; its address. A temp dir of its own keeps it from becoming
-    the machine's default cluster (Ray records `ray start` clusters under /tmp/ray)."""
-    port = free_port()
-    address = f"127.0.0.1:{port}"
-    temp_dir = tempfile.mkdtemp(prefix="rlhf-ray-")  # short: Ray's socket paths live under it
-    env = {**rlhf_env, "RAY_AUTH_MODE": "disabled"}  # `ray start` turns token auth on by default
-    head = background("ray-head", [str(VENV_BIN / "ray"), "start", "--head", "--block", f"--port={port}",
-                                   "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats",
-                                   f"--temp-dir={temp_dir}"], env)
-    deadline = time.monotonic() + 120
-    while "Active:" not in subprocess.run([str(VENV_BIN / "ray"), "status", f"--address={address}"], env=env,
-                                          capture_output=True, text=True).stdout:
-        assert head.alive() and time.monotonic() < deadline, f"the Ray head did not start:\n{head.log_tail()}"
-        time.sleep(1)
-    yield address
-    head.stop(grace=3)
-    shutil.rmtree(temp_dir, ignore_errors=True)
+def ray_cluster(rlhf_env, tmp_path) -> str:
+    """A long-lived Ray head for the chains' jobs; its address."""
+    with ray_head(rlhf_env, tmp_path / "logs" / "ray-head.log") as address:
+        yield address
 
 
 def test_fault_matrix_on_a_local_folder_and_on_s3(toy_assets, rlhf_env, tmp_path, reference_sft_weights,
@@ -167,7 +151,8 @@ def test_power_cuts_at_the_commit_points_lose_no_commit(toy_assets, rlhf_env, tm
                                                         ray_cluster):
     """The local chain with the store on the power-cut filesystem (tests/powercut_fs.py): each kill is also a
     power cut, which drops every write and rename no fsync made durable. After each one the newest commit
-    made before it is still there, every step listed as committed verifies, and `latest` names one of them;
+    made before it is still there (the store without fsyncs fails here: the cut takes every commit), every
+    step listed as committed verifies, and `latest` names one of them;
     the run ends with the uninterrupted run's weights."""
     from tests.powercut_fs import PowerCutMount
 
@@ -176,7 +161,10 @@ def test_power_cuts_at_the_commit_points_lose_no_commit(toy_assets, rlhf_env, tm
     faults_dir.mkdir()
     with PowerCutMount(tmp_path / "backing", tmp_path / "mnt", tmp_path / "powercut-fs.log") as disk:
         def cut_and_check() -> None:
+            before_cut = committed_steps(run)
             disk.cut()
+            after_cut = committed_steps(run)
+            assert after_cut[-1:] == before_cut[-1:], f"the cut lost a commit: {before_cut} -> {after_cut}"
             store = CheckpointStore(run.stage_url("sft"))
             listed = [info.step for info in store.list(verify=False) if info.is_committed]
             assert listed == committed_steps(run), f"listed as committed but not verifying: {listed}"

@@ -21,9 +21,7 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,7 +33,8 @@ from rlhf_core.toy import init_toy
 from tests.conftest import HUB_REVISION, RLHF
 from tests.families import FAMILIES, build_family
 from tests.hub_cache import chat_data
-from tests.integration.conftest import VENV_BIN, BackgroundProcess, free_port
+from tests.integration.conftest import kill_once_committed
+from tests.integration.conftest import ray_head as start_ray_head
 
 pytestmark = pytest.mark.slow
 
@@ -50,32 +49,18 @@ def hub_home(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ray_head(hub_home, tmp_path_factory):
+def ray_cluster(hub_home, tmp_path_factory):
     """A Ray head every command of this module joins, its nodes' environment pointing at the HF cache (as the
-    nodes of a real cluster have their own), and every family saved in that cache while the head starts."""
-    port = free_port()
-    temp_dir = tempfile.mkdtemp(prefix="rlhf-ray-")  # short: Ray's socket paths live under it
-    env = {**offline_env(hub_home), "RAY_AUTH_MODE": "disabled"}
-    head = BackgroundProcess.start(
-        "ray-head", [str(VENV_BIN / "ray"), "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
-                     "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}"],
-        env, tmp_path_factory.mktemp("ray") / "head.log")
-    address = f"127.0.0.1:{port}"
-    try:
+    nodes of a real cluster have their own), and every family saved in that cache."""
+    with start_ray_head(offline_env(hub_home), tmp_path_factory.mktemp("ray") / "head.log") as address:
         for name in FAMILIES:
             build_family(hub_home, name)
-        deadline = time.monotonic() + 120
-        while "Active:" not in subprocess.run([str(VENV_BIN / "ray"), "status", f"--address={address}"], env=env,
-                                              capture_output=True, text=True).stdout:
-            assert head.alive() and time.monotonic() < deadline, f"the Ray head did not start:\n{head.log_tail()}"
-            time.sleep(1)
-        yield address
-    finally:
-        import ray
+        try:
+            yield address
+        finally:
+            import ray
 
-        ray.shutdown()
-        head.stop(grace=3)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+            ray.shutdown()
 
 
 def offline_env(home: Path) -> dict[str, str]:
@@ -124,25 +109,6 @@ def pipeline_config(family: str, data: dict[str, str], root: Path, ray_address: 
         "merge": {"output_path": str(out / "merged")},
         "export": {"save_path": str(out / "final")},
     }
-
-
-def kill_once_committed(command: list[str], env: dict[str, str], faults_dir: Path, manifest: Path) -> None:
-    """Run `command` with step PAUSED_STEP (of the one stage that has it) paused, and SIGKILL its whole session
-    once `manifest` (the step before, committed in the background while the ranks train ahead) exists."""
-    point = f"train_step@{PAUSED_STEP}"
-    faults_dir.mkdir()
-    paused = subprocess.Popen(command, env={**env, "RLHF_FAULT_INJECT": f"{point}=sleep:600",
-                                            "RLHF_FAULT_STATE": str(faults_dir)},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 400  # a hang guard, not a speed check
-        while not (manifest.exists() and (faults_dir / point).exists()):
-            assert paused.poll() is None, f"the run ended (rc {paused.returncode}) before {manifest} appeared"
-            assert time.monotonic() < deadline, f"{manifest} did not appear while {point} was paused"
-            time.sleep(0.2)
-    finally:
-        os.killpg(paused.pid, signal.SIGKILL)
-        paused.wait()
 
 
 def uninterrupted_run(config: dict, stage: str, root: Path, hub_home: Path):
@@ -208,16 +174,16 @@ def check_outputs(family: str, config: dict) -> None:
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_family_runs_the_pipeline_from_its_hub_id_and_resumes_bit_exactly(family, hub_home, ray_head,
+def test_family_runs_the_pipeline_from_its_hub_id_and_resumes_bit_exactly(family, hub_home, ray_cluster,
                                                                          prefect_server, tmp_path):
-    config = pipeline_config(family, write_data(family, tmp_path / "data"), tmp_path / "run", ray_head)
+    config = pipeline_config(family, write_data(family, tmp_path / "data"), tmp_path / "run", ray_cluster)
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
     env = {**offline_env(hub_home), **{k: v for k, v in prefect_server.env.items() if k.startswith("PREFECT_")}}
     command, killed = [RLHF, "run", str(tmp_path / "run.yaml")], KILLED_STAGE[family]
     stage_dir = tmp_path / "run" / "ckpt" / family / killed
 
     started = time.perf_counter()
-    kill_once_committed(command, env, tmp_path / "faults", stage_dir / "step_2" / "MANIFEST.json")
+    kill_once_committed(command, env, PAUSED_STEP, tmp_path / "faults", stage_dir / "step_2" / "MANIFEST.json")
     killed_at = time.perf_counter()
     assert not (stage_dir / f"step_{STEPS}").exists() and not Path(config[killed]["save_path"]).exists()
     reference_run = uninterrupted_run(config, killed, tmp_path / "reference", hub_home)
