@@ -12,6 +12,7 @@ only once it is stored redundantly), and there is no rename to order. Callers sk
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import tempfile
 
@@ -52,12 +53,19 @@ def replace_durably(path: str, data: bytes, prefix: str = ".tmp.") -> None:
 
 
 def make_dirs_durably(path: str) -> None:
-    """`os.makedirs(path, exist_ok=True)`, with every folder it created made durable in its parent."""
-    missing = []
-    current = os.path.abspath(path)
-    while not os.path.isdir(current):
-        missing.append(current)
-        current = os.path.dirname(current)
+    """`os.makedirs(path, exist_ok=True)`, and every folder on the way made durable in its parent, up to the
+    filesystem's root: folders someone else created (a lease, a log, plain `mkdir -p`) may never have been
+    synced, and a commit inside an unsynced folder vanishes with it. A folder whose entries did not change
+    syncs at almost no cost."""
     os.makedirs(path, exist_ok=True)
-    for folder in reversed(missing):
-        fsync_dir(os.path.dirname(folder))
+    current = os.path.abspath(path)
+    while True:
+        parent = os.path.dirname(current)
+        if parent == current:
+            return
+        try:
+            fsync_dir(parent)
+        except OSError as error:  # a folder we may not read (--x), or a filesystem without folder fsync
+            if error.errno not in (errno.EACCES, errno.EPERM, errno.EINVAL):
+                raise
+        current = parent

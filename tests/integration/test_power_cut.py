@@ -66,6 +66,8 @@ def commit_steps(store: CheckpointStore, workdir: Path, steps: range) -> None:
 
 
 def test_committed_checkpoints_survive_a_power_cut(disk, tmp_path):
+    """Also when the run's folder was made before by someone else, unsynced (the lease, the log folder)."""
+    (disk.mountpoint / "ckpt" / "run" / "logs").mkdir(parents=True)
     store_url = str(disk.mountpoint / "ckpt" / "run" / "sft")
     commit_steps(CheckpointStore(store_url), tmp_path, range(1, 4))
     disk.cut()
