@@ -34,10 +34,17 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
-def test_a_full_disk_stops_the_run_cleanly_and_the_same_command_resumes(small_disk, tmp_path, toy_assets, rlhf_env,
-                                                                       reference_sft_weights):
-    ckpt, out = small_disk / "ckpt", tmp_path / "out"
+def short_sft_args(toy_assets, ckpt: Path, out: Path) -> list[str]:
+    """The README's SFT command cut to 6 steps of 8 samples, a checkpoint every 2."""
     args = train_sft_args(toy_assets, ckpt, out)
+    args[args.index("--save_steps") + 1] = "2"
+    args[args.index("--max_ckpt_num") + 1] = "0"  # keep every checkpoint: the disk, not retention, is the limit
+    return [*args, "--max_samples", "48"]
+
+
+def test_a_full_disk_stops_the_run_cleanly_and_the_same_command_resumes(small_disk, tmp_path, toy_assets, rlhf_env):
+    ckpt, out = small_disk / "ckpt", tmp_path / "out"
+    args = short_sft_args(toy_assets, ckpt, out)
     full = run_rlhf(args, rlhf_env, timeout=600)
     output = full.stdout + full.stderr
     assert full.returncode == 2, output[-4000:]
@@ -48,15 +55,17 @@ def test_a_full_disk_stops_the_run_cleanly_and_the_same_command_resumes(small_di
     assert " MB free, the checkpoint needs " in errors[0] and "--max_ckpt_num" in errors[0], errors[0]
     assert "AwaitingRetry" not in output and "Retrying" not in output, "a full disk was retried"
     store = CheckpointStore(str(ckpt / "rlhf" / "sft"))
-    assert [(info.step, info.status) for info in store.list(verify=True)] == [(5, "committed"), (10, "committed")]
+    assert [(info.step, info.status) for info in store.list(verify=True)] == [(2, "committed"), (4, "committed")]
     assert not [name for name in os.listdir(store.root) if name.startswith(".tmp_")], "staging left on the disk"
 
     subprocess.run(["mount", "-o", "remount,size=32m", str(small_disk)], check=True)
     resumed = run_rlhf(args, rlhf_env, timeout=600)
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
-    weights = load_file(str(Path(out) / "model.safetensors"))
-    assert weights.keys() == reference_sft_weights.keys()
-    assert all(weights[name].equal(reference_sft_weights[name]) for name in weights)
+    reference = run_rlhf(short_sft_args(toy_assets, tmp_path / "reference-ckpt", tmp_path / "reference"), rlhf_env)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    weights, expected = (load_file(str(folder / "model.safetensors")) for folder in (out, tmp_path / "reference"))
+    assert weights.keys() == expected.keys()
+    assert all(weights[name].equal(expected[name]) for name in weights)
 
 
 def test_a_disk_that_fills_during_a_write_names_the_store_and_keeps_the_commits(tmp_path):
