@@ -45,10 +45,11 @@ class Precision:
 _warned: set[str] = set()
 
 
-def warn_once(message: str) -> None:
-    """One warning line per process for a setting that has no effect (or a reduced one) here."""
-    if message not in _warned:
-        _warned.add(message)
+def warn_once(message: str, key: str | None = None) -> None:
+    """One warning line per process for a setting that has no effect (or a reduced one) here; with `key`, one
+    per key (a message naming the first of many rows it applies to)."""
+    if (key or message) not in _warned:
+        _warned.add(key or message)
         logger.warning(message)
 
 

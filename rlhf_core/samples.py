@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from rlhf_core.data import Record
+from rlhf_core.ds_config import warn_once
 from rlhf_core.errors import UserError
 
 IGNORE_INDEX = -100
@@ -169,19 +170,11 @@ class Renderer:
         them: at the prompt's length, with a warning when the whole does not begin with the prompt."""
         prompt_text, whole_text = self.chat(prompt, generation_prompt=True), self.chat(whole)
         if not whole_text.startswith(prompt_text):
-            _warn_once(f"{record.where(self.url)}: the chat template renders the conversation so that it does not "
-                       "begin with its prompt as rendered with the generation prompt; the response is cut where "
-                       "OpenRLHF cuts it (at the prompt's length) and may be wrong.")
+            warn_once(f"{record.where(self.url)} (and maybe others): the chat template renders the conversation so "
+                      "that it does not begin with its prompt as rendered with the generation prompt; the response "
+                      "is cut where OpenRLHF cuts it (at the prompt's length) and may be wrong.",
+                      key=f"template-rewrites-prompt:{self.url}")
         return prompt_text, whole_text[len(prompt_text):]
-
-
-_WARNED: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
-        logger.warning(message)
 
 
 # ---------------------------------------------------------------------------------------------- tokens
@@ -276,10 +269,10 @@ def tokenize_sft(renderer: Renderer, records: list[Record], input_key: str, outp
             continue
         input_ids = sequence_ids(tokenizer, prompt + response, max_len)
         if input_ids[:num_prompt] != prompt_ids:
-            _warn_once(f"{renderer.url}: the prompt's last token merges with the response's first when tokenized "
-                       f"together ({record.where(renderer.url)} and maybe others); as in OpenRLHF, the loss starts "
-                       "after the prompt's own token count, so that first response token is not trained (a template "
-                       "or --input_template ending in a space does this).")
+            warn_once(f"{renderer.url}: the prompt's last token merges with the response's first when tokenized "
+                      f"together ({record.where(renderer.url)} and maybe others); as in OpenRLHF, the loss starts "
+                      "after the prompt's own token count, so that first response token is not trained (a template "
+                      "or --input_template ending in a space does this).", key=f"prompt-token-merges:{renderer.url}")
         spans = assistant_spans(renderer, conversation, max_len) if multiturn else [(num_prompt, len(input_ids) - 1)]
         loss_mask = [0] * len(input_ids)
         for start, end in spans:
@@ -294,9 +287,9 @@ def tokenize_sft(renderer: Renderer, records: list[Record], input_key: str, outp
 def tokenize_pretraining(url: str, records: list[Record], tokenizer, input_key: str,
                          max_len: int) -> list[TokenizedSample]:
     """OpenRLHF's --pretrain_mode: each sample's text, truncated to max_len, every token a training target."""
-    samples = []
+    renderer, samples = Renderer(tokenizer, url, False), []
     for record in records:
-        text = Renderer(tokenizer, url, False).begin(require_text(url, record, input_key, "--input_key"))
+        text = renderer.begin(require_text(url, record, input_key, "--input_key"))
         input_ids = token_ids(tokenizer, text, max_len)
         if len(input_ids) > 1:  # the first token is never predicted
             samples.append(TokenizedSample(input_ids, [1] * len(input_ids)))
@@ -347,8 +340,8 @@ def tokenize_pairs(renderer: Renderer, records: list[Record], prompt_key: str | 
     pairs = []
     for record in records:
         if prompt_key is None and isinstance(record.fields.get("prompt"), str):
-            _warn_once(f"{renderer.url}: the records have a 'prompt' field, but --prompt_key is not set (OpenRLHF's "
-                       "default): chosen and rejected are scored without it; pass --prompt_key prompt to use it.")
+            warn_once(f"{renderer.url}: the records have a 'prompt' field, but --prompt_key is not set (OpenRLHF's "
+                      "default): chosen and rejected are scored without it; pass --prompt_key prompt to use it.")
         prompt, chosen, rejected = pair_texts(renderer, record, prompt_key, chosen_key, rejected_key)
         pairs.append(TokenizedPair(sequence_ids(renderer.tokenizer, renderer.begin(prompt + chosen), max_len),
                                    sequence_ids(renderer.tokenizer, renderer.begin(prompt + rejected), max_len)))

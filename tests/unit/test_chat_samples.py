@@ -207,11 +207,12 @@ def test_a_replacement_chat_template_renders_message_lists(caplog):
     tokenizer.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}" \
                               "{% if add_generation_prompt %}[assistant] {% endif %}"
     row = {"messages": [user("sort : 2 1 ="), assistant("1 2")]}
-    [(ids, mask)] = ours_sft(tokenizer, [row], "messages", None)
+    [(ids, mask), _] = ours_sft(tokenizer, [row, {"messages": [user("sort : 3 1 ="), assistant("1 3")]}],
+                                "messages", None)
     assert (ids, mask) == openrlhf_sft(tokenizer, row, "messages", None)
     assert tokenizer.decode(ids).startswith("[user] sort : 2 1 =\n[assistant] 1 2")
     assert trained_text(tokenizer, ids, mask).strip() == "2 <|im_end|>"
-    assert "the prompt's last token merges with the response's first" in caplog.text
+    assert caplog.text.count("the prompt's last token merges with the response's first") == 1  # not one per row
 
 
 MALFORMED = [
