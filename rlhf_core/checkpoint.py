@@ -698,21 +698,12 @@ class CheckpointStore:
                 os.fsync(target.fileno())
 
     def _replace_bytes(self, path: str, data: bytes) -> None:
-        """A file replaced whole: one PUT, or locally a temp file beside it (`.NAME.<hex>`) written and fsync'd,
-        renamed over it, and its folder fsync'd."""
+        """A file replaced whole: one PUT, or locally `durable.replace_durably` (temp + fsync + rename + fsync)."""
         if not self._is_local:
             self._write_bytes(path, data)
             return
-        folder, name = posixpath.split(path)
-        temporary = f"{folder}/.{name}.{secrets.token_hex(4)}"
-        try:
-            self._write_bytes(temporary, data)
-            os.replace(temporary, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
-            raise
-        durable.fsync_dir(folder)
+        with self._full_is_one_sentence():
+            durable.replace_durably(path, data)
 
     def _make_parent_dirs(self, path: str) -> None:
         # Object stores have no directories; only a local filesystem needs them made.

@@ -33,12 +33,13 @@ def fsync_tree_dirs(root: str) -> None:
         fsync_dir(folder)
 
 
-def replace_durably(path: str, data: bytes, prefix: str = ".tmp.") -> None:
-    """Replace `path` with `data` whole, durably: temp file + fsync + rename + fsync of the folder. Readers see
-    the old bytes or the new, never a mix; after a power cut, the same."""
+def replace_durably(path: str, data: bytes) -> None:
+    """Replace `path` with `data` whole, durably: a temp file beside it (`.NAME.<random>`) written and fsync'd,
+    renamed over it, and the folder fsync'd. Readers see the old bytes or the new, never a mix; after a power
+    cut, the same."""
     folder = os.path.dirname(path) or "."
     os.makedirs(folder, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=prefix, dir=folder)
+    handle, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=folder)
     try:
         with os.fdopen(handle, "wb") as stream:
             stream.write(data)

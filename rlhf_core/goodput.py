@@ -319,7 +319,7 @@ class GoodputLedger:
         if not isinstance(self.fs, LocalFileSystem):
             self.fs.pipe_file(self.path, payload)  # one PUT: the object is replaced whole or not at all
             return
-        durable.replace_durably(self.path, payload, prefix=f".{GOODPUT_FILE_NAME}.")
+        durable.replace_durably(self.path, payload)
 
     def _update(self, change: Callable[[dict, dict], None], start_new: bool = False) -> None:
         """Read, apply `change(doc, this process's attempt)`, write; begins an attempt when none runs here

@@ -6,7 +6,6 @@ import hashlib
 import json
 import os
 import posixpath
-import re
 import threading
 import uuid
 from pathlib import Path
@@ -24,6 +23,7 @@ from rlhf_core.checkpoint import (
     format_listing,
     to_json,
 )
+from rlhf_core import durable
 from rlhf_core.errors import CorruptCheckpoint, UserError
 
 SHARD_BYTES = 4096
@@ -109,12 +109,20 @@ def record_writes(store: CheckpointStore, monkeypatch: pytest.MonkeyPatch, on_wr
 
     def open_file(path, mode="rb", *args, **kwargs):
         if "w" in mode and not getattr(inside_pipe, "active", False):  # pipe_file may open the file itself
-            # a local durable replace writes `.NAME.<hex>` beside NAME, then renames it over NAME
-            named = re.sub(r"/\.([^/]+)\.[0-9a-f]{8}$", r"/\1", path)
             if on_write:
-                on_write(named)
-            written_paths.append(named)
+                on_write(path)
+            written_paths.append(path)
         return original_open(path, mode, *args, **kwargs)
+
+    original_replace = durable.replace_durably
+
+    def replace_durably(path, data):  # a local store replaces `latest` through it, not through fs.open
+        if on_write:
+            on_write(path)
+        written_paths.append(path)
+        return original_replace(path, data)
+
+    monkeypatch.setattr(durable, "replace_durably", replace_durably)
 
     def put_file(local_path, path, *args, **kwargs):
         if on_write:
@@ -587,3 +595,4 @@ def test_sha256_of_local_file_hashes_in_place_and_reads_nothing_of_the_wrong_siz
     assert sha256_of_local_file(str(data)) == (300_000, hashlib.sha256(b"x" * 300_000).hexdigest())
     assert sha256_of_local_file(str(data), 300_001) == (300_000, None)
     assert sha256_of_local_file(str(empty), 0) == (0, hashlib.sha256(b"").hexdigest())
+
