@@ -39,13 +39,19 @@ def on_device(batch: dict, device: torch.device) -> dict:
     return {name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in batch.items()}
 
 
-def response_logprobs(model, batch: dict) -> torch.Tensor:
-    """log p(response token | prefix) for every response position, [rows, response_len], on the model's device."""
+def response_logits(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 logits that predict each response token, [rows, response_len, vocab], and those tokens, [rows,
+    response_len], on the model's device."""
     batch = on_device(batch, model.device)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                    position_ids=batch["position_ids"]).logits.float()  # fp32 log-probs under bf16 autocast
     start = batch["prompt_len"]
-    return token_logprobs(logits[:, start - 1 : -1], batch["input_ids"][:, start:])
+    return logits[:, start - 1 : -1], batch["input_ids"][:, start:]
+
+
+def response_logprobs(model, batch: dict) -> torch.Tensor:
+    """log p(response token | prefix) for every response position, [rows, response_len], on the model's device."""
+    return token_logprobs(*response_logits(model, batch))
 
 
 def stop_token_ids(model, eos_token_id: int) -> list[int]:

@@ -55,7 +55,8 @@ from rlhf_core.errors import UserError
 from rlhf_core.models import load_causal_lm, load_scalar_model, load_tokenizer, sequence_scores, token_values
 from rlhf_core.rewards import (RewardBatch, check_reward_setup, mean_extra_logs_over_ranks, reward_function,
                                reward_inputs)
-from rlhf_core.rollout import collate_sequences, generate, on_device, require_vllm, response_logprobs
+from rlhf_core.rollout import (collate_sequences, generate, on_device, require_vllm, response_logits,
+                               response_logprobs)
 from rlhf_core.samples import Renderer, tokenize_prompts
 from rlhf_core.trainers.base import DeepSpeedTrainer, gathered
 
@@ -384,11 +385,9 @@ class PPOTrainer(DeepSpeedTrainer):
         coef = self.cfg.entropy_loss_coef
         if coef is None:
             return response_logprobs(self.actor, batch), None
-        batch = on_device(batch, self.actor.device)
-        logits = self.actor(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                            position_ids=batch["position_ids"]).logits.float()[:, batch["prompt_len"] - 1 : -1]
+        logits, tokens = response_logits(self.actor, batch)
         entropy = ppo_math.token_entropy(logits if coef else logits.detach())
-        return ppo_math.token_logprobs(logits, batch["input_ids"][:, batch["prompt_len"]:]), entropy
+        return ppo_math.token_logprobs(logits, tokens), entropy
 
     def evaluation_due(self) -> bool:
         """Every eval_steps steps, and at the last step of each chunk (where a checkpoint is committed)."""
