@@ -73,6 +73,7 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
 from rlhf_core.console import WARNING_PREFIX
+from rlhf_core.errors import human_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -319,10 +320,6 @@ def expected_bytes_of_models(models: Sequence[ModelSize], zero_stage: int, world
                                      has_ds_state=has_ds_state, on_gpu=on_gpu)
 
 
-def _megabytes(num_bytes: float) -> str:
-    return f"{num_bytes / 1e9:.2f} GB" if num_bytes >= 1e9 else f"{num_bytes / 1e6:.2f} MB"
-
-
 def _relative_gap(actual: float, reference: float) -> float:
     return abs(actual - reference) / reference
 
@@ -339,7 +336,7 @@ def _size_findings(actual_bytes: int, expected_bytes: int | None, previous_sizes
         if gap > tolerance:
             side = "more" if actual_bytes > expected_bytes else "less"
             findings.add(("predicted", side))
-            reasons.append(f"{gap:.0%} {side} than the {_megabytes(expected_bytes)} its models' parameters, "
+            reasons.append(f"{gap:.0%} {side} than the {human_bytes(expected_bytes)} its models' parameters, "
                            f"dtype, ZeRO stage and optimizer predict")
     if previous_sizes:
         median = statistics.median(previous_sizes)
@@ -348,7 +345,7 @@ def _size_findings(actual_bytes: int, expected_bytes: int | None, previous_sizes
             side = "more" if actual_bytes > median else "less"
             findings.add(("previous", side))
             reasons.append(f"{_relative_gap(actual_bytes, median):.0%} {side} than the median "
-                           f"{_megabytes(median)} of the {len(previous_sizes)} previous committed checkpoints")
+                           f"{human_bytes(median)} of the {len(previous_sizes)} previous committed checkpoints")
     return reasons, frozenset(findings), details
 
 
@@ -376,7 +373,7 @@ def checkpoint_size_alert(actual_bytes: int, expected_bytes: int | None, previou
     reasons, _, details = _size_findings(actual_bytes, expected_bytes, previous_sizes, tolerance, jump)
     if not reasons or repeats_previous_anomaly(actual_bytes, expected_bytes, previous_sizes, tolerance, jump):
         return None
-    message = (f"{stage} checkpoint step_{step} holds {_megabytes(actual_bytes)}, {' and '.join(reasons)}; "
+    message = (f"{stage} checkpoint step_{step} holds {human_bytes(actual_bytes)}, {' and '.join(reasons)}; "
                f"check that every rank saved all its files (`rlhf ckpt ls --verify`) before resuming from it.")
     return Alert(ALERT_CHECKPOINT_SIZE, run_name, stage, step, message, details)
 

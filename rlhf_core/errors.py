@@ -51,12 +51,13 @@ def store_full(path: str, error: OSError | None = None, *, free_bytes: int | Non
                needed_bytes: int | None = None) -> StoreFull:
     """The one sentence for a full store: the path, the free and needed bytes, and what to do about it."""
     what = _FULL.get(error.errno, "the disk is full") if error is not None else "the checkpoint will not fit"
-    sizes = (f" ({_gb(free_bytes)} free, the checkpoint needs {_gb(needed_bytes)})"
+    sizes = (f" ({human_bytes(free_bytes)} free, the checkpoint needs {human_bytes(needed_bytes)})"
              if free_bytes is not None and needed_bytes is not None else "")
     return StoreFull(f"--ckpt_path {path}: {what}{sizes}; nothing was committed for this chunk and earlier "
                      "checkpoints are intact. Free space, keep fewer checkpoints (--max_ckpt_num, --max_ckpt_mem) "
                      "or give another --ckpt_path, then run the same command to continue.")
 
 
-def _gb(num_bytes: int) -> str:
-    return f"{num_bytes / 1e9:.2f} GB" if num_bytes >= 1e8 else f"{num_bytes / 1e6:.1f} MB"
+def human_bytes(num_bytes: float) -> str:
+    """Bytes for a message: GB from 1 GB up, else MB, two decimals."""
+    return f"{num_bytes / 1e9:.2f} GB" if num_bytes >= 1e9 else f"{num_bytes / 1e6:.2f} MB"
