@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.hub_cache import CHATML_TEMPLATE, QWEN2_CHATML, TokenizerSpec, build_tokenizer, save_model
+from tests.hub_cache import QWEN2_CHATML, TokenizerSpec, build_tokenizer, save_model
 
 MISTRAL_TEMPLATE = (  # a system message goes before the first user message, as Mistral's own template does
     "{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] + '\n\n' %}"
@@ -42,8 +42,6 @@ PHI3_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
 )
 
-QWEN3_CHATML = TokenizerSpec(eos="<|im_end|>", pad="<|endoftext|>", chat_template=CHATML_TEMPLATE,
-                             extra_special=("<|im_start|>",))
 MISTRAL_INST = TokenizerSpec(eos="</s>", bos="<s>", unk="<unk>", chat_template=MISTRAL_TEMPLATE,
                              extra_special=("[INST]", "[/INST]"), add_bos_token=True)
 GEMMA_IT = TokenizerSpec(eos="<eos>", bos="<bos>", pad="<pad>", unk="<unk>", chat_template=GEMMA_TEMPLATE,
@@ -73,7 +71,7 @@ FAMILIES = {family.name: family for family in (
     Family("qwen2", "Qwen/Qwen2.5-0.5B-Instruct", QWEN2_CHATML, "Qwen2Config",
            {**TINY, "num_key_value_heads": 2, "tie_word_embeddings": True},
            generation_eos=("<|im_end|>", "<|endoftext|>")),
-    Family("qwen3", "Qwen/Qwen3-0.6B", QWEN3_CHATML, "Qwen3Config",
+    Family("qwen3", "Qwen/Qwen3-0.6B", QWEN2_CHATML, "Qwen3Config",  # the same tokenizer shape as Qwen2
            {**TINY, "num_key_value_heads": 2, "head_dim": 16, "tie_word_embeddings": True},
            generation_eos=("<|im_end|>", "<|endoftext|>")),
     Family("mistral", "mistralai/Mistral-7B-Instruct-v0.3", MISTRAL_INST, "MistralConfig",
