@@ -33,6 +33,7 @@ from pydantic import BaseModel, ValidationError
 from flows.openrlhf_flags import IMPLEMENTED, MAPPED, REFUSED, flags_for
 from rlhf_core.config import STAGES, MergeConfig, RunConfig, describe_validation_error, load_run_config
 from rlhf_core.errors import UserError
+from rlhf_core.stop import StoppedBySignal
 
 STAGE_CONFIGS = {name: stage.config for name, stage in STAGES.items() if stage.kind == "train"}
 RUN_FLAGS_EXCLUDED = {"stages", *STAGES}
@@ -450,15 +451,19 @@ def _run_pipeline(run: RunConfig) -> None:
     run_pipeline(run)
 
 
-def run_quietly(run_url: str, run_name: str, verbose: bool, start: typing.Callable[[], Any]) -> None:
+def run_quietly(run_url: str, run_name: str, verbose: bool, start: typing.Callable[[], Any],
+                stop_grace_s: float = RunConfig.model_fields["stop_grace_s"].default) -> None:
     """`start()` (a training command) with the quiet console of rlhf_core.console: its log file is written once
-    the run is real, and not at all when the run is refused with a UserError."""
+    the run is real, and not at all when the run is refused with a UserError. SIGTERM and Ctrl-C stop it
+    after an emergency checkpoint (rlhf_core.stop) from the first moment on, Prefect's start included."""
     import flows.pipeline  # noqa: F401 - importing prefect sets up its logging; the console's filters go on it
+    from rlhf_core import stop
     from rlhf_core.console import configure_console, discard_log_file, log_file_for, open_log_file, reset_console
 
     configure_console(log_file_for(run_url, run_name), verbose)
     try:
-        start()
+        with stop.obeying_signals(stop_grace_s, owns_process=True):
+            start()
     except UserError:
         discard_log_file()
         reset_console()  # the one-sentence error prints as usual; an in-process caller (tests) gets logging back
@@ -488,10 +493,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "train":
             flags = {k: v for k, v in vars(args).items() if k not in ("command", "stage")}
             run = run_config_from_flags(args.stage, flags)
-            run_quietly(run.run_url(), run.run_name, run.verbose, lambda: _run_pipeline(run))
+            run_quietly(run.run_url(), run.run_name, run.verbose, lambda: _run_pipeline(run), run.stop_grace_s)
         elif args.command == "run":
             run = load_run_config(args.config)
-            run_quietly(run.run_url(), run.run_name, run.verbose, lambda: _run_pipeline(run))
+            run_quietly(run.run_url(), run.run_name, run.verbose, lambda: _run_pipeline(run), run.stop_grace_s)
         elif args.command == "status":
             cmd_status(args.run_url)
         elif args.command == "goodput":
@@ -513,6 +518,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as error:
         print(f"rlhf: error: {error}", file=sys.stderr)
         return 2
+    except StoppedBySignal as stopped:
+        print(f"rlhf: {stopped}", file=sys.stderr)
+        return stopped.exit_code  # 130 after Ctrl-C, 143 after SIGTERM, as a shell reports them
     return 0
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import threading
 import time
 from datetime import datetime, timedelta, timezone
@@ -32,8 +33,10 @@ import fsspec
 from prefect import flow, get_run_logger, runtime
 from prefect.artifacts import create_link_artifact
 from prefect.events import emit_event
+from prefect.states import Cancelled, State
 
 from flows.stage_report import StageReport, artifact_key
+from rlhf_core import stop
 from rlhf_core.alerts import NonFiniteTraining
 from rlhf_core.chunk import ChunkResult, plan_stage, prestart_workers, release_workers, resolve_paths
 from rlhf_core.checkpoint import ASIDE_DIR_NAME
@@ -174,6 +177,13 @@ def rlhf_stage(run: RunConfig, stage: str, upstream_digest: str = "", chunks_lef
     `chunks_left` is 0 or `stop_at` has passed (budgets of the parent flow run, which has trained
     `chunks_trained_before` chunks in earlier stages; the time budget applies after the first); returns the
     stage summary."""
+    with stop.obeying_signals(run.stop_grace_s):  # Prefect's subflow engine put its SIGTERM handler back
+        return _train_stage_chunks(run, stage, upstream_digest, chunks_left, stop_at, chunks_trained_before)
+
+
+def _train_stage_chunks(run: RunConfig, stage: str, upstream_digest: str, chunks_left: int | None,
+                        stop_at: datetime | None, chunks_trained_before: int) -> dict | State:
+    """The body of `rlhf_stage`; a Cancelled state when a stop signal ended it (rlhf_core.stop)."""
     logger = get_run_logger()
     aside = _aside_entries(run, stage)
     lineage = begin_stage(run, stage)
@@ -192,6 +202,8 @@ def rlhf_stage(run: RunConfig, stage: str, upstream_digest: str = "", chunks_lef
         state = train_chunk(run, stage, target, upstream_digest, lineage, train_ahead=not last_allowed,
                             return_state=True)
         aside = _emit_set_aside_events(run, stage, aside)
+        if state.is_cancelled():  # stopped by a signal, after its emergency checkpoint
+            return Cancelled(message=state.message)
         try:
             result = ChunkResult(**state.result())
         except NonFiniteTraining as error:
@@ -203,12 +215,19 @@ def rlhf_stage(run: RunConfig, stage: str, upstream_digest: str = "", chunks_lef
         if state.name != "Cached":
             _emit_commit_events(run, result)
         report.add_chunk(result, _chunk_status(run, state.name, result))
+    if stop.requested():  # the stage's last chunk committed; the next run of the command exports it
+        return _cancelled(stage, plan.total_steps, run)
     save_path = export_model(run, stage, plan.total_steps)
     report.finish(save_path)
     logger.info("%s: exported the final model (step %d) to %s", stage, plan.total_steps, save_path)
     return {"status": COMPLETED, "final_step": plan.total_steps, "checkpoint": result.uri,
             "manifest_digest": result.manifest_digest, "save_path": save_path, "chunks": report.rows,
             "chunks_trained": num_trained}
+
+
+def _cancelled(stage: str, step: int, run: RunConfig) -> State:
+    """The Cancelled state of a flow that a stop signal ends between chunks or stages."""
+    return Cancelled(message=str(stop.stopped(stage, step, run.stage_url(stage))))
 
 
 def _chunk_status(run: RunConfig, state_name: str, result: ChunkResult) -> str:
@@ -242,6 +261,12 @@ def rlhf_output_stage(run: RunConfig, stage: str) -> dict:
 def rlhf(config: RunConfig) -> dict:
     """Run the requested RLHF stages in order; each stage resumes from its newest valid checkpoint.
     Returns {stage: summary}; a stage stopped by a run budget has status "stopped-by-budget"."""
+    with stop.obeying_signals(config.stop_grace_s):  # in place of Prefect's SIGTERM handler (Crashed)
+        return _run_stages(config)
+
+
+def _run_stages(config: RunConfig) -> dict | State:
+    """The body of `rlhf`; a Cancelled state when a stop signal ended it (rlhf_core.stop)."""
     logger = get_run_logger()
     run = resolve_paths(config)
     if (runtime.flow_run.run_count or 1) > 1:  # a Prefect retry of this flow run always resumes
@@ -257,13 +282,21 @@ def rlhf(config: RunConfig) -> dict:
         try:
             _prestart_first_training_stage(run)  # a deployment run's; the CLI's run_pipeline started it already
             for stage in run.stages:
+                if stop.requested():  # between stages: the last one finished, the next run starts this one
+                    done = [name for name in summary if STAGES[name].kind == "train"]
+                    return _cancelled(done[-1], summary[done[-1]]["final_step"], run) if done else \
+                        _cancelled(stage, 0, run)
                 started = time.perf_counter()
                 kind = STAGES[stage].kind
                 if kind in ("merge", "export"):
                     summary[stage] = rlhf_output_stage(run, stage)
                 else:
                     chunks_left = None if run.max_chunks_per_run is None else run.max_chunks_per_run - num_trained
-                    summary[stage] = rlhf_stage(run, stage, upstream_digest, chunks_left, stop_at, num_trained)
+                    state = rlhf_stage(run, stage, upstream_digest, chunks_left, stop_at, num_trained,
+                                       return_state=True)
+                    if state.is_cancelled():
+                        return Cancelled(message=state.message)
+                    summary[stage] = state.result()
                     num_trained += summary[stage]["chunks_trained"]
                     upstream_digest = summary[stage]["manifest_digest"]
                 summary[stage]["seconds"] = round(time.perf_counter() - started, 1)
@@ -290,9 +323,12 @@ def run_pipeline(run: RunConfig) -> dict:
         if server_start is not None:
             server_start.join()  # never leave the start half done (an exit would wait on it)
     try:
-        return rlhf(config=run)
+        state = rlhf(config=run, return_state=True)
     finally:
         release_workers()  # the prestarted group, when no chunk adopted it (all cached, or a refused start)
+    if state.is_cancelled() and stop.outcome() is not None:
+        raise stop.outcome()
+    return state.result()
 
 
 def _prestart_first_training_stage(run: RunConfig) -> None:
@@ -318,6 +354,10 @@ def _start_ephemeral_server_in_background() -> threading.Thread | None:
     def start() -> None:
         from prefect.server.api.server import SubprocessASGIServer  # 1.4 s of imports: off the main thread too
 
+        # The server is in the terminal's process group: blocked here, Ctrl-C (SIGINT) stays blocked in it
+        # (a signal mask survives fork and exec), as Ray does for its processes, so it outlives the stop that
+        # Ctrl-C begins (rlhf_core.stop) and still records it. SubprocessASGIServer.stop sends SIGTERM at exit.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         SubprocessASGIServer().start()
 
     thread = threading.Thread(target=start, name="prefect-server-start", daemon=True)

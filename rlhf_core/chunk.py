@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 import fsspec
 
+from rlhf_core import stop
 from rlhf_core.alerts import (AlertLog, NonFiniteTraining, commit_alerts, expected_bytes_from_metadata, history_entry,
                               non_finite_metrics)
 from rlhf_core.checkpoint import CheckpointInfo, CheckpointStore
@@ -311,33 +312,42 @@ def _train_and_log(group: WorkerGroup, start_step: int, target_step: int, tracke
     ahead = group.training_ahead_to or 0
     stops = [step for step in range(max(start_step, ahead) + 1, target_step) if step % logging_steps == 0]
     step_metrics = []
-    for stop in ([ahead] if start_step < ahead < target_step else []) + stops + [target_step]:
-        new_metrics = group.train_until(stop)
+    for stop_step in ([ahead] if start_step < ahead < target_step else []) + stops + [target_step]:
+        new_metrics = group.train_until(stop_step)
         if trackers is not None:
             trackers.log(new_metrics)
         if new_metrics:
-            console.show_step(stage, stop, total_steps, new_metrics[-1])
+            console.show_step(stage, group.step, total_steps, new_metrics[-1])
         step_metrics += new_metrics
+        if group.step < stop_step:  # stopped by a signal (rlhf_core.stop)
+            break
     return step_metrics
 
 
 def ensure_checkpoint(run: RunConfig, stage: str, target_step: int, lineage: Lineage = Lineage(),
                       train_ahead: bool = True) -> ChunkResult:
     """Make sure a valid checkpoint at `target_step` exists (training only what is missing). With
-    `train_ahead`, the ranks train on towards the next chunk while this one commits."""
+    `train_ahead`, the ranks train on towards the next chunk while this one commits. After a stop signal
+    (`rlhf_core.stop`) the ranks stop at the next step boundary, that step commits, and StoppedBySignal is
+    raised; one that finds nothing trained since the last commit raises it at once."""
     started = time.perf_counter()
     plan = plan_stage(run, stage)
     target_step = min(target_step, plan.total_steps)
     store = open_store(run, stage)
     infos = [info for info in store.list() if info.step <= target_step]
+    newest = max((info.step for info in infos if info.is_committed), default=0)
     if infos and infos[-1].step == target_step and infos[-1].is_committed:
         done = infos[-1]
+        stop.record_commit(stage, target_step, run.stage_url(stage))
         if target_step == plan.total_steps:
             close_trackers(run, stage)
         return ChunkResult(stage, target_step, done.uri, done.manifest_digest, 0,
                            store.read_metadata(target_step).get("metrics", {}), size_bytes=done.size_bytes)
+    if stop.requested() and (_WarmGroup.group is None or _WarmGroup.group.training_ahead_to is None):
+        raise stop.stopped(stage, newest, run.stage_url(stage))  # nothing trained since the last commit
     ledger = GoodputLedger(run.run_url(), run.storage_options)
-    ledger.chunk_started(stage, max((info.step for info in infos if info.is_committed), default=0), target_step)
+    ledger.chunk_started(stage, newest, target_step)
+    reached = newest
     try:
         require_tracker_packages(run)  # before the workers start, not after a chunk of training
         prepared = time.perf_counter()
@@ -348,37 +358,60 @@ def ensure_checkpoint(run: RunConfig, stage: str, target_step: int, lineage: Lin
         loaded = time.perf_counter()
         step_metrics = _train_and_log(group, start_step, target_step, trackers, run.stage_config(stage).logging_steps,
                                       stage, plan.total_steps)
-        trained = time.perf_counter()
-        summary = chunk_summary(step_metrics)
-        _refuse_non_finite(run, stage, target_step, step_metrics, group)
-        metadata = _metadata(run, stage, plan, target_step, summary, trackers, group.world_size,
-                             _WarmGroup.world_size_changes, group.zero_stage)
-        metadata |= _alert_inputs(store, group, start_step, target_step, summary)
-        ahead = _ahead_target(run, stage, plan, target_step) if train_ahead else None
-        _require_room(run, stage, store, metadata, infos)
-        info, commit_seconds, ahead_since = _commit(run, stage, store, group, target_step, metadata, ahead)
-        alerts = commit_alerts(run.run_name, stage, target_step, metadata, info.size_bytes,
-                               [known.size_bytes for known in infos if known.is_committed and known.step < target_step],
-                               has_ds_state=not run.stage_config(stage).disable_ds_ckpt,
-                               window=run.alert_reward_window, min_delta=run.alert_reward_min_delta,
-                               tolerance=run.alert_size_tolerance, jump=run.alert_size_jump)
-        AlertLog(run.run_url(), run.storage_options).append(*alerts)
+        reached, trained = group.step, time.perf_counter()
+        if reached < target_step and not stop.requested():
+            raise RuntimeError(f"the ranks stopped at step {reached}, short of {target_step}, with no stop requested")
+        if reached == start_step:  # the stop came before the first step
+            raise stop.stopped(stage, start_step, run.stage_url(stage))
+        info, alerts, summary, commit_seconds, ahead_since = _commit_chunk(run, stage, plan, store, group, infos,
+                                                                           start_step, step_metrics, trackers,
+                                                                           train_ahead and not stop.requested())
+    except stop.GraceExpired:
+        close_trackers(run, stage)
+        release_workers()  # kills the ranks: the step in flight, or its half-written checkpoint, is abandoned
+        raise stop.stopped(stage, newest, run.stage_url(stage), stopped_at=reached, abandoned=True) from None
     except BaseException:
         close_trackers(run, stage, failed=True)
         release_workers()  # the group's state is unknown after a failure: never reuse it
         raise
-    if target_step == plan.total_steps:
+    stop.record_commit(stage, reached, run.stage_url(stage))
+    if reached == plan.total_steps:
         close_trackers(run, stage)
-    fault_point("after_commit", target_step)
+    fault_point("after_commit", reached)
     store.retain(run.max_ckpt_num, run.max_ckpt_mem)
     finished = time.perf_counter()
     seconds = {"plan": prepared - started, "workers_and_load": loaded - prepared, "train": trained - loaded,
                "save_and_commit": finished - trained, **commit_seconds,
                "step_loop": group.take_step_loop_seconds()}  # the ranks' own, training ahead included
-    ledger.chunk_committed(stage, target_step, seconds, num_steps=target_step - start_step,
+    ledger.chunk_committed(stage, reached, seconds, num_steps=reached - start_step,
                            trained_ahead_s=0.0 if ahead_since is None else finished - ahead_since)
-    return ChunkResult(stage, target_step, info.uri, info.manifest_digest, target_step - start_step, summary, seconds,
+    if reached < target_step:  # an emergency checkpoint: the stop is done
+        raise stop.stopped(stage, reached, run.stage_url(stage))
+    return ChunkResult(stage, reached, info.uri, info.manifest_digest, reached - start_step, summary, seconds,
                        group.world_size, [json.loads(alert.to_json()) for alert in alerts], info.size_bytes)
+
+
+def _commit_chunk(run: RunConfig, stage: str, plan: StagePlan, store: CheckpointStore, group: WorkerGroup,
+                  infos: list[CheckpointInfo], start_step: int, step_metrics: list[dict], trackers,
+                  train_ahead: bool) -> tuple:
+    """Check and commit the step the group reached (the chunk's target, or an emergency step), then log its
+    alerts; returns (info, alerts, summary, commit seconds, when training ahead began or None)."""
+    step = group.step
+    summary = chunk_summary(step_metrics)
+    _refuse_non_finite(run, stage, step, step_metrics, group)
+    metadata = _metadata(run, stage, plan, step, summary, trackers, group.world_size, _WarmGroup.world_size_changes,
+                         group.zero_stage)
+    metadata |= _alert_inputs(store, group, start_step, step, summary)
+    ahead = _ahead_target(run, stage, plan, step) if train_ahead else None
+    _require_room(run, stage, store, metadata, infos)
+    info, commit_seconds, ahead_since = _commit(run, stage, store, group, step, metadata, ahead)
+    alerts = commit_alerts(run.run_name, stage, step, metadata, info.size_bytes,
+                           [known.size_bytes for known in infos if known.is_committed and known.step < step],
+                           has_ds_state=not run.stage_config(stage).disable_ds_ckpt,
+                           window=run.alert_reward_window, min_delta=run.alert_reward_min_delta,
+                           tolerance=run.alert_size_tolerance, jump=run.alert_size_jump)
+    AlertLog(run.run_url(), run.storage_options).append(*alerts)
+    return info, alerts, summary, commit_seconds, ahead_since
 
 
 def _refuse_non_finite(run: RunConfig, stage: str, step: int, step_metrics: list[dict], group: WorkerGroup) -> None:
@@ -434,19 +467,24 @@ def _commit(run: RunConfig, stage: str, store: CheckpointStore, group: WorkerGro
     if isinstance(pending, CheckpointInfo):
         return pending, {}, None
     started = time.perf_counter()
-    folders = group.snapshot()
-    snapshotted = time.perf_counter()
-    writes = group.start_write(folders, run.stage_url(stage), run.storage_options, pending)
-    ahead_since = None
-    if ahead_to is not None and not run.sync_checkpoint:
-        group.train_ahead(ahead_to)
-        ahead_since = snapshotted
     try:
+        folders = group.snapshot()
+        snapshotted = time.perf_counter()
+        writes = group.start_write(folders, run.stage_url(stage), run.storage_options, pending)
+        ahead_since = None
+        if ahead_to is not None and not run.sync_checkpoint:
+            group.train_ahead(ahead_to)
+            ahead_since = snapshotted
         entries = group.finish_write(writes)
         with run_lease(run) as lease:
             info = store.finish_commit(pending, entries, metadata, fence=lease)
     except StoreFull:
         store.discard(pending)  # its space back for the next try; the committed steps are untouched
+        raise
+    except stop.GraceExpired:
+        release_workers()  # no rank writes into it any more
+        with contextlib.suppress(OSError):
+            store.discard(pending)  # else the next run sets it aside as a leftover
         raise
     committed = time.perf_counter()
     stall = (committed if run.sync_checkpoint else snapshotted) - started

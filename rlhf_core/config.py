@@ -419,6 +419,12 @@ class RunConfig(BaseModel):
         None, gt=0, **_operational("Start no new chunk once this many minutes have passed since the flow run "
                                    "began; stop cleanly at a chunk boundary (the next run continues).")
     )
+    stop_grace_s: float = Field(
+        25.0, gt=0, **_operational("On SIGTERM or Ctrl-C, the ranks finish their step and it commits as an "
+                                   "emergency checkpoint within this many seconds (less a fifth, at least 3 s, kept "
+                                   "for leaving), else the last commit stands; a second signal leaves at once. 25 "
+                                   "fits Kubernetes' default 30 s terminationGracePeriodSeconds.")
+    )
     verbose: bool = Field(
         False, **_operational("Show Ray's and DeepSpeed's full logs on the console (they always go to the log "
                               "file in the run folder).")

@@ -43,6 +43,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rlhf_core import stop
 from rlhf_core.config import RunConfig
 from rlhf_core.ds_config import resolve_zero_stage
 from rlhf_core.errors import UserError
@@ -54,6 +55,8 @@ SMALLER_GROUP_TIMEOUT_S = 10.0
 # After a rank fails in a collective, how long to wait for Ray to say which peer was lost (it marks a node
 # dead once it misses its heartbeats, ~5-10 s).
 LOSS_DETECTION_TIMEOUT_S = 30.0
+# How often a wait on the ranks looks at the stop deadline.
+STOP_POLL_S = 0.5
 # DeepSpeed's per-rank shard files: ZeRO optimizer partitions (and ZeRO-3 weight partitions).
 _RANK_SHARD = re.compile(r"(?:^|/)(?:bf16_)?zero_pp_rank_(\d+)_")
 
@@ -91,6 +94,7 @@ class TrainWorker:
         rank_warnings()
         self.rank, self.world_size = rank, world_size
         self.trainer = None
+        self._stop_requested = False  # set by request_stop, from the driver's stop signal (rlhf_core.stop)
         self._kept_in_memory: dict[str, dict] = {}  # a snapshot's state dicts, by its folder (see snapshot)
         self._written_state: dict = {}  # the last written snapshot's state dicts: buffers for the next one
 
@@ -143,15 +147,34 @@ class TrainWorker:
 
         self.trainer = trainer_class(stage)(run, total_steps, self.rank, self.world_size, load_universal)
 
-    def train_until(self, target_step: int) -> tuple[list[dict[str, float]], float]:
-        """The metrics of each step up to `target_step`, and the seconds this rank spent in its step loop."""
+    def train_until(self, target_step: int) -> tuple[list[dict[str, float]], float, int]:
+        """The metrics of each step up to `target_step`, the seconds this rank spent in its step loop, and the
+        step it reached: fewer when a stop was requested (`request_stop`), at a step all ranks agree on."""
         from rlhf_core.faults import fault_point
 
         started, metrics = time.perf_counter(), []
-        while self.trainer.step < target_step:
+        while self.trainer.step < target_step and not self._stop_agreed():
             fault_point("train_step", self.trainer.step + 1)
             metrics.append(self.trainer.train_step())
-        return metrics, time.perf_counter() - started
+        return metrics, time.perf_counter() - started, self.trainer.step
+
+    @ray.method(concurrency_group="control")
+    def request_stop(self) -> None:
+        """Finish the step in progress and train no further (the driver got SIGTERM or Ctrl-C)."""
+        self._stop_requested = True
+
+    def _stop_agreed(self) -> bool:
+        """Whether any rank has been asked to stop, agreed at this step boundary by every rank (a rank that
+        stopped alone would leave the others waiting in the next step's collectives)."""
+        if self.world_size == 1:
+            return self._stop_requested
+        import torch
+        import torch.distributed as dist
+
+        device = f"cuda:{torch.cuda.current_device()}" if self.trainer.on_gpu else "cpu"
+        flag = torch.tensor([int(self._stop_requested)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def model_sizes(self) -> dict:
         from rlhf_core.alerts import model_size_report
@@ -262,9 +285,11 @@ class WorkerGroup:
         if forwarded:
             options["runtime_env"] = {"env_vars": forwarded}
         # A second thread per actor ("io") uploads the last snapshot while the default one trains on.
-        remote_worker = ray.remote(concurrency_groups={"io": 1})(TrainWorker)
+        # A third ("control") takes a stop request while the first is busy training.
+        remote_worker = ray.remote(concurrency_groups={"io": 1, "control": 1})(TrainWorker)
         self.workers = [remote_worker.options(scheduling_strategy=strategy, **options).remote(rank, self.world_size)
                         for rank, strategy in enumerate(strategies)]
+        self._stop_listener = stop.on_request(self.request_stop)
         self.locations: list[RankLocation] = []
         self._model_sizes: dict | None = None
         try:
@@ -285,6 +310,11 @@ class WorkerGroup:
         self.zero_stage: int | None = None  # resolved by setup
         self._ahead: tuple[int, list] | None = None
         self._step_loop_seconds = 0.0  # rank 0's, since the last take_step_loop_seconds()
+
+    def request_stop(self) -> None:
+        """Ask every rank to stop after its current step (called from `rlhf_core.stop` on a stop signal)."""
+        for worker in self.workers:
+            worker.request_stop.remote()
 
     def log_placement(self) -> None:
         """Log where the ranks were placed, from the chunk that uses the group (its Prefect run shows the line;
@@ -313,22 +343,20 @@ class WorkerGroup:
 
     def train_until(self, target_step: int) -> list[dict[str, float]]:
         """Per-step metrics as seen by rank 0 (already averaged over ranks); collects training started
-        ahead (`train_ahead`) first."""
+        ahead (`train_ahead`) first. On a stop request the ranks stop early: `self.step` says where."""
         metrics = []
         if self._ahead:
-            ahead_step, ahead = self._ahead
+            _, ahead = self._ahead
             self._ahead = None
             metrics = self._collect(ahead)
-            self.step = ahead_step
         if self.step > target_step:
             raise RuntimeError(f"the worker group trained ahead to step {self.step}, past the target {target_step}")
-        if self.step < target_step:
+        if self.step < target_step and not stop.requested():
             metrics += self._collect([worker.train_until.remote(target_step) for worker in self.workers])
-        self.step = target_step
         return metrics
 
     def _collect(self, trainings: list) -> list[dict[str, float]]:
-        metrics, seconds = self._gather(trainings)[0]
+        metrics, seconds, self.step = self._gather(trainings)[0]
         self._step_loop_seconds += seconds
         return metrics
 
@@ -372,6 +400,7 @@ class WorkerGroup:
         return sorted({name for share in shares for name in share})[:5]
 
     def shutdown(self) -> None:
+        self._stop_listener()
         for worker in self.workers:
             ray.kill(worker)
         self.workers = []
@@ -531,7 +560,13 @@ def _placement_shortfall(run: RunConfig, bundle: dict) -> str:
 
 
 def gather(refs):
-    """`ray.get(refs)`, re-raising a rank's UserError as itself (Ray wraps it in a RayTaskError)."""
+    """`ray.get(refs)`, re-raising a rank's UserError as itself (Ray wraps it in a RayTaskError). Once a stop
+    signal has arrived, waits only until the emergency checkpoint's deadline (`rlhf_core.stop.GraceExpired`)."""
+    pending = list(refs) if isinstance(refs, list) else [refs]
+    while pending:
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=STOP_POLL_S)
+        if pending:
+            stop.check_deadline()
     try:
         return ray.get(refs)
     except ray.exceptions.RayTaskError as error:

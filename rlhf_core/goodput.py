@@ -224,7 +224,9 @@ def commit_chunk(doc: dict, attempt: dict, stage: str, step: int, seconds: Mappi
     if trained_ahead_s > 0:
         _ahead(doc)[stage] = {"after_step": int(step), "since": now - trained_ahead_s, "attempt": attempt["id"]}
     record = _stage(doc, stage)
-    match = next((chunk for chunk in doc["pending"] if chunk["stage"] == stage and chunk["to_step"] == step), None)
+    # An emergency checkpoint (rlhf_core.stop) commits its chunk short of the chunk's end.
+    match = next((chunk for chunk in doc["pending"]
+                  if chunk["stage"] == stage and chunk["from_step"] < step <= chunk["to_step"]), None)
     if match is not None:
         doc["pending"].remove(match)
         num_steps = match["to_step"] - match["from_step"] if num_steps is None else num_steps

@@ -18,6 +18,8 @@ import fsspec
 from prefect import task
 from prefect.cache_policies import CachePolicy
 from prefect.filesystems import RemoteFileSystem
+from prefect.states import Cancelled
+from prefect.transactions import get_transaction
 
 from rlhf_core.alerts import NonFiniteTraining
 from rlhf_core.chunk import CHECKPOINT_FORMAT_VERSION, ensure_checkpoint, export_stage
@@ -26,6 +28,7 @@ from rlhf_core.errors import UserError, is_permanent_os_error
 from rlhf_core.lease import LeaseLost
 from rlhf_core.export import export_final, merge_lora
 from rlhf_core.resume import Lineage
+from rlhf_core.stop import StoppedBySignal
 
 
 def chunk_cache_key(run: RunConfig, stage: str, target_step: int, upstream_digest: str, lineage: Lineage) -> str:
@@ -92,8 +95,17 @@ def _retry_unless_user_error(task, task_run, state) -> bool:
 def train_chunk(run: RunConfig, stage: str, target_step: int, upstream_digest: str, lineage: Lineage,
                 train_ahead: bool = True) -> dict:
     """Train `stage` up to `target_step` and commit the checkpoint; returns a ChunkResult dict. `train_ahead`
-    (not part of the cache key): train the next chunk while this one commits."""
-    return ensure_checkpoint(run, stage, target_step, lineage, train_ahead).to_dict()
+    (not part of the cache key): train the next chunk while this one commits. Stopped by a signal (after
+    its emergency checkpoint, `rlhf_core.stop`), the task run is Cancelled: never retried, never cached."""
+    try:
+        return ensure_checkpoint(run, stage, target_step, lineage, train_ahead).to_dict()
+    except StoppedBySignal as stopped:
+        # Prefect keeps the cache key of a failed task unwritten, but writes one (with no result) for a returned
+        # Cancelled state, which the next run would take as this chunk done: keep it unwritten here too.
+        transaction = get_transaction()
+        if transaction is not None:
+            transaction.write_on_commit = False
+        return Cancelled(message=str(stopped))
 
 
 @task(name="export_model", retries=1, retry_condition_fn=_retry_unless_user_error)
