@@ -26,6 +26,7 @@ The DeepSpeed config lives in `rlhf_core.ds_config`, which the ranks import with
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -584,11 +585,31 @@ def ensure_ray(ray_address: str | None) -> None:
     from rlhf_core import console  # the CLI's quiet console: actors' output to the run's log file
 
     address = ray_address or os.environ.get("RAY_ADDRESS") or None
-    if address and address.startswith("ray://"):
-        _connect_client(address, console.ray_init_options(client=True))
-    else:
-        ray.init(address=address, include_dashboard=False, configure_logging=True, **console.ray_init_options())
+    with _ray_keeps_off_sigterm():
+        if address and address.startswith("ray://"):
+            _connect_client(address, console.ray_init_options(client=True))
+        else:
+            ray.init(address=address, include_dashboard=False, configure_logging=True, **console.ray_init_options())
+    stop.reclaim_signals()
     console.route_ray_worker_output()
+
+
+@contextlib.contextmanager
+def _ray_keeps_off_sigterm():
+    """`ray.init` first installs a SIGTERM handler that exits with code 15 (in the middle of its own start,
+    leaving its processes behind); inside a stop-obeying run (rlhf_core.stop) it is kept from doing so, through
+    the private function it calls. Should that name move, `stop.reclaim_signals` after the start still holds."""
+    from ray._private import utils as ray_utils
+
+    original = getattr(ray_utils, "set_sigterm_handler", None)
+    if original is None or not stop.obeying():
+        yield
+        return
+    ray_utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        ray_utils.set_sigterm_handler = original
 
 
 def _connect_client(address: str, options: dict, num_attempts: int = 3) -> None:

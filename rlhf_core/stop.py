@@ -175,6 +175,19 @@ def obeying_signals(grace: float = DEFAULT_GRACE_S, owns_process: bool = False) 
             signal.signal(number, handler)
 
 
+def obeying() -> bool:
+    """Whether an `obeying_signals` block is running."""
+    return _Stop.depth > 0
+
+
+def reclaim_signals() -> None:
+    """Put this module's handlers back inside an `obeying_signals` block, after a library replaced them
+    (`ray.init` installs a SIGTERM handler that exits with code 15 wherever the driver is)."""
+    if _Stop.depth > 0 and threading.current_thread() is threading.main_thread():
+        for number in STOP_SIGNALS:
+            signal.signal(number, _on_signal)
+
+
 def reset() -> None:
     """Forget a stop (a new run in this process); the listeners stay (worker groups unregister themselves)."""
     with _Stop.lock:

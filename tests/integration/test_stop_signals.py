@@ -227,3 +227,23 @@ def test_a_step_that_cannot_commit_within_the_grace_period_is_abandoned(toy_asse
 
 def _plain(text: str) -> str:
     return re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", text)
+
+
+def test_sigterm_while_the_run_starts_stops_it_before_training_with_nothing_left(toy_assets, rlhf_env, tmp_path):
+    """SIGTERM as soon as the console says the run is real: it lands while Prefect's server and Ray start
+    (ray.init installs a SIGTERM handler of its own that exited mid-start with code 15, leaving gcs_server)."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    run = subprocess.Popen([RLHF, *train_sft_args(toy_assets, ckpt, out)], env=rlhf_env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines = []
+    for line in run.stdout:
+        lines.append(line)
+        if "full log (Ray actors" in line:
+            run.send_signal(signal.SIGTERM)
+            break
+    output = "".join(lines) + run.communicate(timeout=HANG_GUARD_S)[0]
+    assert run.returncode == 143, output[-3000:]
+    assert output.rstrip().endswith("rlhf: stopped by SIGTERM before any step of sft was committed; run the same "
+                                    "command to start"), output[-3000:]
+    assert "Traceback" not in output
+    assert _session_left(run.pid) == []
