@@ -36,6 +36,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -56,8 +57,8 @@ SMALLER_GROUP_TIMEOUT_S = 10.0
 # After a rank fails in a collective, how long to wait for Ray to say which peer was lost (it marks a node
 # dead once it misses its heartbeats, ~5-10 s).
 LOSS_DETECTION_TIMEOUT_S = 30.0
-# How often a wait on the ranks looks at the stop deadline.
-STOP_POLL_S = 0.5
+# How often a wait on the ranks looks at the stop deadline, and how long a stopped run waits to release them.
+STOP_POLL_S, STOP_SHUTDOWN_S = 0.5, 2.0
 # DeepSpeed's per-rank shard files: ZeRO optimizer partitions (and ZeRO-3 weight partitions).
 _RANK_SHARD = re.compile(r"(?:^|/)(?:bf16_)?zero_pp_rank_(\d+)_")
 
@@ -401,13 +402,25 @@ class WorkerGroup:
         return sorted({name for share in shares for name in share})[:5]
 
     def shutdown(self) -> None:
+        """Kill the ranks and free their placement. After a stop signal, waits at most STOP_SHUTDOWN_S for that:
+        a SIGTERM to the whole process group (Prefect's Cancel of a deployment run) has killed Ray's GCS too,
+        and `remove_placement_group` would then wait for it for ever; leaving the process ends the ranks."""
         self._stop_listener()
-        for worker in self.workers:
-            ray.kill(worker)
-        self.workers = []
-        if self.placement is not None:
-            remove_placement_group(self.placement)
-            self.placement = None
+        workers, placement = self.workers, self.placement
+        self.workers, self.placement = [], None
+
+        def release() -> None:
+            for worker in workers:
+                ray.kill(worker)
+            if placement is not None:
+                remove_placement_group(placement)
+
+        if not stop.requested():
+            release()
+            return
+        releasing = threading.Thread(target=release, name="rlhf-release-ranks", daemon=True)
+        releasing.start()
+        releasing.join(STOP_SHUTDOWN_S)
 
     def _gather(self, refs):
         """`gather`, with a dead rank reported as a WorkerLost naming its node."""

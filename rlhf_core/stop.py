@@ -230,7 +230,23 @@ def _watchdog(generation: int) -> None:
     with _Stop.lock:
         current = _Stop.generation == generation and requested() and (_Stop.depth > 0 or _Stop.owns_process)
     if current:
+        _dump_stacks_to_log_file()
         _leave_now(_Stop.signal_number, f"--stop_grace_s {_Stop.grace_s:g} ran out")
+
+
+def _dump_stacks_to_log_file() -> None:
+    """Where every thread was when the grace period ran out, into the run's log file (what hung)."""
+    import faulthandler
+
+    from rlhf_core.console import configured_log_file
+
+    path = configured_log_file()
+    if path is None:
+        return
+    with contextlib.suppress(OSError), open(path, "a") as log:
+        log.write("rlhf: --stop_grace_s ran out; the driver's threads were here:\n")
+        log.flush()
+        faulthandler.dump_traceback(file=log, all_threads=True)
 
 
 def _leave_now(number: int, why: str) -> None:

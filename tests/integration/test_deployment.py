@@ -408,3 +408,33 @@ def test_the_quick_start_script_creates_the_automations(prefect_server, tmp_path
     assert {automation.name for automation in load_automations(AUTOMATIONS_FILE)} <= names, names
     assert "a run whose worker dies is marked Crashed" in script.log_tail()
     assert "rlhf-crash-unresponsive-flow-runs" in script.log_tail()
+
+
+def test_cancel_of_a_deployment_run_commits_the_step_in_progress(deployed, tmp_path):
+    """Cancel in the UI (`prefect flow-run cancel`): the worker sends SIGTERM to the flow run's process group,
+    the step in progress commits as an emergency checkpoint, and the run ends Cancelled with the stop's line.
+    Before, the stopped run hung in `remove_placement_group` (the group's SIGTERM had killed Ray's GCS) until
+    the grace period's watchdog ended it."""
+    from prefect.client.orchestration import SyncPrefectClient
+
+    faults = tmp_path / "faults"
+    faults.mkdir()
+    with SyncPrefectClient(deployed.server.api_url) as client:
+        env = dict(client.read_deployment_by_name("rlhf/sft").job_variables["env"])
+    env.update(RLHF_FAULT_INJECT="train_step@12=sleep:4", RLHF_FAULT_STATE=str(faults))
+    config = run_config(tmp_path, deployed.toy)
+    started = deployed.server.cli("deployment", "run", "rlhf/sft", "--param", f"config={json.dumps(config)}",
+                                  "--job-variable", f"env={json.dumps(env)}")
+    flow_run_id = UUID.search(started.stdout).group(1)
+    stage_dir = tmp_path / "ckpt" / config["run_name"] / "sft"
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not ((faults / "train_step@12").exists() and (stage_dir / "step_8" / "MANIFEST.json").exists()):
+        assert time.monotonic() < deadline, f"the run never reached step 12\n{deployed.worker.log_tail()}"
+        time.sleep(0.2)
+    deployed.server.cli("flow-run", "cancel", flow_run_id)
+    flow_run = deployed.wait(flow_run_id)
+    committed = sorted(int(p.parent.name.split("_")[1]) for p in stage_dir.glob("step_*/MANIFEST.json"))
+    assert flow_run.state.type.value == "CANCELLED", f"{flow_run.state}\n{deployed.worker.log_tail()}"
+    assert flow_run.state.message == (f"stopped by SIGTERM at step 12; committed step_12 in {stage_dir}; run the same "
+                                      "command to continue"), deployed.worker.log_tail()
+    assert committed == [8, 12]  # 12 is off the chunk boundaries (8, 16): the emergency commit
