@@ -89,3 +89,33 @@ def test_a_disk_that_fills_during_a_write_names_the_store_and_keeps_the_commits(
         assert sorted(os.listdir(store.root)) == ["latest", "step_1"]
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_full_disk_under_the_log_folder_costs_one_warning_and_nothing_else(tmp_path, toy_assets, rlhf_env):
+    """The run folder's logs/ (the driver's log file) on a disk with no room left: the run trains and commits
+    as usual, exit 0, and the console gets one warning instead of a traceback per log record."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    logs = ckpt / "rlhf" / "logs"
+    logs.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(logs)], check=True)
+    try:
+        filler = os.open(logs / "filler", os.O_WRONLY | os.O_CREAT)  # someone else's file takes the whole disk
+        try:
+            while os.write(filler, b"\0" * 4096):
+                pass
+        except OSError:
+            pass
+        finally:
+            os.close(filler)
+        run = run_rlhf(short_sft_args(toy_assets, ckpt, out), rlhf_env, timeout=600)
+    finally:
+        subprocess.run(["umount", "-l", str(logs)], check=False)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
+    warnings = [line for line in output.splitlines() if "cannot write the run's log file" in line]
+    assert len(warnings) == 1 and str(logs / "driver.log") in warnings[0], output[-4000:]
+    store = CheckpointStore(str(ckpt / "rlhf" / "sft"))
+    assert [(info.step, info.status) for info in store.list(verify=True)] == [(2, "committed"), (4, "committed"),
+                                                                             (6, "committed")]
+    assert (out / "model.safetensors").is_file()
