@@ -36,8 +36,18 @@ def snapshot_folder(rank: int, expected_bytes: int) -> str:
     headroom, else in the temporary folder."""
     remove_stale_snapshots()
     root = tempfile.gettempdir()
-    if os.path.isdir(SHM_ROOT) and shutil.disk_usage(SHM_ROOT).free > SHM_HEADROOM * expected_bytes:
-        root = SHM_ROOT
+    if os.path.isdir(SHM_ROOT):
+        free_bytes = shutil.disk_usage(SHM_ROOT).free
+        if free_bytes > SHM_HEADROOM * expected_bytes:
+            root = SHM_ROOT
+        else:
+            from rlhf_core.ds_config import warn_once
+            from rlhf_core.errors import human_bytes
+
+            warn_once(f"{SHM_ROOT} has {human_bytes(free_bytes)} free, less than {SHM_HEADROOM:g}x the "
+                      f"{human_bytes(expected_bytes)} of rank {rank}'s snapshot, so it snapshots into {root} "
+                      f"instead (the page cache, slower when memory is short); a larger {SHM_ROOT} (docker "
+                      "--shm-size, a Kubernetes emptyDir with medium Memory) avoids that.", key="snapshot-shm")
     return tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-rank{rank}-", dir=root)
 
 

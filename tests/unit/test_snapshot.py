@@ -17,7 +17,10 @@ def dead_pid() -> int:
     return child.pid
 
 
-def test_snapshot_goes_to_tmpfs_when_it_fits_and_to_the_temp_folder_when_not(tmp_path, monkeypatch):
+def test_snapshot_goes_to_tmpfs_when_it_fits_and_to_the_temp_folder_when_not(tmp_path, monkeypatch, caplog):
+    from rlhf_core import ds_config
+
+    monkeypatch.setattr(ds_config, "_warned", set())
     shm = tmp_path / "shm"
     shm.mkdir()
     monkeypatch.setattr(snapshot, "SHM_ROOT", str(shm))
@@ -27,6 +30,11 @@ def test_snapshot_goes_to_tmpfs_when_it_fits_and_to_the_temp_folder_when_not(tmp
     huge = snapshot.snapshot_folder(rank=1, expected_bytes=1 << 60)
     assert os.path.dirname(small) == str(shm) and os.path.basename(small).startswith(f"rlhf-snapshot-{os.getpid()}-rank0-")
     assert os.path.dirname(huge) == str(tmp_path / "tmp")
+    snapshot.snapshot_folder(rank=1, expected_bytes=1 << 60)
+    fallbacks = [record.getMessage() for record in caplog.records if "snapshots into" in record.getMessage()]
+    assert len(fallbacks) == 1, "one line says so, once"
+    assert fallbacks[0].startswith(f"{shm} has ") and f"rank 1's snapshot, so it snapshots into {tmp_path / 'tmp'}" \
+        in fallbacks[0]
 
 
 def test_a_dead_process_snapshot_is_removed_and_a_live_one_kept(tmp_path, monkeypatch):
