@@ -4,11 +4,8 @@
   step timed from the driver; the suite takes the median after warm-up. Per-step medians resist the
   noise of a shared machine, and no checkpoint or evaluation falls inside the steps (the RM evaluates
   at every checkpoint step, which TRL's defaults never do).
-- `checkpoint_costs`: chunks of one step on the ~100M model through `ensure_checkpoint`, read from its
-  own timers (`ChunkResult.seconds`: "stall" and "commit" when checkpoints are asynchronous, else
-  "save_and_commit"); next to an in-memory copy of the rank's tensors, `cp -r` of the committed step
-  folder, and a fresh group's `WorkerGroup.load` (fetch + verify + load) next to `cp` of the files it reads;
-  and the sha256 of the same files alone (`timed_sha256`), the floor the manifest's checksums set.
+- `stall_and_commit`, `copy_rank_tensors`: a chunk's checkpoint timers, and the in-memory copy of a rank's
+  tensors its stall is held against (the `ckpt` section, `ckpt_costs.py`, uses them).
 - `chunk_boundaries`: the `rlhf` Prefect flow in this process, with `WorkerGroup.train_until` wrapped to
   record when each chunk's training is collected: the period between two chunks, less the ranks' own
   step-loop seconds ("step_loop", else "train"), is everything a warm chunk costs outside training
@@ -19,9 +16,7 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -119,42 +114,6 @@ def copy_rank_tensors(worker, repeat: int) -> dict:
             "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
 
 
-def timed_copy(command: list[str], target: str, repeat: int, cwd: str | None = None, make_target: bool = False) -> float:
-    """Median seconds of `command` (a cp into `target`), `target` removed before each run (and created
-    empty with `make_target`) and removed after."""
-    seconds = []
-    for _ in range(repeat):
-        shutil.rmtree(target, ignore_errors=True)
-        if make_target:
-            os.makedirs(target)
-        os.sync()  # as before each checkpoint (`checkpoint_costs`)
-        started = time.perf_counter()
-        subprocess.run(command, check=True, cwd=cwd)
-        seconds.append(time.perf_counter() - started)
-    shutil.rmtree(target, ignore_errors=True)
-    return statistics.median(seconds)
-
-
-def timed_sha256(root: str, relative_paths: list[str], repeat: int) -> float:
-    """Median seconds to sha256 the files, one after another on one core, from the page cache (mmap: no
-    copy, no write). The manifest records each file's whole sha256, so save-to-commit and resume pay at
-    least this; `cp` pays none of it."""
-    import hashlib
-    import mmap
-
-    seconds = []
-    for _ in range(repeat):
-        started = time.perf_counter()
-        for relative_path in relative_paths:
-            path = os.path.join(root, relative_path)
-            if not os.path.getsize(path):
-                continue
-            with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as view:
-                hashlib.sha256(view).hexdigest()
-        seconds.append(time.perf_counter() - started)
-    return statistics.median(seconds)
-
-
 def local_path(uri: str) -> str:
     return uri[len("file://"):] if uri.startswith("file://") else uri
 
@@ -166,59 +125,6 @@ def wait_committed(step_dir: str, timeout_s: float = 300.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{step_dir} was not committed within {timeout_s:.0f} s")
         time.sleep(0.2)
-
-
-def checkpoint_costs(run, repeat: int) -> dict:
-    """Chunks of one step each on `run` (SFT), then the references; see the module docstring."""
-    import ray
-
-    from rlhf_core import chunk
-    from rlhf_core.engine import WorkerGroup, files_for_rank
-    from rlhf_core.resume import begin_stage
-
-    plan, lineage = chunk.plan_stage(run, "sft"), begin_stage(run, "sft")
-    results = []
-    for target in plan.targets:
-        # Back-to-back 1.6 GB checkpoints outrun the disk: past the kernel's dirty-page limit every write
-        # waits for the disk (about 300 MB/s here). Each checkpoint, like each cp below, starts from
-        # flushed pages, so both are measured writing into the page cache.
-        os.sync()
-        results.append(chunk.ensure_checkpoint(run, "sft", target, lineage))
-    warm = results[1:] or results  # the first chunk's save also pays one-time set-up
-    stalls, commits = zip(*(stall_and_commit(result.seconds) for result in warm))
-    group = chunk._WarmGroup.group
-    in_memory = ray.get(group.workers[0].__ray_call__.remote(copy_rank_tensors, repeat)) if group else None
-    chunk.release_workers()
-    step_dir = local_path(results[-1].uri)
-    wait_committed(step_dir)
-    scratch = tempfile.mkdtemp(prefix="bench-cp-", dir=os.path.dirname(step_dir))
-    try:
-        cp_all = timed_copy(["cp", "-r", step_dir, os.path.join(scratch, "all")], os.path.join(scratch, "all"), repeat)
-        with open(os.path.join(step_dir, "MANIFEST.json")) as handle:
-            paths = [entry["path"] for entry in json.load(handle)["files"]]
-        read_paths = files_for_rank(paths, 0, False)
-        cp_read = timed_copy(["cp", "--parents", *read_paths, os.path.join(scratch, "read")],
-                             os.path.join(scratch, "read"), repeat, cwd=step_dir, make_target=True)
-        sha256_all, sha256_read = timed_sha256(step_dir, paths, repeat), timed_sha256(step_dir, read_paths, repeat)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    group = WorkerGroup(run)
-    try:
-        group.setup(run, "sft", plan.total_steps)
-        loads = []
-        for _ in range(repeat):
-            started = time.perf_counter()
-            group.load(run.stage_url("sft"), run.storage_options, plan.total_steps)
-            loads.append(time.perf_counter() - started)
-    finally:
-        group.shutdown()
-    return {"stall": statistics.median(stalls), "save_to_commit": statistics.median(commits),
-            "save_to_commit_alone": stall_and_commit(results[-1].seconds)[1],  # the last chunk: nothing trains beside it
-            "in_memory_copy": in_memory["seconds"] if in_memory else None,
-            "tensor_bytes": in_memory["bytes"] if in_memory else None, "cp_all": cp_all, "cp_read": cp_read,
-            "sha256_all": sha256_all, "sha256_read": sha256_read,
-            "checkpoint_bytes": results[-1].size_bytes, "resume": statistics.median(loads),
-            "chunk_seconds": [result.seconds for result in results]}
 
 
 @contextlib.contextmanager
@@ -251,7 +157,7 @@ def chunk_boundaries(run) -> dict:
         started = time.perf_counter()
         summary = rlhf(config=run)
         wall = time.perf_counter() - started
-    return {"spans": list(spans), "wall": wall, "chunks": summary["sft"].get("chunks", [])}
+    return {"spans": list(spans), "started": started, "wall": wall, "chunks": summary["sft"].get("chunks", [])}
 
 
 @contextlib.contextmanager

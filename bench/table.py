@@ -4,7 +4,8 @@ against), ours, the ratio, the goal from issue 10, and whether the goal is met.
 Pure arithmetic and formatting, no measuring, so a unit test can check it (tests/unit/test_bench_table.py).
 A ratio is always ours / reference. A goal reads "ratio <= bound" for costs (seconds per step, stall,
 overhead) and "ratio >= bound" for throughputs (samples per second). A measure that did not run, or
-whose reference is zero, shows "n/a" and counts as neither met nor missed.
+whose reference is zero, shows "n/a" and counts as neither met nor missed. A row without a goal
+(goal None) is a measure shown for context (e.g. another checksum's cost): its ratio, no verdict.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ class Row:
     ours: float | None
     unit: str  # "s", "samples/s", ...
     goal_op: str  # "<=" or ">="
-    goal: float
+    goal: float | None  # None: shown for context, no verdict
     as_percent: bool = False  # show the ratio (and the goal) as a percentage
 
     @property
@@ -32,7 +33,7 @@ class Row:
     @property
     def met(self) -> bool | None:
         ratio = self.ratio
-        if ratio is None:
+        if ratio is None or self.goal is None:
             return None
         return ratio <= self.goal if self.goal_op == "<=" else ratio >= self.goal
 
@@ -40,8 +41,8 @@ class Row:
         ratio, met = self.ratio, self.met
         return [self.measure, _value(self.reference, self.unit), _value(self.ours, self.unit),
                 "n/a" if ratio is None else _share(ratio, self.as_percent),
-                f"{self.goal_op} {_share(self.goal, self.as_percent)}",
-                "n/a" if met is None else ("yes" if met else "NO")]
+                "-" if self.goal is None else f"{self.goal_op} {_share(self.goal, self.as_percent)}",
+                "-" if self.goal is None else "n/a" if met is None else ("yes" if met else "NO")]
 
 
 def _value(value: float | None, unit: str) -> str:
@@ -76,3 +77,11 @@ def outside_per_chunk(chunk_ends: list[float], loop_seconds: list[float]) -> lis
     With asynchronous checkpoints the ranks train a chunk while the previous one commits, so the driver's
     view of when training ran says nothing; the period and the ranks' own loop time still do."""
     return [(later - earlier) - loop for earlier, later, loop in zip(chunk_ends, chunk_ends[1:], loop_seconds[1:])]
+
+
+def extra_per_checkpoint(wall_chunked: float, wall_single: float, checkpoints_chunked: int,
+                         checkpoints_single: int) -> float | None:
+    """Wall seconds each extra checkpoint added to a run: the same run with more checkpoints, less the run
+    with fewer, over the difference in their number (None when they wrote as many)."""
+    extra = checkpoints_chunked - checkpoints_single
+    return (wall_chunked - wall_single) / extra if extra > 0 else None

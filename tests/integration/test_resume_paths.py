@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf_core.checkpoint import MANIFEST_NAME, Manifest, ManifestEntry, sha256_of_local_file
+from rlhf_core.checkpoint import MANIFEST_NAME, Manifest, ManifestEntry, digest_of_local_file
 from rlhf_core.chunk import ensure_checkpoint, release_workers
 from rlhf_core.config import RunConfig, SFTConfig
 from rlhf_core.errors import UnsafeCheckpoint, UserError
@@ -152,7 +152,8 @@ def test_planted_pickle_payload_is_refused_and_not_executed(toy_assets, referenc
     torch.save({"module": Payload()}, shard)
     # An attacker with write access also fixes the manifest, so integrity checks pass.
     manifest = Manifest.from_bytes((step_dir / MANIFEST_NAME).read_bytes())
-    files = tuple(ManifestEntry(e.path, shard.stat().st_size, sha256_of_local_file(str(shard))[1])
+    files = tuple(ManifestEntry(e.path, shard.stat().st_size, digest_of_local_file(str(shard), e.checksum)[1],
+                                e.checksum)
                   if e.path.endswith("mp_rank_00_model_states.pt") else e for e in manifest.files)
     (step_dir / MANIFEST_NAME).write_bytes(Manifest(manifest.step, files).to_bytes())
     with pytest.raises(UnsafeCheckpoint, match=r"mp_rank_00_model_states.pt .*it would call posix.system"):

@@ -53,3 +53,17 @@ def test_outside_per_chunk_is_period_less_the_ranks_loop():
     # chunks end at 10, 26, 41.5; the ranks looped 10, 15 and 15 s: 1 s then 0.5 s outside training
     assert table.outside_per_chunk([10.0, 26.0, 41.5], [10.0, 15.0, 15.0]) == pytest.approx([1.0, 0.5])
     assert table.outside_per_chunk([10.0], [10.0]) == []
+
+
+def test_a_row_without_a_goal_shows_its_ratio_and_no_verdict():
+    row = table.Row("save-to-commit with sha256 / durable copy", reference=2.0, ours=3.0, unit="s", goal_op="<=",
+                    goal=None)
+    assert row.ratio == pytest.approx(1.5) and row.met is None
+    assert row.cells()[3:] == ["1.50x", "-", "-"]
+
+
+def test_extra_per_checkpoint_is_the_wall_difference_over_the_extra_checkpoints():
+    # 5 checkpoints took 130 s, the same run with 1 took 122 s: 2 s per extra checkpoint
+    assert table.extra_per_checkpoint(130.0, 122.0, 5, 1) == pytest.approx(2.0)
+    assert table.extra_per_checkpoint(121.0, 122.0, 3, 1) == pytest.approx(-0.5)  # noise shows as it is
+    assert table.extra_per_checkpoint(130.0, 122.0, 1, 1) is None

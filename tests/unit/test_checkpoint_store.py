@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import xxhash
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
@@ -154,7 +155,7 @@ def test_commit_writes_files_manifest_and_latest(store: CheckpointStore, make_lo
 
     manifest_bytes = read_remote(store, f"step_100/{MANIFEST_NAME}")
     manifest = json.loads(manifest_bytes)
-    assert manifest["format_version"] == 1 and manifest["step"] == 100
+    assert manifest["format_version"] == 2 and manifest["step"] == 100 and manifest["checksum"] == "xxh3_128"
     expected_files = local_files(local_dir)
     expected_files[METADATA_NAME] = read_remote(store, f"step_100/{METADATA_NAME}")
     assert {entry["path"] for entry in manifest["files"]} == set(expected_files)
@@ -162,7 +163,7 @@ def test_commit_writes_files_manifest_and_latest(store: CheckpointStore, make_lo
         data = expected_files[entry["path"]]
         assert read_remote(store, f"step_100/{entry['path']}") == data
         assert entry["size"] == len(data)
-        assert entry["sha256"] == hashlib.sha256(data).hexdigest()
+        assert entry["xxh3_128"] == xxhash.xxh3_128(data).hexdigest()
 
     assert store.latest_name() == "step_100"
     assert store.read_metadata(100) == metadata
@@ -579,7 +580,7 @@ def test_streams_are_written_and_hashed_beside_the_files(store: CheckpointStore,
     manifest = {entry["path"]: entry for entry in json.loads(read_remote(store, f"step_7/{MANIFEST_NAME}"))["files"]}
     assert read_remote(store, "step_7/model/ds/state.pt") == large + small
     assert manifest["model/ds/state.pt"] == {"path": "model/ds/state.pt", "size": len(large) + len(small),
-                                             "sha256": hashlib.sha256(large + small).hexdigest()}
+                                             "xxh3_128": xxhash.xxh3_128(large + small).hexdigest()}
     assert set(manifest) == {"model/ds/state.pt", METADATA_NAME, *local_files(local_dir)}
     assert store.list(verify=True) == [info]
 

@@ -1,0 +1,296 @@
+"""The suite's checkpoint measures: what a checkpoint costs against the physical limit of its bytes, and what
+checkpointing costs a whole run.
+
+- `checkpoint_costs` (section `ckpt`): chunks of one step on the ~100M model through `ensure_checkpoint`,
+  read from its own timers (`ChunkResult.seconds`). After the first (cold) chunk the chunks cycle through
+  `schedule()`, side by side in one run: each manifest checksum, and the default one with `os.fsync` a
+  no-op in the driver and in the rank (what the durable calls cost), each committed with nothing training
+  beside it (`train_ahead=False`, as the copies run); and the default as users get it, committed while the
+  next chunk's step trains beside it. Then the references
+  (`reference_io`): a durable copy of the committed step (`cp -r` + fsync of every file and folder), and
+  `cat` of the files the rank reads from a cold and from a warm page cache, next to a fresh group's
+  `WorkerGroup.load` of one checkpoint per checksum, cold and warm; and each checksum alone over the
+  same files.
+- `whole_run` (section `wholerun`): the `rlhf` Prefect flow, SFT on the 23.6M model, once with a
+  checkpoint every 50 steps and once as a single chunk, same seed and data; the extra wall time per
+  checkpoint, against the training time of a 50-step chunk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+import ours
+import reference_io
+from table import extra_per_checkpoint
+
+NO_FSYNC = "no fsync"
+BESIDE = " beside training"  # suffix of the variant committed while the next chunk trains (the users' path)
+_REAL_FSYNC = os.fsync  # this module is imported before any variant patches it, in the driver and each rank
+
+
+def variants() -> tuple[str, ...]:
+    """The variants of a cycle: the default fsync'ing nothing, every other checksum installed here (blake3 is
+    optional: `pip install -e .[blake3]`), the default last."""
+    from rlhf_core.checkpoint import CHECKSUMS, DEFAULT_CHECKSUM, new_hasher
+    from rlhf_core.errors import UserError
+
+    def installed(name: str) -> bool:
+        try:
+            new_hasher(name)
+        except UserError:
+            return False
+        return True
+
+    others = [name for name in CHECKSUMS if name != DEFAULT_CHECKSUM and installed(name)]
+    return (NO_FSYNC, *others, DEFAULT_CHECKSUM)
+
+
+def schedule() -> list[tuple[str, bool]]:
+    """One cycle of warm chunks: (variant, whether the next chunk trains beside its commit)."""
+    return [(variant, False) for variant in variants()] + [(variants()[-1], True)]
+
+
+def _set_fsync(_worker, enabled: bool) -> None:
+    """In a rank (`__ray_call__`) or the driver: `os.fsync` real, or a no-op (every durable call in
+    rlhf_core goes through it: the rank's file fsyncs, `durable.fsync_dir`, `replace_durably`)."""
+    os.fsync = _REAL_FSYNC if enabled else (lambda fd: None)
+
+
+@contextlib.contextmanager
+def checkpoint_variant(variant: str | None, group):
+    """The driver's checksum default (which `prepare_step` hands the ranks) set for one chunk, and for
+    NO_FSYNC `os.fsync` a no-op in this process and in every rank of `group`."""
+    import ray
+
+    from rlhf_core import checkpoint
+
+    previous = checkpoint.DEFAULT_CHECKSUM
+    if variant not in (None, NO_FSYNC):
+        checkpoint.DEFAULT_CHECKSUM = variant
+    no_fsync = variant == NO_FSYNC and group is not None
+    if no_fsync:
+        _set_fsync(None, False)
+        ray.get([worker.__ray_call__.remote(_set_fsync, False) for worker in group.workers])
+    try:
+        yield
+    finally:
+        checkpoint.DEFAULT_CHECKSUM = previous
+        if no_fsync:
+            _set_fsync(None, True)
+            ray.get([worker.__ray_call__.remote(_set_fsync, True) for worker in group.workers])
+
+
+def run_chunks(run) -> tuple[list, dict[str, list]]:
+    """Every chunk of `run`, the first cold and the rest cycling through `schedule()`; all results, and the
+    warm ones by variant (BESIDE appended for those committed beside training)."""
+    from rlhf_core import chunk
+    from rlhf_core.resume import begin_stage
+
+    plan, lineage, cycle = chunk.plan_stage(run, "sft"), begin_stage(run, "sft"), schedule()
+    results, by_variant = [], {}
+    for index, target in enumerate(plan.targets):
+        variant, ahead = (None, True) if index == 0 else cycle[(index - 1) % len(cycle)]
+        # Back-to-back 1.6 GB checkpoints outrun the disk's write-back: each one, like each copy, starts
+        # from flushed pages, so none pays for another's (the no-fsync variant's pages included).
+        os.sync()
+        with checkpoint_variant(variant, chunk._WarmGroup.group):
+            result = chunk.ensure_checkpoint(run, "sft", target, lineage, train_ahead=ahead)
+        results.append(result)
+        if variant is not None:
+            by_variant.setdefault(variant + (BESIDE if ahead else ""), []).append(result)
+    return results, by_variant
+
+
+def resume_costs(run, steps: dict[str, int], read_paths: list[str], step_dirs: dict[str, str], repeat: int) -> dict:
+    """Per checksum: a fresh group's `WorkerGroup.load` of its checkpoint from a cold page cache and a warm
+    one, next to `cat` of the same files, cold and warm (medians of `repeat`)."""
+    from rlhf_core.chunk import plan_stage
+    from rlhf_core.engine import WorkerGroup
+
+    plan, costs = plan_stage(run, "sft"), {}
+    group = WorkerGroup(run)
+    try:
+        group.setup(run, "sft", plan.total_steps)
+
+        def load(step: int, cold: bool) -> float:
+            if cold:
+                reference_io.drop_page_cache()
+            started = time.perf_counter()
+            group.load(run.stage_url("sft"), run.storage_options, step)
+            return time.perf_counter() - started
+
+        for algorithm, step in steps.items():
+            root = step_dirs[algorithm]
+            costs[algorithm] = {
+                "cold": statistics.median(load(step, True) for _ in range(repeat)),
+                "warm": statistics.median(load(step, False) for _ in range(repeat)),
+                "read_cold": statistics.median(reference_io.cold_read(root, read_paths) for _ in range(repeat)),
+                "read_warm": statistics.median(reference_io.warm_read(root, read_paths) for _ in range(repeat))}
+    finally:
+        group.shutdown()
+    return costs
+
+
+def checkpoint_costs(run, repeat: int) -> dict:
+    """Section `ckpt`; see the module docstring. `run` keeps at least len(schedule()) checkpoints."""
+    import ray
+
+    from rlhf_core import chunk
+    from rlhf_core.engine import files_for_rank
+
+    results, by_variant = run_chunks(run)
+    group = chunk._WarmGroup.group
+    in_memory = ray.get(group.workers[0].__ray_call__.remote(ours.copy_rank_tensors, repeat)) if group else None
+    chunk.release_workers()
+    step_dirs = {variant: ours.local_path(chunk_results[-1].uri) for variant, chunk_results in by_variant.items()}
+    for step_dir in step_dirs.values():
+        ours.wait_committed(step_dir)
+    default_dir = step_dirs[variants()[-1]]
+    with open(os.path.join(default_dir, "MANIFEST.json")) as handle:
+        paths = [entry["path"] for entry in json.load(handle)["files"]]
+    read_paths = files_for_rank(paths, 0, False)
+    scratch = tempfile.mkdtemp(prefix="bench-cp-", dir=os.path.dirname(default_dir))
+    try:
+        target = os.path.join(scratch, "copy")
+        cp_page = reference_io.timed_copies(reference_io.page_copy, default_dir, target, repeat)
+        cp_durable = reference_io.timed_copies(reference_io.durable_copy, default_dir, target, repeat)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    algorithms = [variant for variant in variants() if variant != NO_FSYNC]  # each committed alone
+    hashes = {algorithm: {"all": reference_io.hash_seconds(default_dir, paths, algorithm, repeat),
+                          "read": reference_io.hash_seconds(default_dir, read_paths, algorithm, repeat)}
+              for algorithm in algorithms}
+    steps = {algorithm: by_variant[algorithm][-1].step for algorithm in algorithms}
+    resume = resume_costs(run, steps, read_paths, step_dirs, repeat)
+    per_variant = {}
+    for variant, chunk_results in by_variant.items():
+        stalls, commits = zip(*(ours.stall_and_commit(result.seconds) for result in chunk_results))
+        after_snapshot = [commit - stall for stall, commit in zip(stalls, commits)]
+        per_variant[variant] = {"stall": statistics.median(stalls), "save_to_commit": statistics.median(commits),
+                                "after_snapshot": statistics.median(after_snapshot), "samples": list(commits)}
+    step_bytes = sum(os.path.getsize(os.path.join(default_dir, path)) for path in paths)
+    read_bytes = sum(os.path.getsize(os.path.join(default_dir, path)) for path in read_paths)
+    return {"variants": per_variant, "default": variants()[-1],
+            "in_memory_copy": in_memory["seconds"] if in_memory else None,
+            "tensor_bytes": in_memory["bytes"] if in_memory else None,
+            "cp_page": cp_page, "cp_durable": cp_durable, "hashes": hashes, "resume": resume,
+            "step_bytes": step_bytes, "read_bytes": read_bytes, "checkpoint_bytes": results[-1].size_bytes,
+            "page_cache_dropped": reference_io.drop_page_cache(),
+            "chunk_seconds": [result.seconds for result in results]}
+
+
+def _process_cpu(_worker=None) -> float:
+    """CPU seconds (user + system, every thread) this process has used: a rank's (`__ray_call__`) or ours."""
+    return time.process_time()
+
+
+@contextlib.contextmanager
+def recorded_cpu():
+    """Wrap `WorkerGroup.train_until` and `.shutdown`: the CPU seconds every rank and this process used
+    between a group's first training call and its shutdown (the flow's end). It moves less than wall time
+    when other work shares the machine, though heavy contention for the same cores inflates it too."""
+    import ray
+
+    from rlhf_core.engine import WorkerGroup
+
+    marks: dict[int, float] = {}
+    spent: list[float] = []
+    train_until, shutdown = WorkerGroup.train_until, WorkerGroup.shutdown
+
+    def cpu(group) -> float:
+        return sum(ray.get([worker.__ray_call__.remote(_process_cpu) for worker in group.workers])) + _process_cpu()
+
+    def counted_train_until(self, target_step):
+        marks.setdefault(id(self), cpu(self))
+        return train_until(self, target_step)
+
+    def counted_shutdown(self):
+        if id(self) in marks and self.workers:
+            spent.append(cpu(self) - marks.pop(id(self)))
+        return shutdown(self)
+
+    WorkerGroup.train_until, WorkerGroup.shutdown = counted_train_until, counted_shutdown
+    try:
+        yield spent
+    finally:
+        WorkerGroup.train_until, WorkerGroup.shutdown = train_until, shutdown
+
+
+def _flow_costs(run) -> dict:
+    """One `rlhf` flow over `run`: wall from the start of its first training call (so Ray's and the group's
+    start-up, which the two runs may pay unequally, stay out) to its end, the CPU seconds of the ranks and
+    the driver over the same span, and its chunk rows."""
+    with recorded_cpu() as spent:
+        flow = ours.chunk_boundaries(run)
+    first_training = flow["spans"][0][0] if flow["spans"] else flow["started"]
+    return {"wall": flow["started"] + flow["wall"] - first_training, "cpu": sum(spent), "chunks": flow["chunks"],
+            "flow_wall": flow["wall"]}
+
+
+def checkpoint_sizes(run) -> list[int]:
+    from rlhf_core.checkpoint import CheckpointStore
+
+    return [info.size_bytes for info in CheckpointStore(run.stage_url("sft")).list() if info.is_committed]
+
+
+def whole_run(workdir: str, toy: dict[str, str], model_dir: str, num_steps: int, save_steps: int,
+              repeat: int = 1) -> dict:
+    """Section `wholerun`: the same SFT run (seed, data, steps) as one chunk and with a checkpoint every
+    `save_steps`, `repeat` pairs in ABBA order (so a drift of the machine's load hits both alike); see the
+    module docstring. Medians over the pairs."""
+    pairs = []
+    for index in range(repeat):
+        order = ("single", "chunked") if index % 2 == 0 else ("chunked", "single")
+        runs = {}
+        for name in order:
+            every = -1 if name == "single" else save_steps  # -1: one chunk, whatever the rounded step count
+            cfg = ours.stage_config("sft", toy, model_dir, os.path.join(workdir, f"wholerun-{name}-{index}-out"),
+                                    num_steps, every)
+            run = ours.stage_run(workdir, f"wholerun-{name}-{index}", "sft", cfg, max_ckpt_num=0)
+            runs[name] = {**_flow_costs(run), "sizes": checkpoint_sizes(run)}
+        pairs.append(_pair_costs(runs["single"], runs["chunked"], save_steps))
+    return {"pairs": pairs, **{key: statistics.median(pair[key] for pair in pairs)
+                               for key in ("extra_per_checkpoint", "chunk_train", "extra_cpu_per_checkpoint",
+                                           "chunk_train_cpu")},
+            "breakdown": {key: statistics.median(pair["breakdown"][key] for pair in pairs)
+                          for key in pairs[0]["breakdown"]}}
+
+
+def _pair_costs(single: dict, chunked: dict, save_steps: int) -> dict:
+    extra_checkpoints = len(chunked["chunks"]) - len(single["chunks"])  # one commit per chunk
+    ends = [row["step"] for row in chunked["chunks"]]
+    loops = [row.get("step_loop_s", row.get("train_s")) for row in chunked["chunks"]]
+    # Chunks of exactly save_steps steps, the first (it warms up) left out when there are others.
+    full = [loop for loop, start, end in zip(loops, [0, *ends], ends) if end - start == save_steps]
+    full = full[1:] or full
+    num_steps = single["chunks"][-1]["step"]
+    return {"single": single, "chunked": chunked, "extra_checkpoints": extra_checkpoints,
+            "extra_per_checkpoint": extra_per_checkpoint(chunked["wall"], single["wall"], len(chunked["chunks"]),
+                                                         len(single["chunks"])),
+            "extra_cpu_per_checkpoint": extra_per_checkpoint(chunked["cpu"], single["cpu"], len(chunked["chunks"]),
+                                                             len(single["chunks"])),
+            # The single run's CPU per step (its one checkpoint and the export included: a slight overestimate).
+            "chunk_train_cpu": single["cpu"] * save_steps / num_steps,
+            "chunk_train": statistics.median(full), "breakdown": breakdown(single, chunked, extra_checkpoints)}
+
+
+def breakdown(single: dict, chunked: dict, extra_checkpoints: int) -> dict:
+    """Where the extra wall time per checkpoint went, from the chunks' own timers: the training stall
+    (snapshot), the ranks' step loop running slower beside the background writer (serialisation, hashing,
+    write, fsync take their CPU), and the rest (Prefect's task per chunk, planning, the commit's wait)."""
+    def total(run: dict, key: str) -> float:
+        return sum(row.get(f"{key}_s", 0.0) for row in run["chunks"])
+
+    per = max(extra_checkpoints, 1)
+    extra = (chunked["wall"] - single["wall"]) / per
+    stall = (total(chunked, "stall") - total(single, "stall")) / per
+    slower_steps = (total(chunked, "step_loop") - total(single, "step_loop")) / per
+    return {"stall": stall, "slower_steps": slower_steps, "rest": extra - stall - slower_steps,
+            "commit_beside_training": total(chunked, "commit") / len(chunked["chunks"])}
