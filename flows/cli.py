@@ -153,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt_ls = ckpt.add_parser("ls", help="List the checkpoints of a stage folder ({ckpt_path}/{run_name}/{stage}).")
     ckpt_ls.add_argument("path", metavar="PATH")
     ckpt_ls.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
-    ckpt_ls.add_argument("--verify", action="store_true", help="Check every file's sha256, not only its size.")
+    ckpt_ls.add_argument("--verify", action="store_true",
+                         help="Check every file's checksum (the one its manifest names), not only its size.")
     status = commands.add_parser("status", help="Stages, last committed steps, alerts, lease and outputs of a run.")
     status.add_argument("run_url", metavar="RUN_URL", help="The run folder, {ckpt_path}/{run_name} (local or s3://).")
     goodput = commands.add_parser("goodput", help="Goodput of a run: useful step time against wall time, and where "
@@ -161,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     goodput.add_argument("run_url", metavar="RUN_URL", help="The run folder, {ckpt_path}/{run_name} (local or s3://).")
     goodput.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
     add_plan_parser(commands)
-    ckpt_verify = ckpt.add_parser("verify", help="Check every checkpoint's sha256; exit 1 if the newest is not valid.")
+    ckpt_verify = ckpt.add_parser("verify", help="Check every file's checksum in every checkpoint; exit 1 if "
+                                  "the newest is not valid.")
     ckpt_verify.add_argument("path", metavar="PATH")
     ckpt_verify.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
 
