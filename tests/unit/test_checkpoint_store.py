@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
 from rlhf_core.checkpoint import (
@@ -28,18 +27,6 @@ from rlhf_core import durable
 from rlhf_core.errors import CorruptCheckpoint, UserError
 
 SHARD_BYTES = 4096
-
-
-@pytest.fixture(params=["memory", "local"])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path):
-    if request.param == "local":
-        yield str(tmp_path / "store" / "run" / "sft")
-        return
-    bucket = f"ckpt-{uuid.uuid4().hex}"
-    yield f"memory://{bucket}/run/sft"
-    fs, bucket_path = url_to_fs(f"memory://{bucket}")
-    if fs.exists(bucket_path):
-        fs.rm(bucket_path, recursive=True)
 
 
 @pytest.fixture

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import uuid
 from pathlib import Path
 
 import pytest
-from fsspec.core import url_to_fs
 
 from flows.cli import main
 from rlhf_core.checkpoint import MANIFEST_NAME, CheckpointStore
@@ -17,18 +15,6 @@ from rlhf_core.errors import CorruptCheckpoint, UserError
 
 ALGORITHMS = ["sha256", "xxh3_128", "blake3"]
 WEIGHTS = b"w" * 300_000 + b"tail"
-
-
-@pytest.fixture(params=["memory", "local"])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path):
-    if request.param == "local":
-        yield str(tmp_path / "store" / "run" / "sft")
-        return
-    bucket = f"ckpt-{uuid.uuid4().hex}"
-    yield f"memory://{bucket}/run/sft"
-    fs, bucket_path = url_to_fs(f"memory://{bucket}")
-    if fs.exists(bucket_path):
-        fs.rm(bucket_path, recursive=True)
 
 
 def commit_step(store: CheckpointStore, tmp_path: Path, step: int) -> None:
