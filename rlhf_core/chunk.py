@@ -361,7 +361,7 @@ def ensure_checkpoint(run: RunConfig, stage: str, target_step: int, lineage: Lin
         reached, trained = group.step, time.perf_counter()
         if reached < target_step and not stop.requested():
             raise RuntimeError(f"the ranks stopped at step {reached}, short of {target_step}, with no stop requested")
-        if reached == start_step:  # the stop came before the first step
+        if reached == start_step and stop.requested():  # the stop came before the first step
             raise stop.stopped(stage, start_step, run.stage_url(stage))
         info, alerts, summary, commit_seconds, ahead_since = _commit_chunk(run, stage, plan, store, group, infos,
                                                                            start_step, step_metrics, trackers,

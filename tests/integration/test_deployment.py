@@ -334,7 +334,10 @@ def test_ppo_nightly_stops_at_its_chunk_budget_and_the_next_run_finishes_with_th
     config = {"run_name": "nightly", "stages": ["ppo"], "ckpt_path": str(workdir / "ckpt"), "load_checkpoint": True,
               "seed": 42, "num_workers": 1, "max_chunks_per_run": 1,
               "alert_size_tolerance": 1e-9,  # every checkpoint is "off" its predicted size: an alert on purpose
-              "ppo": ppo_section(deployed.toy, full["sft"]["save_path"], workdir / "ppo_lora", lora_rank=8)}
+              # ... and on the same side: the tokenizer each checkpoint also saves (~2.5 KB, not predicted) puts
+              # both steps above the prediction, not within the ~200 bytes their metadata and manifests differ by.
+              "ppo": ppo_section(deployed.toy, full["sft"]["save_path"], workdir / "ppo_lora", lora_rank=8,
+                                 save_hf_ckpt=True)}
     stage_dir, save_path = workdir / "ckpt" / "nightly" / "ppo", workdir / "ppo_lora"
 
     # Two runs at once: the deployment's concurrency limit (1, CANCEL_NEW) lets one start.
