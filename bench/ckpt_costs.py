@@ -31,8 +31,10 @@ import reference_io
 from table import extra_per_checkpoint
 
 NO_FSYNC = "no fsync"
+NO_WRITEBACK = "no writeback ahead"  # the default checksum, the disk's write left to the closing fsync
 BESIDE = " beside training"  # suffix of the variant committed while the next chunk trains (the users' path)
 _REAL_FSYNC = os.fsync  # this module is imported before any variant patches it, in the driver and each rank
+_REAL_SYNC_FILE_RANGE = None  # rlhf_core.durable's, kept by the first _set_writeback in each process
 
 
 def variants() -> tuple[str, ...]:
@@ -49,7 +51,7 @@ def variants() -> tuple[str, ...]:
         return True
 
     others = [name for name in CHECKSUMS if name != DEFAULT_CHECKSUM and installed(name)]
-    return (NO_FSYNC, *others, DEFAULT_CHECKSUM)
+    return (NO_FSYNC, NO_WRITEBACK, *others, DEFAULT_CHECKSUM)
 
 
 def schedule() -> list[tuple[str, bool]]:
@@ -63,6 +65,16 @@ def _set_fsync(_worker, enabled: bool) -> None:
     os.fsync = _REAL_FSYNC if enabled else (lambda fd: None)
 
 
+def _set_writeback(_worker, enabled: bool) -> None:
+    """In a rank or the driver: `durable.WritebackAhead` on (as shipped) or off (each file's bytes reach the
+    disk only in its closing fsync, as before it)."""
+    global _REAL_SYNC_FILE_RANGE
+    from rlhf_core import durable
+
+    _REAL_SYNC_FILE_RANGE = _REAL_SYNC_FILE_RANGE or durable._sync_file_range
+    durable._sync_file_range = _REAL_SYNC_FILE_RANGE if enabled else None
+
+
 @contextlib.contextmanager
 def checkpoint_variant(variant: str | None, group):
     """The driver's checksum default (which `prepare_step` hands the ranks) set for one chunk, and for
@@ -72,19 +84,19 @@ def checkpoint_variant(variant: str | None, group):
     from rlhf_core import checkpoint
 
     previous = checkpoint.DEFAULT_CHECKSUM
-    if variant not in (None, NO_FSYNC):
+    if variant not in (None, NO_FSYNC, NO_WRITEBACK):
         checkpoint.DEFAULT_CHECKSUM = variant
-    no_fsync = variant == NO_FSYNC and group is not None
-    if no_fsync:
-        _set_fsync(None, False)
-        ray.get([worker.__ray_call__.remote(_set_fsync, False) for worker in group.workers])
+    switch = {NO_FSYNC: _set_fsync, NO_WRITEBACK: _set_writeback}.get(variant) if group is not None else None
+    if switch is not None:
+        switch(None, False)
+        ray.get([worker.__ray_call__.remote(switch, False) for worker in group.workers])
     try:
         yield
     finally:
         checkpoint.DEFAULT_CHECKSUM = previous
-        if no_fsync:
-            _set_fsync(None, True)
-            ray.get([worker.__ray_call__.remote(_set_fsync, True) for worker in group.workers])
+        if switch is not None:
+            switch(None, True)
+            ray.get([worker.__ray_call__.remote(switch, True) for worker in group.workers])
 
 
 def run_chunks(run) -> tuple[list, dict[str, list]]:
@@ -163,7 +175,7 @@ def checkpoint_costs(run, repeat: int) -> dict:
         cp_durable = reference_io.timed_copies(reference_io.durable_copy, default_dir, target, repeat)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    algorithms = [variant for variant in variants() if variant != NO_FSYNC]  # each committed alone
+    algorithms = [variant for variant in variants() if variant not in (NO_FSYNC, NO_WRITEBACK)]  # each alone
     hashes = {algorithm: {"all": reference_io.hash_seconds(default_dir, paths, algorithm, repeat),
                           "read": reference_io.hash_seconds(default_dir, read_paths, algorithm, repeat)}
               for algorithm in algorithms}
@@ -288,9 +300,14 @@ def breakdown(single: dict, chunked: dict, extra_checkpoints: int) -> dict:
     def total(run: dict, key: str) -> float:
         return sum(row.get(f"{key}_s", 0.0) for row in run["chunks"])
 
-    per = max(extra_checkpoints, 1)
+    per, num_commits = max(extra_checkpoints, 1), len(chunked["chunks"])
     extra = (chunked["wall"] - single["wall"]) / per
     stall = (total(chunked, "stall") - total(single, "stall")) / per
     slower_steps = (total(chunked, "step_loop") - total(single, "step_loop")) / per
+    # Measured inside the chunked run alone (no second run to subtract): the steps that ran beside a write
+    # against the median step that did not (`goodput.writer_slowdown`), and the writer threads' own timers
+    # (rank 0's thread-seconds; its files are written in parallel, so they add up to more than the commit).
+    in_run = {f"in_run_{key}": total(chunked, key) / num_commits
+              for key in ("stall", "writer_slowdown", "writer_write", "writer_hash", "writer_fsync")}
     return {"stall": stall, "slower_steps": slower_steps, "rest": extra - stall - slower_steps,
-            "commit_beside_training": total(chunked, "commit") / len(chunked["chunks"])}
+            "commit_beside_training": total(chunked, "commit") / num_commits, **in_run}

@@ -382,7 +382,7 @@ def ensure_checkpoint(run: RunConfig, stage: str, target_step: int, lineage: Lin
     finished = time.perf_counter()
     seconds = {"plan": prepared - started, "workers_and_load": loaded - prepared, "train": trained - loaded,
                "save_and_commit": finished - trained, **commit_seconds,
-               "step_loop": group.take_step_loop_seconds()}  # the ranks' own, training ahead included
+               **group.take_step_loop_seconds()}  # the ranks' own, training ahead included
     ledger.chunk_committed(stage, reached, seconds, num_steps=reached - start_step,
                            trained_ahead_s=0.0 if ahead_since is None else finished - ahead_since)
     if reached < target_step:  # an emergency checkpoint: the stop is done
@@ -488,7 +488,8 @@ def _commit(run: RunConfig, stage: str, store: CheckpointStore, group: WorkerGro
         raise
     committed = time.perf_counter()
     stall = (committed if run.sync_checkpoint else snapshotted) - started
-    return info, {"stall": stall, "commit": committed - snapshotted}, ahead_since
+    writer = {f"writer_{name}": seconds for name, seconds in group.write_seconds.items()}  # rank 0's thread-seconds
+    return info, {"stall": stall, "commit": committed - snapshotted, **writer}, ahead_since
 
 
 @contextlib.contextmanager

@@ -12,9 +12,16 @@ only once it is stored redundantly), and there is no rename to order. Callers sk
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 import tempfile
+from typing import BinaryIO
+
+# Bytes written between two writeback requests (`WritebackAhead`): large enough that a request is rare,
+# small enough that the fsync at the end finds little left to write.
+WRITEBACK_WINDOW_BYTES = 32 << 20
+_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, wait for none
 
 
 def fsync_dir(path: str) -> None:
@@ -70,3 +77,50 @@ def make_dirs_durably(path: str) -> None:
             if error.errno not in (errno.EACCES, errno.EPERM, errno.EINVAL):
                 raise
         current = parent
+
+
+def _load_sync_file_range():
+    """libc's sync_file_range (Linux), or None where there is none."""
+    try:
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (AttributeError, OSError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+_sync_file_range = _load_sync_file_range()
+
+
+class WritebackAhead:
+    """A write-through file object that asks the kernel to start writing each window of bytes to disk as soon
+    as the window is written (`sync_file_range(SYNC_FILE_RANGE_WRITE)`, as RocksDB's `bytes_per_sync` does),
+    so the disk works while the rest of the file is still being serialized and the closing fsync waits only
+    for the last window. Without it a checkpoint's bytes stay dirty in the page cache (a 1.6 GB checkpoint is
+    under the kernel's background-writeback threshold on most machines) and the whole write to disk happens
+    inside the fsync, after serialization. It starts writeback only; durability still comes from the fsync.
+    Where the call is missing or refused (not Linux, a filesystem without it) it does nothing."""
+
+    def __init__(self, target: BinaryIO, window_bytes: int | None = None):
+        self.target, self.window_bytes = target, window_bytes or WRITEBACK_WINDOW_BYTES
+        self._written = self._requested = 0
+        self._enabled = _sync_file_range is not None
+
+    def write(self, block) -> int:
+        num_bytes = self.target.write(block)
+        self._written += num_bytes
+        if self._enabled and self._written - self._requested >= self.window_bytes:
+            self._request_writeback()
+        return num_bytes
+
+    def _request_writeback(self) -> None:
+        self.target.flush()  # Python's buffer into the page cache first, or the range is not dirty yet
+        if _sync_file_range(self.target.fileno(), self._requested, self._written - self._requested,
+                            _SYNC_FILE_RANGE_WRITE) != 0:
+            self._enabled = False  # EINVAL/ENOSYS/ESPIPE: this file cannot; the fsync still does it all
+            return
+        self._requested = self._written
+
+    def flush(self) -> None:
+        self.target.flush()

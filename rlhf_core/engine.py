@@ -49,6 +49,7 @@ from rlhf_core import stop
 from rlhf_core.config import RunConfig
 from rlhf_core.ds_config import resolve_zero_stage
 from rlhf_core.errors import UserError
+from rlhf_core.goodput import writer_slowdown
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,8 @@ class TrainWorker:
         self._stop_requested = False  # set by request_stop, from the driver's stop signal (rlhf_core.stop)
         self._kept_in_memory: dict[str, dict] = {}  # a snapshot's state dicts, by its folder (see snapshot)
         self._written_state: dict = {}  # the last written snapshot's state dicts: buffers for the next one
+        # Background writes in flight, and started so far: a step during which either changed ran beside one.
+        self._num_writes_in_flight = self._num_writes_started = 0
 
     def location(self) -> RankLocation:
         return RankLocation(socket.gethostname(), ray.util.get_node_ip_address(),
@@ -149,16 +152,20 @@ class TrainWorker:
 
         self.trainer = trainer_class(stage)(run, total_steps, self.rank, self.world_size, load_universal)
 
-    def train_until(self, target_step: int) -> tuple[list[dict[str, float]], float, int]:
-        """The metrics of each step up to `target_step`, the seconds this rank spent in its step loop, and the
-        step it reached: fewer when a stop was requested (`request_stop`), at a step all ranks agree on."""
+    def train_until(self, target_step: int) -> tuple[list[dict[str, float]], float, int, list[tuple[float, bool]]]:
+        """The metrics of each step up to `target_step`, the seconds this rank spent in its step loop, the
+        step it reached (fewer when a stop was requested (`request_stop`), at a step all ranks agree on), and
+        each step's (seconds, whether a background checkpoint write ran beside it)."""
         from rlhf_core.faults import fault_point
 
-        started, metrics = time.perf_counter(), []
+        started, metrics, step_times = time.perf_counter(), [], []
         while self.trainer.step < target_step and not self._stop_agreed():
             fault_point("train_step", self.trainer.step + 1)
+            step_started, writes_before = time.perf_counter(), (self._num_writes_in_flight, self._num_writes_started)
             metrics.append(self.trainer.train_step())
-        return metrics, time.perf_counter() - started, self.trainer.step
+            beside_write = writes_before[0] > 0 or self._num_writes_started != writes_before[1]
+            step_times.append((time.perf_counter() - step_started, beside_write))
+        return metrics, time.perf_counter() - started, self.trainer.step, step_times
 
     @ray.method(concurrency_group="control")
     def request_stop(self) -> None:
@@ -216,12 +223,16 @@ class TrainWorker:
 
         kept = self._kept_in_memory.pop(folder, {})
         streams = [(path, functools.partial(write_state, state)) for path, state in kept.items()]
+        self._num_writes_in_flight += 1
+        self._num_writes_started += 1
         try:
-            entries = CheckpointStore(store_url, storage_options).upload_tree(pending, folder, streams)
+            timings: dict[str, float] = {}
+            entries = CheckpointStore(store_url, storage_options).upload_tree(pending, folder, streams, timings)
         finally:
+            self._num_writes_in_flight -= 1
             shutil.rmtree(folder, ignore_errors=True)
         self._written_state = kept  # the same peak memory as while writing, without page faults next time
-        return entries
+        return entries, timings
 
     def _expected_folder_bytes(self) -> int:
         """About what the snapshot's folder holds: the HF copy of each model's weights (DeepSpeed's state
@@ -312,6 +323,9 @@ class WorkerGroup:
         self.zero_stage: int | None = None  # resolved by setup
         self._ahead: tuple[int, list] | None = None
         self._step_loop_seconds = 0.0  # rank 0's, since the last take_step_loop_seconds()
+        self._step_times: list[tuple[float, bool]] = []  # rank 0's (seconds, beside a write), since then too
+        self._clean_step_seconds: float | None = None  # the last known median step with no write beside it
+        self.write_seconds: dict[str, float] = {}  # rank 0's writer timers of the last finished write
 
     def request_stop(self) -> None:
         """Ask every rank to stop after its current step (called from `rlhf_core.stop` on a stop signal)."""
@@ -358,14 +372,19 @@ class WorkerGroup:
         return metrics
 
     def _collect(self, trainings: list) -> list[dict[str, float]]:
-        metrics, seconds, self.step = self._gather(trainings)[0]
+        metrics, seconds, self.step, step_times = self._gather(trainings)[0]
         self._step_loop_seconds += seconds
+        self._step_times += step_times
         return metrics
 
-    def take_step_loop_seconds(self) -> float:
-        """Seconds rank 0 spent in its step loop for the steps collected since the last call (for the
-        goodput ledger: training ahead runs while the driver waits for a commit, so the driver cannot time it)."""
-        seconds, self._step_loop_seconds = self._step_loop_seconds, 0.0
+    def take_step_loop_seconds(self) -> dict[str, float]:
+        """For the steps collected since the last call (the goodput ledger's; training ahead runs while the
+        driver waits for a commit, so the driver cannot time it): `step_loop`, the seconds rank 0 spent in its
+        step loop, and `writer_slowdown`, the part of them lost to the background checkpoint writer, whose
+        serialisation, hashing and writes take CPU from the ranks (`goodput.writer_slowdown`)."""
+        slowdown, self._clean_step_seconds = writer_slowdown(self._step_times, self._clean_step_seconds)
+        seconds = {"step_loop": self._step_loop_seconds, "writer_slowdown": slowdown}
+        self._step_loop_seconds, self._step_times = 0.0, []
         return seconds
 
     def snapshot(self) -> list[str]:
@@ -378,8 +397,10 @@ class WorkerGroup:
                 for worker, folder in zip(self.workers, folders)]
 
     def finish_write(self, writes: list) -> list:
-        """Every rank's manifest entries for the files it uploaded."""
-        return [entry for share in self._gather(writes) for entry in share]
+        """Every rank's manifest entries for the files it uploaded (rank 0's writer timers: `write_seconds`)."""
+        shares = self._gather(writes)
+        self.write_seconds = shares[0][1] if shares else {}
+        return [entry for entries, _ in shares for entry in entries]
 
     def train_ahead(self, target_step: int) -> None:
         """Start training to `target_step` without waiting (the next chunk, while this one commits);

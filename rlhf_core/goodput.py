@@ -8,7 +8,9 @@ retry in a new process) and says where the rest of the time went, per stage and 
   reports it, else `train` (the driver's wait for the steps; shorter than the steps when the ranks trained
   ahead while the previous checkpoint was written, so it errs low);
 - stall: seconds the step loop waited for a checkpoint (`stall`; with synchronous checkpoints, the whole
-  `save_and_commit`). `commit` (the background writer) is shown but overlaps training, so it costs nothing;
+  `save_and_commit`), and the seconds it ran slower beside the background writer (`writer_slowdown`, moved
+  out of useful: its serialisation, hashing and writes take CPU from the ranks). `commit` (the background
+  writer's own time) is shown but overlaps training;
 - start-up: from the command's start (process creation, when the CLI marks it) to the attempt's first chunk,
   plus each chunk's `workers` seconds (Ray and the worker group starting);
 - load: checkpoint fetch, verify and load (`load`, or `workers_and_load` where they are not told apart);
@@ -82,7 +84,10 @@ RUNNING, FINISHED, CRASHED = "running", "finished", "crashed"
 OVERRIDDEN_BY = {"save_and_commit": "stall", "train": "step_loop"}
 SECONDS_CATEGORIES = {"step_loop": "useful_s", "train": "useful_s", "stall": "stall_s", "save_and_commit": "stall_s",
                       "commit": "commit_s", "workers": "startup_s", "load": "load_s", "workers_and_load": "load_s",
-                      "plan": "plan_s"}
+                      "plan": "plan_s", "writer_slowdown": "stall_s"}
+# Timers that are a part of another timer's time, taken out of that timer's category: the step loop's
+# slowdown beside the background writer is inside "step_loop" (or "train"), but is not useful time.
+PART_OF = {"writer_slowdown": "useful_s"}
 # Categories that are part of the wall time (commit_s runs in the background, beside training).
 WALL_CATEGORIES = ("useful_s", "stall_s", "startup_s", "load_s", "plan_s", "lost_s")
 
@@ -237,6 +242,26 @@ def commit_chunk(doc: dict, attempt: dict, stage: str, step: int, seconds: Mappi
         category = SECONDS_CATEGORIES.get(name)
         if category and OVERRIDDEN_BY.get(name) not in seconds:
             record[category] += float(value)
+        if name in PART_OF:
+            record[PART_OF[name]] -= float(value)
+
+
+def writer_slowdown(step_times: list[tuple[float, bool]], clean_step_seconds: float | None = None
+                    ) -> tuple[float, float | None]:
+    """Seconds a rank's step loop lost to the background checkpoint writer, from its steps' (seconds, whether a
+    write ran beside the step): what the steps beside a write took beyond the median step with none beside it,
+    summed (never below 0). The median comes from these steps, else `clean_step_seconds` (an earlier call's,
+    for a chunk whose every step ran beside a write); with neither, nothing can be told apart and it is 0.
+    Returns (the slowdown, the median clean step to pass next time). On 2 shared cores a step's time moves
+    with the machine's load too, so over a chunk this measures the writer to within that noise."""
+    clean = sorted(seconds for seconds, beside_write in step_times if not beside_write)
+    if clean:
+        middle = len(clean) // 2
+        clean_step_seconds = clean[middle] if len(clean) % 2 else (clean[middle - 1] + clean[middle]) / 2
+    if clean_step_seconds is None:
+        return 0.0, None
+    excess = sum(seconds - clean_step_seconds for seconds, beside_write in step_times if beside_write)
+    return max(0.0, excess), clean_step_seconds
 
 
 def finish_attempt(doc: dict, attempt: dict, now: float) -> None:

@@ -197,3 +197,17 @@ def test_reward_model_checkpoints_are_refused_once_the_sft_output_they_started_f
     finally:
         export_sft(final)
     begin_stage(run, "rm")  # the same checkpoint exported again is the same input
+
+
+def test_the_ledger_says_where_the_background_writer_spent_its_time(pipeline):
+    """Each checkpoint's writer timers (rank 0's serialisation and writes, hashing, fsync) reach the goodput
+    ledger, and the step loop's slowdown beside the writer counts as stall, out of useful time."""
+    from rlhf_core.goodput import GoodputLedger
+
+    run = pipeline["run"]
+    sft = GoodputLedger(run.run_url(), run.storage_options).read()["stages"]["sft"]
+    seconds = sft["seconds"]
+    assert seconds["writer_write"] > 0 and seconds["writer_fsync"] > 0 and seconds["writer_hash"] >= 0
+    assert seconds["writer_slowdown"] >= 0
+    assert sft["useful_s"] == pytest.approx(seconds["step_loop"] - seconds["writer_slowdown"])
+    assert sft["stall_s"] == pytest.approx(seconds["stall"] + seconds["writer_slowdown"])

@@ -12,7 +12,7 @@ import pytest
 from flows.cli import main
 from rlhf_core.goodput import (CRASHED, FINISHED, LEASE_HEARTBEAT_S, GoodputLedger, begin_attempt, commit_chunk,
                                empty_ledger, expected_goodput, finish_attempt, measured_costs, plan_interval,
-                               start_chunk, summarize)
+                               start_chunk, summarize, writer_slowdown)
 
 
 class Clock:
@@ -161,6 +161,30 @@ def test_the_ranks_step_loop_seconds_are_the_useful_time_when_the_chunk_reports_
     start_chunk(doc, attempt, "sft", 0, 10, clock.advance(0.1))
     commit_chunk(doc, attempt, "sft", 10, {"train": 3.0, "step_loop": 9.5, "stall": 0.2}, clock.advance(4.0))
     assert summarize(doc).stages[0].useful_s == 9.5
+
+
+def test_the_step_loops_slowdown_beside_the_writer_is_stall_not_useful_time():
+    clock, doc = Clock(), empty_ledger()
+    attempt = begin_attempt(doc, "a", clock.now)
+    start_chunk(doc, attempt, "sft", 0, 10, clock.advance(0.1))
+    commit_chunk(doc, attempt, "sft", 10, {"step_loop": 9.5, "writer_slowdown": 0.7, "stall": 0.2},
+                 clock.advance(10.0))
+    sft = summarize(doc).stages[0]
+    assert sft.useful_s == pytest.approx(8.8) and sft.stall_s == pytest.approx(0.9)
+    assert sft.useful_s + sft.stall_s == pytest.approx(9.7)  # moved, not added: the wall time is unchanged
+
+
+def test_writer_slowdown_is_what_steps_beside_a_write_took_beyond_the_median_clean_step():
+    # Steps of 1.0 s, 1.2 s, 0.8 s, 1.0 s with nothing beside them (median 1.0); two beside a write: 1.5 and 1.3.
+    steps = [(1.5, True), (1.3, True), (1.0, False), (1.2, False), (0.8, False), (1.0, False)]
+    slowdown, clean = writer_slowdown(steps)
+    assert clean == pytest.approx(1.0) and slowdown == pytest.approx(0.8)
+    # A chunk whose every step ran beside a write uses the median an earlier chunk measured.
+    assert writer_slowdown([(1.4, True), (1.1, True)], clean) == (pytest.approx(0.5), clean)
+    # Nothing to compare against: nothing can be told apart.
+    assert writer_slowdown([(1.4, True)]) == (0.0, None)
+    # A write that cost nothing (noise below the median) is 0, never negative.
+    assert writer_slowdown([(0.9, True), (1.0, False)])[0] == 0.0
 
 
 def _chunk_then_train_ahead(doc, attempt, clock, commit_s: float) -> None:
