@@ -14,7 +14,8 @@ Training commands run the Prefect flow `rlhf` (on Prefect's ephemeral server whe
 PREFECT_API_URL is set). Their console shows the chunk and stage lines, warnings once and errors;
 Ray's, DeepSpeed's and the ranks' full output goes to a log file (rlhf_core.console: in the run
 folder's logs/driver.log when it is local) and --verbose shows it on the console too.
-Mistakes the user can fix print one sentence and exit with code 2.
+Every failure the pipeline names (rlhf_core.errors) prints one sentence; mistakes the user can fix exit
+with code 2.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pydantic import BaseModel, ValidationError
 
 from flows.openrlhf_flags import IMPLEMENTED, MAPPED, REFUSED, flags_for
 from rlhf_core.config import STAGES, MergeConfig, RunConfig, describe_validation_error, load_run_config
-from rlhf_core.errors import UserError
+from rlhf_core.errors import RLHFError, UserError
 from rlhf_core.stop import StoppedBySignal
 
 STAGE_CONFIGS = {name: stage.config for name, stage in STAGES.items() if stage.kind == "train"}
@@ -140,14 +141,17 @@ def build_parser() -> argparse.ArgumentParser:
     toy_init = toy.add_parser("init", help="Write a tiny HF model, tokenizer and toy datasets into DIR.")
     toy_init.add_argument("directory", metavar="DIR")
     toy_init.add_argument("--seed", type=int, default=0, help="Seed of the toy model and data.")
+    toy_init.set_defaults(handler=_cmd_toy)
 
     train = commands.add_parser("train", help="Train one stage.").add_subparsers(dest="stage", required=True)
     for stage, config in STAGE_CONFIGS.items():
         stage_parser = train.add_parser(stage, help=config.__doc__)
         add_openrlhf_flags(stage_parser, stage, (RunConfig, config), exclude=RUN_FLAGS_EXCLUDED)
+        stage_parser.set_defaults(handler=_cmd_train)
 
     run = commands.add_parser("run", help="Run the pipeline from a YAML run config.")
     run.add_argument("config", metavar="CONFIG.yaml")
+    run.set_defaults(handler=_cmd_run)
 
     ckpt = commands.add_parser("ckpt", help="Inspect checkpoints.").add_subparsers(dest="ckpt_command", required=True)
     ckpt_ls = ckpt.add_parser("ls", help="List the checkpoints of a stage folder ({ckpt_path}/{run_name}/{stage}).")
@@ -157,23 +161,30 @@ def build_parser() -> argparse.ArgumentParser:
                          help="Check every file's checksum (the one its manifest names), not only its size.")
     status = commands.add_parser("status", help="Stages, last committed steps, alerts, lease and outputs of a run.")
     status.add_argument("run_url", metavar="RUN_URL", help="The run folder, {ckpt_path}/{run_name} (local or s3://).")
+    status.set_defaults(handler=lambda args: cmd_status(args.run_url))
     goodput = commands.add_parser("goodput", help="Goodput of a run: useful step time against wall time, and where "
                                   "the rest went (stall, start-up, load, lost to crashes), from its goodput.json.")
     goodput.add_argument("run_url", metavar="RUN_URL", help="The run folder, {ckpt_path}/{run_name} (local or s3://).")
     goodput.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
+    goodput.set_defaults(handler=lambda args: cmd_goodput(args.run_url, args.json))
     add_plan_parser(commands)
     ckpt_verify = ckpt.add_parser("verify", help="Check every file's checksum in every checkpoint; exit 1 if "
                                   "the newest is not valid.")
     ckpt_verify.add_argument("path", metavar="PATH")
     ckpt_verify.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
+    for ckpt_command in (ckpt_ls, ckpt_verify):
+        ckpt_command.set_defaults(handler=lambda args: cmd_ckpt(args.ckpt_command, args.path, args.json,
+                                                                getattr(args, "verify", False)))
 
     combiner = commands.add_parser("lora-combiner", help="Merge a LoRA adapter into its base model.")
     add_openrlhf_flags(combiner, "lora-combiner", (MergeConfig,))
+    combiner.set_defaults(handler=_cmd_lora_combiner)
 
     demo = commands.add_parser("demo", help="Run the pipeline on the toy model and data.")
     demo.add_argument("--workdir", default="./demo", help="Folder for toy assets, checkpoints and outputs.")
     demo.add_argument("--num_workers", type=int, default=1, help="DeepSpeed ranks (Ray actors).")
     demo.add_argument("--verbose", action="store_true", help=RunConfig.model_fields["verbose"].description)
+    demo.set_defaults(handler=_cmd_demo)
     return parser
 
 
@@ -190,6 +201,7 @@ def add_plan_parser(commands) -> None:
                        ("restart_seconds", "R, seconds a restart costs (start-up and load)")):
         plan.add_argument(f"--{name}", type=float, help=f"{what}; overrides the measured value (needed with "
                           "no ledger, except restart_seconds, default 0).")
+    plan.set_defaults(handler=cmd_plan)
 
 
 def cmd_goodput(run_url: str, as_json: bool) -> None:
@@ -487,43 +499,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "toy":
-            from rlhf_core.toy import init_toy
-
-            for name, path in init_toy(args.directory, args.seed).items():
-                print(f"{name}: {path}")
-        elif args.command == "train":
-            flags = {k: v for k, v in vars(args).items() if k not in ("command", "stage")}
-            run = run_config_from_flags(args.stage, flags)
-            run_quietly(run.run_url(), run.run_name, run.verbose, lambda: _run_pipeline(run), run.stop_grace_s)
-        elif args.command == "run":
-            run = load_run_config(args.config)
-            run_quietly(run.run_url(), run.run_name, run.verbose, lambda: _run_pipeline(run), run.stop_grace_s)
-        elif args.command == "status":
-            cmd_status(args.run_url)
-        elif args.command == "goodput":
-            cmd_goodput(args.run_url, args.json)
-        elif args.command == "plan":
-            cmd_plan(args)
-        elif args.command == "ckpt":
-            return cmd_ckpt(args.ckpt_command, args.path, args.json, getattr(args, "verify", False))
-        elif args.command == "lora-combiner":
-            flags = apply_openrlhf_flags("lora-combiner", {k: v for k, v in vars(args).items() if k != "command"},
-                                         (MergeConfig,))
-            cmd_lora_combiner(flags)
-        elif args.command == "demo":
-            from flows.demo import demo_config, run_demo
-
-            demo_run = demo_config(args.workdir, args.num_workers)
-            run_quietly(demo_run.run_url(), demo_run.run_name, args.verbose,
-                        lambda: run_demo(args.workdir, args.num_workers))
-    except UserError as error:
-        print(f"rlhf: error: {error}", file=sys.stderr)
-        return 2
+        return args.handler(args) or 0
     except StoppedBySignal as stopped:
         print(f"rlhf: {stopped}", file=sys.stderr)
         return stopped.exit_code  # 130 after Ctrl-C, 143 after SIGTERM, as a shell reports them
-    return 0
+    except RLHFError as error:  # one sentence, its remedy included; 2 for the user's own mistakes
+        print(f"rlhf: error: {error}", file=sys.stderr)
+        return error.exit_code
+
+
+def _own_flags(args: argparse.Namespace, *parser_keys: str) -> dict[str, Any]:
+    """The flags a command was given, without the parser's own entries (the command, its handler, ...)."""
+    return {key: value for key, value in vars(args).items() if key not in ("command", "handler", *parser_keys)}
+
+
+def _cmd_toy(args: argparse.Namespace) -> None:
+    from rlhf_core.toy import init_toy
+
+    for name, path in init_toy(args.directory, args.seed).items():
+        print(f"{name}: {path}")
+
+
+def _cmd_train(args: argparse.Namespace) -> None:
+    run = run_config_from_flags(args.stage, _own_flags(args, "stage"))
+    run_quietly(run.run_url(), run.run_name, run.verbose, lambda: _run_pipeline(run), run.stop_grace_s)
+
+
+def _cmd_run(args: argparse.Namespace) -> None:
+    run = load_run_config(args.config)
+    run_quietly(run.run_url(), run.run_name, run.verbose, lambda: _run_pipeline(run), run.stop_grace_s)
+
+
+def _cmd_lora_combiner(args: argparse.Namespace) -> None:
+    cmd_lora_combiner(apply_openrlhf_flags("lora-combiner", _own_flags(args), (MergeConfig,)))
+
+
+def _cmd_demo(args: argparse.Namespace) -> None:
+    from flows.demo import demo_config, run_demo
+
+    demo_run = demo_config(args.workdir, args.num_workers)
+    run_quietly(demo_run.run_url(), demo_run.run_name, args.verbose, lambda: run_demo(args.workdir, args.num_workers))
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from rlhf_core.alerts import NonFiniteTraining
 from rlhf_core.chunk import ChunkResult, plan_stage, prestart_workers, release_workers, resolve_paths
 from rlhf_core.checkpoint import ASIDE_DIR_NAME
 from rlhf_core.config import STAGES, RunConfig
-from rlhf_core.errors import UserError
+from rlhf_core.errors import RLHFError
 from rlhf_core.goodput import GoodputLedger
 from rlhf_core.lease import RunLease
 from rlhf_core.resume import begin_stage, open_store, validate_run_start
@@ -51,18 +51,18 @@ STOPPED_BY_BUDGET = "stopped-by-budget"
 COMPLETED = "completed"
 
 
-class _NoTracebackForUserErrors(logging.Filter):
-    """A UserError is one sentence the CLI prints (exit 2); Prefect's log of it keeps the message, not a
-    traceback that would bury it."""
+class _NoTracebackForNamedFailures(logging.Filter):
+    """A named failure (`rlhf_core.errors`) is one sentence the CLI prints; Prefect's log of it keeps the
+    message, not a traceback that would bury it."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and isinstance(record.exc_info[1], UserError):
+        if record.exc_info and isinstance(record.exc_info[1], RLHFError):
             record.exc_info, record.exc_text = None, None
         return True
 
 
 for _logger_name in ("prefect.flow_runs", "prefect.task_runs"):
-    logging.getLogger(_logger_name).addFilter(_NoTracebackForUserErrors())
+    logging.getLogger(_logger_name).addFilter(_NoTracebackForNamedFailures())
 # Where the ranks were placed is worth a line each time a group starts (rlhf_core.engine).
 logging.getLogger("rlhf_core").setLevel(logging.INFO)
 

@@ -73,7 +73,7 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
 from rlhf_core.console import WARNING_PREFIX
-from rlhf_core.errors import human_bytes
+from rlhf_core.errors import RLHFError, human_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -429,7 +429,7 @@ def non_finite_parameters(module_or_named_tensors, limit: int = NUM_PARAMETERS_N
     return found
 
 
-class NonFiniteTraining(RuntimeError):
+class NonFiniteTraining(RLHFError, RuntimeError):
     """NaN or Inf in a chunk's metrics or weights: its checkpoint is not committed, and retrying the same
     steps from the same checkpoint would give the same values, so the chunk fails without a retry."""
 

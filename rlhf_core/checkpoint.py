@@ -64,7 +64,8 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
 from rlhf_core import durable
-from rlhf_core.errors import CorruptCheckpoint, StoreFull, UserError, is_full, store_full
+from rlhf_core.errors import (CorruptCheckpoint, StoreFull, TransientStoreError, UserError, is_full,
+                              is_permanent_os_error, store_full)
 from rlhf_core.faults import fault_point
 from rlhf_core.hub import store_unreachable
 
@@ -445,12 +446,20 @@ class CheckpointStore:
 
     @contextlib.contextmanager
     def _full_is_one_sentence(self):
+        """A write's OSError as the failure it is (`rlhf_core.errors`): a full disk or quota is StoreFull (one
+        sentence, no retry); one that passes (a 5xx or reset after fsspec's own retries, EIO) is
+        TransientStoreError naming the store (the chunk is retried); one no retry fixes (read-only, denied)
+        and a missing file pass unchanged."""
         try:
             yield
         except OSError as error:
             if is_full(error):
                 raise store_full(self.url, error) from None
-            raise
+            if is_permanent_os_error(error) or isinstance(error, FileNotFoundError):
+                raise
+            raise TransientStoreError(f"--ckpt_path {self.url}: a write failed ({type(error).__name__}: {error}); "
+                                      "nothing was committed for this chunk and earlier checkpoints are intact, so "
+                                      "the chunk is retried from the last commit.") from error
 
     def upload_tree(self, pending: PendingStep, local_dir: str,
                     streams: Sequence[tuple[str, Callable[[BinaryIO], None]]] = (),

@@ -19,8 +19,9 @@ goes on with as many ranks as fit (and as the batch sizes allow); otherwise the 
 one sentence naming what is missing. A rank whose node dies mid-chunk fails the chunk with a
 `WorkerLost` naming the node, which Prefect retries.
 
-A UserError raised inside a rank (a bad dataset, reward function, flag) reaches the driver as that
-same UserError with its one-sentence message, not as Ray's RayTaskError with a remote traceback.
+A named failure raised inside a rank (`rlhf_core.errors`: a bad dataset, reward function or flag, a store
+write that failed) reaches the driver as that same exception with its one-sentence message, not as Ray's
+RayTaskError with a remote traceback.
 The DeepSpeed config lives in `rlhf_core.ds_config`, which the ranks import without this module.
 """
 
@@ -48,7 +49,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rlhf_core import stop
 from rlhf_core.config import RunConfig
 from rlhf_core.ds_config import resolve_zero_stage
-from rlhf_core.errors import UserError
+from rlhf_core.errors import PlacementFailed, RLHFError, UserError, WorkerLost
 from rlhf_core.goodput import writer_slowdown
 
 logger = logging.getLogger(__name__)
@@ -62,14 +63,6 @@ LOSS_DETECTION_TIMEOUT_S = 30.0
 STOP_POLL_S, STOP_SHUTDOWN_S = 0.5, 2.0
 # DeepSpeed's per-rank shard files: ZeRO optimizer partitions (and ZeRO-3 weight partitions).
 _RANK_SHARD = re.compile(r"(?:^|/)(?:bf16_)?zero_pp_rank_(\d+)_")
-
-
-class WorkerLost(RuntimeError):
-    """A rank's actor or node died mid-chunk; the chunk is retried from the last commit."""
-
-
-class PlacementFailed(RuntimeError):
-    """The cluster has the resources in total, but they stayed taken for the whole timeout."""
 
 
 def _free_port() -> int:
@@ -595,7 +588,8 @@ def _placement_shortfall(run: RunConfig, bundle: dict) -> str:
 
 
 def gather(refs):
-    """`ray.get(refs)`, re-raising a rank's UserError as itself (Ray wraps it in a RayTaskError). Once a stop
+    """`ray.get(refs)`, re-raising a rank's named failure (`rlhf_core.errors`) as itself (Ray wraps it in a
+    RayTaskError), so the retry policy and the CLI see its class. Once a stop
     signal has arrived, waits only until the emergency checkpoint's deadline (`rlhf_core.stop.GraceExpired`)."""
     pending = list(refs) if isinstance(refs, list) else [refs]
     while pending:
@@ -606,7 +600,7 @@ def gather(refs):
         return ray.get(refs)
     except ray.exceptions.RayTaskError as error:
         cause = getattr(error, "cause", None)
-        if isinstance(cause, UserError):
+        if isinstance(cause, RLHFError):
             raise cause from None
         raise
 

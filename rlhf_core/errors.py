@@ -1,11 +1,78 @@
-"""Errors the user can fix: the CLI prints the message in one sentence and exits 2; and which OSErrors no retry fixes."""
+"""Every failure the pipeline names, as one taxonomy (after Ray Train v2's `_internal/exceptions.py`): one class
+per failure, each saying whether a retry can help (`retryable`), what the CLI exits with (`exit_code`) and
+what a person does about it (its message ends with the remedy). Prefect's retry policy (`tasks.chunks`) and the
+CLI read these attributes (`is_retryable`, `exit_code_of`), never a list of classes. Each class pickles (Ray
+carries a rank's exception to the driver).
 
+    RLHFError                         retryable  exit
+    ├── UserError                     no         2    a flag, field, file or path to fix
+    │   ├── CorruptCheckpoint         no         2    a checkpoint's bytes disagree with its manifest
+    │   ├── UnsafeCheckpoint          no         2    a checkpoint file would run code when unpickled
+    │   └── StoreFull                 no         2    the store has no room (a disk, a quota)
+    ├── LeaseLost                     no         1    another process took the run
+    ├── NonFiniteTraining (alerts)    no         1    NaN or Inf: the same steps give the same values
+    ├── WorkerLost                    yes        1    a rank's actor or node died
+    ├── PlacementFailed               yes        1    the cluster's resources stayed taken
+    └── TransientStoreError           yes        1    the store failed in a way that passes (5xx, reset, EIO)
+
+An exception outside the taxonomy (a library's) is retried unless it is an OSError no retry fixes
+(`is_permanent_os_error`). Failures of the run (not of its input) are RuntimeErrors too, as they were before
+the taxonomy, so code that catches RuntimeError still does; a store's failure is an OSError, as the error it
+names was.
+"""
 
 import errno
+from typing import ClassVar
 
 
-class UserError(Exception):
+class RLHFError(Exception):
+    """Base of every failure the pipeline names; see the module docstring for the attributes."""
+
+    retryable: ClassVar[bool] = False
+    exit_code: ClassVar[int] = 1
+
+
+class UserError(RLHFError):
     """A mistake in the user's input (flag, config field, file); the message says what to do."""
+
+    exit_code = 2
+
+
+class WorkerLost(RLHFError, RuntimeError):
+    """A rank's actor or node died mid-chunk; the chunk is retried from the last commit."""
+
+    retryable = True
+
+
+class PlacementFailed(RLHFError, RuntimeError):
+    """The cluster has the resources in total, but they stayed taken for the whole timeout; the chunk is retried."""
+
+    retryable = True
+
+
+class LeaseLost(RLHFError, RuntimeError):
+    """This process no longer holds the run's lease: it must not commit anything more, and a retry in this
+    process would only fight the new holder."""
+
+
+class TransientStoreError(RLHFError, OSError):
+    """The checkpoint store failed in a way that passes (a 5xx, a reset connection, EIO from a flaky NFS server)
+    after fsspec's own retries; the chunk is retried from the last commit, which it left intact."""
+
+    retryable = True
+
+
+def is_retryable(error: BaseException) -> bool:
+    """Whether running the same chunk (or export) again can succeed: a named failure says so itself; any other
+    exception may pass on a retry unless it is an OSError no retry fixes."""
+    if isinstance(error, RLHFError):
+        return error.retryable
+    return not is_permanent_os_error(error)
+
+
+def exit_code_of(error: BaseException) -> int:
+    """The CLI's exit status for `error`: the taxonomy's, else 1."""
+    return error.exit_code if isinstance(error, RLHFError) else 1
 
 
 class CorruptCheckpoint(UserError):

@@ -54,13 +54,9 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from rlhf_core import durable
-from rlhf_core.errors import UserError
+from rlhf_core.errors import LeaseLost, UserError
 
 LEASE_NAME = "LEASE.json"
-
-
-class LeaseLost(RuntimeError):
-    """This process no longer holds the run's lease: it must not commit anything more."""
 
 
 @dataclass

@@ -21,11 +21,9 @@ from prefect.filesystems import RemoteFileSystem
 from prefect.states import Cancelled
 from prefect.transactions import get_transaction
 
-from rlhf_core.alerts import NonFiniteTraining
 from rlhf_core.chunk import CHECKPOINT_FORMAT_VERSION, ensure_checkpoint, export_stage
 from rlhf_core.config import RunConfig, semantic_hash
-from rlhf_core.errors import UserError, is_permanent_os_error
-from rlhf_core.lease import LeaseLost
+from rlhf_core.errors import is_retryable
 from rlhf_core.export import export_final, merge_lora
 from rlhf_core.resume import Lineage
 from rlhf_core.stop import StoppedBySignal
@@ -70,15 +68,13 @@ def run_result_storage(run: RunConfig) -> Path | str:
     return f"remote-file-system/{block_name}"
 
 
-def _retry_unless_user_error(task, task_run, state) -> bool:
-    """A user mistake, a NaN or an OSError no retry fixes (a full disk, a read-only store) will fail the same way
-    again, and a run that lost its lease to another writer must stop: don't spend retries on them."""
+def _retry_if_retryable(task, task_run, state) -> bool:
+    """Spend a retry only where one can help: the failure says so itself (`errors.is_retryable`: a lost rank
+    yes; a user mistake, a NaN, a full disk or a lost lease no)."""
     try:
         state.result()
-    except (UserError, LeaseLost, NonFiniteTraining):
-        return False
     except BaseException as error:  # noqa: BLE001 - classified, not handled
-        return not is_permanent_os_error(error)
+        return is_retryable(error)
     return True
 
 
@@ -86,7 +82,7 @@ def _retry_unless_user_error(task, task_run, state) -> bool:
     name="train_chunk",
     retries=2,
     retry_delay_seconds=[5, 30],
-    retry_condition_fn=_retry_unless_user_error,
+    retry_condition_fn=_retry_if_retryable,
     cache_policy=ChunkCachePolicy(),
     persist_result=True,
     result_serializer="json",
@@ -108,14 +104,14 @@ def train_chunk(run: RunConfig, stage: str, target_step: int, upstream_digest: s
         return Cancelled(message=str(stopped))
 
 
-@task(name="export_model", retries=1, retry_condition_fn=_retry_unless_user_error)
+@task(name="export_model", retries=1, retry_condition_fn=_retry_if_retryable)
 def export_model(run: RunConfig, stage: str, final_step: int) -> str:
     """Export the stage's final checkpoint as a Hugging Face model (an adapter if LoRA) to its save_path."""
     ensure_checkpoint(run, stage, final_step)  # cheap when present; retrains a checkpoint that vanished
     return export_stage(run, stage, final_step)
 
 
-@task(name="merge_lora", retries=1, retry_condition_fn=_retry_unless_user_error)
+@task(name="merge_lora", retries=1, retry_condition_fn=_retry_if_retryable)
 def merge_lora_task(run: RunConfig) -> dict:
     """Merge the policy's LoRA adapter into its base (logits checked before writing)."""
     cfg = run.merge
@@ -123,7 +119,7 @@ def merge_lora_task(run: RunConfig) -> dict:
     return {"save_path": cfg.output_path, "max_logit_difference": difference}
 
 
-@task(name="export_final", retries=1, retry_condition_fn=_retry_unless_user_error)
+@task(name="export_final", retries=1, retry_condition_fn=_retry_if_retryable)
 def export_final_task(run: RunConfig) -> dict:
     """Write the final policy as a standalone HF model that loads and generates."""
     return {"save_path": export_final(run.export.model_path, run.export.save_path, run.storage_options)}

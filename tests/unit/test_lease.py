@@ -13,7 +13,8 @@ import uuid
 import pytest
 
 from rlhf_core.errors import UserError
-from rlhf_core.lease import LeaseLost, RunLease, held_lease
+from rlhf_core.errors import LeaseLost
+from rlhf_core.lease import RunLease, held_lease
 from tests.conftest import make_bucket, s3_environment
 
 

@@ -94,13 +94,13 @@ def test_refused_flags_exit_2_with_the_reason(flag, capsys):
 
 
 def test_mapped_flags_print_one_note_and_set_what_they_map(capsys):
-    from flows.cli import apply_openrlhf_flags
+    from flows.cli import _own_flags, apply_openrlhf_flags
     from rlhf_core.config import PPOConfig, RunConfig
 
     args = build_parser().parse_args(["train", "ppo", "--colocate_actor_ref", "--actor.num_nodes", "2",
                                       "--actor_num_gpus_per_node", "2", "--actor_learning_rate", "3e-4",
                                       "--generate_max_len", "7", "--bf16", "--ref_num_nodes", "1"])
-    values = apply_openrlhf_flags("ppo", {k: v for k, v in vars(args).items() if k not in ("command", "stage")},
+    values = apply_openrlhf_flags("ppo", _own_flags(args, "stage"),
                                   (RunConfig, PPOConfig), {"stages", "sft", "rm", "ppo", "merge", "export"})
     assert values == {"num_workers": 4, "learning_rate": 3e-4, "max_new_tokens": 7, "param_dtype": "bf16"}
     notes = capsys.readouterr().err.splitlines()
@@ -108,12 +108,12 @@ def test_mapped_flags_print_one_note_and_set_what_they_map(capsys):
 
 
 def test_wandb_key_goes_to_the_environment_not_the_config(monkeypatch):
-    from flows.cli import apply_openrlhf_flags
+    from flows.cli import _own_flags, apply_openrlhf_flags
     from rlhf_core.config import PPOConfig, RunConfig
 
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     args = build_parser().parse_args(["train", "ppo", "--logger.wandb.key", "secret-key-123"])
-    values = apply_openrlhf_flags("ppo", {k: v for k, v in vars(args).items() if k not in ("command", "stage")},
+    values = apply_openrlhf_flags("ppo", _own_flags(args, "stage"),
                                   (RunConfig, PPOConfig))
     import os
 
