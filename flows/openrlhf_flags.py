@@ -267,8 +267,9 @@ FLAGS: tuple[Flag, ...] = (
     _noop("vllm_is_truncated_threshold", "algo.advantage.is_correction_threshold", "see --enable_vllm_is_correction",
           (PPO,), takes="pair", value_type=float),
     _noop("vllm_is_correction_type", "algo.advantage.is_correction_type", "see --enable_vllm_is_correction", (PPO,)),
-    _same("deepspeed_enable_sleep", "ds.enable_sleep", (PPO,), takes="switch",
-          note="GPU only; on a CPU it has no effect (one warning)"),
+    _noop("deepspeed_enable_sleep", "ds.enable_sleep", "has no effect on a CPU, where the models' states already "
+          "live in CPU memory, nor on a GPU: offloading DeepSpeed's states around vLLM generation is not built, so "
+          "leave vLLM its room with --vllm_gpu_memory_utilization", (PPO,), takes="switch"),
     # PPO: schedule and algorithm
     _refuse("async_train", "train.async_enable", "asynchronous (off-policy) PPO is not built; each step samples with "
             "the current actor", (PPO,), takes="switch", default=False),

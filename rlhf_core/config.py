@@ -255,8 +255,6 @@ class PPOConfig(StageConfig):
         (0.0, 1.0), description="Keep a prompt only when its samples' mean score is strictly inside (low, high).")
     freezing_actor_steps: int = Field(-1, description="Train only the critic for the first N PPO steps (gae).")
     save_value_network: bool = Field(False, **_operational("Also export the critic, to {save_path}_critic."))
-    deepspeed_enable_sleep: bool = Field(False, **_operational("Offload the models' states while they are idle "
-                                                               "(GPU; no effect on CPU)."))
     eval_temperature: float = Field(0.6, gt=0, **_operational("Sampling temperature of the evaluation rollouts."))
     eval_n_samples_per_prompt: int = Field(1, ge=1, **_operational("Samples per evaluation prompt."))
     vllm_num_engines: int = Field(0, ge=0, description="vLLM engines for generation (GPU, `[vllm]` extra), one per rank: "

@@ -94,10 +94,6 @@ class DeepSpeedTrainer(abc.ABC):
         self.load_universal = load_universal
         self.on_gpu = torch.cuda.is_available()
         self.precision = resolve_precision(self.cfg.param_dtype, self.on_gpu)
-        self.deepspeed_sleep = bool(getattr(self.cfg, "deepspeed_enable_sleep", False))
-        if self.deepspeed_sleep and not self.on_gpu:
-            warn_once("--deepspeed_enable_sleep has no effect on a CPU: the models' states already live in CPU memory.")
-            self.deepspeed_sleep = False
         self.engines: dict[str, Any] = {}
         self.step = 0
 
@@ -106,20 +102,6 @@ class DeepSpeedTrainer(abc.ABC):
         if self.precision.cpu_autocast_bf16:
             return torch.autocast("cpu", dtype=torch.bfloat16)
         return contextlib.nullcontext()
-
-    def sleep_engines(self) -> None:
-        """With --deepspeed_enable_sleep on a GPU, move the engines' ZeRO states (weights, gradients,
-        optimizer) to CPU memory while they are idle (e.g. during vLLM generation), as OpenRLHF does."""
-        if self.deepspeed_sleep:
-            for engine in self.engines.values():
-                if hasattr(engine.optimizer, "offload_states"):
-                    engine.offload_states()
-
-    def wake_engines(self) -> None:
-        if self.deepspeed_sleep:
-            for engine in self.engines.values():
-                if hasattr(engine.optimizer, "offload_states"):
-                    engine.reload_states()
 
     def build_engine(self, name: str, model: torch.nn.Module, learning_rate: float | None = None,
                      num_optimizer_steps: int | None = None):

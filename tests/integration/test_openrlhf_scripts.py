@@ -139,7 +139,7 @@ HARDWARE_WARNINGS = [
     ("param_dtype", "--param_dtype bf16: this CPU has no native bf16", not cpu_supports_bf16()),
     ("bf16", "--param_dtype bf16: this CPU has no native bf16", not cpu_supports_bf16()),
     ("adam_offload", "--adam_offload has no effect here", True),
-    ("deepspeed_enable_sleep", "--deepspeed_enable_sleep has no effect on a CPU", True),
+    ("deepspeed_enable_sleep", "enable_sleep: has no effect on a CPU", True),
 ]
 TRACEBACK = "Traceback (most recent call last)"
 
