@@ -40,7 +40,7 @@ _REAL_SYNC_FILE_RANGE = None  # rlhf_core.durable's, kept by the first _set_writ
 def variants() -> tuple[str, ...]:
     """The variants of a cycle: the default fsync'ing nothing, every other checksum installed here (blake3 is
     optional: `pip install -e .[blake3]`), the default last."""
-    from rlhf_core.checkpoint import CHECKSUMS, DEFAULT_CHECKSUM, new_hasher
+    from rlhf_core.manifest import CHECKSUMS, DEFAULT_CHECKSUM, new_hasher
     from rlhf_core.errors import UserError
 
     def installed(name: str) -> bool:
@@ -81,7 +81,7 @@ def checkpoint_variant(variant: str | None, group):
     NO_FSYNC `os.fsync` a no-op in this process and in every rank of `group`."""
     import ray
 
-    from rlhf_core import checkpoint
+    from rlhf_core import manifest as checkpoint  # where the store reads its default checksum
 
     previous = checkpoint.DEFAULT_CHECKSUM
     if variant not in (None, NO_FSYNC, NO_WRITEBACK):

@@ -79,7 +79,8 @@ def rank_load(worker, store_url: str, storage_options: dict, step: int, repeat: 
     same files."""
     import fsspec
 
-    from rlhf_core.checkpoint import CheckpointStore, Manifest, step_dir_name
+    from rlhf_core.checkpoint import CheckpointStore
+    from rlhf_core.manifest import Manifest, step_dir_name
     from rlhf_core.engine import files_for_rank
 
     store = CheckpointStore(store_url, storage_options)

@@ -92,7 +92,7 @@ def warm_read(root: str, relative_paths: list[str]) -> float:
 def hash_seconds(root: str, relative_paths: list[str], algorithm: str, repeat: int) -> float:
     """Median seconds to hash the files with `algorithm` (the manifest's hashers), one after another on one
     core, from the page cache (mmap: no copy, no write)."""
-    from rlhf_core.checkpoint import new_hasher
+    from rlhf_core.manifest import new_hasher
 
     # Into the page cache first, so every algorithm reads from memory.
     subprocess.run(["cat", *relative_paths], cwd=root, check=True, stdout=subprocess.DEVNULL)

@@ -444,7 +444,8 @@ def cmd_lora_combiner(flags: dict[str, Any]) -> None:
 def checkpoint_adapter(lora_path: str, local_dir: str) -> str | None:
     """The seed's `--lora_path {ckpt_path}/latest` (or `.../step_N`): the policy adapter of that checkpoint,
     verified and downloaded into `local_dir`; None when `lora_path` names no checkpoint."""
-    from rlhf_core.checkpoint import CheckpointStore, parse_step_dir_name
+    from rlhf_core.checkpoint import CheckpointStore
+    from rlhf_core.manifest import parse_step_dir_name
 
     parent, _, name = lora_path.rstrip("/").rpartition("/")
     if not parent or (name != "latest" and parse_step_dir_name(name) is None):

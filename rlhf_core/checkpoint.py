@@ -46,255 +46,29 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import hashlib
 import json
-import mmap
 import os
 import posixpath
-import re
 import secrets
-import shutil
-import threading
 import time
-from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, BinaryIO, Callable, Iterator, Protocol, Sequence
+from typing import Any, BinaryIO, Callable, Iterator, Sequence
 
 from fsspec.core import url_to_fs
-from fsspec.implementations.local import LocalFileSystem
 
-from rlhf_core import durable
+from rlhf_core import manifest as _manifest
 from rlhf_core.errors import (CorruptCheckpoint, StoreFull, TransientStoreError, UserError, is_full,
                               is_permanent_os_error, store_full)
 from rlhf_core.faults import fault_point
 from rlhf_core.hub import store_unreachable
-
-FORMAT_VERSION = 2  # 2 added "checksum"; 1 is sha256 throughout and still reads
-READABLE_FORMAT_VERSIONS = (1, 2)
-MANIFEST_NAME = "MANIFEST.json"
-METADATA_NAME = "training_metadata.json"
-LATEST_NAME = "latest"
-ASIDE_DIR_NAME = ".aside"
-STAGING_PREFIX = ".tmp_"
-
-STATUS_COMMITTED = "committed"
-STATUS_INCOMPLETE = "incomplete"
-STATUS_CORRUPT = "corrupt"
-
-BYTES_PER_GB = 1e9
-HASH_BLOCK_BYTES = 1 << 20
-TRANSFER_BLOCK_BYTES = 8 << 20
-TRANSFER_THREADS = 4  # files in flight per process (per rank when ranks upload)
-
-# Only the canonical spelling counts, so "step_007" can never shadow "step_7".
-_STEP_DIR_PATTERN = re.compile(r"step_(0|[1-9][0-9]*)")
-_HEX_PATTERN = re.compile(r"[0-9a-f]+")
-# Every algorithm a manifest may name, with the hex length of its digest. xxh3_128 is the default: on
-# this project's bench it hashes a checkpoint at 5-8 GB/s on one core, blake3 at 2.7-4.3 and sha256 at
-# 0.9-1.3 (bench/README.md), and a manifest guards against torn, truncated and flipped bytes, not against
-# someone who can rewrite the manifest too. blake3 needs the optional `blake3` package (extra [blake3]).
-CHECKSUMS = {"sha256": 64, "xxh3_128": 32, "blake3": 64}
-DEFAULT_CHECKSUM = "xxh3_128"
-LEGACY_CHECKSUM = "sha256"  # what a manifest without a "checksum" field used
-# Files the store writes itself; copies of them in a local checkpoint dir are ignored.
-_RESERVED_NAMES = frozenset({MANIFEST_NAME, METADATA_NAME})
-
-
-def step_dir_name(step: int) -> str:
-    """Name of the dir holding the checkpoint of ``step``, e.g. ``step_100``."""
-    return f"step_{step}"
-
-
-def parse_step_dir_name(name: str) -> int | None:
-    """The step encoded in a step dir name, or None if ``name`` is not one."""
-    match = _STEP_DIR_PATTERN.fullmatch(name)
-    return int(match.group(1)) if match else None
-
-
-def require_checksum(name: Any) -> str:
-    """`name` if it is a checksum algorithm this package knows, else ValueError with one phrase."""
-    if not isinstance(name, str) or name not in CHECKSUMS:
-        raise ValueError(f"unknown checksum {name!r} (known: {', '.join(CHECKSUMS)})")
-    return name
-
-
-def new_hasher(checksum: str):
-    """A fresh hash object (``update``, ``hexdigest``) of algorithm ``checksum``. Every one releases the
-    GIL on large blocks, so hashing runs beside a write or another hash."""
-    require_checksum(checksum)
-    if checksum == "sha256":
-        return hashlib.sha256()
-    if checksum == "xxh3_128":
-        import xxhash
-
-        return xxhash.xxh3_128()
-    try:
-        import blake3
-    except ImportError:
-        raise UserError("The blake3 checksum needs the blake3 package; `pip install blake3` to read or write "
-                        "it.") from None
-    return blake3.blake3()
-
-
-def digest_of_stream(stream: BinaryIO, checksum: str = DEFAULT_CHECKSUM) -> str:
-    """Hex digest of a binary stream, read in blocks so large shards fit in memory."""
-    digest = new_hasher(checksum)
-    while block := stream.read(HASH_BLOCK_BYTES):
-        digest.update(block)
-    return digest.hexdigest()
-
-
-def digest_of_bytes(data: bytes, checksum: str = DEFAULT_CHECKSUM) -> str:
-    digest = new_hasher(checksum)
-    digest.update(data)
-    return digest.hexdigest()
-
-
-def manifest_digest(manifest_bytes: bytes) -> str:
-    """A committed checkpoint's identity: the sha256 of its MANIFEST.json bytes."""
-    return hashlib.sha256(manifest_bytes).hexdigest()
-
-
-def digest_of_local_file(path: str, checksum: str = DEFAULT_CHECKSUM, expected_size: int | None = None
-                         ) -> tuple[int, str | None]:
-    """(size, hex digest) of a local file, hashed where it lies in the page cache (mmap: no copy into
-    Python, the GIL released); the digest is None when the size is not ``expected_size`` (nothing read)."""
-    digest = new_hasher(checksum)
-    with open(path, "rb") as stream:
-        size = os.fstat(stream.fileno()).st_size
-        if expected_size is not None and size != expected_size:
-            return size, None
-        if not size:  # mmap refuses an empty file
-            return 0, digest.hexdigest()
-        with mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ) as view:
-            digest.update(view)
-        return size, digest.hexdigest()
-
-
-def sha256_of_local_file(path: str, expected_size: int | None = None) -> tuple[int, str | None]:
-    """`digest_of_local_file` with sha256 (format 1 manifests, and callers written for them)."""
-    return digest_of_local_file(path, "sha256", expected_size)
-
-
-@dataclass(frozen=True)
-class ManifestEntry:
-    path: str  # relative to the step dir, "/"-separated
-    size: int
-    digest: str  # hex, of algorithm `checksum`
-    checksum: str = LEGACY_CHECKSUM  # sha256 unless told: what a three-field entry always held
-
-    def to_json(self) -> dict[str, Any]:
-        return {"path": self.path, "size": self.size, self.checksum: self.digest}
-
-
-@dataclass(frozen=True)
-class Manifest:
-    step: int
-    files: tuple[ManifestEntry, ...]
-    format_version: int = FORMAT_VERSION  # as read; `to_bytes` always writes FORMAT_VERSION
-    lease_token: str = ""  # the fencing token of the run lease held by the writer ("" when unfenced)
-
-    def __post_init__(self) -> None:
-        used = sorted({entry.checksum for entry in self.files})
-        if len(used) > 1:
-            raise ValueError(f"file entries use different checksums ({', '.join(used)})")
-
-    @property
-    def checksum(self) -> str:
-        """The algorithm of every file entry's digest."""
-        return self.files[0].checksum if self.files else DEFAULT_CHECKSUM
-
-    def to_bytes(self) -> bytes:
-        document = {
-            "format_version": FORMAT_VERSION,
-            "step": self.step,
-            "checksum": self.checksum,
-            "files": [entry.to_json() for entry in self.files],
-            **({"lease_token": self.lease_token} if self.lease_token else {}),
-        }
-        return json.dumps(document, indent=2).encode()
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> Manifest:
-        """Parse and validate a manifest; raises ValueError with a short phrase."""
-        try:
-            document = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise ValueError("not valid JSON") from error
-        if not isinstance(document, dict):
-            raise ValueError("not a JSON object")
-        version = document.get("format_version")
-        if version not in READABLE_FORMAT_VERSIONS or isinstance(version, bool):
-            raise ValueError(f"unsupported format_version {version!r}")
-        step = document.get("step")
-        raw_files = document.get("files")
-        if not _is_count(step) or not isinstance(raw_files, list):
-            raise ValueError("missing step or files")
-        checksum = LEGACY_CHECKSUM if version == 1 else require_checksum(document.get("checksum"))
-        lease_token = document.get("lease_token", "")
-        return cls(step=step, files=tuple(_parse_entry(raw, checksum) for raw in raw_files), format_version=version,
-                   lease_token=lease_token if isinstance(lease_token, str) else "")
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _parse_entry(raw: Any, checksum: str) -> ManifestEntry:
-    if not isinstance(raw, dict):
-        raise ValueError("file entry is not an object")
-    path, size, digest = raw.get("path"), raw.get("size"), raw.get(checksum)
-    if not isinstance(path, str) or not _is_contained(path):
-        raise ValueError(f"bad file path {path!r}")
-    if not _is_count(size) or not isinstance(digest, str) or len(digest) != CHECKSUMS[checksum] \
-            or not _HEX_PATTERN.fullmatch(digest):
-        raise ValueError(f"bad size or {checksum} for {path}")
-    return ManifestEntry(path=path, size=size, digest=digest, checksum=checksum)
-
-
-def _is_contained(relative_path: str) -> bool:
-    # download() writes to local_dir/<path>, so a path must not escape the step dir.
-    normalized = posixpath.normpath(relative_path)
-    return (
-        relative_path == normalized
-        and not posixpath.isabs(normalized)
-        and normalized != "."
-        and not normalized.startswith("../")
-        and normalized != ".."
-    )
-
-
-class Fence(Protocol):
-    """The run lease, as a commit sees it (`rlhf_core.lease.RunLease`)."""
-
-    token: str
-
-    def assert_held(self) -> None: ...
-
-
-@dataclass(frozen=True)
-class PendingStep:
-    """An uncommitted step folder (a fs path) that ranks upload into, and the checksum they hash with (the
-    driver's choice, so every entry of the manifest agrees); plain data, so it travels to them."""
-
-    step: int
-    path: str
-    checksum: str = DEFAULT_CHECKSUM
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    step: int
-    name: str  # "step_100"
-    uri: str  # full URL of the step dir
-    status: str  # STATUS_COMMITTED | STATUS_INCOMPLETE (no manifest) | STATUS_CORRUPT
-    size_bytes: int  # sum of the sizes of the files found in the step dir
-    reason: str = ""  # why incomplete or corrupt, one phrase
-    manifest_digest: str = ""  # sha256 of the MANIFEST.json bytes, for committed ones
-
-    @property
-    def is_committed(self) -> bool:
-        return self.status == STATUS_COMMITTED
+from rlhf_core.manifest import (_RESERVED_NAMES, ASIDE_DIR_NAME, BYTES_PER_GB, LATEST_NAME, MANIFEST_NAME,
+                                METADATA_NAME, STAGING_PREFIX, STATUS_COMMITTED, STATUS_CORRUPT, STATUS_INCOMPLETE,
+                                TRANSFER_BLOCK_BYTES, TRANSFER_THREADS, CheckpointInfo, Fence, HashingWriter, Manifest,
+                                ManifestEntry, PendingStep, WriteTimings, _is_count, copy_hashing, digest_of_bytes,
+                                digest_of_local_file, manifest_digest, parse_step_dir_name, require_checksum,
+                                step_dir_name)
+from rlhf_core.store_backends import backend_for
+from rlhf_core.urls import is_local_url
 
 
 class CheckpointStore:
@@ -302,14 +76,13 @@ class CheckpointStore:
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, checksum: str | None = None):
         try:  # read at construction, not import, so a caller (the bench) can set the module's default
-            self.checksum: str = require_checksum(checksum or DEFAULT_CHECKSUM)
+            self.checksum: str = require_checksum(checksum or _manifest.DEFAULT_CHECKSUM)
         except ValueError as error:
             raise UserError(f"Checkpoint checksum: {error}.") from None
         self.fs, root = url_to_fs(url, **(storage_options or {}))
-        self._is_local = isinstance(self.fs, LocalFileSystem)
-        if self._is_local:
-            # Listings return normalized paths; the root must match them to be stripped.
-            root = posixpath.normpath(root)
+        self.backend = backend_for(self.fs)
+        # A local listing returns normalized paths; the root must match them to be stripped.
+        root = posixpath.normpath(root) if is_local_url(url) else root
         self.root: str = root.rstrip("/") or root
         self.url: str = url.rstrip("/") if "://" in url else self.root
 
@@ -355,7 +128,7 @@ class CheckpointStore:
 
     def require_folder(self) -> None:
         """A UserError naming the URL when it is not a folder: `rlhf ckpt ls` on a mistyped path."""
-        if self._is_local and os.path.isfile(self.root):
+        if self.backend.is_file(self.root):
             raise UserError(f"{self.url} is a file; give a stage folder {{ckpt_path}}/{{run_name}}/{{stage}}.")
         try:
             exists = self.fs.isdir(self.root)
@@ -422,12 +195,9 @@ class CheckpointStore:
                 self._advance_latest(step)
                 return existing
             self._move_aside(name)
-        if not self._is_local:
-            return PendingStep(step, self._path(name), self.checksum)
         staging_path = self._path(f"{STAGING_PREFIX}{name}_{secrets.token_hex(4)}")
         with self._full_is_one_sentence():
-            durable.make_dirs_durably(staging_path)  # the first commit also creates the run's folders
-        return PendingStep(step, staging_path, self.checksum)
+            return PendingStep(step, self.backend.uncommitted_folder(self._path(name), staging_path), self.checksum)
 
     def discard(self, pending: PendingStep) -> None:
         """Remove an uncommitted step's files (after a failed write): its space goes back, nothing committed moves."""
@@ -437,12 +207,7 @@ class CheckpointStore:
 
     def free_bytes(self) -> int | None:
         """Free space on the store's filesystem, or None where the store has no such limit (object stores)."""
-        if not self._is_local:
-            return None
-        folder = self.root
-        while not os.path.isdir(folder):
-            folder = os.path.dirname(folder)
-        return shutil.disk_usage(folder).free
+        return self.backend.free_bytes(self.root)
 
     @contextlib.contextmanager
     def _full_is_one_sentence(self):
@@ -515,12 +280,7 @@ class CheckpointStore:
                             lease_token=fence.token if fence is not None else "")
         # The manifest goes last: its presence is what marks the step as committed.
         self._write_bytes(f"{pending.path}/{MANIFEST_NAME}", manifest.to_bytes())
-        if self._is_local:
-            # Every file is fsync'd as it is written; the names go down before the rename that publishes them.
-            durable.fsync_tree_dirs(pending.path)
-            # os.rename is atomic and, unlike shutil.move, never merges into an existing dir.
-            os.rename(pending.path, self._path(step_dir_name(pending.step)))
-            durable.fsync_dir(self.root)
+        self.backend.publish(pending.path, self._path(step_dir_name(pending.step)))
         fault_point("before_latest", pending.step)
         self._advance_latest(pending.step)
         self.fs.invalidate_cache()
@@ -572,11 +332,11 @@ class CheckpointStore:
         from the page cache the reader warms). Leaving the block waits for the check: CorruptCheckpoint on a
         mismatch, also when the block raised (a damaged file may trip its reader first), so nothing read may
         be used until then. None for an object store, whose files must be fetched (``fetch``)."""
-        if not self._is_local:
+        step_path = self.backend.folder_to_read(self._path(step_dir_name(step)))
+        if step_path is None:
             yield None
             return
         info, manifest_bytes = self._committed_manifest(step)
-        step_path = self._path(info.name)
         entries = {entry.path: entry for entry in Manifest.from_bytes(manifest_bytes).files}
 
         def check(entry: ManifestEntry) -> None:
@@ -690,12 +450,7 @@ class CheckpointStore:
                 return f"size mismatch in {entry.path}"
         if verify:
             for entry in manifest.files:
-                if self._is_local:
-                    digest = digest_of_local_file(f"{dir_path}/{entry.path}", entry.checksum, entry.size)[1]
-                else:
-                    with self.fs.open(f"{dir_path}/{entry.path}", "rb") as stream:
-                        digest = digest_of_stream(stream, entry.checksum)
-                if digest != entry.digest:
+                if self.backend.digest(f"{dir_path}/{entry.path}", entry.checksum, entry.size) != entry.digest:
                     return f"checksum mismatch in {entry.path}"
         return ""
 
@@ -716,21 +471,15 @@ class CheckpointStore:
 
     def _write_stream_into(self, pending: PendingStep, relative_path: str, remote_path: str,
                            write: Callable[[BinaryIO], None], timer: WriteTimings) -> ManifestEntry:
-        self._make_parent_dirs(remote_path)
         started = time.perf_counter()
-        with self.fs.open(remote_path, "wb") as target:
-            # Locally the disk starts writing while the file is still being serialized (the fsync below then
-            # waits for little); an object store's upload is its own.
-            destination = durable.WritebackAhead(target) if self._is_local else target
-            sink = HashingWriter(destination, lambda: fault_point("mid_upload", pending.step), pending.checksum)
+        with self.backend.open_new(remote_path) as target:
+            sink = HashingWriter(target, lambda: fault_point("mid_upload", pending.step), pending.checksum)
             try:
                 write(sink)
             finally:
                 sink.close()
             written = time.perf_counter()
-            if self._is_local:  # in the rank's background writer, beside the other files' writes
-                target.flush()
-                os.fsync(target.fileno())
+            self.backend.sync(target)  # in the rank's background writer, beside the other files' writes
         timer.add(write=written - started - sink.hash_wait_seconds, hash=sink.hash_wait_seconds,
                   fsync=time.perf_counter() - written)
         return ManifestEntry(relative_path, sink.size, sink.hexdigest(), pending.checksum)
@@ -740,7 +489,7 @@ class CheckpointStore:
         os.makedirs(os.path.dirname(local_path), exist_ok=True)
         with self.fs.open(f"{self._path(info.name)}/{entry.path}", "rb", block_size=TRANSFER_BLOCK_BYTES) as source, \
                 open(local_path, "wb") as target:
-            size, digest = _copy_hashing(source, target, entry.checksum)
+            size, digest = copy_hashing(source, target, entry.checksum)
         if size != entry.size or digest != entry.digest:
             raise _checksum_mismatch(info, entry)
 
@@ -754,60 +503,25 @@ class CheckpointStore:
         """Move an uncommitted step dir under ``.aside/`` so a new commit can take its name."""
         timestamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
         aside_path = self._path(f"{ASIDE_DIR_NAME}/{name}.{timestamp}_{secrets.token_hex(2)}")
-        dir_path = self._path(name)
-        self._make_parent_dirs(aside_path)
-        if self._is_local:
-            os.rename(dir_path, aside_path)
-        else:
-            # Object stores have no rename, and a recursive fs.mv trips over s3's
-            # pseudo dirs, so copy file by file before removing the original.
-            source_paths = sorted(self.fs.find(dir_path))
-            target_paths = [aside_path + path[len(dir_path):] for path in source_paths]
-            if source_paths:
-                self.fs.copy(source_paths, target_paths)
-            self._remove_step_dir(name)
+        self.backend.move(self._path(name), aside_path)
         self.fs.invalidate_cache()
         return aside_path
 
     def _remove_step_dir(self, name: str) -> None:
-        dir_path = self._path(name)
         # Without its manifest a half-deleted dir reads as incomplete, never as committed.
-        try:
-            self.fs.rm_file(f"{dir_path}/{MANIFEST_NAME}")
-            if self._is_local:  # the manifest's removal lands before any file's, or a cut could leave it alone
-                durable.fsync_dir(dir_path)
-        except FileNotFoundError:
-            pass
-        fault_point("during_removal", parse_step_dir_name(name) or 0)
-        self.fs.rm(dir_path, recursive=True)
-        if self._is_local:  # else a power cut brings the half-removed folder back, to lie there for ever
-            durable.fsync_dir(posixpath.dirname(dir_path))
+        dir_path = self._path(name)
+        self.backend.remove_step(dir_path, f"{dir_path}/{MANIFEST_NAME}")
         self.fs.invalidate_cache()
 
     def _write_bytes(self, path: str, data: bytes) -> None:
-        """A new file (one PUT on an object store; written and fsync'd on a local filesystem)."""
+        """A new file, durable when this returns (`store_backends`)."""
         with self._full_is_one_sentence():
-            self._make_parent_dirs(path)
-            if not self._is_local:
-                self.fs.pipe_file(path, data)
-                return
-            with self.fs.open(path, "wb") as target:
-                target.write(data)
-                target.flush()
-                os.fsync(target.fileno())
+            self.backend.write_new(path, data)
 
     def _replace_bytes(self, path: str, data: bytes) -> None:
-        """A file replaced whole: one PUT, or locally `durable.replace_durably` (temp + fsync + rename + fsync)."""
-        if not self._is_local:
-            self._write_bytes(path, data)
-            return
+        """A file replaced whole, durably: readers (and a power cut) see the old bytes or the new."""
         with self._full_is_one_sentence():
-            durable.replace_durably(path, data)
-
-    def _make_parent_dirs(self, path: str) -> None:
-        # Object stores have no directories; only a local filesystem needs them made.
-        if self._is_local:
-            self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+            self.backend.replace(path, data)
 
 
 def _raise_if_unreachable(error: Exception, url: str) -> None:
@@ -828,92 +542,6 @@ def _list_local_files(local_dir: str) -> dict[str, str]:
             if relative_path not in _RESERVED_NAMES:
                 files[relative_path] = os.path.abspath(absolute_path)
     return files
-
-
-class WriteTimings:
-    """Where a writer's threads spent their time, summed over its files (thread-seconds: files written in
-    parallel add up to more than the wall time): `write` (serialising and writing, the page cache's copy
-    included), `hash` (waiting for the checksum beyond the write it runs beside), `fsync` (waiting for the disk)."""
-
-    def __init__(self, seconds: dict[str, float]):
-        self.seconds, self._lock = seconds, threading.Lock()
-
-    def add(self, **seconds: float) -> None:
-        with self._lock:
-            for name, value in seconds.items():
-                self.seconds[name] = self.seconds.get(name, 0.0) + value
-
-
-class HashingWriter:
-    """A write-only file object that passes what it is given to ``target`` and hashes it
-    on the way: each large block is hashed in a second thread while it is written (both release the
-    GIL), so hashing costs no extra pass. ``after_first_block`` is a fault hook: a kill there lands
-    mid-transfer."""
-
-    _PARALLEL_BYTES = 1 << 20  # smaller writes are hashed inline (a thread hand-off costs more)
-    # Passed on in pieces this large: on a VM whose kernel reports free memory to its host (Firecracker's
-    # page_reporting), MiB-sized write()s soon after memory was freed measured about 9x slower (1.2 GB:
-    # 2.4-3.1 s in 4 MiB writes, 0.28 s in 64 KiB writes; cp's splice 0.30 s), likely because they take
-    # large page-cache folios from memory the host took back. But 64 KiB pieces made the fsync after them
-    # slower: a 1.2 GB torch.save made durable (write + fsync, 3 runs each, 4 s after the last file's pages
-    # were freed, 32 MiB writeback ahead) took 3.0-3.6 s in 64 KiB pieces, 2.7-2.85 s in 256 KiB, 2.7 s in
-    # 1 MiB, against 3.1-3.4 s for `cp` + fsync of the same bytes; without writeback ahead, 1 MiB pieces were
-    # the slowest (3.5-4.5 s). 256 KiB is best or level in every case measured.
-    _PIECE_BYTES = 256 << 10
-
-    def __init__(self, target: BinaryIO, after_first_block: Callable[[], None] | None = None,
-                 checksum: str = DEFAULT_CHECKSUM):
-        self.target, self.after_first_block = target, after_first_block
-        self.size, self._digest = 0, new_hasher(checksum)
-        self._hasher: ThreadPoolExecutor | None = None
-        self.hash_wait_seconds = 0.0  # hashing that the writes beside it did not hide
-
-    def write(self, block) -> int:
-        num_bytes = memoryview(block).nbytes
-        if num_bytes >= self._PARALLEL_BYTES:
-            self._hasher = self._hasher or ThreadPoolExecutor(1, thread_name_prefix="checksum")
-            hashed = self._hasher.submit(self._digest.update, block)
-            self._write_in_pieces(block, num_bytes)
-            waited = time.perf_counter()
-            hashed.result()
-            self.hash_wait_seconds += time.perf_counter() - waited
-        else:
-            waited = time.perf_counter()
-            self._digest.update(block)
-            self.hash_wait_seconds += time.perf_counter() - waited
-            self.target.write(block)
-        first = not self.size
-        self.size += num_bytes
-        if first and self.after_first_block is not None:
-            self.after_first_block()
-        return num_bytes
-
-    def _write_in_pieces(self, block, num_bytes: int) -> None:
-        view = memoryview(block).cast("B")
-        for start in range(0, num_bytes, self._PIECE_BYTES):
-            self.target.write(view[start:start + self._PIECE_BYTES])
-
-    def flush(self) -> None:
-        self.target.flush()
-
-    def close(self) -> None:
-        if self._hasher is not None:
-            self._hasher.shutdown()
-
-    def hexdigest(self) -> str:
-        return self._digest.hexdigest()
-
-
-def _copy_hashing(source: BinaryIO, target: BinaryIO, checksum: str) -> tuple[int, str]:
-    """Copy ``source`` into ``target`` block by block, hashing on the way (one read):
-    (size, hex digest of algorithm ``checksum``)."""
-    sink = HashingWriter(target, checksum=checksum)
-    try:
-        while block := source.read(TRANSFER_BLOCK_BYTES):
-            sink.write(block)
-    finally:
-        sink.close()
-    return sink.size, sink.hexdigest()
 
 
 def _checksum_mismatch(info: CheckpointInfo, entry: ManifestEntry) -> CorruptCheckpoint:

@@ -29,7 +29,8 @@ import fsspec
 from rlhf_core import stop
 from rlhf_core.alerts import (AlertLog, NonFiniteTraining, commit_alerts, expected_bytes_from_metadata, history_entry,
                               non_finite_metrics)
-from rlhf_core.checkpoint import CheckpointInfo, CheckpointStore
+from rlhf_core.checkpoint import CheckpointStore
+from rlhf_core.manifest import CheckpointInfo
 from rlhf_core.config import STAGES, RunConfig, fields_with_role, semantic_fields, semantic_hash
 from rlhf_core.data import dataset_fingerprint
 from rlhf_core.engine import WorkerGroup, group_settings

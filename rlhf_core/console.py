@@ -64,6 +64,7 @@ import re
 import sys
 import threading
 import warnings
+from rlhf_core.urls import local_path
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,9 +83,9 @@ _MAX_HELD_RECORDS = 100_000  # before the file opens (preflight's few records; a
 
 def log_file_for(run_url: str, run_name: str) -> str:
     """Where `configure_console` writes for a run: in the run folder when it is local, else ./rlhf-logs."""
-    if "://" in run_url and not run_url.startswith("file://"):
+    local = local_path(run_url)
+    if local is None:
         return os.path.abspath(os.path.join(REMOTE_FALLBACK_DIR, f"{run_name}.log"))
-    local = run_url.removeprefix("file://")
     return os.path.join(os.path.abspath(local), LOG_DIR_NAME, LOG_FILE_NAME)
 
 

@@ -37,6 +37,7 @@ import torch
 
 from rlhf_core.errors import UserError
 from rlhf_core.hub import is_hub_id, not_cached, store_unreachable
+from rlhf_core.urls import is_local_url, local_path
 
 SPLIT_FLAGS = {"--dataset": "--dataset_split", "--prompt_data": "--prompt_split", "--eval_dataset": "--eval_split"}
 SAVED_DATASET_FILES = ("dataset_dict.json", "state.json")  # what `save_to_disk` writes at the top
@@ -159,8 +160,8 @@ def _read_source(source: str, storage_options: dict | None, max_samples: int | N
         dataset = (_load_dataset(name, split, flag, data_dir=data_dir) if os.path.isdir(name)
                    else _hub_dataset(name, split, flag, data_dir))
         return _dataset_records(dataset, max_samples)
-    protocol, path = fsspec.core.split_protocol(source)
-    if protocol in (None, "file") and not os.path.exists(path) and is_hub_id(source):
+    path = local_path(source)
+    if path is not None and not os.path.exists(path) and is_hub_id(source):
         return _dataset_records(_hub_dataset(source, split, flag), max_samples)
     filesystem, fs_path = fsspec.core.url_to_fs(source, **(storage_options or {}))
     if filesystem.isdir(fs_path):
@@ -289,7 +290,7 @@ def _folder_dataset(url: str, filesystem, path: str, split: str, storage_options
             return _pick_split(url, datasets.load_from_disk(url, storage_options=storage_options), split, flag)
         except (FileNotFoundError, ValueError) as error:
             raise UserError(f"{flag}: {url} is not a readable dataset saved by datasets ({error}).") from None
-    if fsspec.core.split_protocol(url)[0] not in (None, "file"):
+    if not is_local_url(url):
         raise UserError(f"{flag}: {url} is a folder that holds no dataset saved by datasets (save_to_disk); "
                         "give a file or a hub name.")
     try:
@@ -347,8 +348,9 @@ def fingerprint(url: str, storage_options: dict | None = None, *, split: str = "
     name, data_dir = split_data_dir(url, flag)
     if data_dir is not None and os.path.isdir(name):
         return fingerprint(os.path.join(name, data_dir), storage_options, split=split, flag=flag)
-    protocol, path = fsspec.core.split_protocol(name)
-    if protocol in (None, "file") and not os.path.exists(path) and is_hub_id(name):
+    protocol, _ = fsspec.core.split_protocol(name)
+    path = local_path(name)
+    if path is not None and not os.path.exists(path) and is_hub_id(name):
         key = ("hub", url, split)
         if key not in _FINGERPRINTS:
             _FINGERPRINTS[key] = "hub:" + _hub_dataset(name, split, flag, data_dir)._fingerprint
@@ -357,7 +359,7 @@ def fingerprint(url: str, storage_options: dict | None = None, *, split: str = "
         filesystem, fs_path = fsspec.core.url_to_fs(url, **(storage_options or {}))
         if filesystem.isdir(fs_path):
             names = sorted(filesystem.find(fs_path))
-            protocol_prefix = f"{protocol}://" if protocol not in (None, "file") else ""
+            protocol_prefix = "" if is_local_url(name) else f"{protocol}://"
             parts = "\n".join(f"{name[len(fs_path):]}:"
                                f"{_file_fingerprint(protocol_prefix + name, storage_options, flag)}" for name in names)
             return hashlib.sha256(parts.encode()).hexdigest()

@@ -25,7 +25,8 @@ import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from rlhf_core.checkpoint import MANIFEST_NAME, CheckpointStore, manifest_digest
+from rlhf_core.checkpoint import CheckpointStore
+from rlhf_core.manifest import MANIFEST_NAME, manifest_digest
 from rlhf_core.errors import UserError
 from rlhf_core.hub import reaching_store
 from rlhf_core.models import (SOURCE_NAME, check_model_dir, is_lora_dir, load_causal_lm, load_tokenizer,

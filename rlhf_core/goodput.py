@@ -394,7 +394,7 @@ class GoodputLedger:
         return None if holder is None else asdict(holder)
 
     def _is_committed(self, stage: str, step: int) -> bool:
-        from rlhf_core.checkpoint import MANIFEST_NAME, step_dir_name
+        from rlhf_core.manifest import MANIFEST_NAME, step_dir_name
 
         return self.fs.exists(f"{self.root}/{stage}/{step_dir_name(step)}/{MANIFEST_NAME}")
 

@@ -55,6 +55,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from rlhf_core import durable
 from rlhf_core.errors import LeaseLost, UserError
+from rlhf_core.urls import local_path
 
 LEASE_NAME = "LEASE.json"
 
@@ -246,9 +247,8 @@ _HELD_MUTEX = threading.Lock()
 
 
 def _registry_key(run_url: str) -> str:
-    if "://" not in run_url or run_url.startswith("file://"):
-        return os.path.abspath(run_url.removeprefix("file://"))
-    return run_url.rstrip("/")
+    path = local_path(run_url)
+    return os.path.abspath(path) if path is not None else run_url.rstrip("/")
 
 
 def held_lease(run_url: str) -> "RunLease | None":

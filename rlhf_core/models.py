@@ -32,6 +32,7 @@ import torch
 
 from rlhf_core.errors import UserError
 from rlhf_core.hub import hub_model_dir, hub_snapshot, is_hub_id, reaching_store, store_unreachable
+from rlhf_core.urls import local_path
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +44,13 @@ WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 def local_model_dir(url: str, storage_options: dict | None = None, *, flag: str = "--pretrain") -> str:
     """A local folder holding the model at `url` (a folder, a hub id, or a remote URL fetched once into a
     cache); errors name `flag`, the option the user gave `url` with."""
-    protocol, path = fsspec.core.split_protocol(url)
-    if protocol in (None, "file"):
+    path = local_path(url)
+    if path is not None:
         if Path(path).is_dir():
             return str(Path(path).resolve())
         if Path(path).exists():
             raise UserError(f"{flag}: {url} is a file, not a model folder.")
-        if protocol is None and is_hub_id(url):
+        if is_hub_id(url):  # (a file:// URL never is one)
             return hub_model_dir(url, flag)
         raise UserError(f"{flag}: {url} is not a model folder (no such folder).")
     with reaching_store(flag, url, storage_options):
@@ -86,7 +87,8 @@ def model_fingerprint(url: str, storage_options: dict | None = None, *, flag: st
     """Identity of the model at `url`, cheap enough to take at every commit: the manifest digest of the
     checkpoint it was exported from (our own stage outputs), a hub id's revision, else its file names
     and sizes; "" when there is nothing there."""
-    if fsspec.core.split_protocol(url)[0] is None and not os.path.exists(url) and is_hub_id(url):
+    path = local_path(url)
+    if path is not None and not os.path.exists(path) and is_hub_id(url):
         snapshot = hub_snapshot(url, download=False)
         return f"hub:{url}@{os.path.basename(snapshot)}" if snapshot else ""
     try:

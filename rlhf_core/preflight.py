@@ -16,9 +16,9 @@ import os
 import shutil
 from pathlib import Path
 
-import fsspec
 
 from rlhf_core.config import STAGES, TRAINING_STAGES, RunConfig, fields_with_role
+from rlhf_core.urls import local_path
 
 
 def preflight(run: RunConfig) -> None:
@@ -59,9 +59,9 @@ def probe_writable(url: str, flag: str, storage_options: dict | None) -> None:
     """export.check_writable, leaving no folder behind on a local disk: a refused run writes nothing."""
     from rlhf_core.export import check_writable
 
-    protocol, path = fsspec.core.split_protocol(url)
+    path = local_path(url)
     first_missing = None
-    if protocol in (None, "file"):
+    if path is not None:
         for folder in [Path(path).absolute(), *Path(path).absolute().parents]:
             if folder.exists():
                 break

@@ -26,7 +26,8 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 
-from rlhf_core.checkpoint import METADATA_NAME, CheckpointInfo, CheckpointStore
+from rlhf_core.checkpoint import CheckpointStore
+from rlhf_core.manifest import METADATA_NAME, CheckpointInfo
 from rlhf_core.config import TRAINING_STAGES, WORLD_SIZE_DEPENDENT_STAGES, RunConfig, semantic_fields
 from rlhf_core.data import dataset_fingerprint
 from rlhf_core.ds_config import DEEPSPEED_STATE_DIR, UNIVERSAL_STATE_DIR

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import fsspec
 from prefect import task
 from prefect.cache_policies import CachePolicy
 from prefect.filesystems import RemoteFileSystem
@@ -27,6 +26,7 @@ from rlhf_core.errors import is_retryable
 from rlhf_core.export import export_final, merge_lora
 from rlhf_core.resume import Lineage
 from rlhf_core.stop import StoppedBySignal
+from rlhf_core.urls import local_path
 
 
 def chunk_cache_key(run: RunConfig, stage: str, target_step: int, upstream_digest: str, lineage: Lineage) -> str:
@@ -60,8 +60,8 @@ def run_result_storage(run: RunConfig) -> Path | str:
     one is saved per run; RunConfig refuses secrets in storage_options, so none reach the block.
     """
     url = f"{run.run_url()}/_prefect"
-    protocol, path = fsspec.core.split_protocol(url)
-    if protocol in (None, "file"):
+    path = local_path(url)
+    if path is not None:
         return Path(path)
     block_name = "rlhf-results-" + hashlib.sha256(url.encode()).hexdigest()[:16]
     RemoteFileSystem(basepath=url, settings=run.storage_options).save(block_name, overwrite=True)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf_core.checkpoint import MANIFEST_NAME, Manifest, ManifestEntry, digest_of_local_file
+from rlhf_core.manifest import MANIFEST_NAME, Manifest, ManifestEntry, digest_of_local_file
 from rlhf_core.chunk import ensure_checkpoint, release_workers
 from rlhf_core.config import RunConfig, SFTConfig
 from rlhf_core.errors import UnsafeCheckpoint, UserError

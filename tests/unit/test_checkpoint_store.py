@@ -14,15 +14,8 @@ import pytest
 import xxhash
 from fsspec.implementations.local import LocalFileSystem
 
-from rlhf_core.checkpoint import (
-    LATEST_NAME,
-    MANIFEST_NAME,
-    METADATA_NAME,
-    CheckpointStore,
-    Manifest,
-    format_listing,
-    to_json,
-)
+from rlhf_core.checkpoint import CheckpointStore, format_listing, to_json
+from rlhf_core.manifest import LATEST_NAME, MANIFEST_NAME, METADATA_NAME, Manifest
 from rlhf_core import durable
 from rlhf_core.errors import CorruptCheckpoint, UserError
 
@@ -575,7 +568,7 @@ def test_streams_are_written_and_hashed_beside_the_files(store: CheckpointStore,
 def test_sha256_of_local_file_hashes_in_place_and_reads_nothing_of_the_wrong_size(tmp_path):
     import hashlib
 
-    from rlhf_core.checkpoint import sha256_of_local_file
+    from rlhf_core.manifest import sha256_of_local_file
 
     data, empty = tmp_path / "data.bin", tmp_path / "empty.bin"
     data.write_bytes(b"x" * 300_000)

@@ -204,7 +204,7 @@ def test_rm_pairwise_losses():
 
 
 def test_an_explicit_zero_stage_that_cannot_load_the_checkpoint_is_one_sentence():
-    from rlhf_core.checkpoint import STATUS_COMMITTED, CheckpointInfo
+    from rlhf_core.manifest import STATUS_COMMITTED, CheckpointInfo
     from rlhf_core.resume import check_zero_stage
 
     info = CheckpointInfo(8, "step_8", "/ckpt/exp/sft/step_8", STATUS_COMMITTED, 1)
