@@ -103,9 +103,10 @@ def run_chunks(run) -> tuple[list, dict[str, list]]:
     """Every chunk of `run`, the first cold and the rest cycling through `schedule()`; all results, and the
     warm ones by variant (BESIDE appended for those committed beside training)."""
     from rlhf_core import chunk
+    from rlhf_core.plan import plan_stage
     from rlhf_core.resume import begin_stage
 
-    plan, lineage, cycle = chunk.plan_stage(run, "sft"), begin_stage(run, "sft"), schedule()
+    plan, lineage, cycle = plan_stage(run, "sft"), begin_stage(run, "sft"), schedule()
     results, by_variant = [], {}
     for index, target in enumerate(plan.targets):
         variant, ahead = (None, True) if index == 0 else cycle[(index - 1) % len(cycle)]
@@ -123,7 +124,7 @@ def run_chunks(run) -> tuple[list, dict[str, list]]:
 def resume_costs(run, steps: dict[str, int], read_paths: list[str], step_dirs: dict[str, str], repeat: int) -> dict:
     """Per checksum: a fresh group's `WorkerGroup.load` of its checkpoint from a cold page cache and a warm
     one, next to `cat` of the same files, cold and warm (medians of `repeat`)."""
-    from rlhf_core.chunk import plan_stage
+    from rlhf_core.plan import plan_stage
     from rlhf_core.engine import WorkerGroup
 
     plan, costs = plan_stage(run, "sft"), {}

@@ -110,7 +110,7 @@ def measure(num_ranks: int, model_dir: str, toy: dict[str, str], ckpt_root: str,
     import ray
 
     from rlhf_core.checkpoint import CheckpointStore
-    from rlhf_core.chunk import plan_stage, resolve_paths
+    from rlhf_core.plan import plan_stage, resolve_paths
     from rlhf_core.config import RunConfig, SFTConfig
     from rlhf_core.engine import WorkerGroup
 

@@ -38,7 +38,8 @@ from prefect.states import Cancelled, State
 from flows.stage_report import StageReport, artifact_key
 from rlhf_core import stop
 from rlhf_core.alerts import NonFiniteTraining
-from rlhf_core.chunk import ChunkResult, plan_stage, prestart_workers, release_workers, resolve_paths
+from rlhf_core.chunk import ChunkResult, prestart_workers, release_workers
+from rlhf_core.plan import plan_stage, resolve_paths
 from rlhf_core.manifest import ASIDE_DIR_NAME
 from rlhf_core.config import STAGES, RunConfig
 from rlhf_core.errors import RLHFError

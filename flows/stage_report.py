@@ -34,7 +34,8 @@ from prefect.artifacts import (TableArtifact, create_markdown_artifact, create_p
                                create_table_artifact, update_progress_artifact)
 from prefect.client.schemas.actions import ArtifactUpdate
 
-from rlhf_core.chunk import ChunkResult, StagePlan
+from rlhf_core.chunk import ChunkResult
+from rlhf_core.plan import StagePlan
 from rlhf_core.config import RunConfig
 
 BAR_WIDTH = 10

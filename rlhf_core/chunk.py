@@ -19,26 +19,23 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-
-import fsspec
 
 from rlhf_core import stop
 from rlhf_core.alerts import (AlertLog, NonFiniteTraining, commit_alerts, expected_bytes_from_metadata, history_entry,
                               non_finite_metrics)
 from rlhf_core.checkpoint import CheckpointStore
 from rlhf_core.manifest import CheckpointInfo
-from rlhf_core.config import STAGES, RunConfig, fields_with_role, semantic_fields, semantic_hash
+from rlhf_core.config import STAGES, RunConfig, semantic_fields, semantic_hash
 from rlhf_core.data import dataset_fingerprint
 from rlhf_core.engine import WorkerGroup, group_settings
-from rlhf_core.errors import StoreFull, UserError, store_full
+from rlhf_core.errors import StoreFull, store_full
 from rlhf_core.faults import fault_point
 from rlhf_core.goodput import GoodputLedger
-from rlhf_core.hub import is_hub_id
 from rlhf_core.models import input_model_fingerprints
+from rlhf_core.plan import StagePlan, plan_stage
 from rlhf_core.lease import RunLease, held_lease
 from rlhf_core.resume import Lineage, StartState, load_start, open_store
 from rlhf_core.trackers import (StageTrackers, close_trackers, open_stage_trackers, require_tracker_packages,
@@ -46,14 +43,6 @@ from rlhf_core.trackers import (StageTrackers, close_trackers, open_stage_tracke
 from rlhf_core.trainers import trainer_class
 
 CHECKPOINT_FORMAT_VERSION = 1
-
-
-@dataclass(frozen=True)
-class StagePlan:
-    stage: str
-    num_samples: int
-    total_steps: int
-    targets: list[int]  # the step each chunk ends at
 
 
 @dataclass
@@ -73,59 +62,6 @@ class ChunkResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def resolve_paths(run: RunConfig) -> RunConfig:
-    """Make local paths absolute, so Ray workers (other working directories) see the same files. The fields
-    to resolve are those `rlhf_core.config.STAGES` tags with a role; several comma-separated datasets are
-    resolved one by one, and a hub id (`org/name`, no such local path) stays a hub id."""
-
-    outputs = {getattr(run.stage_config(stage), STAGES[stage].output_field) for stage in run.stages}
-
-    def absolute(url: str, may_name_a_hub_repo: bool = False) -> str:
-        protocol, _ = fsspec.core.split_protocol(url)
-        if protocol or (may_name_a_hub_repo and url not in outputs and is_hub_id(url)):
-            return url
-        return os.path.abspath(url)
-
-    updates: dict = {"ckpt_path": absolute(run.ckpt_path)}
-    for stage in run.stages:
-        cfg, config_class = run.stage_config(stage), STAGES[stage].config
-        paths = {name: absolute(getattr(cfg, name), role == "model") for role in ("model", "path", "output")
-                 for name in fields_with_role(config_class, role) if getattr(cfg, name, None)}
-        paths |= {name: ",".join(absolute(part, True) for part in getattr(cfg, name).split(","))
-                  for name in fields_with_role(config_class, "data") if getattr(cfg, name, None)}
-        updates[stage] = cfg.model_copy(update=paths)
-    return run.model_copy(update=updates)
-
-
-_NUM_ITEMS: dict[tuple, int] = {}
-
-
-def _count_items(run: RunConfig, stage: str) -> int:
-    """Usable samples of a stage. Counting reads and tokenizes the whole dataset, and the CLI, the flow
-    and every chunk ask, so one process counts each (stage, seed, settings) once."""
-    key = (stage, run.seed, run.stage_config(stage).model_dump_json())
-    if key not in _NUM_ITEMS:
-        _NUM_ITEMS[key] = trainer_class(stage).count_items(run)
-    return _NUM_ITEMS[key]
-
-
-def plan_stage(run: RunConfig, stage: str) -> StagePlan:
-    """Validate the stage's inputs and lay out its chunks; raises UserError before any training."""
-    trainer, cfg = trainer_class(stage), run.stage_config(stage)
-    num_items, per_step = _count_items(run, stage), trainer.items_per_step(cfg)
-    steps_per_pass = num_items // per_step
-    if steps_per_pass == 0:
-        data_url = getattr(cfg, "dataset", None) or getattr(cfg, "prompt_data", None)
-        raise UserError(
-            f"--{trainer.step_size_flag} {per_step} is larger than the {num_items} usable samples of "
-            f"{data_url}; lower it or add data."
-        )
-    total_steps = steps_per_pass * trainer.num_passes(cfg)
-    chunk = cfg.save_steps if cfg.save_steps > 0 else total_steps
-    targets = list(range(chunk, total_steps, chunk)) + [total_steps]
-    return StagePlan(stage, num_items, total_steps, targets)
 
 
 class _WarmGroup:
@@ -503,31 +439,3 @@ def run_lease(run: RunConfig):
         return
     with RunLease(run.run_url(), run.storage_options) as lease:
         yield lease
-
-
-def train_stage(run: RunConfig, stage: str) -> str:
-    """Every chunk of a training stage, then its export, in this process and without Prefect (for
-    library use and tests; the flow `rlhf` does the same with caching and retries). Returns save_path."""
-    from rlhf_core.resume import begin_stage
-
-    lineage, plan = begin_stage(run, stage), plan_stage(run, stage)
-    with run_lease(run):
-        try:
-            for target in plan.targets:
-                ensure_checkpoint(run, stage, target, lineage)
-        finally:
-            release_workers()
-        return export_stage(run, stage, plan.total_steps)
-
-
-def export_stage(run: RunConfig, stage: str, final_step: int) -> str:
-    """The stage's final checkpoint as a Hugging Face model (an adapter if LoRA) in its save_path; with PPO's
-    --save_value_network, the critic too, in {save_path}_critic (as OpenRLHF). Returns save_path."""
-    from rlhf_core.export import export_stage_output
-
-    cfg, store = run.stage_config(stage), open_store(run, stage)
-    if getattr(cfg, "save_value_network", False) and getattr(cfg, "advantage_estimator", None) == "gae":
-        export_stage_output(store, final_step, "critic_model", cfg.pretrain, f"{cfg.save_path.rstrip('/')}_critic",
-                            run.storage_options)
-    return export_stage_output(store, final_step, trainer_class(stage).export_model_dir, cfg.pretrain,
-                               cfg.save_path, run.storage_options)

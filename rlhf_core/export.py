@@ -7,8 +7,6 @@ Everything here reads the checkpoints' `hf/` copies (safetensors and JSON), neve
   logits must match base+adapter within 1e-4 on a few inputs.
 - `export_final`: the policy (merged if it is an adapter) as a standalone model, loaded back and asked
   to generate before it counts as exported.
-- `check_writable`: an output location is probed (a small file written and removed) before training
-  starts, so a read-only `--save_path` is refused up front rather than after all the training.
 Every model read passes the run's storage_options; errors name the flag the path came from.
 """
 
@@ -19,7 +17,6 @@ import os
 import re
 import tempfile
 import uuid
-from pathlib import Path
 
 import fsspec
 import torch
@@ -28,7 +25,7 @@ from fsspec.implementations.local import LocalFileSystem
 from rlhf_core.checkpoint import CheckpointStore
 from rlhf_core.manifest import MANIFEST_NAME, manifest_digest
 from rlhf_core.errors import UserError
-from rlhf_core.hub import reaching_store
+from rlhf_core.writable import probe_writable
 from rlhf_core.models import (SOURCE_NAME, check_model_dir, is_lora_dir, load_causal_lm, load_tokenizer,
                               local_model_dir)
 
@@ -38,35 +35,6 @@ MERGE_TOLERANCE = 1e-4
 MODEL_FILE = re.compile(r"(model|adapter_model|pytorch_model).*\.(safetensors|bin)(\.index\.json)?|adapter_config\.json|"
                         r"config\.json|generation_config\.json|tokenizer.*|special_tokens_map\.json|chat_template\.jinja|"
                         + re.escape(SOURCE_NAME))
-
-
-def check_writable(url: str, flag: str, storage_options: dict | None = None) -> None:
-    """Write and remove a small probe file at `url` (created if missing); a location that cannot be
-    written is a UserError naming `flag`."""
-    probe_name = f".rlhf-write-probe-{uuid.uuid4().hex[:12]}"
-    try:
-        with reaching_store(flag, url, storage_options):
-            filesystem, target = fsspec.core.url_to_fs(url, **(storage_options or {}))
-            if filesystem.isfile(target):
-                raise UserError(f"{flag}: {url} is a file; give a folder.")
-            blocking = _file_above(target) if isinstance(filesystem, LocalFileSystem) else None
-            if blocking is not None:
-                raise UserError(f"{flag}: {url} cannot be a folder because {blocking} is a file; give another path.")
-            filesystem.makedirs(target, exist_ok=True)
-            probe = f"{target.rstrip('/')}/{probe_name}"
-            filesystem.pipe_file(probe, b"rlhf write probe\n")
-            filesystem.rm_file(probe)
-    except (OSError, ValueError) as error:  # reaching_store already named an unreachable store
-        raise UserError(f"{flag}: cannot write to {url} ({type(error).__name__}: {error}); choose a writable "
-                        "location.") from None
-
-
-def _file_above(path: str) -> str | None:
-    """The nearest existing ancestor of a local `path` when it is a file (no folder can be made below it)."""
-    for parent in Path(path).absolute().parents:
-        if parent.exists():
-            return str(parent) if parent.is_file() else None
-    return None
 
 
 def upload_dir(local_dir: str, url: str, storage_options: dict | None = None) -> str:
@@ -124,8 +92,6 @@ def merge_lora(model_path: str, lora_path: str, output_path: str, bf16: bool = F
     """Merge the adapter at `lora_path` into `model_path`; returns the max logit difference checked."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-
-    from rlhf_core.preflight import probe_writable
 
     probe_writable(output_path, "--output_path", storage_options)  # before the merge, not after it
     adapter_dir = local_model_dir(lora_path, storage_options, flag="--lora_path")

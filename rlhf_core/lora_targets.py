@@ -6,7 +6,8 @@ nn.Linear and every GPT-2-style Conv1D except the output head, whatever the fami
 rule for a list (a module's full name, or its last dotted parts). A name that matches no module is refused
 with one sentence listing the layers the model does have: peft raises only when no name matches at all, so a
 Llama list on Phi-3 would otherwise silently adapt just `o_proj` and `down_proj`. Preflight runs the same
-check on the architecture built on the meta device (no weights read); each rank runs it on its loaded model.
+check on the architecture built on the meta device (no weights read: `preflight.check_lora_targets`); each
+rank runs it on its loaded model.
 """
 
 from __future__ import annotations
@@ -44,21 +45,3 @@ def refuse_unknown_targets(model, target_modules: list[str] | None, source: str)
         raise UserError(f"{FLAG}: {', '.join(missing)} name no module of {source} ({model_type}); its linear layers "
                         f"are {', '.join(linear_layer_names(model))} (or leave {FLAG} out for all-linear, the "
                         "default).")
-
-
-def check_lora_targets(url: str, target_modules: list[str] | None, storage_options: dict | None = None,
-                       flag: str = "--pretrain") -> None:
-    """Before any rank starts: `refuse_unknown_targets` on the architecture of the model at `url` (`flag`'s
-    value; an adapter folder's base), built on the meta device from its config.json."""
-    if not target_modules:
-        return
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from rlhf_core.models import is_lora_dir, local_model_dir, lora_base_dir
-
-    directory = local_model_dir(url, storage_options, flag=flag)
-    if is_lora_dir(directory):
-        directory = lora_base_dir(directory, storage_options, flag=flag)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
-    refuse_unknown_targets(model, target_modules, url)

@@ -13,19 +13,16 @@ and the run lease. Other inputs that an earlier stage of this run produces are c
 from __future__ import annotations
 
 import os
-import shutil
-from pathlib import Path
 
 
 from rlhf_core.config import STAGES, TRAINING_STAGES, RunConfig, fields_with_role
-from rlhf_core.urls import local_path
+from rlhf_core.writable import probe_writable
 
 
 def preflight(run: RunConfig) -> None:
     """Refuse, before Prefect starts a flow run, a run that would fail on its inputs or outputs."""
-    from rlhf_core.chunk import plan_stage
+    from rlhf_core.plan import plan_stage
     from rlhf_core.lease import RunLease
-    from rlhf_core.lora_targets import check_lora_targets
     from rlhf_core.resume import validate_run_start
     from rlhf_core.trackers import require_tracker_packages
 
@@ -55,24 +52,6 @@ def preflight(run: RunConfig) -> None:
     RunLease(run.run_url(), run.storage_options).check_available()
 
 
-def probe_writable(url: str, flag: str, storage_options: dict | None) -> None:
-    """export.check_writable, leaving no folder behind on a local disk: a refused run writes nothing."""
-    from rlhf_core.export import check_writable
-
-    path = local_path(url)
-    first_missing = None
-    if path is not None:
-        for folder in [Path(path).absolute(), *Path(path).absolute().parents]:
-            if folder.exists():
-                break
-            first_missing = folder
-    try:
-        check_writable(url, flag, storage_options)
-    finally:
-        if first_missing is not None and first_missing.is_dir():
-            shutil.rmtree(first_missing, ignore_errors=True)
-
-
 def check_model(url: str, flag: str, storage_options: dict | None) -> None:
     """A model (or adapter) folder transformers can load, and for an adapter its base too."""
     from rlhf_core.models import check_model_dir, is_lora_dir, lora_base_dir, local_model_dir
@@ -97,3 +76,22 @@ def check_compute_settings(run: RunConfig, stage: str) -> None:
         resolve_precision(cfg.param_dtype, on_gpu=torch.cuda.is_available(), cpu_bf16=True)
     resolve_attn_implementation(cfg.attn_implementation)
 
+
+def check_lora_targets(url: str, target_modules: list[str] | None, storage_options: dict | None = None,
+                       flag: str = "--pretrain") -> None:
+    """Before any rank starts: `refuse_unknown_targets` on the architecture of the model at `url` (`flag`'s
+    value; an adapter folder's base), built on the meta device from its config.json."""
+    if not target_modules:
+        return
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rlhf_core.lora_targets import refuse_unknown_targets
+    from rlhf_core.models import is_lora_dir, local_model_dir, lora_base_dir
+
+    directory = local_model_dir(url, storage_options, flag=flag)
+    if is_lora_dir(directory):
+        directory = lora_base_dir(directory, storage_options, flag=flag)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
+    refuse_unknown_targets(model, target_modules, url)

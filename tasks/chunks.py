@@ -20,7 +20,8 @@ from prefect.filesystems import RemoteFileSystem
 from prefect.states import Cancelled
 from prefect.transactions import get_transaction
 
-from rlhf_core.chunk import CHECKPOINT_FORMAT_VERSION, ensure_checkpoint, export_stage
+from rlhf_core.chunk import CHECKPOINT_FORMAT_VERSION, ensure_checkpoint
+from rlhf_core.stage_driver import export_stage
 from rlhf_core.config import RunConfig, semantic_hash
 from rlhf_core.errors import is_retryable
 from rlhf_core.export import export_final, merge_lora

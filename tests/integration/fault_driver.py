@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 import sys
 
-from rlhf_core.chunk import resolve_paths, train_stage
+from rlhf_core.stage_driver import train_stage
+from rlhf_core.plan import resolve_paths
 from rlhf_core.config import RunConfig
 from rlhf_core.faults import JOB_PID_ENV_VAR
 from rlhf_core.resume import validate_run_start

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_core.chunk import ensure_checkpoint, release_workers, resolve_paths
+from rlhf_core.chunk import ensure_checkpoint, release_workers
+from rlhf_core.plan import resolve_paths
 from rlhf_core.config import RunConfig, SFTConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]

@@ -115,7 +115,7 @@ def uninterrupted_run(config: dict, stage: str, root: Path, hub_home: Path):
     """`stage` of the pipeline alone, from the same inputs: for SFT the hub snapshot's folder (this process reads
     no HF cache), for PPO copies of the killed run's SFT and RM outputs (the resumed command exports them again
     while this run reads them)."""
-    from rlhf_core.chunk import resolve_paths
+    from rlhf_core.plan import resolve_paths
     from rlhf_core.config import PPOConfig, RunConfig, SFTConfig
 
     if stage == "sft":
@@ -132,7 +132,8 @@ def uninterrupted_run(config: dict, stage: str, root: Path, hub_home: Path):
 
 def train_uninterrupted(run, stage: str) -> Path:
     """`run`'s one stage trained in this process, never interrupted; its checkpoint folder."""
-    from rlhf_core.chunk import release_workers, train_stage
+    from rlhf_core.chunk import release_workers
+    from rlhf_core.stage_driver import train_stage
 
     try:
         train_stage(run, stage)

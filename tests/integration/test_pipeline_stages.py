@@ -17,7 +17,9 @@ import torch
 from safetensors.torch import load_file
 
 from flows.demo import demo_config
-from rlhf_core.chunk import ensure_checkpoint, export_stage, plan_stage, release_workers, resolve_paths, train_stage
+from rlhf_core.chunk import ensure_checkpoint, release_workers
+from rlhf_core.stage_driver import export_stage, train_stage
+from rlhf_core.plan import plan_stage, resolve_paths
 from rlhf_core.config import PPOConfig, RunConfig
 from rlhf_core.evaluate import mean_gold_score
 from rlhf_core.export import export_final, merge_lora

@@ -7,7 +7,7 @@ import pytest
 
 from flows.cli import main
 from rlhf_core.checkpoint import CheckpointStore
-from rlhf_core.chunk import plan_stage, resolve_paths
+from rlhf_core.plan import plan_stage, resolve_paths
 from rlhf_core.resume import validate_run_start
 from rlhf_core.config import RMConfig, RunConfig, SFTConfig, semantic_fields
 from rlhf_core.errors import UserError

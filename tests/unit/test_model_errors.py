@@ -8,7 +8,8 @@ import shutil
 import pytest
 
 from rlhf_core.errors import UserError
-from rlhf_core.export import check_writable, merge_lora
+from rlhf_core.export import merge_lora
+from rlhf_core.writable import check_writable
 from rlhf_core.models import load_causal_lm, load_scalar_model, load_tokenizer, local_model_dir
 
 # An endpoint nothing listens on (loopback), asked once: botocore and s3fs would otherwise retry for ~10 s.
