@@ -15,7 +15,7 @@ $(BIN)/rlhf: pyproject.toml
 	# DeepSpeed JIT-builds its CPU communication op on first use (~80 s on 2 cores); build it now, with
 	# the venv's ninja as the workers use, so the first training run (or test) does not pay for it.
 	# A lock left in its build folder by a killed process would make this wait forever: jit_build removes it.
-	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m rlhf_core.jit_build
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m rlhf_core.rank.jit_build
 	touch $(BIN)/rlhf
 
 demo: $(BIN)/rlhf

@@ -34,13 +34,13 @@ NO_FSYNC = "no fsync"
 NO_WRITEBACK = "no writeback ahead"  # the default checksum, the disk's write left to the closing fsync
 BESIDE = " beside training"  # suffix of the variant committed while the next chunk trains (the users' path)
 _REAL_FSYNC = os.fsync  # this module is imported before any variant patches it, in the driver and each rank
-_REAL_SYNC_FILE_RANGE = None  # rlhf_core.durable's, kept by the first _set_writeback in each process
+_REAL_SYNC_FILE_RANGE = None  # rlhf_core.storage.durable's, kept by the first _set_writeback in each process
 
 
 def variants() -> tuple[str, ...]:
     """The variants of a cycle: the default fsync'ing nothing, every other checksum installed here (blake3 is
     optional: `pip install -e .[blake3]`), the default last."""
-    from rlhf_core.manifest import CHECKSUMS, DEFAULT_CHECKSUM, new_hasher
+    from rlhf_core.storage.manifest import CHECKSUMS, DEFAULT_CHECKSUM, new_hasher
     from rlhf_core.errors import UserError
 
     def installed(name: str) -> bool:
@@ -69,7 +69,7 @@ def _set_writeback(_worker, enabled: bool) -> None:
     """In a rank or the driver: `durable.WritebackAhead` on (as shipped) or off (each file's bytes reach the
     disk only in its closing fsync, as before it)."""
     global _REAL_SYNC_FILE_RANGE
-    from rlhf_core import durable
+    from rlhf_core.storage import durable
 
     _REAL_SYNC_FILE_RANGE = _REAL_SYNC_FILE_RANGE or durable._sync_file_range
     durable._sync_file_range = _REAL_SYNC_FILE_RANGE if enabled else None
@@ -81,7 +81,7 @@ def checkpoint_variant(variant: str | None, group):
     NO_FSYNC `os.fsync` a no-op in this process and in every rank of `group`."""
     import ray
 
-    from rlhf_core import manifest as checkpoint  # where the store reads its default checksum
+    from rlhf_core.storage import manifest as checkpoint  # where the store reads its default checksum
 
     previous = checkpoint.DEFAULT_CHECKSUM
     if variant not in (None, NO_FSYNC, NO_WRITEBACK):
@@ -102,9 +102,9 @@ def checkpoint_variant(variant: str | None, group):
 def run_chunks(run) -> tuple[list, dict[str, list]]:
     """Every chunk of `run`, the first cold and the rest cycling through `schedule()`; all results, and the
     warm ones by variant (BESIDE appended for those committed beside training)."""
-    from rlhf_core import chunk
-    from rlhf_core.plan import plan_stage
-    from rlhf_core.resume import begin_stage
+    from rlhf_core.driver import chunk
+    from rlhf_core.driver.plan import plan_stage
+    from rlhf_core.driver.resume import begin_stage
 
     plan, lineage, cycle = plan_stage(run, "sft"), begin_stage(run, "sft"), schedule()
     results, by_variant = [], {}
@@ -124,8 +124,8 @@ def run_chunks(run) -> tuple[list, dict[str, list]]:
 def resume_costs(run, steps: dict[str, int], read_paths: list[str], step_dirs: dict[str, str], repeat: int) -> dict:
     """Per checksum: a fresh group's `WorkerGroup.load` of its checkpoint from a cold page cache and a warm
     one, next to `cat` of the same files, cold and warm (medians of `repeat`)."""
-    from rlhf_core.plan import plan_stage
-    from rlhf_core.engine import WorkerGroup
+    from rlhf_core.driver.plan import plan_stage
+    from rlhf_core.driver.engine import WorkerGroup
 
     plan, costs = plan_stage(run, "sft"), {}
     group = WorkerGroup(run)
@@ -155,8 +155,8 @@ def checkpoint_costs(run, repeat: int) -> dict:
     """Section `ckpt`; see the module docstring. `run` keeps at least len(schedule()) checkpoints."""
     import ray
 
-    from rlhf_core import chunk
-    from rlhf_core.engine import files_for_rank
+    from rlhf_core.driver import chunk
+    from rlhf_core.rank.worker import files_for_rank
 
     results, by_variant = run_chunks(run)
     group = chunk._WarmGroup.group
@@ -211,7 +211,7 @@ def recorded_cpu():
     when other work shares the machine, though heavy contention for the same cores inflates it too."""
     import ray
 
-    from rlhf_core.engine import WorkerGroup
+    from rlhf_core.driver.engine import WorkerGroup
 
     marks: dict[int, float] = {}
     spent: list[float] = []
@@ -248,7 +248,7 @@ def _flow_costs(run) -> dict:
 
 
 def checkpoint_sizes(run) -> list[int]:
-    from rlhf_core.checkpoint import CheckpointStore
+    from rlhf_core.storage.checkpoint import CheckpointStore
 
     return [info.size_bytes for info in CheckpointStore(run.stage_url("sft")).list() if info.is_committed]
 

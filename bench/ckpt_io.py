@@ -57,7 +57,7 @@ def rank_save(worker, store_url: str, storage_options: dict, pending, raw_url: s
     same staged files. Returns the rank's manifest entries and seconds."""
     import fsspec
 
-    from rlhf_core.checkpoint import CheckpointStore
+    from rlhf_core.storage.checkpoint import CheckpointStore
 
     store = CheckpointStore(store_url, storage_options)
     raw_fs, raw_root = fsspec.core.url_to_fs(f"{raw_url}/rank{worker.rank}", **storage_options)
@@ -79,9 +79,9 @@ def rank_load(worker, store_url: str, storage_options: dict, step: int, repeat: 
     same files."""
     import fsspec
 
-    from rlhf_core.checkpoint import CheckpointStore
-    from rlhf_core.manifest import Manifest, step_dir_name
-    from rlhf_core.engine import files_for_rank
+    from rlhf_core.storage.checkpoint import CheckpointStore
+    from rlhf_core.storage.manifest import Manifest, step_dir_name
+    from rlhf_core.rank.worker import files_for_rank
 
     store = CheckpointStore(store_url, storage_options)
     fs, root = fsspec.core.url_to_fs(store_url, **storage_options)
@@ -109,10 +109,10 @@ def measure(num_ranks: int, model_dir: str, toy: dict[str, str], ckpt_root: str,
     """One group of `num_ranks`: train a step, then time a save, the driver's commit and a load on every rank."""
     import ray
 
-    from rlhf_core.checkpoint import CheckpointStore
-    from rlhf_core.plan import plan_stage, resolve_paths
+    from rlhf_core.storage.checkpoint import CheckpointStore
+    from rlhf_core.driver.plan import plan_stage, resolve_paths
     from rlhf_core.config import RunConfig, SFTConfig
-    from rlhf_core.engine import WorkerGroup
+    from rlhf_core.driver.engine import WorkerGroup
 
     run = resolve_paths(RunConfig(
         ckpt_path=f"{ckpt_root}/ranks{num_ranks}", num_workers=num_ranks, storage_options=storage_options,

@@ -55,7 +55,7 @@ def stage_config(stage: str, toy: dict[str, str], model_dir: str, out_dir: str, 
 
 
 def stage_run(workdir: str, name: str, stage: str, cfg, **extra):
-    from rlhf_core.plan import resolve_paths
+    from rlhf_core.driver.plan import resolve_paths
     from rlhf_core.config import RunConfig
 
     return resolve_paths(RunConfig(run_name=name, stages=[stage], ckpt_path=os.path.join(workdir, "ckpt"),
@@ -64,8 +64,8 @@ def stage_run(workdir: str, name: str, stage: str, cfg, **extra):
 
 def step_seconds(run, stage: str, num_steps: int) -> list[float]:
     """Seconds of each of `num_steps` optimizer steps (PPO steps for ppo), one rank, timed from the driver."""
-    from rlhf_core.plan import plan_stage
-    from rlhf_core.engine import WorkerGroup
+    from rlhf_core.driver.plan import plan_stage
+    from rlhf_core.driver.engine import WorkerGroup
 
     plan = plan_stage(run, stage)
     group = WorkerGroup(run)
@@ -130,7 +130,7 @@ def wait_committed(step_dir: str, timeout_s: float = 300.0) -> None:
 @contextlib.contextmanager
 def recorded_training_spans():
     """Wrap `WorkerGroup.train_until` (the driver's call that trains a chunk) to record (start, end) of each."""
-    from rlhf_core.engine import WorkerGroup
+    from rlhf_core.driver.engine import WorkerGroup
 
     spans: list[tuple[float, float]] = []
     original = WorkerGroup.train_until

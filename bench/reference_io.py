@@ -3,7 +3,7 @@ from a cold page cache, and hashed alone.
 
 - `durable_copy`: `cp -r` of a step folder, then fsync of every file and every folder (deepest first,
   then the folder that received the copy). A copy into the page cache is not a checkpoint: a power cut
-  takes it. The project's commit fsyncs the same things (rlhf_core/durable.py), so this is the cheapest
+  takes it. The project's commit fsyncs the same things (rlhf_core/storage/durable.py), so this is the cheapest
   durable copy of the bytes a save writes.
 - `cold_read`: `cat` of the files a rank reads into /dev/null after `drop_page_cache`, which is what a
   resume on a fresh node reads them from.
@@ -92,7 +92,7 @@ def warm_read(root: str, relative_paths: list[str]) -> float:
 def hash_seconds(root: str, relative_paths: list[str], algorithm: str, repeat: int) -> float:
     """Median seconds to hash the files with `algorithm` (the manifest's hashers), one after another on one
     core, from the page cache (mmap: no copy, no write)."""
-    from rlhf_core.manifest import new_hasher
+    from rlhf_core.storage.manifest import new_hasher
 
     # Into the page cache first, so every algorithm reads from memory.
     subprocess.run(["cat", *relative_paths], cwd=root, check=True, stdout=subprocess.DEVNULL)

@@ -321,7 +321,7 @@ def quiet_console() -> None:
     """The CLI's quiet console: Ray workers', DeepSpeed's and Prefect's output go to a log file, so the
     suite's own lines stay readable."""
     import flows.pipeline  # noqa: F401 - Prefect sets up its logging on import; the console goes after it
-    from rlhf_core.console import configure_console
+    from rlhf_core.ops.console import configure_console
 
     log_file = configure_console(os.path.join(CACHE_DIR, "last-run.log"), live_progress=False)
     print(f"Ray, DeepSpeed and Prefect output: {log_file}")
@@ -345,7 +345,7 @@ def main() -> None:
             rows += RUNNERS[section](args, assets, env, results)
             print(f"  ({time.perf_counter() - section_started:.0f} s)", flush=True)
     finally:
-        from rlhf_core.chunk import release_workers
+        from rlhf_core.driver.chunk import release_workers
 
         release_workers()
         if args.keep:

@@ -12,7 +12,7 @@ so each flag's help is the field's description.
 
 Training commands run the Prefect flow `rlhf` (on Prefect's ephemeral server when no
 PREFECT_API_URL is set). Their console shows the chunk and stage lines, warnings once and errors;
-Ray's, DeepSpeed's and the ranks' full output goes to a log file (rlhf_core.console: in the run
+Ray's, DeepSpeed's and the ranks' full output goes to a log file (rlhf_core.ops.console: in the run
 folder's logs/driver.log when it is local) and --verbose shows it on the console too.
 Every failure the pipeline names (rlhf_core.errors) prints one sentence; mistakes the user can fix exit
 with code 2.
@@ -34,7 +34,7 @@ from pydantic import BaseModel, ValidationError
 from flows.openrlhf_flags import IMPLEMENTED, MAPPED, REFUSED, flags_for
 from rlhf_core.config import STAGES, MergeConfig, RunConfig, describe_validation_error, load_run_config
 from rlhf_core.errors import RLHFError, UserError
-from rlhf_core.stop import StoppedBySignal
+from rlhf_core.driver.stop import StoppedBySignal
 
 STAGE_CONFIGS = {name: stage.config for name, stage in STAGES.items() if stage.kind == "train"}
 RUN_FLAGS_EXCLUDED = {"stages", *STAGES}
@@ -205,8 +205,8 @@ def add_plan_parser(commands) -> None:
 
 
 def cmd_goodput(run_url: str, as_json: bool) -> None:
-    """`rlhf goodput RUN_URL`: the run's ledger in a few lines (rlhf_core.goodput)."""
-    from rlhf_core.goodput import format_summary, read_ledger
+    """`rlhf goodput RUN_URL`: the run's ledger in a few lines (rlhf_core.ops.goodput)."""
+    from rlhf_core.ops.goodput import format_summary, read_ledger
 
     summary = read_ledger(run_url.rstrip("/"))
     print(json.dumps(summary.to_dict(), indent=2) if as_json else format_summary(summary, run_url.rstrip("/")))
@@ -223,7 +223,7 @@ def plan_lines(ckpt_path: str, run_name: str, mtbf_hours: float, only_stage: str
                restart_seconds: float | None = None) -> list[str]:
     """Per stage of the run's ledger (or once, for the given costs): C, step time and R, the goodput expected
     at the save_steps the run used, and Young's interval with the goodput expected there."""
-    from rlhf_core.goodput import GoodputLedger, measured_costs
+    from rlhf_core.ops.goodput import GoodputLedger, measured_costs
 
     for flag, value, may_be_zero in (("--mtbf_hours", mtbf_hours, False), ("--step_seconds", step_seconds, False),
                                      ("--checkpoint_seconds", checkpoint_seconds, True),
@@ -251,7 +251,7 @@ def plan_lines(ckpt_path: str, run_name: str, mtbf_hours: float, only_stage: str
 
 def _stage_plan(name: str, measured: tuple[float, float, float], overrides: tuple, mtbf_seconds: float,
                 save_steps_now: int | None) -> list[str]:
-    from rlhf_core.goodput import expected_goodput, plan_interval
+    from rlhf_core.ops.goodput import expected_goodput, plan_interval
 
     c, t, r = (given if given is not None else value for given, value in zip(overrides, measured))
     sources = ["given" if given is not None else "measured" for given in overrides]
@@ -293,7 +293,7 @@ def run_config_from_flags(stage: str, flags: dict[str, Any]) -> RunConfig:
 def cmd_ckpt(command: str, path: str, as_json: bool, verify: bool) -> int:
     """`ckpt ls` lists, each checkpoint with its alerts; `ckpt verify` hashes everything and fails when the
     newest step is not valid."""
-    from rlhf_core.checkpoint import CheckpointStore, format_listing, to_json
+    from rlhf_core.storage.checkpoint import CheckpointStore, format_listing, to_json
 
     store = CheckpointStore(path)
     store.require_folder()  # a mistyped path is a mistake (exit 2), not an empty listing
@@ -315,7 +315,7 @@ def cmd_ckpt(command: str, path: str, as_json: bool, verify: bool) -> int:
 
 def stage_alerts(stage_url: str) -> list:
     """The alerts of the stage folder `stage_url` ({run_url}/{stage}), from its run's alerts.jsonl."""
-    from rlhf_core.alerts import AlertLog
+    from rlhf_core.ops.alerts import AlertLog
 
     run_url, _, stage = stage_url.rstrip("/").rpartition("/")
     if not run_url or not stage:
@@ -360,9 +360,9 @@ def run_status(run_url: str) -> str:
     run's alerts and its lease holder. A URL that is no run folder is a UserError."""
     import time
 
-    from rlhf_core.alerts import AlertLog
-    from rlhf_core.checkpoint import CheckpointStore
-    from rlhf_core.lease import RunLease
+    from rlhf_core.ops.alerts import AlertLog
+    from rlhf_core.storage.checkpoint import CheckpointStore
+    from rlhf_core.storage.lease import RunLease
 
     run_url = run_url.rstrip("/")
     try:
@@ -401,7 +401,7 @@ def _is_folder(store) -> bool:
 
 def _stage_status(stage: str, store) -> str:
     """One line: the stage's last committed step of its total, its headline metric and its output folder."""
-    from rlhf_core.alerts import headline_metric
+    from rlhf_core.ops.alerts import headline_metric
 
     infos = store.list()
     committed = [info for info in infos if info.is_committed]
@@ -426,7 +426,7 @@ def _stage_status(stage: str, store) -> str:
 
 
 def cmd_lora_combiner(flags: dict[str, Any]) -> None:
-    from rlhf_core.export import merge_lora
+    from rlhf_core.driver.export import merge_lora
 
     try:
         cfg = MergeConfig(**flags)
@@ -444,8 +444,8 @@ def cmd_lora_combiner(flags: dict[str, Any]) -> None:
 def checkpoint_adapter(lora_path: str, local_dir: str) -> str | None:
     """The seed's `--lora_path {ckpt_path}/latest` (or `.../step_N`): the policy adapter of that checkpoint,
     verified and downloaded into `local_dir`; None when `lora_path` names no checkpoint."""
-    from rlhf_core.checkpoint import CheckpointStore
-    from rlhf_core.manifest import parse_step_dir_name
+    from rlhf_core.storage.checkpoint import CheckpointStore
+    from rlhf_core.storage.manifest import parse_step_dir_name
 
     parent, _, name = lora_path.rstrip("/").rpartition("/")
     if not parent or (name != "latest" and parse_step_dir_name(name) is None):
@@ -468,12 +468,12 @@ def _run_pipeline(run: RunConfig) -> None:
 
 def run_quietly(run_url: str, run_name: str, verbose: bool, start: typing.Callable[[], Any],
                 stop_grace_s: float = RunConfig.model_fields["stop_grace_s"].default) -> None:
-    """`start()` (a training command) with the quiet console of rlhf_core.console: its log file is written once
+    """`start()` (a training command) with the quiet console of rlhf_core.ops.console: its log file is written once
     the run is real, and not at all when the run is refused with a UserError. SIGTERM and Ctrl-C stop it
-    after an emergency checkpoint (rlhf_core.stop) from the first moment on, Prefect's start included."""
+    after an emergency checkpoint (rlhf_core.driver.stop) from the first moment on, Prefect's start included."""
     import flows.pipeline  # noqa: F401 - importing prefect sets up its logging; the console's filters go on it
-    from rlhf_core import stop
-    from rlhf_core.console import configure_console, discard_log_file, log_file_for, open_log_file, reset_console
+    from rlhf_core.driver import stop
+    from rlhf_core.ops.console import configure_console, discard_log_file, log_file_for, open_log_file, reset_console
 
     configure_console(log_file_for(run_url, run_name), verbose)
     try:
@@ -491,7 +491,7 @@ def run_quietly(run_url: str, run_name: str, verbose: bool, start: typing.Callab
 
 def main(argv: Sequence[str] | None = None) -> int:
     if argv is None:  # a real command (not a test calling main): the ledger's start-up counts from its start
-        from rlhf_core.goodput import mark_command_started
+        from rlhf_core.ops.goodput import mark_command_started
 
         mark_command_started()
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")

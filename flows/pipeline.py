@@ -3,7 +3,7 @@
 Training stages are the subflow `rlhf-stage` (chunk by chunk, then the stage's export); merge and export
 are the subflow `rlhf-output`. The UI shows each stage and its state apart. The parent flow holds the
 run lease around all stages (subflows and their chunk tasks run in this process, where
-`rlhf_core.lease.held_lease` finds it) and owns the rule that a retried flow run always resumes. Each
+`rlhf_core.storage.lease.held_lease` finds it) and owns the rule that a retried flow run always resumes. Each
 chunk is the cached task `train_chunk`; a completed chunk is skipped (state `Cached`) on any later run
 of the same run name. Artifacts are emitted from the subflow's body (flows/stage_report.py), because a
 cached task body does not run.
@@ -15,7 +15,7 @@ run name continues there (a scheduled deployment such as `rlhf/ppo-nightly`). A 
 least one chunk, so a schedule always makes progress.
 
 A deployment run (a worker's flow-run process, which no `rlhf` CLI sets up) gets the CLI's quiet console
-(rlhf_core.console) from the flow itself: the Ray actors' output and the Ray/DeepSpeed/transformers logs go to
+(rlhf_core.ops.console) from the flow itself: the Ray actors' output and the Ray/DeepSpeed/transformers logs go to
 the run folder's `logs/driver.log` instead of the worker's terminal, which keeps the chunk lines, warnings
 once and errors. Prefect's API log handler is not a console handler, so the UI's run logs are unchanged.
 """
@@ -36,16 +36,16 @@ from prefect.events import emit_event
 from prefect.states import Cancelled, State
 
 from flows.stage_report import StageReport, artifact_key
-from rlhf_core import stop
-from rlhf_core.alerts import NonFiniteTraining
-from rlhf_core.chunk import ChunkResult, prestart_workers, release_workers
-from rlhf_core.plan import plan_stage, resolve_paths
-from rlhf_core.manifest import ASIDE_DIR_NAME
+from rlhf_core.driver import stop
+from rlhf_core.ops.alerts import NonFiniteTraining
+from rlhf_core.driver.chunk import ChunkResult, prestart_workers, release_workers
+from rlhf_core.driver.plan import plan_stage, resolve_paths
+from rlhf_core.storage.manifest import ASIDE_DIR_NAME
 from rlhf_core.config import STAGES, RunConfig
 from rlhf_core.errors import RLHFError
-from rlhf_core.goodput import GoodputLedger
-from rlhf_core.lease import RunLease
-from rlhf_core.resume import begin_stage, open_store, validate_run_start
+from rlhf_core.ops.goodput import GoodputLedger
+from rlhf_core.storage.lease import RunLease
+from rlhf_core.driver.resume import begin_stage, open_store, validate_run_start
 from tasks.chunks import chunk_task_for, export_final_task, export_model, merge_lora_task
 
 STOPPED_BY_BUDGET = "stopped-by-budget"
@@ -64,7 +64,7 @@ class _NoTracebackForNamedFailures(logging.Filter):
 
 for _logger_name in ("prefect.flow_runs", "prefect.task_runs"):
     logging.getLogger(_logger_name).addFilter(_NoTracebackForNamedFailures())
-# Where the ranks were placed is worth a line each time a group starts (rlhf_core.engine).
+# Where the ranks were placed is worth a line each time a group starts (rlhf_core.driver.engine).
 logging.getLogger("rlhf_core").setLevel(logging.INFO)
 
 
@@ -156,7 +156,7 @@ def _last_chunk_allowed(chunks_left: int | None, stop_at: datetime | None, last_
 def _quiet_console_in_a_deployment_run(run: RunConfig) -> None:
     """The CLI's quiet console for a flow run started from a deployment (in this process of its own, by a
     worker); nothing when the CLI already set it up or the flow runs in a caller's process."""
-    from rlhf_core import console
+    from rlhf_core.ops import console
 
     if runtime.deployment.id is None or console.configured_log_file() is not None:
         return
@@ -184,7 +184,7 @@ def rlhf_stage(run: RunConfig, stage: str, upstream_digest: str = "", chunks_lef
 
 def _train_stage_chunks(run: RunConfig, stage: str, upstream_digest: str, chunks_left: int | None,
                         stop_at: datetime | None, chunks_trained_before: int) -> dict | State:
-    """The body of `rlhf_stage`; a Cancelled state when a stop signal ended it (rlhf_core.stop)."""
+    """The body of `rlhf_stage`; a Cancelled state when a stop signal ended it (rlhf_core.driver.stop)."""
     logger = get_run_logger()
     aside = _aside_entries(run, stage)
     lineage = begin_stage(run, stage)
@@ -267,7 +267,7 @@ def rlhf(config: RunConfig) -> dict:
 
 
 def _run_stages(config: RunConfig) -> dict | State:
-    """The body of `rlhf`; a Cancelled state when a stop signal ended it (rlhf_core.stop)."""
+    """The body of `rlhf`; a Cancelled state when a stop signal ended it (rlhf_core.driver.stop)."""
     logger = get_run_logger()
     run = resolve_paths(config)
     if (runtime.flow_run.run_count or 1) > 1:  # a Prefect retry of this flow run always resumes
@@ -312,8 +312,8 @@ def _run_stages(config: RunConfig) -> dict | State:
 
 def run_pipeline(run: RunConfig) -> dict:
     """The flow `rlhf` run in this process, after everything that can be checked before Prefect starts has been
-    (rlhf_core.preflight): a user mistake is then one sentence, not a failed flow run's traceback."""
-    from rlhf_core.preflight import preflight
+    (rlhf_core.driver.preflight): a user mistake is then one sentence, not a failed flow run's traceback."""
+    from rlhf_core.driver.preflight import preflight
 
     resolved = resolve_paths(run)
     preflight(resolved)
@@ -334,8 +334,8 @@ def run_pipeline(run: RunConfig) -> dict:
 
 def _prestart_first_training_stage(run: RunConfig) -> None:
     """Connect Ray and start the worker group of the first training stage in the background
-    (`rlhf_core.chunk.prestart_workers`), so that the first chunk finds its ranks started and imported."""
-    from rlhf_core.engine import ensure_ray
+    (`rlhf_core.driver.chunk.prestart_workers`), so that the first chunk finds its ranks started and imported."""
+    from rlhf_core.driver.engine import ensure_ray
 
     training = [stage for stage in run.stages if STAGES[stage].kind == "train"]
     if training:
@@ -357,7 +357,7 @@ def _start_ephemeral_server_in_background() -> threading.Thread | None:
 
         # The server is in the terminal's process group: blocked here, Ctrl-C (SIGINT) stays blocked in it
         # (a signal mask survives fork and exec), as Ray does for its processes, so it outlives the stop that
-        # Ctrl-C begins (rlhf_core.stop) and still records it. SubprocessASGIServer.stop sends SIGTERM at exit.
+        # Ctrl-C begins (rlhf_core.driver.stop) and still records it. SubprocessASGIServer.stop sends SIGTERM at exit.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         SubprocessASGIServer().start()
 

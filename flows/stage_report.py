@@ -8,7 +8,7 @@ under keys made from the run and stage names:
 - `{run}-{stage}-checkpoints`: markdown with every committed checkpoint URI and the exported model;
 - `{run}-{stage}-curve`: markdown embedding the loss/reward curve as a data URI (the Prefect UI shows
   it without reaching the store), also saved as `{ckpt_path}/{run_name}/{stage}-curve.png`;
-- `{run}-goodput`: the run's goodput ledger (rlhf_core/goodput.py: useful step time against wall time
+- `{run}-goodput`: the run's goodput ledger (rlhf_core/ops/goodput.py: useful step time against wall time
   across restarts, and where the rest went), as `rlhf goodput RUN_URL` prints it, per stage and in total.
 
 Each is created at the stage's first chunk and then updated in place, so a flow run shows one artifact
@@ -34,8 +34,8 @@ from prefect.artifacts import (TableArtifact, create_markdown_artifact, create_p
                                create_table_artifact, update_progress_artifact)
 from prefect.client.schemas.actions import ArtifactUpdate
 
-from rlhf_core.chunk import ChunkResult
-from rlhf_core.plan import StagePlan
+from rlhf_core.driver.chunk import ChunkResult
+from rlhf_core.driver.plan import StagePlan
 from rlhf_core.config import RunConfig
 
 BAR_WIDTH = 10
@@ -174,7 +174,7 @@ class StageReport:
     def publish_goodput(self) -> None:
         """The run's goodput ledger as markdown (one read of goodput.json); a run without one shows nothing,
         and a failure to read it costs a warning, not the chunk."""
-        from rlhf_core.goodput import GoodputLedger, format_markdown
+        from rlhf_core.ops.goodput import GoodputLedger, format_markdown
 
         ledger = GoodputLedger(self.run.run_url(), self.run.storage_options)
         try:

@@ -330,9 +330,9 @@ class Stage:
 
 
 STAGES: dict[str, Stage] = {stage.name: stage for stage in (
-    Stage("sft", SFTConfig, "train", "rlhf_core.trainers.sft:SFTTrainer"),
-    Stage("rm", RMConfig, "train", "rlhf_core.trainers.rm:RewardModelTrainer"),
-    Stage("ppo", PPOConfig, "train", "rlhf_core.trainers.ppo:PPOTrainer"),
+    Stage("sft", SFTConfig, "train", "rlhf_core.rank.trainers.sft:SFTTrainer"),
+    Stage("rm", RMConfig, "train", "rlhf_core.rank.trainers.rm:RewardModelTrainer"),
+    Stage("ppo", PPOConfig, "train", "rlhf_core.rank.trainers.ppo:PPOTrainer"),
     Stage("merge", MergeConfig, "merge", output_field="output_path"),
     Stage("export", ExportConfig, "export"),
 )}

@@ -16,7 +16,7 @@ import signal
 import time
 from pathlib import Path
 
-from rlhf_core.lease import process_exists
+from rlhf_core.processes import process_exists
 
 ENV_VAR = "RLHF_FAULT_INJECT"
 STATE_ENV_VAR = "RLHF_FAULT_STATE"

@@ -20,13 +20,13 @@ from prefect.filesystems import RemoteFileSystem
 from prefect.states import Cancelled
 from prefect.transactions import get_transaction
 
-from rlhf_core.chunk import CHECKPOINT_FORMAT_VERSION, ensure_checkpoint
-from rlhf_core.stage_driver import export_stage
+from rlhf_core.driver.chunk import CHECKPOINT_FORMAT_VERSION, ensure_checkpoint
+from rlhf_core.driver.stage_driver import export_stage
 from rlhf_core.config import RunConfig, semantic_hash
 from rlhf_core.errors import is_retryable
-from rlhf_core.export import export_final, merge_lora
-from rlhf_core.resume import Lineage
-from rlhf_core.stop import StoppedBySignal
+from rlhf_core.driver.export import export_final, merge_lora
+from rlhf_core.driver.resume import Lineage
+from rlhf_core.driver.stop import StoppedBySignal
 from rlhf_core.urls import local_path
 
 
@@ -93,7 +93,7 @@ def train_chunk(run: RunConfig, stage: str, target_step: int, upstream_digest: s
                 train_ahead: bool = True) -> dict:
     """Train `stage` up to `target_step` and commit the checkpoint; returns a ChunkResult dict. `train_ahead`
     (not part of the cache key): train the next chunk while this one commits. Stopped by a signal (after
-    its emergency checkpoint, `rlhf_core.stop`), the task run is Cancelled: never retried, never cached."""
+    its emergency checkpoint, `rlhf_core.driver.stop`), the task run is Cancelled: never retried, never cached."""
     try:
         return ensure_checkpoint(run, stage, target_step, lineage, train_ahead).to_dict()
     except StoppedBySignal as stopped:

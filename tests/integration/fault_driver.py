@@ -9,11 +9,11 @@ from __future__ import annotations
 import os
 import sys
 
-from rlhf_core.stage_driver import train_stage
-from rlhf_core.plan import resolve_paths
+from rlhf_core.driver.stage_driver import train_stage
+from rlhf_core.driver.plan import resolve_paths
 from rlhf_core.config import RunConfig
 from rlhf_core.faults import JOB_PID_ENV_VAR
-from rlhf_core.resume import validate_run_start
+from rlhf_core.driver.resume import validate_run_start
 
 
 def main(config_json: str) -> None:

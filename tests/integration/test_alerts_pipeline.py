@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_core.alerts import ALERT_NON_FINITE, ALERT_REWARD_STAGNANT, AlertLog
-from rlhf_core.checkpoint import CheckpointStore
+from rlhf_core.ops.alerts import ALERT_NON_FINITE, ALERT_REWARD_STAGNANT, AlertLog
+from rlhf_core.storage.checkpoint import CheckpointStore
 from tests.conftest import run_rlhf
 from tests.integration.conftest import train_sft_args
 

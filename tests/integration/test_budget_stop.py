@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlhf_core.checkpoint import CheckpointStore
+from rlhf_core.storage.checkpoint import CheckpointStore
 from tests.conftest import run_rlhf
 from tests.integration.conftest import train_sft_args
 

@@ -11,7 +11,7 @@ chunk began, so those steps would be thrown away). The same command with `--verb
 continues from there and finishes with the weights of an uninterrupted run (`reference_sft_weights`), tensor for tensor.
 One run continued, rather than a quiet run and a separate verbose one: the suite pays for one more start.
 
-Real processes: the CLI, Prefect's ephemeral server, a local Ray cluster and DeepSpeed (rlhf_core.console).
+Real processes: the CLI, Prefect's ephemeral server, a local Ray cluster and DeepSpeed (rlhf_core.ops.console).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf_core.checkpoint import CheckpointStore
+from rlhf_core.storage.checkpoint import CheckpointStore
 from tests.conftest import run_rlhf
 from tests.integration.conftest import train_sft_args
 

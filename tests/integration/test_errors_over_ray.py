@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import ray
 
-from rlhf_core.engine import gather
+from rlhf_core.driver.engine import gather
 from rlhf_core.errors import RLHFError
 from tests.unit.test_errors import TAXONOMY
 

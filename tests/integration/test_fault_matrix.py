@@ -23,7 +23,7 @@ import fsspec
 import pytest
 from safetensors.torch import load
 
-from rlhf_core.checkpoint import CheckpointStore
+from rlhf_core.storage.checkpoint import CheckpointStore
 from rlhf_core.config import RunConfig, SFTConfig
 from tests.conftest import make_bucket, s3_environment
 from tests.integration.conftest import ray_head

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_core.chunk import ensure_checkpoint, release_workers
-from rlhf_core.plan import resolve_paths
+from rlhf_core.driver.chunk import ensure_checkpoint, release_workers
+from rlhf_core.driver.plan import resolve_paths
 from rlhf_core.config import RunConfig, SFTConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
@@ -41,8 +41,8 @@ def test_vllm_engine_samples_from_the_actors_current_weights(toy_assets, monkeyp
     import torch
 
     from rlhf_core.config import PPOConfig
-    from rlhf_core.models import load_causal_lm, load_tokenizer
-    from rlhf_core.vllm_engine import VLLMGenerator
+    from rlhf_core.rank.models import load_causal_lm, load_tokenizer
+    from rlhf_core.rank.vllm_engine import VLLMGenerator
 
     for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": "29533"}.items():
@@ -71,7 +71,7 @@ def test_ppo_chunk_with_vllm_generation_trains_and_commits(toy_assets, tmp_path)
     import torch
 
     from rlhf_core.config import PPOConfig
-    from rlhf_core.resume import begin_stage
+    from rlhf_core.driver.resume import begin_stage
 
     run = resolve_paths(RunConfig(stages=["ppo"], ckpt_path=str(tmp_path), load_checkpoint=True,
                                   ppo=PPOConfig(**ppo_settings(toy_assets, bf16=True, vllm_enable_sleep=True))))

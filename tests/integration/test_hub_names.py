@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_core.checkpoint import CheckpointStore
-from rlhf_core.data import read_records
+from rlhf_core.storage.checkpoint import CheckpointStore
+from rlhf_core.rank.data import read_records
 from tests.conftest import HUB_REVISION as REVISION, hub_snapshot_dir
 
 RLHF = str(Path(sys.executable).parent / "rlhf")

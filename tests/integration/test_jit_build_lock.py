@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from rlhf_core.jit_build import SHM_OP
+from rlhf_core.rank.jit_build import SHM_OP
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ def test_make_s_build_step_goes_past_a_lock_left_by_a_killed_process(tmp_path):
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path),
                PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
     # Without the lock check this waits forever; 300 s is far above the ~2 s it takes.
-    done = subprocess.run([sys.executable, "-m", "rlhf_core.jit_build"], env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "rlhf_core.rank.jit_build"], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"removing {lock}" in done.stderr

@@ -67,7 +67,7 @@ def test_sigkill_mid_chunk_then_rerun_matches_uninterrupted_run(toy_assets, rlhf
         assert actual[name].equal(tensor), f"{name} differs from the uninterrupted run"
 
     # The goodput ledger saw both attempts: the killed one as crashed, every step committed once.
-    from rlhf_core.goodput import GoodputLedger
+    from rlhf_core.ops.goodput import GoodputLedger
 
     ledger = GoodputLedger(str(ckpt / "rlhf")).summary()
     assert ledger.num_attempts == 2 and ledger.num_crashed == 1, ledger

@@ -29,7 +29,7 @@ PROJECT_DIR = Path(__file__).resolve().parents[2]
 RACER = """
 import json, sys, time
 from rlhf_core.errors import UserError
-from rlhf_core.lease import RunLease
+from rlhf_core.storage.lease import RunLease
 
 base_url = sys.argv[1]
 print("ready", flush=True)
@@ -93,7 +93,7 @@ def assert_one_winner_per_round(outcomes: list[list[dict]]) -> None:
 
 def leave_released_leases(base_url: str, env: dict[str, str]) -> None:
     """Odd rounds race for a lease that exists but is released: the take is a compare-and-swap."""
-    code = ("import sys; from rlhf_core.lease import RunLease\n"
+    code = ("import sys; from rlhf_core.storage.lease import RunLease\n"
             "for i in range(1, int(sys.argv[2]), 2):\n"
             "    with RunLease(f'{sys.argv[1]}/race-{i}'): pass\n")
     subprocess.run([sys.executable, "-c", code, base_url, str(NUM_ROUNDS)], env=env, cwd=PROJECT_DIR, check=True)

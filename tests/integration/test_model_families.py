@@ -115,7 +115,7 @@ def uninterrupted_run(config: dict, stage: str, root: Path, hub_home: Path):
     """`stage` of the pipeline alone, from the same inputs: for SFT the hub snapshot's folder (this process reads
     no HF cache), for PPO copies of the killed run's SFT and RM outputs (the resumed command exports them again
     while this run reads them)."""
-    from rlhf_core.plan import resolve_paths
+    from rlhf_core.driver.plan import resolve_paths
     from rlhf_core.config import PPOConfig, RunConfig, SFTConfig
 
     if stage == "sft":
@@ -132,8 +132,8 @@ def uninterrupted_run(config: dict, stage: str, root: Path, hub_home: Path):
 
 def train_uninterrupted(run, stage: str) -> Path:
     """`run`'s one stage trained in this process, never interrupted; its checkpoint folder."""
-    from rlhf_core.chunk import release_workers
-    from rlhf_core.stage_driver import train_stage
+    from rlhf_core.driver.chunk import release_workers
+    from rlhf_core.driver.stage_driver import train_stage
 
     try:
         train_stage(run, stage)
@@ -162,7 +162,7 @@ def check_outputs(family: str, config: dict) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rlhf_core.lora_targets import linear_layer_names
+    from rlhf_core.rank.lora_targets import linear_layer_names
 
     sft_config = AutoConfig.from_pretrained(config["sft"]["save_path"])
     assert AutoConfig.from_pretrained(config["export"]["save_path"]).model_type == sft_config.model_type

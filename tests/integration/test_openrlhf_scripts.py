@@ -56,8 +56,8 @@ from pathlib import Path
 import pytest
 
 from flows.openrlhf_flags import MAPPED, OPENRLHF_MODULES, flags_for
-from rlhf_core.checkpoint import CheckpointStore
-from rlhf_core.ds_config import cpu_supports_bf16
+from rlhf_core.storage.checkpoint import CheckpointStore
+from rlhf_core.rank.ds_config import cpu_supports_bf16
 from tests.conftest import HUB_REVISION, RLHF
 from tests.hub_cache import build_openrlhf_hub
 from tests.integration.conftest import VENV_BIN, BackgroundProcess, free_port

@@ -17,13 +17,13 @@ import torch
 from safetensors.torch import load_file
 
 from flows.demo import demo_config
-from rlhf_core.chunk import ensure_checkpoint, release_workers
-from rlhf_core.stage_driver import export_stage, train_stage
-from rlhf_core.plan import plan_stage, resolve_paths
+from rlhf_core.driver.chunk import ensure_checkpoint, release_workers
+from rlhf_core.driver.stage_driver import export_stage, train_stage
+from rlhf_core.driver.plan import plan_stage, resolve_paths
 from rlhf_core.config import PPOConfig, RunConfig
-from rlhf_core.evaluate import mean_gold_score
-from rlhf_core.export import export_final, merge_lora
-from rlhf_core.resume import begin_stage
+from rlhf_core.rank.evaluate import mean_gold_score
+from rlhf_core.driver.export import export_final, merge_lora
+from rlhf_core.driver.resume import begin_stage
 from rlhf_core.toy import init_toy
 from tests.integration.conftest import kill_fault_driver_once_committed
 
@@ -55,7 +55,7 @@ def final_metadata(run: RunConfig, stage: str) -> dict:
 
 
 def test_the_demo_configuration_raises_no_alert(pipeline):
-    from rlhf_core.alerts import AlertLog
+    from rlhf_core.ops.alerts import AlertLog
 
     run = pipeline["run"]
     assert all(final_metadata(run, stage).get("metric_history") for stage in ("sft", "rm", "ppo"))
@@ -65,8 +65,8 @@ def test_the_demo_configuration_raises_no_alert(pipeline):
 def test_reward_model_ranks_held_out_pairs_well_above_chance(pipeline):
     from transformers import AutoModelForSequenceClassification
 
-    from rlhf_core.data import read_records
-    from rlhf_core.models import load_tokenizer
+    from rlhf_core.rank.data import read_records
+    from rlhf_core.rank.models import load_tokenizer
 
     run = pipeline["run"]
     assert final_metadata(run, "rm")["metrics"]["eval_accuracy"] >= 0.7  # chance is 0.5
@@ -181,8 +181,8 @@ def test_ppo_sigkill_mid_chunk_then_rerun_matches_uninterrupted_run(pipeline, tm
 
 def test_reward_model_checkpoints_are_refused_once_the_sft_output_they_started_from_changes(pipeline):
     from rlhf_core.errors import UserError
-    from rlhf_core.export import export_stage_output
-    from rlhf_core.resume import open_store
+    from rlhf_core.driver.export import export_stage_output
+    from rlhf_core.driver.resume import open_store
 
     run = pipeline["run"]
     sft_store = open_store(run, "sft")
@@ -204,7 +204,7 @@ def test_reward_model_checkpoints_are_refused_once_the_sft_output_they_started_f
 def test_the_ledger_says_where_the_background_writer_spent_its_time(pipeline):
     """Each checkpoint's writer timers (rank 0's serialisation and writes, hashing, fsync) reach the goodput
     ledger, and the step loop's slowdown beside the writer counts as stall, out of useful time."""
-    from rlhf_core.goodput import GoodputLedger
+    from rlhf_core.ops.goodput import GoodputLedger
 
     run = pipeline["run"]
     sft = GoodputLedger(run.run_url(), run.storage_options).read()["stages"]["sft"]

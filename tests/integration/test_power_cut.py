@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_core.checkpoint import CheckpointStore
+from rlhf_core.storage.checkpoint import CheckpointStore
 from tests.powercut_fs import PowerCutMount
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None,

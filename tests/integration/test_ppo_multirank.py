@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from rlhf_core.plan import resolve_paths
+from rlhf_core.driver.plan import resolve_paths
 from rlhf_core.config import PPOConfig, RunConfig
 from tests.integration.conftest import kill_fault_driver_once_committed
 

@@ -231,7 +231,7 @@ def test_killed_worker_run_is_crashed_then_retry_completes_it(prefect_server, ba
                                                              tmp_path):
     from prefect.client.orchestration import SyncPrefectClient
 
-    from rlhf_core.checkpoint import CheckpointStore
+    from rlhf_core.storage.checkpoint import CheckpointStore
 
     # The automations, by the one command; a second call updates them in place.
     automations = create_automations(prefect_server)

@@ -1,4 +1,4 @@
-"""The worker group a command starts ahead of its first chunk (`rlhf_core.chunk.prestart_workers`), on a real
+"""The worker group a command starts ahead of its first chunk (`rlhf_core.driver.chunk.prestart_workers`), on a real
 local Ray with real DeepSpeed: adopted by the chunk, stopped when the chunk's settings differ, and its start's
 error raised by the chunk that would have used it.
 """
@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import ray
 
-from rlhf_core.chunk import _Prestart, _WarmGroup, ensure_checkpoint, prestart_workers, release_workers
+from rlhf_core.driver.chunk import _Prestart, _WarmGroup, ensure_checkpoint, prestart_workers, release_workers
 from rlhf_core.config import RunConfig, SFTConfig
-from rlhf_core.engine import ensure_ray
+from rlhf_core.driver.engine import ensure_ray
 from rlhf_core.errors import UserError
-from rlhf_core.resume import begin_stage
+from rlhf_core.driver.resume import begin_stage
 
 pytestmark = pytest.mark.slow
 MODEL_FAMILY_MODULE = "transformers.models.llama.modeling_llama"  # the toy model's

@@ -23,7 +23,7 @@ import fsspec
 import pytest
 from safetensors.torch import load_file
 
-from rlhf_core.checkpoint import CheckpointStore
+from rlhf_core.storage.checkpoint import CheckpointStore
 from tests.conftest import RLHF, make_bucket, run_rlhf, s3_environment
 from tests.integration.ray_cluster import RayCluster
 

@@ -14,11 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf_core.manifest import MANIFEST_NAME, Manifest, ManifestEntry, digest_of_local_file
-from rlhf_core.chunk import ensure_checkpoint, release_workers
+from rlhf_core.storage.manifest import MANIFEST_NAME, Manifest, ManifestEntry, digest_of_local_file
+from rlhf_core.driver.chunk import ensure_checkpoint, release_workers
 from rlhf_core.config import RunConfig, SFTConfig
 from rlhf_core.errors import UnsafeCheckpoint, UserError
-from rlhf_core.resume import Lineage, begin_stage, validate_run_start
+from rlhf_core.driver.resume import Lineage, begin_stage, validate_run_start
 
 pytestmark = pytest.mark.slow
 HF_WEIGHTS = Path("actor_model") / "hf" / "model.safetensors"
@@ -104,7 +104,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_previous(kind, toy_assets, refe
     copy_checkpoints(reference, run, 5, 10)
     step_10 = Path(run.stage_url("sft")) / "step_10"
     corrupt(step_10, kind)
-    with caplog.at_level(logging.WARNING, logger="rlhf_core.resume"):
+    with caplog.at_level(logging.WARNING, logger="rlhf_core.driver.resume"):
         ensure_checkpoint(run, "sft", 15)
     if kind != "dangling_latest":
         assert any("skipping checkpoint step_10" in record.getMessage() for record in caplog.records)

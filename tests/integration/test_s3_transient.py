@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlparse
 
 
-from rlhf_core.checkpoint import CheckpointStore
+from rlhf_core.storage.checkpoint import CheckpointStore
 from tests.conftest import make_bucket, s3_environment
 
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "proxy-connection"}

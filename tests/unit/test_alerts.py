@@ -11,7 +11,7 @@ import uuid
 import pytest
 import torch
 
-from rlhf_core.alerts import (ALERT_CHECKPOINT_SIZE, ALERT_NON_FINITE, ALERT_REWARD_STAGNANT, Alert, AlertLog,
+from rlhf_core.ops.alerts import (ALERT_CHECKPOINT_SIZE, ALERT_NON_FINITE, ALERT_REWARD_STAGNANT, Alert, AlertLog,
                               ModelSize, NonFiniteTraining, checkpoint_size_alert, commit_alerts,
                               expected_bytes_from_metadata, expected_bytes_of_models, expected_checkpoint_bytes,
                               headline_metric, history_entry, metric_history, model_size_report, non_finite_metrics,
@@ -343,8 +343,8 @@ def test_every_alert_recorded_is_announced_as_one_rlhf_warning_line(run_url, cap
     with caplog.at_level(logging.WARNING, logger="rlhf_core"):
         AlertLog(run_url).append(first, second)
     assert [(record.name, record.levelno, record.getMessage()) for record in caplog.records] == [
-        ("rlhf_core.alerts", logging.WARNING, f"rlhf: warning: {first.message} ({first.name})"),
-        ("rlhf_core.alerts", logging.WARNING, f"rlhf: warning: {second.message} ({second.name})")]
+        ("rlhf_core.ops.alerts", logging.WARNING, f"rlhf: warning: {first.message} ({first.name})"),
+        ("rlhf_core.ops.alerts", logging.WARNING, f"rlhf: warning: {second.message} ({second.name})")]
 
 
 def test_alert_log_skips_a_garbled_line_and_heals_a_partial_last_line(run_url):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_core.alerts import (
+from rlhf_core.ops.alerts import (
     ALERT_CHECKPOINT_SIZE,
     ALERT_NON_FINITE,
     ALERT_REWARD_STAGNANT,

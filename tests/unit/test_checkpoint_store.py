@@ -14,9 +14,9 @@ import pytest
 import xxhash
 from fsspec.implementations.local import LocalFileSystem
 
-from rlhf_core.checkpoint import CheckpointStore, format_listing, to_json
-from rlhf_core.manifest import LATEST_NAME, MANIFEST_NAME, METADATA_NAME, Manifest
-from rlhf_core import durable
+from rlhf_core.storage.checkpoint import CheckpointStore, format_listing, to_json
+from rlhf_core.storage.manifest import LATEST_NAME, MANIFEST_NAME, METADATA_NAME, Manifest
+from rlhf_core.storage import durable
 from rlhf_core.errors import CorruptCheckpoint, UserError
 
 SHARD_BYTES = 4096
@@ -568,7 +568,7 @@ def test_streams_are_written_and_hashed_beside_the_files(store: CheckpointStore,
 def test_sha256_of_local_file_hashes_in_place_and_reads_nothing_of_the_wrong_size(tmp_path):
     import hashlib
 
-    from rlhf_core.manifest import sha256_of_local_file
+    from rlhf_core.storage.manifest import sha256_of_local_file
 
     data, empty = tmp_path / "data.bin", tmp_path / "empty.bin"
     data.write_bytes(b"x" * 300_000)

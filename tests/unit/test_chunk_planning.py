@@ -1,4 +1,4 @@
-"""Run-level rules of rlhf_core.chunk: chunk layout, refusing to overwrite a run, path resolution."""
+"""Run-level rules of rlhf_core.driver.chunk: chunk layout, refusing to overwrite a run, path resolution."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from flows.cli import main
-from rlhf_core.checkpoint import CheckpointStore
-from rlhf_core.plan import plan_stage, resolve_paths
-from rlhf_core.resume import validate_run_start
+from rlhf_core.storage.checkpoint import CheckpointStore
+from rlhf_core.driver.plan import plan_stage, resolve_paths
+from rlhf_core.driver.resume import validate_run_start
 from rlhf_core.config import RMConfig, RunConfig, SFTConfig, semantic_fields
 from rlhf_core.errors import UserError
 
@@ -65,7 +65,7 @@ def test_relative_paths_become_absolute_for_workers(toy_assets, tmp_path, monkey
 
 
 def test_each_rank_fetches_only_the_files_it_reads():
-    from rlhf_core.engine import files_for_rank
+    from rlhf_core.rank.worker import files_for_rank
 
     paths = ["actor_model/ds/mp_rank_00_model_states.pt", "actor_model/ds/zero_pp_rank_0_mp_rank_00_optim_states.pt",
              "actor_model/ds/zero_pp_rank_1_mp_rank_00_optim_states.pt",
@@ -81,7 +81,7 @@ def test_each_rank_fetches_only_the_files_it_reads():
 
 
 def test_drift_compares_only_settings_both_versions_know(toy_assets):
-    from rlhf_core.resume import config_drift
+    from rlhf_core.driver.resume import config_drift
 
     run = toy_run(toy_assets)
     saved = {"config": semantic_fields(run.sft), "seed": run.seed}

@@ -6,7 +6,7 @@ import json
 import os
 
 from flows.cli import main
-from rlhf_core.checkpoint import CheckpointStore
+from rlhf_core.storage.checkpoint import CheckpointStore
 
 
 def make_store(tmp_path, steps):
@@ -43,7 +43,7 @@ def test_lora_combiner_takes_a_checkpoints_latest_as_lora_path(tmp_path, toy_ass
     """The seed's `lora_combiner --lora_path {ckpt_path}/latest`: the newest committed checkpoint's adapter."""
     import torch
 
-    from rlhf_core.models import load_causal_lm
+    from rlhf_core.rank.models import load_causal_lm
 
     store = CheckpointStore(str(tmp_path / "ckpt" / "run" / "ppo"))
     for step, scale in ((2, 0.0), (4, 0.5)):
@@ -74,7 +74,7 @@ def test_lora_combiner_takes_a_checkpoints_latest_as_lora_path(tmp_path, toy_ass
 
 
 def _alerts(run_dir, *alerts):
-    from rlhf_core.alerts import Alert, AlertLog
+    from rlhf_core.ops.alerts import Alert, AlertLog
 
     AlertLog(str(run_dir)).append(*(Alert(name=name, run_name="run", stage=stage, step=step, message=message)
                                     for name, stage, step, message in alerts))
@@ -122,7 +122,7 @@ def test_ckpt_ls_without_alerts_is_the_plain_table(tmp_path, capsys):
 
 
 def test_status_lists_stages_steps_metrics_outputs_alerts_and_lease(tmp_path, capsys):
-    from rlhf_core.lease import RunLease
+    from rlhf_core.storage.lease import RunLease
 
     run_dir = make_run(tmp_path)
     assert main(["status", str(run_dir)]) == 0

@@ -41,7 +41,7 @@ def test_semantic_hash_ignores_operational_fields_only():
 
 def test_num_workers_changes_the_math_of_ppo_only(tmp_path):
     from rlhf_core.config import PPOConfig
-    from rlhf_core.resume import config_drift
+    from rlhf_core.driver.resume import config_drift
 
     def ppo_run(num_workers: int, **overrides) -> RunConfig:
         ppo = PPOConfig(pretrain="m", reward_fn="rewards:length", prompt_data="p.jsonl", rollout_batch_size=4,
@@ -141,7 +141,7 @@ def test_vllm_without_a_gpu_is_refused_before_training(capsys, tmp_path, toy_ass
 def test_the_stage_table_is_the_one_source_of_stages():
     from flows.cli import STAGE_CONFIGS
     from rlhf_core.config import STAGES, TRAINING_STAGES, fields_with_role
-    from rlhf_core.trainers.base import DeepSpeedTrainer
+    from rlhf_core.rank.trainers.base import DeepSpeedTrainer
 
     assert [name for name in RunConfig.model_fields if name in STAGES] == list(STAGES)
     for name, stage in STAGES.items():

@@ -1,4 +1,4 @@
-"""The quiet console (rlhf_core.console): what reaches the console, what only the log file, and when the file
+"""The quiet console (rlhf_core.ops.console): what reaches the console, what only the log file, and when the file
 is written. In-process, with a stand-in for Prefect's console handler; the real `rlhf train` is checked in
 tests/integration/test_console.py."""
 
@@ -11,7 +11,7 @@ import warnings
 import pytest
 
 from flows.stage_report import progress_line  # imports prefect, which sets up logging: before the fixtures
-from rlhf_core import console
+from rlhf_core.ops import console
 
 
 class _Terminal(io.StringIO):
@@ -66,7 +66,7 @@ def test_library_and_prefect_noise_go_to_the_file_only_and_errors_to_both(quiet)
     logging.getLogger("ray._private.authentication").warning("Token authentication is enabled")
     logging.getLogger("ray._private.worker").error("a worker died")
     for _ in range(2):
-        logging.getLogger("rlhf_core.resume").warning("set aside step_10")
+        logging.getLogger("rlhf_core.driver.resume").warning("set aside step_10")
     console.open_log_file()
     shown = stream.getvalue()
     assert "chunks  step 5/20" in shown and "a worker died" in shown
@@ -81,22 +81,22 @@ def test_library_and_prefect_noise_go_to_the_file_only_and_errors_to_both(quiet)
 
 
 def test_an_alert_is_one_bare_rlhf_warning_line_on_the_console_and_a_record_in_the_file(quiet):
-    """An alert's record (rlhf_core.alerts.announce) on the console is the line itself, not the console handler's
+    """An alert's record (rlhf_core.ops.alerts.announce) on the console is the line itself, not the console handler's
     format around it; other records keep that format, and undoing the console gives the handler its formatter."""
-    from rlhf_core.alerts import ALERT_REWARD_STAGNANT, Alert, announce
+    from rlhf_core.ops.alerts import ALERT_REWARD_STAGNANT, Alert, announce
 
     handler = [h for h in logging.getLogger().handlers if type(h) is logging.StreamHandler][-1]  # the fixture's
     prefect_like = logging.Formatter("%(asctime)s | %(levelname)-7s | %(name)s - %(message)s")
     handler.setFormatter(prefect_like)
     stream, log_file = quiet()
     announce(Alert(ALERT_REWARD_STAGNANT, "exp1", "ppo", 6, "ppo reward has not improved for 3 committed checkpoints."))
-    logging.getLogger("rlhf_core.resume").warning("set aside step_10")
+    logging.getLogger("rlhf_core.driver.resume").warning("set aside step_10")
     console.open_log_file()
     lines = stream.getvalue().splitlines()
     assert "rlhf: warning: ppo reward has not improved for 3 committed checkpoints. (rlhf.alert.reward-stagnant)" \
         in lines, lines
-    assert any(line.endswith("| WARNING | rlhf_core.resume - set aside step_10") for line in lines), lines
-    assert "WARNING rlhf_core.alerts - rlhf: warning: ppo reward has not improved" in log_file.read_text()
+    assert any(line.endswith("| WARNING | rlhf_core.driver.resume - set aside step_10") for line in lines), lines
+    assert "WARNING rlhf_core.ops.alerts - rlhf: warning: ppo reward has not improved" in log_file.read_text()
     console.reset_console()
     assert handler.formatter is prefect_like
 
@@ -119,11 +119,11 @@ def _record(name: str) -> logging.LogRecord:
 
 def test_the_file_is_written_only_once_the_run_is_real(quiet):
     _, log_file = quiet()
-    logging.getLogger("rlhf_core.preflight").warning("before preflight passed")
+    logging.getLogger("rlhf_core.driver.preflight").warning("before preflight passed")
     assert not log_file.exists()
     console.discard_log_file()  # a run refused by preflight (UserError)
     assert not log_file.exists()
-    logging.getLogger("rlhf_core.chunk").warning("training")
+    logging.getLogger("rlhf_core.driver.chunk").warning("training")
     console.open_log_file()
     written = log_file.read_text()
     assert "training" in written and "before preflight passed" not in written
@@ -209,7 +209,7 @@ def test_on_a_terminal_each_stage_is_one_bar_redrawn_in_place_per_chunk_and_step
     console.show_step("sft", 6, 8, {"loss": 2.3})
     logger.info(_chunk_line("sft", 2, 2, 8, 8, 2.1))  # the stage's last chunk: the bar ends its line
     console.show_step("rm", 1, 4, {"loss": 0.69})
-    logging.getLogger("rlhf_core.resume").warning("set aside step_2")  # another line ends the bar first
+    logging.getLogger("rlhf_core.driver.resume").warning("set aside step_2")  # another line ends the bar first
     console.show_step("rm", 2, 4, {"loss": 0.6})
     shown = terminal.getvalue()
     lines = shown.split("\n")

@@ -7,11 +7,11 @@ import os
 
 import pytest
 
-from rlhf_core.data import rank_micro_batches, read_records
-from rlhf_core.determinism import step_sample_indices
+from rlhf_core.rank.data import rank_micro_batches, read_records
+from rlhf_core.rank.determinism import step_sample_indices
 from rlhf_core.errors import UserError
-from rlhf_core.samples import IGNORE_INDEX, Renderer, collate_sft, tokenize_pairs, tokenize_prompts
-from rlhf_core.samples import tokenize_sft as _tokenize_sft
+from rlhf_core.rank.samples import IGNORE_INDEX, Renderer, collate_sft, tokenize_pairs, tokenize_prompts
+from rlhf_core.rank.samples import tokenize_sft as _tokenize_sft
 from rlhf_core.toy import build_tokenizer
 
 
@@ -101,7 +101,7 @@ def test_data_order_is_the_same_at_any_world_size():
 
 
 def test_dataset_fingerprint_is_hashed_once_per_file_version(tmp_path, monkeypatch):
-    from rlhf_core import data
+    from rlhf_core.rank import data
 
     path = tmp_path / "d.jsonl"
     path.write_text('{"a": "1"}\n')
@@ -174,7 +174,7 @@ def test_unreachable_s3_dataset_names_flag_url_and_endpoint(monkeypatch):
 
 
 def test_fingerprints_of_folders_and_mixtures(tmp_path):
-    from rlhf_core.data import fingerprint
+    from rlhf_core.rank.data import fingerprint
 
     folder = tmp_path / "folder"
     folder.mkdir()
@@ -189,8 +189,8 @@ def test_fingerprints_of_folders_and_mixtures(tmp_path):
 def test_pretrain_mode_and_a_replacement_chat_template(toy_assets, tmp_path):
     """OpenRLHF's --pretrain_mode (every token of input_key a target) and --tokenizer_chat_template."""
     from rlhf_core.config import RunConfig, SFTConfig
-    from rlhf_core.models import load_tokenizer
-    from rlhf_core.trainers.sft import load_sft_samples
+    from rlhf_core.rank.models import load_tokenizer
+    from rlhf_core.rank.trainers.sft import load_sft_samples
 
     def samples(**settings):
         run = RunConfig(sft=SFTConfig(pretrain=toy_assets["model"], dataset=toy_assets["sft"], input_key="prompt",

@@ -1,4 +1,4 @@
-"""rlhf_core.durable's writeback ahead: the disk is asked to write each window of a checkpoint file as soon as the
+"""rlhf_core.storage.durable's writeback ahead: the disk is asked to write each window of a checkpoint file as soon as the
 window is in the page cache, so the closing fsync finds little left to write."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_core import durable
-from rlhf_core.checkpoint import CheckpointStore
+from rlhf_core.storage import durable
+from rlhf_core.storage.checkpoint import CheckpointStore
 
 WINDOW = 1 << 20
 

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from rlhf_core.config import RMConfig, SFTConfig
-from rlhf_core.samples import TokenizedPair, TokenizedSample, collate_pairs, collate_sft
-from rlhf_core.ds_config import deepspeed_config, lr_scheduler_factory, resolve_precision, resolve_zero_stage
+from rlhf_core.rank.samples import TokenizedPair, TokenizedSample, collate_pairs, collate_sft
+from rlhf_core.rank.ds_config import deepspeed_config, lr_scheduler_factory, resolve_precision, resolve_zero_stage
 from rlhf_core.errors import CorruptCheckpoint, UnsafeCheckpoint, UserError
-from rlhf_core.models import sequence_scores
-from rlhf_core.packing import pack_sequences, pack_sft, packed_scores
-from rlhf_core.trainers.base import DeepSpeedTrainer, continue_schedule
+from rlhf_core.rank.models import sequence_scores
+from rlhf_core.rank.packing import pack_sequences, pack_sft, packed_scores
+from rlhf_core.rank.trainers.base import DeepSpeedTrainer, continue_schedule
 
 
 def sft_config(**overrides) -> SFTConfig:
@@ -64,7 +64,7 @@ def test_precision_on_gpu_is_deepspeeds_and_on_cpu_never():
 def test_adam_offload_offloads_on_gpu_and_warns_once_on_cpu(caplog):
     on_gpu = deepspeed_config(sft_config(adam_offload=True), 1, on_gpu=True)
     assert on_gpu["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
-    with caplog.at_level(logging.WARNING, logger="rlhf_core.ds_config"):
+    with caplog.at_level(logging.WARNING, logger="rlhf_core.rank.ds_config"):
         for _ in range(3):
             on_cpu = deepspeed_config(sft_config(adam_offload=True), 1, on_gpu=False)
     assert "offload_optimizer" not in on_cpu["zero_optimization"]
@@ -76,7 +76,7 @@ def test_resolve_precision(caplog):
     with pytest.raises(UserError, match="--param_dtype fp16 needs a GPU"):
         resolve_precision("fp16", on_gpu=False)
     assert resolve_precision("bf16", on_gpu=False, cpu_bf16=True).cpu_autocast_bf16
-    with caplog.at_level(logging.WARNING, logger="rlhf_core.ds_config"):
+    with caplog.at_level(logging.WARNING, logger="rlhf_core.rank.ds_config"):
         assert resolve_precision("bf16", on_gpu=False, cpu_bf16=False) == resolve_precision("fp32", False)
     assert any("no native bf16" in r.getMessage() for r in caplog.records)
     assert resolve_precision("bf16", on_gpu=True).deepspeed_bf16
@@ -151,9 +151,9 @@ def test_pack_sft_restarts_positions_and_ignores_each_first_token():
 
 
 def toy_samples(toy_assets, count: int = 6):
-    from rlhf_core.data import read_records
-    from rlhf_core.models import load_tokenizer
-    from rlhf_core.samples import Renderer, tokenize_sft
+    from rlhf_core.rank.data import read_records
+    from rlhf_core.rank.models import load_tokenizer
+    from rlhf_core.rank.samples import Renderer, tokenize_sft
 
     tokenizer = load_tokenizer(toy_assets["model"])
     records = read_records(toy_assets["sft"], max_samples=count)
@@ -193,7 +193,7 @@ def test_packed_rewards_equal_padded_rewards(toy_assets):
 
 
 def test_rm_pairwise_losses():
-    from rlhf_core.trainers.rm import pairwise_loss
+    from rlhf_core.rank.trainers.rm import pairwise_loss
 
     chosen, rejected, margin = torch.tensor([2.0, 0.0]), torch.tensor([1.0, 1.0]), torch.tensor([0.5, 0.0])
     sigmoid = pairwise_loss("sigmoid", chosen, rejected, margin)
@@ -204,8 +204,8 @@ def test_rm_pairwise_losses():
 
 
 def test_an_explicit_zero_stage_that_cannot_load_the_checkpoint_is_one_sentence():
-    from rlhf_core.manifest import STATUS_COMMITTED, CheckpointInfo
-    from rlhf_core.resume import check_zero_stage
+    from rlhf_core.storage.manifest import STATUS_COMMITTED, CheckpointInfo
+    from rlhf_core.driver.resume import check_zero_stage
 
     info = CheckpointInfo(8, "step_8", "/ckpt/exp/sft/step_8", STATUS_COMMITTED, 1)
     for configured, saved, weights_only in ((None, 0, False), (0, 0, False), (2, None, False), (2, 0, True)):

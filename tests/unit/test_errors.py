@@ -10,7 +10,7 @@ import pickle
 import pytest
 from ray import cloudpickle
 
-from rlhf_core.alerts import NonFiniteTraining
+from rlhf_core.ops.alerts import NonFiniteTraining
 from rlhf_core.errors import (CorruptCheckpoint, LeaseLost, PlacementFailed, RLHFError, StoreFull,
                               TransientStoreError, UnsafeCheckpoint, UserError, WorkerLost, exit_code_of, is_retryable,
                               store_full)
@@ -89,8 +89,8 @@ def test_a_full_store_is_a_user_error_that_is_never_retried():
 
 def test_a_write_that_fails_in_a_way_that_passes_is_a_transient_store_error(tmp_path, monkeypatch):
     """EIO from a flaky NFS server (or a 5xx after s3fs's own retries) mid-write: retried, nothing committed."""
-    from rlhf_core import durable
-    from rlhf_core.checkpoint import CheckpointStore
+    from rlhf_core.storage import durable
+    from rlhf_core.storage.checkpoint import CheckpointStore
 
     def flaky_write(self, block):
         raise OSError(errno.EIO, "Input/output error")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from rlhf_core.export import upload_dir
+from rlhf_core.driver.export import upload_dir
 
 
 def test_an_export_over_an_older_one_leaves_its_readers_the_old_bytes(tmp_path):

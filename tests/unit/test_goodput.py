@@ -1,4 +1,4 @@
-"""The goodput ledger (rlhf_core/goodput.py): what it records across attempts, crashes and retries, how its file
+"""The goodput ledger (rlhf_core/ops/goodput.py): what it records across attempts, crashes and retries, how its file
 is written, `rlhf goodput` and `rlhf plan`, and the planner's arithmetic against a case computed by hand."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import os
 import pytest
 
 from flows.cli import main
-from rlhf_core.goodput import (CRASHED, FINISHED, LEASE_HEARTBEAT_S, GoodputLedger, begin_attempt, commit_chunk,
+from rlhf_core.ops.goodput import (CRASHED, FINISHED, LEASE_HEARTBEAT_S, GoodputLedger, begin_attempt, commit_chunk,
                                empty_ledger, expected_goodput, finish_attempt, measured_costs, plan_interval,
                                start_chunk, summarize, writer_slowdown)
 
@@ -254,7 +254,7 @@ def test_ledger_file_is_written_whole_and_read_back_across_ledger_objects(tmp_pa
 
 
 def test_a_second_attempt_in_a_new_process_finds_the_first_crashed(tmp_path, monkeypatch):
-    from rlhf_core import goodput
+    from rlhf_core.ops import goodput
 
     url, clock = str(tmp_path / "run"), Clock()
     GoodputLedger(url, clock=clock).chunk_started("sft", 0, 5)  # begins an attempt without being asked
@@ -275,8 +275,8 @@ def test_a_new_attempt_in_the_same_process_ends_the_previous_one_cleanly(tmp_pat
 
 
 def test_attempt_started_leaves_the_ledger_alone_while_another_live_run_holds_the_lease(tmp_path, monkeypatch):
-    from rlhf_core import goodput
-    from rlhf_core.lease import RunLease
+    from rlhf_core.ops import goodput
+    from rlhf_core.storage.lease import RunLease
 
     url, clock = str(tmp_path / "run"), Clock()
     with RunLease(url):

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_core.data import fingerprint, read_records
+from rlhf_core.rank.data import fingerprint, read_records
 from tests.conftest import HUB_REVISION as REVISION, hub_snapshot_dir
 from rlhf_core.errors import UserError
-from rlhf_core.models import load_causal_lm, load_tokenizer, local_model_dir, model_fingerprint
+from rlhf_core.rank.models import load_causal_lm, load_tokenizer, local_model_dir, model_fingerprint
 
 
 
@@ -70,7 +70,7 @@ def test_hub_model_in_a_fresh_process_reads_the_environment(hf_home, toy_assets)
     """No patched constants: HF_HOME and HF_HUB_OFFLINE as a user sets them, before anything is imported."""
     snapshot = hub_snapshot_dir(hf_home, "model", "org/toy")
     shutil.copytree(toy_assets["model"], snapshot, dirs_exist_ok=True)
-    code = "from rlhf_core.models import local_model_dir; print(local_model_dir('org/toy'))"
+    code = "from rlhf_core.rank.models import local_model_dir; print(local_model_dir('org/toy'))"
     result = subprocess.run([sys.executable, "-c", code], env=dict(os.environ), capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(snapshot)
@@ -129,7 +129,7 @@ def test_saved_dataset_folder_and_dict_split(tmp_path):
 
 
 def test_hub_id_detection():
-    from rlhf_core.hub import is_hub_id
+    from rlhf_core.storage.hub import is_hub_id
 
     assert is_hub_id("Open-Orca/OpenOrca") and is_hub_id("gpt2") and is_hub_id("org/name.v2")
     for path in ("./model", "/abs/model", "s3://bucket/model", "data.jsonl", "a/b/c", "../up", "org/"):
@@ -154,6 +154,6 @@ def test_mixture_follows_probabilities_and_seed(tmp_path):
     with pytest.raises(UserError, match=r"--dataset_probs '0.7' has 1 weights for 2 comma-separated datasets"):
         read_records(url, probs="0.7")
     with pytest.raises(UserError, match=r"small.jsonl line 3: no key 'response'"):
-        from rlhf_core.samples import require_text
+        from rlhf_core.rank.samples import require_text
 
         require_text(url, read_records(url)[42], "response", "--output_key")

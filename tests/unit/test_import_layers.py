@@ -1,6 +1,7 @@
 """The import graph of the packages: no module of rlhf_core reaches itself through imports (function-level
-imports included: hiding a circle inside a function does not remove it), and rlhf_core never imports prefect or
-the packages above it (flows, tasks)."""
+imports included: hiding a circle inside a function does not remove it), imports run one way between its
+packages (driver -> rank -> ops -> storage -> the shared modules at the top of rlhf_core), and rlhf_core never
+imports the packages above it (flows, tasks)."""
 
 from __future__ import annotations
 
@@ -80,3 +81,30 @@ def test_rlhf_core_never_imports_the_layers_above_it():
     upward = {name: sorted(target for target in targets if target.split(".")[0] in ("flows", "tasks"))
               for name, targets in graph().items() if name.startswith("rlhf_core")}
     assert {name: targets for name, targets in upward.items() if targets} == {}
+
+
+# Each package of rlhf_core and the packages it may import (the shared modules at rlhf_core's top: "").
+ALLOWED = {"": {""}, "storage": {"", "storage"}, "ops": {"", "storage", "ops"},
+           "rank": {"", "storage", "ops", "rank"}, "driver": {"", "storage", "ops", "rank", "driver"}}
+
+
+def package_of(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "rlhf_core" or len(parts) == 1:
+        return None
+    return parts[1] if parts[1] in ALLOWED else ""
+
+
+def test_imports_run_one_way_between_the_packages_of_rlhf_core():
+    against = sorted(f"{name} ({package_of(name) or 'shared'}) imports {target}"
+                     for name, targets in graph().items() if package_of(name) is not None
+                     for target in targets if package_of(target) is not None
+                     and package_of(target) not in ALLOWED[package_of(name)])
+    assert against == []
+
+
+def test_every_module_of_rlhf_core_sits_in_a_known_package():
+    top = {path.stem for path in (ROOT / "rlhf_core").glob("*.py")} - {"__init__"}
+    assert top == {"config", "errors", "urls", "faults", "processes", "toy"}, top
+    assert {path.name for path in (ROOT / "rlhf_core").iterdir() if path.is_dir() and path.name != "__pycache__"} \
+        == set(ALLOWED) - {""}

@@ -7,8 +7,8 @@ import json
 import os
 
 from rlhf_core.config import RMConfig, RunConfig, semantic_fields
-from rlhf_core.models import SOURCE_NAME, input_model_fingerprints, model_fingerprint
-from rlhf_core.resume import config_drift
+from rlhf_core.rank.models import SOURCE_NAME, input_model_fingerprints, model_fingerprint
+from rlhf_core.driver.resume import config_drift
 
 
 def write_model(directory, weights: bytes, source_digest: str | None = None) -> str:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from rlhf_core import jit_build
+from rlhf_core.rank import jit_build
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import pytest
 
 from rlhf_core.errors import UserError
 from rlhf_core.errors import LeaseLost
-from rlhf_core.lease import RunLease, held_lease
+from rlhf_core.storage.lease import RunLease, held_lease
 from tests.conftest import make_bucket, s3_environment
 
 
@@ -67,7 +67,7 @@ def test_heartbeat_keeps_the_lease_fresh(run_url):
 
 def test_lease_of_a_dead_process_on_this_host_is_taken_over_at_once(tmp_path):
     url = str(tmp_path / "run")
-    code = f"from rlhf_core.lease import RunLease; RunLease({url!r}, settle_s=0).acquire()"
+    code = f"from rlhf_core.storage.lease import RunLease; RunLease({url!r}, settle_s=0).acquire()"
     subprocess.run([sys.executable, "-c", code], check=True)  # exits holding the lease, like a SIGKILL
     stale = json.loads((tmp_path / "run" / "LEASE.json").read_text())
     with RunLease(url, settle_s=0) as lease:

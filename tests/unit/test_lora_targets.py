@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from rlhf_core.errors import UserError
-from rlhf_core.preflight import check_lora_targets
-from rlhf_core.models import load_causal_lm, load_scalar_model
+from rlhf_core.driver.preflight import check_lora_targets
+from rlhf_core.rank.models import load_causal_lm, load_scalar_model
 from tests.families import FAMILIES, tiny_model
 from tests.hub_cache import build_tokenizer
 
@@ -75,9 +75,9 @@ def test_llama_names_on_another_family_are_one_sentence_naming_the_flag(family, 
 def test_preflight_refuses_them_for_a_stage_that_starts_from_an_earlier_stage_output(family_dirs, toy_assets,
                                                                                      tmp_path):
     """PPO's --pretrain is the SFT output, which does not exist yet: its architecture is SFT's --pretrain's."""
-    from rlhf_core.plan import resolve_paths
+    from rlhf_core.driver.plan import resolve_paths
     from rlhf_core.config import PPOConfig, RunConfig, SFTConfig
-    from rlhf_core.preflight import preflight
+    from rlhf_core.driver.preflight import preflight
 
     run = resolve_paths(RunConfig(
         stages=["sft", "ppo"], ckpt_path=str(tmp_path / "ckpt"),

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from flows.cli import main
-from rlhf_core.checkpoint import CheckpointStore
-from rlhf_core.manifest import MANIFEST_NAME
+from rlhf_core.storage.checkpoint import CheckpointStore
+from rlhf_core.storage.manifest import MANIFEST_NAME
 from rlhf_core.errors import CorruptCheckpoint, UserError
 
 ALGORITHMS = ["sha256", "xxh3_128", "blake3"]

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from rlhf_core import ppo_math
+from rlhf_core.rank import ppo_math
 
 
 def test_kl_estimators():
@@ -326,9 +326,9 @@ def ppo_update_with_entropy_coef(coef):
     """One actor update of a bare PPOTrainer (no DeepSpeed, no torch.distributed) on two fixed samples:
     (its losses, the gradients it stepped with, the module)."""
     from rlhf_core.config import PPOConfig, RunConfig
-    from rlhf_core.ds_config import Precision
+    from rlhf_core.rank.ds_config import Precision
     from rlhf_core.toy import build_model, build_tokenizer
-    from rlhf_core.trainers.ppo import PPOTrainer
+    from rlhf_core.rank.trainers.ppo import PPOTrainer
 
     run = RunConfig(stages=["ppo"], ppo=PPOConfig(pretrain="m", reward_pretrain="rm", prompt_data="p.jsonl",
                                                   rollout_batch_size=2,
@@ -348,7 +348,7 @@ def ppo_update_with_entropy_coef(coef):
 
 
 def test_entropy_loss_coef_0_logs_the_entropy_and_trains_as_without_it_and_above_0_adds_the_bonus():
-    from rlhf_core.rollout import collate_sequences
+    from rlhf_core.rank.rollout import collate_sequences
 
     plain, plain_gradients, _ = ppo_update_with_entropy_coef(None)
     logged, logged_gradients, module = ppo_update_with_entropy_coef(0.0)

@@ -12,9 +12,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from rlhf_core import rewards
+from rlhf_core.rank import rewards
 from rlhf_core.errors import UserError
-from rlhf_core.rewards import RewardInputs, parse_reward_output, reward_function
+from rlhf_core.rank.rewards import RewardInputs, parse_reward_output, reward_function
 
 INPUTS = RewardInputs(raw_prompts=["sort : 2 1 =", "sort : 3 1 ="], prompts=["sort : 2 1 =", "sort : 3 1 ="],
                       queries=["sort : 2 1 = 1 2 </s>", "sort : 3 1 = 3 1 </s>"], responses=["1 2", "3 1"],
@@ -183,7 +183,7 @@ def test_an_ambiguous_reward_fn_is_refused_before_training_with_exit_2_and_no_tr
     of starting Prefect's server and Ray."""
     import flows.pipeline
     from flows.cli import main
-    from rlhf_core import console
+    from rlhf_core.ops import console
 
     def past_preflight():
         raise AssertionError("an ambiguous reward function got past preflight")
@@ -208,8 +208,8 @@ def test_an_ambiguous_reward_fn_is_refused_before_training_with_exit_2_and_no_tr
 
 
 def test_our_form_gets_the_last_user_message_of_a_prompt_given_as_messages(toy_assets):
-    from rlhf_core.models import load_tokenizer
-    from rlhf_core.trainers.ppo import PromptItem, reward_inputs
+    from rlhf_core.rank.models import load_tokenizer
+    from rlhf_core.rank.trainers.ppo import PromptItem, reward_inputs
 
     tokenizer = load_tokenizer(toy_assets["model"])
     messages = [{"role": "system", "content": "sort the digits"}, {"role": "user", "content": "sort : 3 1 ="},
@@ -326,8 +326,8 @@ def ppo_run(toy_assets, tmp_path, **settings):
 
 
 def test_openrlhf_arguments_query_is_prompt_plus_response_with_special_tokens(toy_assets, tmp_path):
-    from rlhf_core.models import load_tokenizer
-    from rlhf_core.trainers.ppo import PromptItem, reward_inputs
+    from rlhf_core.rank.models import load_tokenizer
+    from rlhf_core.rank.trainers.ppo import PromptItem, reward_inputs
 
     tokenizer = load_tokenizer(toy_assets["model"])
     ids = tokenizer("sort : 2 1 =").input_ids
@@ -340,8 +340,8 @@ def test_openrlhf_arguments_query_is_prompt_plus_response_with_special_tokens(to
 
 
 def test_labels_come_from_label_key_and_a_missing_one_names_the_line(toy_assets, tmp_path):
-    from rlhf_core.models import load_tokenizer
-    from rlhf_core.trainers.ppo import load_prompts
+    from rlhf_core.rank.models import load_tokenizer
+    from rlhf_core.rank.trainers.ppo import load_prompts
 
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"prompt": "sort : 2 1 =", "answer": "1 2"}\n{"prompt": "sort : 3 1 ="}\n')
@@ -356,7 +356,7 @@ def test_labels_come_from_label_key_and_a_missing_one_names_the_line(toy_assets,
 
 
 def test_a_broken_reward_function_fails_before_training(toy_assets, tmp_path):
-    from rlhf_core.trainers.ppo import PPOTrainer
+    from rlhf_core.rank.trainers.ppo import PPOTrainer
 
     calls = tmp_path / "calls.txt"
     path = write_reward_file(tmp_path, f"def reward_func(queries, prompts, labels, **kwargs):\n"
@@ -369,7 +369,7 @@ def test_a_broken_reward_function_fails_before_training(toy_assets, tmp_path):
 
 
 def test_normalize_reward_with_a_reward_function_warns_that_it_does_nothing(toy_assets, tmp_path, caplog):
-    from rlhf_core.trainers.ppo import PPOTrainer
+    from rlhf_core.rank.trainers.ppo import PPOTrainer
 
     run = ppo_run(toy_assets, tmp_path, reward_fn="rlhf_core.toy:gold_reward", normalize_reward=True)
     assert PPOTrainer.count_items(run) == 256
@@ -381,7 +381,7 @@ def test_a_rollout_batch_of_equal_rewards_warns_once_per_chunk(caplog):
     """The check of the global batch (every rank's rewards: the max of max and of -min over ranks, stubbed for
     one rank here): steps 1-2 form chunk 1 and 3-4 chunk 2 at --save_steps 2."""
     from rlhf_core.config import PPOConfig
-    from rlhf_core.trainers.ppo import PPOTrainer
+    from rlhf_core.rank.trainers.ppo import PPOTrainer
 
     trainer = PPOTrainer.__new__(PPOTrainer)
     trainer.cfg = PPOConfig(pretrain="m", prompt_data="p.jsonl", save_steps=2, rollout_batch_size=2, train_batch_size=2,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlhf_core.errors import UnsafeCheckpoint
-from rlhf_core.safe_load import guard_checkpoint_loads, reading_checkpoint
+from rlhf_core.storage.safe_load import guard_checkpoint_loads, reading_checkpoint
 
 
 class CountingOpen:

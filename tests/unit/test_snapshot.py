@@ -1,4 +1,4 @@
-"""The in-memory snapshot folders of `rlhf_core.snapshot`: where they go, and that a dead rank's are removed."""
+"""The in-memory snapshot folders of `rlhf_core.rank.snapshot`: where they go, and that a dead rank's are removed."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from rlhf_core import snapshot
+from rlhf_core.rank import snapshot
 
 
 def dead_pid() -> int:
@@ -18,7 +18,7 @@ def dead_pid() -> int:
 
 
 def test_snapshot_goes_to_tmpfs_when_it_fits_and_to_the_temp_folder_when_not(tmp_path, monkeypatch, caplog):
-    from rlhf_core import ds_config
+    from rlhf_core.rank import ds_config
 
     monkeypatch.setattr(ds_config, "_warned", set())
     shm = tmp_path / "shm"

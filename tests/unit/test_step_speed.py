@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from rlhf_core.config import RMConfig, RunConfig, SFTConfig
-from rlhf_core.samples import TokenizedPair, TokenizedSample
-from rlhf_core.ds_config import Precision, deepspeed_config
+from rlhf_core.rank.samples import TokenizedPair, TokenizedSample
+from rlhf_core.rank.ds_config import Precision, deepspeed_config
 from rlhf_core.toy import build_model, build_tokenizer
-from rlhf_core.trainers.rm import Pair, RewardModelTrainer
-from rlhf_core.trainers.sft import SFTTrainer
+from rlhf_core.rank.trainers.rm import Pair, RewardModelTrainer
+from rlhf_core.rank.trainers.sft import SFTTrainer
 
 
 def test_cpu_optimizer_is_torchs_fused_adamw_and_gpu_keeps_deepspeeds():

@@ -1,4 +1,4 @@
-"""rlhf_core.stop: the first SIGTERM or Ctrl-C asks for a stop, a second one leaves at once, and the exit line.
+"""rlhf_core.driver.stop: the first SIGTERM or Ctrl-C asks for a stop, a second one leaves at once, and the exit line.
 
 The handlers are exercised with real signals: in this process for the first signal (its handler only records
 and notifies), in a child process for what ends a process (the second signal, the watchdog).
@@ -17,7 +17,8 @@ import time
 
 import pytest
 
-from rlhf_core import goodput, stop
+from rlhf_core.driver import stop
+from rlhf_core.ops import goodput
 
 
 @pytest.fixture(autouse=True)
@@ -93,7 +94,7 @@ def test_an_emergency_commit_counts_its_steps_as_useful():
 
 CHILD = textwrap.dedent("""
     import os, signal, subprocess, sys, time
-    from rlhf_core import stop
+    from rlhf_core.driver import stop
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     print(sleeper.pid, flush=True)
     with stop.obeying_signals(grace=float(sys.argv[1]), owns_process=True):

@@ -1,4 +1,4 @@
-"""The store behind one interface (rlhf_core/store_backends.py): both backends implement all of it, the store's
+"""The store behind one interface (rlhf_core/storage/backends.py): both backends implement all of it, the store's
 commit logic never asks which one it has, and one function tells a local URL from a remote one."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
-from rlhf_core.store_backends import LocalBackend, ObjectStoreBackend, StoreBackend, backend_for
+from rlhf_core.storage.backends import LocalBackend, ObjectStoreBackend, StoreBackend, backend_for
 from rlhf_core.urls import is_local_url, local_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,9 +35,9 @@ def test_the_filesystem_picks_the_backend():
 
 
 def test_the_stores_logic_never_asks_which_backend_it_has():
-    source = (ROOT / "rlhf_core" / "checkpoint.py").read_text()
+    source = (ROOT / "rlhf_core" / "storage" / "checkpoint.py").read_text()
     asks = re.findall(r"_is_local|LocalFileSystem|isinstance\(self\.fs|os\.rename|os\.fsync|durable\.", source)
-    assert asks == [], f"rlhf_core/checkpoint.py branches on the medium: {asks}"
+    assert asks == [], f"rlhf_core/storage/checkpoint.py branches on the medium: {asks}"
 
 
 @pytest.mark.parametrize("url, path", [

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_core import trackers as trackers_module
-from rlhf_core.chunk import _train_and_log
+from rlhf_core.ops import trackers as trackers_module
+from rlhf_core.driver.chunk import _train_and_log
 from rlhf_core.config import RunConfig, SFTConfig
 from rlhf_core.errors import UserError
-from rlhf_core.trackers import (close_trackers, open_stage_trackers, require_tracker_packages,
+from rlhf_core.ops.trackers import (close_trackers, open_stage_trackers, require_tracker_packages,
                                 split_metrics, stage_trackers)
 
 pytest.importorskip("tensorboard")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlhf_core.models import load_causal_lm
-from rlhf_core.vllm_engine import inference_weights
+from rlhf_core.rank.models import load_causal_lm
+from rlhf_core.rank.vllm_engine import inference_weights
 
 
 def test_merged_weights_reproduce_the_lora_actor_and_leave_it_unchanged(toy_assets):

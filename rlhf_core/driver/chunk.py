@@ -1,0 +1,441 @@
+"""One chunk of a training stage: `ensure_checkpoint(run, stage, target_step)`.
+
+The checkpoint store is the source of truth. Asking for a target already committed returns it and
+trains nothing; otherwise training starts from the newest good checkpoint at or below the target
+(or from the pretrained model), runs to the target on a Ray worker group, and commits. A group left
+warm by the previous chunk is reused when it holds exactly the state the store would load, so the
+steady state pays neither a download nor a verification. The first chunk of a command can adopt a group
+started ahead (`prestart_workers`) while the driver was still starting Prefect. Each rank uploads its own files and the driver
+commits them under the run lease (`run_lease`: the one this process holds, else one taken for the commit).
+
+With --use_tensorboard / --use_wandb, the driver logs each step's metrics to the stage's trackers
+(`rlhf_core.ops.trackers`) as they come back: the group trains to each multiple of logging_steps in turn
+(one round trip per logged step), and each checkpoint's metadata records the tracker ids, so a
+resumed stage continues the same tracker runs. Trackers close with the stage's last chunk, on a
+failure, and in `release_workers`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+from rlhf_core.driver import stop
+from rlhf_core.ops.alerts import (AlertLog, NonFiniteTraining, commit_alerts, expected_bytes_from_metadata, history_entry,
+                              non_finite_metrics)
+from rlhf_core.storage.checkpoint import CheckpointStore
+from rlhf_core.storage.manifest import CheckpointInfo
+from rlhf_core.config import STAGES, RunConfig, semantic_fields, semantic_hash
+from rlhf_core.rank.data import dataset_fingerprint
+from rlhf_core.driver.engine import WorkerGroup, group_settings
+from rlhf_core.errors import StoreFull, store_full
+from rlhf_core.faults import fault_point
+from rlhf_core.ops.goodput import GoodputLedger
+from rlhf_core.rank.models import input_model_fingerprints
+from rlhf_core.driver.plan import StagePlan, plan_stage
+from rlhf_core.storage.lease import RunLease, held_lease
+from rlhf_core.driver.resume import Lineage, StartState, load_start, open_store
+from rlhf_core.ops.trackers import (StageTrackers, close_trackers, open_stage_trackers, require_tracker_packages,
+                                stage_trackers, tracking_enabled)
+from rlhf_core.rank.trainers import trainer_class
+
+CHECKPOINT_FORMAT_VERSION = 1
+
+
+@dataclass
+class ChunkResult:
+    """What a chunk hands to the flow: small and JSON-able, never tensors."""
+
+    stage: str
+    step: int
+    uri: str
+    manifest_digest: str
+    num_steps_trained: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    world_size: int = 0  # ranks that trained the chunk (0: none trained, the step was already committed)
+    alerts: list[dict] = field(default_factory=list)  # rlhf.alert.* raised by this commit (rlhf_core.ops.alerts)
+    size_bytes: int = 0  # bytes of the committed checkpoint (0 when unknown)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class _WarmGroup:
+    """The worker group of the last chunk in this process, and the identity of the state it holds."""
+
+    group: WorkerGroup | None = None
+    identity: tuple = ()
+    world_size_changes: list[dict] = []  # of the line of checkpoints the group continues
+
+    @classmethod
+    def release(cls) -> None:
+        if cls.group is not None:
+            cls.group.shutdown()
+        cls.group, cls.identity, cls.world_size_changes = None, (), []
+
+
+class _Prestart:
+    """A worker group being started in a thread (`prestart_workers`), and the settings it was started with."""
+
+    settings: dict = {}
+    thread: threading.Thread | None = None
+    outcome: WorkerGroup | BaseException | None = None
+
+    @classmethod
+    def start(cls, run: RunConfig, stage: str) -> None:
+        def build() -> None:
+            try:
+                group = WorkerGroup(run)
+                group.warm_up(run, stage)
+                cls.outcome = group
+            except BaseException as error:  # noqa: BLE001 - handed to the chunk that adopts the group
+                cls.outcome = error
+
+        cls.settings, cls.outcome = group_settings(run), None
+        cls.thread = threading.Thread(target=build, name="rlhf-prestart-workers", daemon=True)
+        cls.thread.start()
+
+    @classmethod
+    def take(cls, run: RunConfig) -> WorkerGroup | None:
+        """The started group if it suits `run` (raising its start's error, if that failed); None when none
+        was started or it does not suit `run` (then stopped)."""
+        if cls.thread is None:
+            return None
+        cls.thread.join()
+        outcome, suits = cls.outcome, cls.settings == group_settings(run)
+        cls.thread, cls.outcome, cls.settings = None, None, {}
+        if isinstance(outcome, BaseException):
+            if suits:
+                raise outcome
+            return None
+        if not suits:
+            outcome.shutdown()
+            return None
+        return outcome
+
+    @classmethod
+    def discard(cls) -> None:
+        """Stop the started group, if any (waiting for its start to end); a failed start leaves nothing."""
+        if cls.thread is None:
+            return
+        cls.thread.join()
+        if isinstance(cls.outcome, WorkerGroup):
+            cls.outcome.shutdown()
+        cls.thread, cls.outcome, cls.settings = None, None, {}
+
+
+def prestart_workers(run: RunConfig, stage: str) -> None:
+    """Start the worker group of this command's first chunk in a thread: placement, rank processes,
+    DeepSpeed's process group, and the imports of `stage`'s trainer (`WorkerGroup.warm_up`), about 4 s on
+    a CPU, while the caller starts Prefect. The first chunk that needs a new group adopts it, or stops it
+    when the settings differ; `release_workers` stops one never adopted. Ray must be connected. Nothing
+    when a group with the same settings is already starting, or is warm."""
+    settings = group_settings(run)
+    if (_Prestart.thread is not None and _Prestart.settings == settings) or _WarmGroup.group is not None:
+        return
+    _Prestart.discard()
+    _Prestart.start(run, stage)
+
+
+def release_workers() -> None:
+    """Stop the warm worker group and any prestarted one, and close every open tracker (end of a flow, or
+    before a test starts another)."""
+    _Prestart.discard()
+    _WarmGroup.release()
+    close_trackers()
+
+
+def _group_at(run: RunConfig, stage: str, plan: StagePlan, store: CheckpointStore,
+              infos: list[CheckpointInfo], lineage: Lineage) -> tuple[WorkerGroup, StartState | None]:
+    """A worker group holding the state of the newest good checkpoint in `infos` (or the pretrained
+    model), and that checkpoint (None when the warm group of the last chunk already holds it)."""
+    identity = (run.stage_url(stage), semantic_hash(run, stage), run.num_workers, run.stage_config(stage).zero_stage,
+                plan.total_steps)
+    warm = _WarmGroup.group
+    if warm is not None and _WarmGroup.identity == identity and infos and infos[-1].is_committed \
+            and warm.step == infos[-1].step:
+        return warm, None
+    _WarmGroup.release()
+    group = _Prestart.take(run) or WorkerGroup(run)
+    group.log_placement()
+    _WarmGroup.group, _WarmGroup.identity = group, identity
+    start = load_start(run, stage, store, infos, lineage, group, plan.total_steps)
+    _WarmGroup.world_size_changes = _world_size_changes(group, start)
+    return group, start
+
+
+def _world_size_changes(group: WorkerGroup, start: StartState | None) -> list[dict]:
+    """Every change of world size in this stage's line of checkpoints, the one at `start` included."""
+    if start is None:
+        return []
+    changes = list(start.metadata.get("world_size_changes", []))
+    saved = start.metadata.get("world_size", group.world_size)
+    if saved != group.world_size:
+        changes.append({"step": start.info.step, "from": saved, "to": group.world_size})
+    return changes
+
+
+def _metadata(run: RunConfig, stage: str, plan: StagePlan, step: int, metrics: dict,
+              trackers: StageTrackers | None, world_size: int, world_size_changes: list[dict],
+              zero_stage: int) -> dict:
+    from importlib.metadata import version  # not the imports: deepspeed's alone costs the driver ~0.6 s
+
+    cfg, trainer = run.stage_config(stage), trainer_class(stage)
+    return {
+        "format_version": CHECKPOINT_FORMAT_VERSION,
+        "stage": stage,
+        "step": step,
+        "total_steps": plan.total_steps,
+        "consumed_samples": step * trainer.items_per_step(cfg),
+        "epoch": step // max(plan.total_steps // trainer.num_passes(cfg), 1),
+        "seed": run.seed,
+        "world_size": world_size,
+        "world_size_changes": world_size_changes,
+        "zero_stage": zero_stage,
+        "config_hash": semantic_hash(run, stage),
+        "config": semantic_fields(cfg),
+        "save_path": getattr(cfg, STAGES[stage].output_field, None),
+        "dataset_fingerprint": dataset_fingerprint(cfg, run.storage_options),
+        "input_models": input_model_fingerprints(cfg, run.storage_options),
+        "metrics": metrics,
+        "trackers": trackers.tracker_ids() if trackers is not None else {},
+        "versions": {package: version(package) for package in ("torch", "deepspeed", "transformers")},
+    }
+
+
+def chunk_summary(step_metrics: list[dict[str, float]]) -> dict[str, float]:
+    """The last step's metrics, plus the chunk's mean of the headline one (loss, or reward for PPO)."""
+    summary = {name: value for name, value in step_metrics[-1].items() if name != "step"}
+    headline = "loss" if "loss" in summary else "reward"
+    summary[f"mean_{headline}"] = sum(m[headline] for m in step_metrics) / len(step_metrics)
+    return summary
+
+
+def _saved_tracker_ids(run: RunConfig, stage: str, store: CheckpointStore, start_step: int) -> dict:
+    """The tracker ids to continue: those open for this stage, else those the start checkpoint recorded
+    (else the newest committed checkpoint's, when training starts over below all of them)."""
+    trackers = stage_trackers(run, stage)
+    if trackers is not None:
+        return trackers.tracker_ids()
+    committed = [info.step for info in store.list() if info.is_committed]
+    source = start_step or (committed[-1] if committed else 0)
+    return store.read_metadata(source).get("trackers", {}) if source else {}
+
+
+def _trackers_at(run: RunConfig, stage: str, store: CheckpointStore, start_step: int,
+                 warm: bool) -> StageTrackers | None:
+    """The stage's trackers, ready to log the steps after `start_step`; reopened when the group started
+    cold, so that TensorBoard hides whatever an earlier attempt logged past `start_step`."""
+    if not tracking_enabled(run):
+        return None
+    trackers = stage_trackers(run, stage)
+    if trackers is not None and warm:
+        return trackers
+    return open_stage_trackers(run, stage, _saved_tracker_ids(run, stage, store, start_step), start_step)
+
+
+def _train_and_log(group: WorkerGroup, start_step: int, target_step: int, trackers: StageTrackers | None,
+                   logging_steps: int, stage: str, total_steps: int) -> list[dict[str, float]]:
+    """Train to `target_step`; with trackers (or a live console bar), stop at each logged step so its metrics
+    show while the chunk runs (steps the group already trained ahead come back together)."""
+    from rlhf_core.ops import console
+
+    if trackers is None and not console.live_progress():
+        return group.train_until(target_step)
+    ahead = group.training_ahead_to or 0
+    stops = [step for step in range(max(start_step, ahead) + 1, target_step) if step % logging_steps == 0]
+    step_metrics = []
+    for stop_step in ([ahead] if start_step < ahead < target_step else []) + stops + [target_step]:
+        new_metrics = group.train_until(stop_step)
+        if trackers is not None:
+            trackers.log(new_metrics)
+        if new_metrics:
+            console.show_step(stage, group.step, total_steps, new_metrics[-1])
+        step_metrics += new_metrics
+        if group.step < stop_step:  # stopped by a signal (rlhf_core.driver.stop)
+            break
+    return step_metrics
+
+
+def ensure_checkpoint(run: RunConfig, stage: str, target_step: int, lineage: Lineage = Lineage(),
+                      train_ahead: bool = True) -> ChunkResult:
+    """Make sure a valid checkpoint at `target_step` exists (training only what is missing). With
+    `train_ahead`, the ranks train on towards the next chunk while this one commits. After a stop signal
+    (`rlhf_core.driver.stop`) the ranks stop at the next step boundary, that step commits, and StoppedBySignal is
+    raised; one that finds nothing trained since the last commit raises it at once."""
+    started = time.perf_counter()
+    plan = plan_stage(run, stage)
+    target_step = min(target_step, plan.total_steps)
+    store = open_store(run, stage)
+    infos = [info for info in store.list() if info.step <= target_step]
+    newest = max((info.step for info in infos if info.is_committed), default=0)
+    if infos and infos[-1].step == target_step and infos[-1].is_committed:
+        done = infos[-1]
+        stop.record_commit(stage, target_step, run.stage_url(stage))
+        if target_step == plan.total_steps:
+            close_trackers(run, stage)
+        return ChunkResult(stage, target_step, done.uri, done.manifest_digest, 0,
+                           store.read_metadata(target_step).get("metrics", {}), size_bytes=done.size_bytes)
+    if stop.requested() and (_WarmGroup.group is None or _WarmGroup.group.training_ahead_to is None):
+        raise stop.stopped(stage, newest, run.stage_url(stage))  # nothing trained since the last commit
+    ledger = GoodputLedger(run.run_url(), run.storage_options)
+    ledger.chunk_started(stage, newest, target_step)
+    reached = newest
+    try:
+        require_tracker_packages(run)  # before the workers start, not after a chunk of training
+        prepared = time.perf_counter()
+        warm_group = _WarmGroup.group
+        group, _ = _group_at(run, stage, plan, store, infos, lineage)
+        start_step = group.step
+        trackers = _trackers_at(run, stage, store, start_step, warm=group is warm_group)
+        loaded = time.perf_counter()
+        step_metrics = _train_and_log(group, start_step, target_step, trackers, run.stage_config(stage).logging_steps,
+                                      stage, plan.total_steps)
+        reached, trained = group.step, time.perf_counter()
+        if reached < target_step and not stop.requested():
+            raise RuntimeError(f"the ranks stopped at step {reached}, short of {target_step}, with no stop requested")
+        if reached == start_step and stop.requested():  # the stop came before the first step
+            raise stop.stopped(stage, start_step, run.stage_url(stage))
+        info, alerts, summary, commit_seconds, ahead_since = _commit_chunk(run, stage, plan, store, group, infos,
+                                                                           start_step, step_metrics, trackers,
+                                                                           train_ahead and not stop.requested())
+    except stop.GraceExpired:
+        close_trackers(run, stage)
+        release_workers()  # kills the ranks: the step in flight, or its half-written checkpoint, is abandoned
+        raise stop.stopped(stage, newest, run.stage_url(stage), stopped_at=reached, abandoned=True) from None
+    except BaseException:
+        close_trackers(run, stage, failed=True)
+        release_workers()  # the group's state is unknown after a failure: never reuse it
+        raise
+    stop.record_commit(stage, reached, run.stage_url(stage))
+    if reached == plan.total_steps:
+        close_trackers(run, stage)
+    fault_point("after_commit", reached)
+    store.retain(run.max_ckpt_num, run.max_ckpt_mem)
+    finished = time.perf_counter()
+    seconds = {"plan": prepared - started, "workers_and_load": loaded - prepared, "train": trained - loaded,
+               "save_and_commit": finished - trained, **commit_seconds,
+               **group.take_step_loop_seconds()}  # the ranks' own, training ahead included
+    ledger.chunk_committed(stage, reached, seconds, num_steps=reached - start_step,
+                           trained_ahead_s=0.0 if ahead_since is None else finished - ahead_since)
+    if reached < target_step:  # an emergency checkpoint: the stop is done
+        raise stop.stopped(stage, reached, run.stage_url(stage))
+    return ChunkResult(stage, reached, info.uri, info.manifest_digest, reached - start_step, summary, seconds,
+                       group.world_size, [json.loads(alert.to_json()) for alert in alerts], info.size_bytes)
+
+
+def _commit_chunk(run: RunConfig, stage: str, plan: StagePlan, store: CheckpointStore, group: WorkerGroup,
+                  infos: list[CheckpointInfo], start_step: int, step_metrics: list[dict], trackers,
+                  train_ahead: bool) -> tuple:
+    """Check and commit the step the group reached (the chunk's target, or an emergency step), then log its
+    alerts; returns (info, alerts, summary, commit seconds, when training ahead began or None)."""
+    step = group.step
+    summary = chunk_summary(step_metrics)
+    _refuse_non_finite(run, stage, step, step_metrics, group)
+    metadata = _metadata(run, stage, plan, step, summary, trackers, group.world_size, _WarmGroup.world_size_changes,
+                         group.zero_stage)
+    metadata |= _alert_inputs(store, group, start_step, step, summary)
+    ahead = _ahead_target(run, stage, plan, step) if train_ahead else None
+    _require_room(run, stage, store, metadata, infos)
+    info, commit_seconds, ahead_since = _commit(run, stage, store, group, step, metadata, ahead)
+    alerts = commit_alerts(run.run_name, stage, step, metadata, info.size_bytes,
+                           [known.size_bytes for known in infos if known.is_committed and known.step < step],
+                           has_ds_state=not run.stage_config(stage).disable_ds_ckpt,
+                           window=run.alert_reward_window, min_delta=run.alert_reward_min_delta,
+                           tolerance=run.alert_size_tolerance, jump=run.alert_size_jump)
+    AlertLog(run.run_url(), run.storage_options).append(*alerts)
+    return info, alerts, summary, commit_seconds, ahead_since
+
+
+def _refuse_non_finite(run: RunConfig, stage: str, step: int, step_metrics: list[dict], group: WorkerGroup) -> None:
+    """NaN or Inf in a loss or a weight: log the alert and fail the chunk before anything is committed."""
+    bad_metrics = sorted({name for metrics in step_metrics for name in non_finite_metrics(metrics)})
+    bad_parameters = group.non_finite_parameters()
+    if bad_metrics or bad_parameters:
+        error = NonFiniteTraining(stage, step, bad_metrics, bad_parameters)
+        AlertLog(run.run_url(), run.storage_options).append(error.to_alert(run.run_name))
+        raise error
+
+
+def _alert_inputs(store: CheckpointStore, group: WorkerGroup, start_step: int, step: int, summary: dict) -> dict:
+    """What the commit-time alerts read from a checkpoint's metadata: the headline metric's history along
+    this line of checkpoints (carried forward, since retention deletes old ones) and the models' sizes."""
+    previous = store.read_metadata(start_step).get("metric_history", []) if start_step else []
+    history = [entry for entry in previous if entry["step"] <= start_step] + [history_entry(step, summary)]
+    return {"metric_history": history, "model_sizes": group.model_sizes()}
+
+
+def _ahead_target(run: RunConfig, stage: str, plan: StagePlan, step: int) -> int | None:
+    """How far the ranks train on while `step` commits: to the next chunk's end, or with trackers to the
+    next logged step (so its metrics show without waiting for the chunk); None after the last chunk."""
+    later = [target for target in plan.targets if target > step]
+    if not later:
+        return None
+    if tracking_enabled(run):
+        logging_steps = run.stage_config(stage).logging_steps
+        return min(later[0], (step // logging_steps + 1) * logging_steps)
+    return later[0]
+
+
+def _require_room(run: RunConfig, stage: str, store: CheckpointStore, metadata: dict, infos: list) -> None:
+    """Stop at this chunk boundary, before writing anything, when the checkpoint will not fit on the store's
+    disk: its predicted size (the size alert's) or the previous checkpoint's, whichever is larger."""
+    free_bytes = store.free_bytes()
+    if free_bytes is None:
+        return
+    predicted = expected_bytes_from_metadata(metadata, has_ds_state=not run.stage_config(stage).disable_ds_ckpt)
+    known = [size for size in (predicted, *(info.size_bytes for info in infos[-1:] if info.is_committed)) if size]
+    if known and max(known) > free_bytes:
+        raise store_full(store.url, free_bytes=free_bytes, needed_bytes=max(known))
+
+
+def _commit(run: RunConfig, stage: str, store: CheckpointStore, group: WorkerGroup, step: int, metadata: dict,
+            ahead_to: int | None) -> tuple[CheckpointInfo, dict[str, float], float | None]:
+    """Every rank snapshots its share into memory and uploads it into the uncommitted step; the driver
+    commits them under the run lease. Unless --sync_checkpoint, the ranks train on to `ahead_to`
+    meanwhile (collected by the next chunk), so training waits only for the snapshot. The chunk returns
+    after its commit: a chunk the flow (and Prefect's cache) calls done is always committed. Also returns when
+    the ranks began to train ahead (`time.perf_counter()`), or None."""
+    pending = store.prepare_step(step)
+    if isinstance(pending, CheckpointInfo):
+        return pending, {}, None
+    started = time.perf_counter()
+    try:
+        folders = group.snapshot()
+        snapshotted = time.perf_counter()
+        writes = group.start_write(folders, run.stage_url(stage), run.storage_options, pending)
+        ahead_since = None
+        if ahead_to is not None and not run.sync_checkpoint:
+            group.train_ahead(ahead_to)
+            ahead_since = snapshotted
+        entries = group.finish_write(writes)
+        with run_lease(run) as lease:
+            info = store.finish_commit(pending, entries, metadata, fence=lease)
+    except StoreFull:
+        store.discard(pending)  # its space back for the next try; the committed steps are untouched
+        raise
+    except stop.GraceExpired:
+        release_workers()  # no rank writes into it any more
+        with contextlib.suppress(OSError):
+            store.discard(pending)  # else the next run sets it aside as a leftover
+        raise
+    committed = time.perf_counter()
+    stall = (committed if run.sync_checkpoint else snapshotted) - started
+    writer = {f"writer_{name}": seconds for name, seconds in group.write_seconds.items()}  # rank 0's thread-seconds
+    return info, {"stall": stall, "commit": committed - snapshotted, **writer}, ahead_since
+
+
+@contextlib.contextmanager
+def run_lease(run: RunConfig):
+    """The run's lease: the one this process already holds (the flow's, or train_stage's), else one taken
+    for the duration."""
+    held = held_lease(run.run_url())
+    if held is not None:
+        yield held
+        return
+    with RunLease(run.run_url(), run.storage_options) as lease:
+        yield lease

@@ -1,0 +1,433 @@
+"""DeepSpeed ranks as a Ray actor group, placed on any node of a Ray cluster.
+
+`WorkerGroup(run)` reserves a Ray placement group (`--placement_strategy`, PACK by default) before
+any actor starts, waits `--placement_timeout_s` for it, and starts one `TrainWorker` actor per
+bundle. The ranks join one torch.distributed group (gloo on CPU, nccl on GPU) and each drives a stage
+trainer. The group outlives a chunk: the next chunk reuses it warm when it already holds the state
+the store would give it.
+
+Checkpoint I/O is per rank and asynchronous: at a chunk boundary each rank snapshots its share into
+memory on its own node (`rlhf_core.rank.snapshot`), and its actor's second thread ("io") uploads those files
+straight into the store's uncommitted step folder, hashing as it writes, while the first thread trains
+the next chunk (`train_ahead`); the driver only writes the manifest (`rlhf_core.storage.checkpoint`). On load each rank fetches and
+verifies just the files it reads. So the driver can sit anywhere: on the head, in a `ray job`, or
+off the cluster as a Ray client (`ray://`). A local --ckpt_path must be a folder every node sees;
+a marker file checks that before any training.
+
+When the cluster cannot place the group within the timeout (say a node was lost), `--allow_fewer_workers`
+goes on with as many ranks as fit (and as the batch sizes allow); otherwise the placement fails with
+one sentence naming what is missing. A rank whose node dies mid-chunk fails the chunk with a
+`WorkerLost` naming the node, which Prefect retries.
+
+A named failure raised inside a rank (`rlhf_core.errors`: a bad dataset, reward function or flag, a store
+write that failed) reaches the driver as that same exception with its one-sentence message, not as Ray's
+RayTaskError with a remote traceback.
+The DeepSpeed config lives in `rlhf_core.rank.ds_config`, which the ranks import without this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import threading
+import time
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rlhf_core.driver import stop
+from rlhf_core.config import RunConfig
+from rlhf_core.rank.ds_config import resolve_zero_stage
+from rlhf_core.errors import PlacementFailed, RLHFError, UserError, WorkerLost
+from rlhf_core.ops.goodput import writer_slowdown
+from rlhf_core.rank.worker import RankLocation, TrainWorker
+
+logger = logging.getLogger(__name__)
+
+# How long a smaller group (--allow_fewer_workers) may take to place once the full one has timed out.
+SMALLER_GROUP_TIMEOUT_S = 10.0
+# After a rank fails in a collective, how long to wait for Ray to say which peer was lost (it marks a node
+# dead once it misses its heartbeats, ~5-10 s).
+LOSS_DETECTION_TIMEOUT_S = 30.0
+# How often a wait on the ranks looks at the stop deadline, and how long a stopped run waits to release them.
+STOP_POLL_S, STOP_SHUTDOWN_S = 0.5, 2.0
+
+
+class WorkerGroup:
+    """TrainWorker actors in one placement group, acting as one data-parallel DeepSpeed job."""
+
+    def __init__(self, run: RunConfig):
+        ensure_ray(run.ray_address)
+        self.placement, self.world_size = reserve_placement(run)
+        strategies = [PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank)
+                      for rank in range(self.world_size)]
+        bundle = placement_bundle(run)
+        options = {"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0)}
+        forwarded = forwarded_environment()
+        if forwarded:
+            options["runtime_env"] = {"env_vars": forwarded}
+        # A second thread per actor ("io") uploads the last snapshot while the default one trains on.
+        # A third ("control") takes a stop request while the first is busy training.
+        remote_worker = ray.remote(concurrency_groups={"io": 1, "control": 1})(TrainWorker)
+        self.workers = [remote_worker.options(scheduling_strategy=strategy, **options).remote(rank, self.world_size)
+                        for rank, strategy in enumerate(strategies)]
+        self._stop_listener = stop.on_request(self.request_stop)
+        self.locations: list[RankLocation] = []
+        self._model_sizes: dict | None = None
+        try:
+            self.locations = self._gather([worker.location.remote() for worker in self.workers])
+            nodes = [location.describe() for location in self.locations]
+            self._placement_line = (logging.WARNING if self.world_size < run.num_workers else logging.INFO,
+                                    f"placed {self.world_size} of {run.num_workers} ranks ({run.placement_strategy}) on "
+                                    f"nodes: {', '.join(f'{node} x{nodes.count(node)}' for node in dict.fromkeys(nodes))}")
+            self._check_store_visible(run)
+            master_addr, master_port = self._gather(self.workers[0].rendezvous_address.remote())
+            node_ids = [location.node_id for location in self.locations]
+            self._gather([worker.join.remote(master_addr, master_port, node_ids.count(location.node_id))
+                          for worker, location in zip(self.workers, self.locations)])
+        except BaseException:
+            self.shutdown()
+            raise
+        self.step = 0
+        self.zero_stage: int | None = None  # resolved by setup
+        self._ahead: tuple[int, list] | None = None
+        self._step_loop_seconds = 0.0  # rank 0's, since the last take_step_loop_seconds()
+        self._step_times: list[tuple[float, bool]] = []  # rank 0's (seconds, beside a write), since then too
+        self._clean_step_seconds: float | None = None  # the last known median step with no write beside it
+        self.write_seconds: dict[str, float] = {}  # rank 0's writer timers of the last finished write
+
+    def request_stop(self) -> None:
+        """Ask every rank to stop after its current step (called from `rlhf_core.driver.stop` on a stop signal)."""
+        for worker in self.workers:
+            worker.request_stop.remote()
+
+    def log_placement(self) -> None:
+        """Log where the ranks were placed, from the chunk that uses the group (its Prefect run shows the line;
+        the group may have been started before any run, `rlhf_core.driver.chunk.prestart_workers`)."""
+        logger.log(*self._placement_line)
+
+    def setup(self, run: RunConfig, stage: str, total_steps: int, load_universal: bool = False,
+              saved_zero_stage: int | None = None) -> None:
+        """Build the stage's trainers on every rank, with the ZeRO stage resolved for this group
+        (`rlhf_core.rank.ds_config.resolve_zero_stage`; `saved_zero_stage`: the checkpoint's, when resuming)."""
+        cfg = run.stage_config(stage)
+        self.zero_stage = resolve_zero_stage(cfg.zero_stage, self.world_size, cfg.adam_offload, saved_zero_stage)
+        run = run.model_copy(update={stage: cfg.model_copy(update={"zero_stage": self.zero_stage})})
+        self._model_sizes = None
+        self._gather([worker.setup.remote(run, stage, total_steps, load_universal) for worker in self.workers])
+
+    def warm_up(self, run: RunConfig, stage: str) -> None:
+        """Start every rank's imports for `stage` without waiting: `setup` runs after them on each rank."""
+        for worker in self.workers:
+            worker.warm_up.remote(run, stage)
+
+    def load(self, store_url: str, storage_options: dict, step: int, universal: bool = False,
+             weights_only: bool = False) -> None:
+        self.step = self._gather([worker.load_from_store.remote(store_url, storage_options, step, universal,
+                                                                weights_only) for worker in self.workers])[0]
+
+    def train_until(self, target_step: int) -> list[dict[str, float]]:
+        """Per-step metrics as seen by rank 0 (already averaged over ranks); collects training started
+        ahead (`train_ahead`) first. On a stop request the ranks stop early: `self.step` says where."""
+        metrics = []
+        if self._ahead:
+            _, ahead = self._ahead
+            self._ahead = None
+            metrics = self._collect(ahead)
+        if self.step > target_step:
+            raise RuntimeError(f"the worker group trained ahead to step {self.step}, past the target {target_step}")
+        if self.step < target_step and not stop.requested():
+            metrics += self._collect([worker.train_until.remote(target_step) for worker in self.workers])
+        return metrics
+
+    def _collect(self, trainings: list) -> list[dict[str, float]]:
+        metrics, seconds, self.step, step_times = self._gather(trainings)[0]
+        self._step_loop_seconds += seconds
+        self._step_times += step_times
+        return metrics
+
+    def take_step_loop_seconds(self) -> dict[str, float]:
+        """For the steps collected since the last call (the goodput ledger's; training ahead runs while the
+        driver waits for a commit, so the driver cannot time it): `step_loop`, the seconds rank 0 spent in its
+        step loop, and `writer_slowdown`, the part of them lost to the background checkpoint writer, whose
+        serialisation, hashing and writes take CPU from the ranks (`goodput.writer_slowdown`)."""
+        slowdown, self._clean_step_seconds = writer_slowdown(self._step_times, self._clean_step_seconds)
+        seconds = {"step_loop": self._step_loop_seconds, "writer_slowdown": slowdown}
+        self._step_loop_seconds, self._step_times = 0.0, []
+        return seconds
+
+    def snapshot(self) -> list[str]:
+        """Every rank's share of the current step, saved into memory on its node (one folder per rank)."""
+        return self._gather([worker.snapshot.remote() for worker in self.workers])
+
+    def start_write(self, folders: list[str], store_url: str, storage_options: dict, pending) -> list:
+        """Start every rank's upload of its snapshot into `pending`; `finish_write` waits for them."""
+        return [worker.write_snapshot.remote(folder, store_url, storage_options, pending)
+                for worker, folder in zip(self.workers, folders)]
+
+    def finish_write(self, writes: list) -> list:
+        """Every rank's manifest entries for the files it uploaded (rank 0's writer timers: `write_seconds`)."""
+        shares = self._gather(writes)
+        self.write_seconds = shares[0][1] if shares else {}
+        return [entry for entries, _ in shares for entry in entries]
+
+    def train_ahead(self, target_step: int) -> None:
+        """Start training to `target_step` without waiting (the next chunk, while this one commits);
+        `train_until(target_step)` collects it."""
+        self._ahead = (target_step, [worker.train_until.remote(target_step) for worker in self.workers])
+
+    @property
+    def training_ahead_to(self) -> int | None:
+        return self._ahead[0] if self._ahead else None
+
+    def model_sizes(self) -> dict:
+        """Parameter counts and dtypes of the trained models, which predict a checkpoint's size (fixed for a
+        group's stage, so asked of rank 0 once per setup, not once per chunk)."""
+        if self._model_sizes is None:
+            self._model_sizes = self._gather(self.workers[0].model_sizes.remote())
+        return self._model_sizes
+
+    def non_finite_parameters(self) -> list[str]:
+        shares = self._gather([worker.non_finite_parameters.remote() for worker in self.workers])
+        return sorted({name for share in shares for name in share})[:5]
+
+    def shutdown(self) -> None:
+        """Kill the ranks and free their placement. After a stop signal, waits at most STOP_SHUTDOWN_S for that:
+        a SIGTERM to the whole process group (Prefect's Cancel of a deployment run) has killed Ray's GCS too,
+        and `remove_placement_group` would then wait for it for ever; leaving the process ends the ranks."""
+        self._stop_listener()
+        workers, placement = self.workers, self.placement
+        self.workers, self.placement = [], None
+
+        def release() -> None:
+            for worker in workers:
+                ray.kill(worker)
+            if placement is not None:
+                remove_placement_group(placement)
+
+        if not stop.requested():
+            release()
+            return
+        releasing = threading.Thread(target=release, name="rlhf-release-ranks", daemon=True)
+        releasing.start()
+        releasing.join(STOP_SHUTDOWN_S)
+
+    def _gather(self, refs):
+        """`gather`, with a dead rank reported as a WorkerLost naming its node."""
+        try:
+            return gather(refs)
+        except ray.exceptions.RayActorError as error:  # ActorDiedError, ActorUnavailableError
+            raise WorkerLost(self._describe_loss(error)) from None
+        except ray.exceptions.RayTaskError as error:
+            # A rank whose peer died usually fails first, inside a collective (gloo: "Connection closed by
+            # peer"), before Ray has marked the peer's node dead: report the peer's loss, not the symptom.
+            lost = self._first_lost_rank(LOSS_DETECTION_TIMEOUT_S)
+            if lost is None:
+                raise
+            raise WorkerLost(self._describe_loss(lost)) from error
+
+    def _first_lost_rank(self, timeout_s: float) -> Exception | None:
+        """Ping every rank: the RayActorError of the first one that is gone, None if none is known lost."""
+        pings = [worker.location.remote() for worker in self.workers]
+        deadline = time.monotonic() + timeout_s
+        for ping in pings:
+            try:
+                ray.get(ping, timeout=max(0.1, deadline - time.monotonic()))
+            except ray.exceptions.RayActorError as error:
+                return error
+            except ray.exceptions.GetTimeoutError:
+                continue  # busy (still in a collective): not known to be lost
+        return None
+
+    def _describe_loss(self, error: Exception) -> str:
+        actor_id = getattr(error, "actor_id", None)
+        ranks = [rank for rank, worker in enumerate(self.workers)
+                 if actor_id and worker._actor_id.hex() == actor_id and rank < len(self.locations)]
+        if not ranks:
+            return f"a rank of the worker group died mid-chunk ({type(error).__name__}); retrying from the last commit."
+        location = self.locations[ranks[0]]
+        alive = {node["NodeID"]: node["Alive"] for node in ray.nodes()}
+        cause = "its node is gone" if not alive.get(location.node_id, False) else "its actor died"
+        return f"rank {ranks[0]} on node {location.describe()} was lost mid-chunk ({cause}); retrying from the last commit."
+
+    def _check_store_visible(self, run: RunConfig) -> None:
+        """A local --ckpt_path must be the same folder on every node: ranks write into it directly."""
+        import fsspec
+        from fsspec.implementations.local import LocalFileSystem
+
+        fs, root = fsspec.core.url_to_fs(run.ckpt_path, **run.storage_options)
+        if not isinstance(fs, LocalFileSystem):
+            return
+        os.makedirs(root, exist_ok=True)
+        marker = os.path.join(root, f".rlhf-visible-{secrets.token_hex(6)}")
+        open(marker, "w").close()
+        try:
+            seen = self._gather([worker.sees.remote(marker) for worker in self.workers])
+        finally:
+            os.remove(marker)
+        blind = sorted({location.describe() for location, sees in zip(self.locations, seen) if not sees})
+        if blind:
+            raise UserError(f"--ckpt_path {run.ckpt_path} is a local folder that node {', '.join(blind)} cannot see; "
+                            "use a folder shared by every node at the same path, or an object store (s3://...).")
+
+
+def group_settings(run: RunConfig) -> dict:
+    """The settings a WorkerGroup is built from: two runs that agree on them can use the same group."""
+    return run.model_dump(include={"ray_address", "num_workers", "num_cpus_per_worker", "placement_strategy",
+                                   "placement_timeout_s", "allow_fewer_workers", "ckpt_path", "storage_options"})
+
+
+def forwarded_environment() -> dict[str, str]:
+    """The driver's variables the ranks need and would not have: workers of an existing cluster inherit
+    the cluster's environment, not the driver's. The ranks read and write the store themselves, so the
+    standard AWS_* variables (credentials, endpoint, region) travel with them, as the test fault hooks
+    (RLHF_FAULT_*) do. Ray keeps a runtime env in its GCS, visible on its dashboard: give the nodes their
+    own credentials (an instance role) and leave them out of the driver's environment where that matters."""
+    return {name: value for name, value in os.environ.items() if name.startswith(("RLHF_FAULT_", "AWS_"))}
+
+
+def placement_bundle(run: RunConfig) -> dict[str, float]:
+    """The resources one rank reserves: --num_cpus_per_worker (default 1, or an equal share of a small
+    cluster's CPUs) and a GPU when the cluster has one per rank."""
+    cluster = ray.cluster_resources()
+    cpus = run.num_cpus_per_worker or min(1.0, max(0.01, cluster.get("CPU", 1) / run.num_workers))
+    bundle = {"CPU": cpus}
+    if cluster.get("GPU", 0) >= run.num_workers:
+        bundle["GPU"] = 1
+    return bundle
+
+
+def reserve_placement(run: RunConfig):
+    """A ready placement group for the ranks, and its size (fewer than num_workers only with
+    --allow_fewer_workers); a sentence naming the missing resources when none can be placed."""
+    bundle = placement_bundle(run)
+    group = _placed(run.num_workers, bundle, run.placement_strategy, run.placement_timeout_s)
+    if group is not None:
+        return group, run.num_workers
+    if run.allow_fewer_workers:
+        for num_ranks in _smaller_world_sizes(run):
+            group = _placed(num_ranks, bundle, run.placement_strategy, SMALLER_GROUP_TIMEOUT_S)
+            if group is not None:
+                return group, num_ranks
+    message = _placement_shortfall(run, bundle)
+    if _cluster_can_hold(run.num_workers, bundle, run.placement_strategy):
+        raise PlacementFailed(message + " The resources exist but stayed in use; the chunk is retried.")
+    raise UserError(message)
+
+
+def _placed(num_ranks: int, bundle: dict, strategy: str, timeout_s: float):
+    group = placement_group([dict(bundle) for _ in range(num_ranks)], strategy=strategy)
+    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+    if ready:
+        return group
+    remove_placement_group(group)
+    return None
+
+
+def _smaller_world_sizes(run: RunConfig) -> list[int]:
+    """World sizes below num_workers that the batch settings allow, largest first."""
+    from pydantic import ValidationError
+
+    sizes = []
+    for num_ranks in range(run.num_workers - 1, 0, -1):
+        try:
+            RunConfig.model_validate({**run.model_dump(), "num_workers": num_ranks})
+        except ValidationError:
+            continue
+        sizes.append(num_ranks)
+    return sizes
+
+
+def _alive_nodes() -> list[dict]:
+    return [node for node in ray.nodes() if node.get("Alive")]
+
+
+def _cluster_can_hold(num_ranks: int, bundle: dict, strategy: str) -> bool:
+    """Whether the alive nodes' total resources fit the group at all (busy or not)."""
+    fits_per_node = [min(int(node["Resources"].get(name, 0) // amount) for name, amount in bundle.items() if amount)
+                     for node in _alive_nodes()]
+    if strategy == "STRICT_SPREAD":
+        return sum(1 for fits in fits_per_node if fits >= 1) >= num_ranks
+    return sum(fits_per_node) >= num_ranks
+
+
+def _placement_shortfall(run: RunConfig, bundle: dict) -> str:
+    nodes = _alive_nodes()
+    total, free = ray.cluster_resources(), ray.available_resources()
+    wanted = ", ".join(f"{amount:g} {name}" for name, amount in bundle.items())
+    have = "; ".join(f"{name}: {free.get(name, 0):g} free of {total.get(name, 0):g}" for name in bundle)
+    spread = f" on {run.num_workers} different nodes" if run.placement_strategy == "STRICT_SPREAD" else ""
+    return (f"--num_workers {run.num_workers}: Ray could not place {run.num_workers} ranks of {{{wanted}}}{spread} "
+            f"({run.placement_strategy}) within --placement_timeout_s {run.placement_timeout_s:g}; the cluster has "
+            f"{len(nodes)} alive node(s) ({have}). Add nodes or resources, lower --num_workers or "
+            f"--num_cpus_per_worker, or pass --allow_fewer_workers.")
+
+
+def gather(refs):
+    """`ray.get(refs)`, re-raising a rank's named failure (`rlhf_core.errors`) as itself (Ray wraps it in a
+    RayTaskError), so the retry policy and the CLI see its class. Once a stop
+    signal has arrived, waits only until the emergency checkpoint's deadline (`rlhf_core.driver.stop.GraceExpired`)."""
+    pending = list(refs) if isinstance(refs, list) else [refs]
+    while pending:
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=STOP_POLL_S)
+        if pending:
+            stop.check_deadline()
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayTaskError as error:
+        cause = getattr(error, "cause", None)
+        if isinstance(cause, RLHFError):
+            raise cause from None
+        raise
+
+
+def ensure_ray(ray_address: str | None) -> None:
+    """Connect to `ray_address` (or RAY_ADDRESS; `ray://` as a Ray client), else start a local cluster,
+    once per process."""
+    if ray.is_initialized():
+        return
+    from rlhf_core.ops import console  # the CLI's quiet console: actors' output to the run's log file
+
+    address = ray_address or os.environ.get("RAY_ADDRESS") or None
+    with _ray_keeps_off_sigterm():
+        if address and address.startswith("ray://"):
+            _connect_client(address, console.ray_init_options(client=True))
+        else:
+            ray.init(address=address, include_dashboard=False, configure_logging=True, **console.ray_init_options())
+    stop.reclaim_signals()
+    console.route_ray_worker_output()
+
+
+@contextlib.contextmanager
+def _ray_keeps_off_sigterm():
+    """`ray.init` first installs a SIGTERM handler that exits with code 15 (in the middle of its own start,
+    leaving its processes behind); inside a stop-obeying run (rlhf_core.driver.stop) it is kept from doing so, through
+    the private function it calls. Should that name move, `stop.reclaim_signals` after the start still holds."""
+    from ray._private import utils as ray_utils
+
+    original = getattr(ray_utils, "set_sigterm_handler", None)
+    if original is None or not stop.obeying():
+        yield
+        return
+    ray_utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        ray_utils.set_sigterm_handler = original
+
+
+def _connect_client(address: str, options: dict, num_attempts: int = 3) -> None:
+    """`ray.init` as a Ray client, tried again on a connection error: a cluster's first client connection can
+    fail while its proxy starts the client server ("Starting Ray client server failed")."""
+    for attempt in range(1, num_attempts + 1):
+        try:
+            ray.init(address=address, **options)
+            return
+        except ConnectionError as error:  # ConnectionAbortedError on a failed server start
+            if attempt == num_attempts:
+                raise
+            logger.warning("connecting to %s failed (%s); trying again", address, str(error).splitlines()[0])
+            time.sleep(2.0 * attempt)

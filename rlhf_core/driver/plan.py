@@ -1,0 +1,78 @@
+"""A training stage laid out before it trains: its paths made absolute (`resolve_paths`) and its chunks
+(`plan_stage`: how many usable samples, how many steps, where each chunk ends). Both are pure functions of the
+run's config and data, so the CLI, preflight, the flow and the chunks agree on them; counting reads and
+tokenizes the data, so each process counts a (stage, seed, settings) once.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import fsspec
+
+from rlhf_core.config import STAGES, RunConfig, fields_with_role
+from rlhf_core.errors import UserError
+from rlhf_core.storage.hub import is_hub_id
+from rlhf_core.rank.trainers import trainer_class
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    stage: str
+    num_samples: int
+    total_steps: int
+    targets: list[int]  # the step each chunk ends at
+
+
+def resolve_paths(run: RunConfig) -> RunConfig:
+    """Make local paths absolute, so Ray workers (other working directories) see the same files. The fields
+    to resolve are those `rlhf_core.config.STAGES` tags with a role; several comma-separated datasets are
+    resolved one by one, and a hub id (`org/name`, no such local path) stays a hub id."""
+
+    outputs = {getattr(run.stage_config(stage), STAGES[stage].output_field) for stage in run.stages}
+
+    def absolute(url: str, may_name_a_hub_repo: bool = False) -> str:
+        protocol, _ = fsspec.core.split_protocol(url)
+        if protocol or (may_name_a_hub_repo and url not in outputs and is_hub_id(url)):
+            return url
+        return os.path.abspath(url)
+
+    updates: dict = {"ckpt_path": absolute(run.ckpt_path)}
+    for stage in run.stages:
+        cfg, config_class = run.stage_config(stage), STAGES[stage].config
+        paths = {name: absolute(getattr(cfg, name), role == "model") for role in ("model", "path", "output")
+                 for name in fields_with_role(config_class, role) if getattr(cfg, name, None)}
+        paths |= {name: ",".join(absolute(part, True) for part in getattr(cfg, name).split(","))
+                  for name in fields_with_role(config_class, "data") if getattr(cfg, name, None)}
+        updates[stage] = cfg.model_copy(update=paths)
+    return run.model_copy(update=updates)
+
+
+_NUM_ITEMS: dict[tuple, int] = {}
+
+
+def _count_items(run: RunConfig, stage: str) -> int:
+    """Usable samples of a stage. Counting reads and tokenizes the whole dataset, and the CLI, the flow
+    and every chunk ask, so one process counts each (stage, seed, settings) once."""
+    key = (stage, run.seed, run.stage_config(stage).model_dump_json())
+    if key not in _NUM_ITEMS:
+        _NUM_ITEMS[key] = trainer_class(stage).count_items(run)
+    return _NUM_ITEMS[key]
+
+
+def plan_stage(run: RunConfig, stage: str) -> StagePlan:
+    """Validate the stage's inputs and lay out its chunks; raises UserError before any training."""
+    trainer, cfg = trainer_class(stage), run.stage_config(stage)
+    num_items, per_step = _count_items(run, stage), trainer.items_per_step(cfg)
+    steps_per_pass = num_items // per_step
+    if steps_per_pass == 0:
+        data_url = getattr(cfg, "dataset", None) or getattr(cfg, "prompt_data", None)
+        raise UserError(
+            f"--{trainer.step_size_flag} {per_step} is larger than the {num_items} usable samples of "
+            f"{data_url}; lower it or add data."
+        )
+    total_steps = steps_per_pass * trainer.num_passes(cfg)
+    chunk = cfg.save_steps if cfg.save_steps > 0 else total_steps
+    targets = list(range(chunk, total_steps, chunk)) + [total_steps]
+    return StagePlan(stage, num_items, total_steps, targets)

@@ -1,0 +1,97 @@
+"""Everything about a run that can be checked before any training starts, each failure one UserError sentence.
+
+A mistake found after hours of training (a read-only --save_path, a reward function that raises, a model folder
+with no tokenizer) costs those hours; found here it costs seconds. Checked, in order: resume rules (an existing run
+needs --load_checkpoint, settings drift), every output location writable (a probe file, written and removed: this
+also proves an object store reachable), every input model a loadable Hugging Face folder, each training stage's
+data, eval data, tokenizer and reward function (the planner reads and tokenizes them and calls the reward
+function on one sample), LoRA target modules against the model's architecture (that of the model an earlier
+stage starts from, for its output), precision and attention settings this machine can run, tracker packages,
+and the run lease. Other inputs that an earlier stage of this run produces are checked when that stage has run.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+from rlhf_core.config import STAGES, TRAINING_STAGES, RunConfig, fields_with_role
+from rlhf_core.storage.writable import probe_writable
+
+
+def preflight(run: RunConfig) -> None:
+    """Refuse, before Prefect starts a flow run, a run that would fail on its inputs or outputs."""
+    from rlhf_core.driver.plan import plan_stage
+    from rlhf_core.storage.lease import RunLease
+    from rlhf_core.driver.resume import validate_run_start
+    from rlhf_core.ops.trackers import require_tracker_packages
+
+    validate_run_start(run)
+    outputs = [(run.run_url(), "--ckpt_path")] + [
+        (getattr(run.stage_config(stage), STAGES[stage].output_field), f"--{STAGES[stage].output_field}")
+        for stage in run.stages]
+    for url, flag in outputs:
+        probe_writable(url, flag, run.storage_options)
+    produced: dict[str, str] = {}  # an output of an earlier stage -> the model whose architecture it has
+    for stage in run.stages:
+        cfg = run.stage_config(stage)
+        for field in fields_with_role(STAGES[stage].config, "model"):
+            url = getattr(cfg, field, None)
+            if url and url not in produced:
+                check_model(url, f"--{field}", run.storage_options)
+        architecture = None
+        if stage in TRAINING_STAGES:
+            check_compute_settings(run, stage)
+            architecture = produced.get(cfg.pretrain) or cfg.pretrain
+            if cfg.lora_rank:
+                check_lora_targets(architecture, cfg.target_modules, run.storage_options)
+            if cfg.pretrain not in produced:
+                plan_stage(run, stage)  # the trainer's count_items reads data, eval data and reward function
+        produced[getattr(cfg, STAGES[stage].output_field)] = architecture
+    require_tracker_packages(run)
+    RunLease(run.run_url(), run.storage_options).check_available()
+
+
+def check_model(url: str, flag: str, storage_options: dict | None) -> None:
+    """A model (or adapter) folder transformers can load, and for an adapter its base too."""
+    from rlhf_core.rank.models import check_model_dir, is_lora_dir, lora_base_dir, local_model_dir
+
+    directory = local_model_dir(url, storage_options, flag=flag)
+    check_model_dir(directory, url, flag)
+    if is_lora_dir(directory):
+        base = lora_base_dir(directory, storage_options, flag=flag)
+        check_model_dir(base, base, f"{flag} (its base model)")
+
+
+def check_compute_settings(run: RunConfig, stage: str) -> None:
+    """Settings the ranks would refuse only after Ray and DeepSpeed started: fp16 without a GPU (on a local
+    Ray, whose ranks run here) and an attention kernel transformers does not know."""
+    import torch
+
+    from rlhf_core.rank.ds_config import resolve_precision
+    from rlhf_core.rank.models import resolve_attn_implementation
+
+    cfg = run.stage_config(stage)
+    if not (run.ray_address or os.environ.get("RAY_ADDRESS")):
+        resolve_precision(cfg.param_dtype, on_gpu=torch.cuda.is_available(), cpu_bf16=True)
+    resolve_attn_implementation(cfg.attn_implementation)
+
+
+def check_lora_targets(url: str, target_modules: list[str] | None, storage_options: dict | None = None,
+                       flag: str = "--pretrain") -> None:
+    """Before any rank starts: `refuse_unknown_targets` on the architecture of the model at `url` (`flag`'s
+    value; an adapter folder's base), built on the meta device from its config.json."""
+    if not target_modules:
+        return
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rlhf_core.rank.lora_targets import refuse_unknown_targets
+    from rlhf_core.rank.models import is_lora_dir, local_model_dir, lora_base_dir
+
+    directory = local_model_dir(url, storage_options, flag=flag)
+    if is_lora_dir(directory):
+        directory = lora_base_dir(directory, storage_options, flag=flag)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
+    refuse_unknown_targets(model, target_modules, url)

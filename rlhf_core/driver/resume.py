@@ -1,0 +1,186 @@
+"""Where a stage resumes from, and whether it may.
+
+At the start of a run (`validate_run_start`, read-only, so the CLI can call it before Prefect starts):
+a run folder that holds checkpoints is refused without --load_checkpoint, a resume whose settings
+changed the math is refused with a field-by-field diff unless --allow_config_change, and an explicit
+--resume_from step must be a committed checkpoint. `begin_stage` then applies --resume_from (newer
+checkpoints are set aside, never deleted) and returns the stage's `Lineage`, part of every chunk's
+cache key.
+
+Loading (`load_start`): the driver reads the newest committed candidate's metadata (checked against
+its manifest) and checks it for drift; each rank then fetches the files it reads, verifying their
+sha256s as they arrive, or on a local store loads them in place while they are hashed
+(`rlhf_core.rank.worker.TrainWorker.load_from_store`). A bad candidate is set aside
+with one log line and the next older one is tried. No pickle is unpickled with code allowed: DeepSpeed
+reads its files through `rlhf_core.storage.safe_load`'s guarded loader, and a checkpoint written at another
+world size (ZeRO-1/2 partition optimizer state by rank, ZeRO-3 the weights too; ZeRO-0 keeps it
+whole) is scanned, then converted to DeepSpeed's universal format on each rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+
+from rlhf_core.storage.checkpoint import CheckpointStore
+from rlhf_core.storage.manifest import METADATA_NAME, CheckpointInfo
+from rlhf_core.config import TRAINING_STAGES, WORLD_SIZE_DEPENDENT_STAGES, RunConfig, semantic_fields
+from rlhf_core.rank.data import dataset_fingerprint
+from rlhf_core.errors import CorruptCheckpoint, UserError
+from rlhf_core.rank.models import input_model_fingerprints
+
+logger = logging.getLogger(__name__)
+
+LINEAGE_MARKER = "RESUMED_FROM.json"
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """How this run's line of checkpoints starts: from an explicit step, and with weights only."""
+
+    start_step: int = 0
+    start_digest: str = ""
+    weights_only: bool = False
+
+    def cache_token(self) -> str:
+        if self == Lineage():
+            return ""
+        return f"from{self.start_step}-{self.start_digest[:12]}{'-weights' if self.weights_only else ''}"
+
+
+@dataclass(frozen=True)
+class StartState:
+    """The committed checkpoint a worker group loaded, with its (verified) metadata."""
+
+    info: CheckpointInfo
+    metadata: dict
+    universal: bool
+    weights_only: bool
+
+
+def open_store(run: RunConfig, stage: str) -> CheckpointStore:
+    return CheckpointStore(run.stage_url(stage), run.storage_options)
+
+
+def config_drift(run: RunConfig, stage: str, metadata: dict) -> list[str]:
+    """Semantic settings that differ between `run` and a checkpoint's metadata, as 'field: old -> new'. Only
+    settings both know are compared: a checkpoint written by another version of this package may record a
+    setting that is no longer semantic (--zero_stage became operational) or lack one added since."""
+    cfg = run.stage_config(stage)
+    current = {**semantic_fields(cfg), "seed": run.seed}
+    saved = {**metadata.get("config", {}), "seed": metadata.get("seed")}
+    changes = [f"{name}: {saved[name]!r} -> {current[name]!r}"
+               for name in sorted(set(current) & set(saved)) if saved[name] != current[name]]
+    saved_world_size = metadata.get("world_size")
+    if stage in WORLD_SIZE_DEPENDENT_STAGES and saved_world_size not in (None, run.num_workers) \
+            and not run.allow_fewer_workers:
+        changes.append(f"num_workers: {saved_world_size} -> {run.num_workers} (each PPO rank samples with its own seed)")
+    saved_fingerprint = metadata.get("dataset_fingerprint")
+    if saved_fingerprint and saved_fingerprint != dataset_fingerprint(cfg, run.storage_options):
+        changes.append("dataset contents: changed")
+    # Same path, other model: e.g. SFT retrained into the save_path this stage started from.
+    current_models = input_model_fingerprints(cfg, run.storage_options)
+    for name, saved_model in sorted(metadata.get("input_models", {}).items()):
+        if saved_model and current_models.get(name, saved_model) != saved_model:
+            changes.append(f"{name} model contents: changed")
+    return changes
+
+
+def check_drift(run: RunConfig, stage: str, info: CheckpointInfo, metadata: dict) -> None:
+    changes = config_drift(run, stage, metadata)
+    if changes and not run.allow_config_change:
+        raise UserError(
+            f"{info.uri} was trained with other settings ({'; '.join(changes)}); resume with the original "
+            f"settings, pass --allow_config_change to accept the change, or start a new --run_name."
+        )
+    check_zero_stage(run.stage_config(stage).zero_stage, run.load_weights_only, info, metadata)
+
+
+def check_zero_stage(configured: int | None, weights_only: bool, info: CheckpointInfo, metadata: dict) -> None:
+    """Refuse an explicit --zero_stage that cannot read the checkpoint's optimizer state (DeepSpeed loads
+    another stage's layout only as weights, and ZeRO-3's partitioned weights not even so)."""
+    saved = metadata.get("zero_stage")
+    if configured is None or saved is None or configured == saved or (weights_only and 3 not in (configured, saved)):
+        return
+    raise UserError(
+        f"{info.uri} was written with ZeRO stage {saved} and --zero_stage {configured} cannot load it; pass "
+        f"--zero_stage {saved} (or leave it unset to keep it)"
+        + (", or --load_weights_only to start fresh optimizers." if 3 not in (configured, saved) else ".")
+    )
+
+
+def validate_run_start(run: RunConfig) -> None:
+    """Refuse a run start that would overwrite, silently change the math, or resume from nowhere."""
+    for stage in (stage for stage in run.stages if stage in TRAINING_STAGES):
+        store = open_store(run, stage)
+        committed = [info for info in store.list() if info.is_committed]
+        if committed and not run.load_checkpoint:
+            raise UserError(
+                f"{run.stage_url(stage)} already holds checkpoints; pass --load_checkpoint to resume it, "
+                f"or choose another --run_name or --ckpt_path."
+            )
+        if run.resume_from is not None and stage == run.stages[0]:
+            if run.resume_from not in {info.step for info in committed}:
+                available = ", ".join(info.name for info in committed) or "none"
+                raise UserError(f"--resume_from {run.resume_from}: {store.uri(run.resume_from)} is not a committed "
+                                f"checkpoint (committed: {available}).")
+            committed = [info for info in committed if info.step <= run.resume_from]
+        if committed and run.load_checkpoint:
+            check_drift(run, stage, committed[-1], store.read_metadata(committed[-1].step))
+
+
+def begin_stage(run: RunConfig, stage: str) -> Lineage:
+    """Check the stage's checkpoints against its inputs as they are now (an earlier stage of this run
+    may have rewritten them since the run began), apply --resume_from (set newer checkpoints aside,
+    once) and return the stage's lineage."""
+    store = open_store(run, stage)
+    committed = [info for info in store.list() if info.is_committed]
+    explicit = run.resume_from is not None and stage == run.stages[0]
+    usable = [info for info in committed if not explicit or info.step <= run.resume_from]
+    if usable and run.load_checkpoint:
+        check_drift(run, stage, usable[-1], store.read_metadata(usable[-1].step))
+    if explicit:
+        start = next(info for info in committed if info.step == run.resume_from)
+        marker = store.read_json(LINEAGE_MARKER)
+        if marker != {"step": start.step, "manifest_digest": start.manifest_digest}:
+            for newer in (info for info in store.list() if info.step > start.step):
+                logger.warning("--resume_from %d: setting %s aside (moved to %s)", start.step, newer.name,
+                               store.set_aside(newer))
+            store.write_json(LINEAGE_MARKER, {"step": start.step, "manifest_digest": start.manifest_digest})
+    elif run.load_weights_only and committed:
+        start = committed[-1]
+    else:
+        return Lineage()
+    return Lineage(start.step, start.manifest_digest, run.load_weights_only)
+
+
+def load_start(run: RunConfig, stage: str, store: CheckpointStore, infos: list[CheckpointInfo], lineage: Lineage,
+               group, total_steps: int) -> StartState | None:
+    """Set `group` (a rlhf_core.driver.engine.WorkerGroup) up for the stage and load the newest good checkpoint in
+    `infos` into it; a bad one is set aside with one log line and the next older one is tried. None: no
+    checkpoint, the group starts from the pretrained model."""
+    for info in reversed(infos):
+        try:
+            if not info.is_committed:
+                raise CorruptCheckpoint(info.reason, info.step, info.reason)
+            metadata = json.loads(store.read_verified(info.step, METADATA_NAME))
+            check_drift(run, stage, info, metadata)
+            start = StartState(info, metadata, needs_universal(metadata, group.world_size),
+                               lineage.weights_only and info.step == lineage.start_step)
+            group.setup(run, stage, total_steps, load_universal=start.universal,
+                        saved_zero_stage=metadata.get("zero_stage"))
+            group.load(run.stage_url(stage), run.storage_options, info.step, start.universal, start.weights_only)
+            return start
+        except CorruptCheckpoint as error:
+            status = info.status if not info.is_committed else "corrupt"
+            logger.warning("skipping checkpoint %s (%s: %s); set aside to %s", info.name, status, error.reason,
+                           store.set_aside(CheckpointInfo(**{**asdict(info), "status": status, "reason": error.reason})))
+    group.setup(run, stage, total_steps, load_universal=False)
+    return None
+
+
+def needs_universal(metadata: dict, num_workers: int) -> bool:
+    """ZeRO 1-3 partition state by rank (stage 3 the weights too): another world size reads it through the
+    universal format. ZeRO-0 state is whole on every rank and loads anywhere as it is."""
+    return metadata.get("world_size", num_workers) != num_workers and metadata.get("zero_stage", 0) > 0

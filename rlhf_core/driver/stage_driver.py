@@ -1,0 +1,37 @@
+"""A whole training stage in this process, without Prefect (library use, tests and the fault driver): every
+chunk in turn (`rlhf_core.driver.chunk.ensure_checkpoint`), then the export of its final checkpoint as a Hugging Face
+model. The flow `rlhf` (flows/pipeline.py) does the same with Prefect's caching and retries.
+"""
+
+from __future__ import annotations
+
+from rlhf_core.driver.chunk import ensure_checkpoint, release_workers, run_lease
+from rlhf_core.config import RunConfig
+from rlhf_core.driver.export import export_stage_output
+from rlhf_core.driver.plan import plan_stage
+from rlhf_core.driver.resume import begin_stage, open_store
+from rlhf_core.rank.trainers import trainer_class
+
+
+def train_stage(run: RunConfig, stage: str) -> str:
+    """Every chunk of a training stage, then its export, in this process and without Prefect (for
+    library use and tests; the flow `rlhf` does the same with caching and retries). Returns save_path."""
+    lineage, plan = begin_stage(run, stage), plan_stage(run, stage)
+    with run_lease(run):
+        try:
+            for target in plan.targets:
+                ensure_checkpoint(run, stage, target, lineage)
+        finally:
+            release_workers()
+        return export_stage(run, stage, plan.total_steps)
+
+
+def export_stage(run: RunConfig, stage: str, final_step: int) -> str:
+    """The stage's final checkpoint as a Hugging Face model (an adapter if LoRA) in its save_path; with PPO's
+    --save_value_network, the critic too, in {save_path}_critic (as OpenRLHF). Returns save_path."""
+    cfg, store = run.stage_config(stage), open_store(run, stage)
+    if getattr(cfg, "save_value_network", False) and getattr(cfg, "advantage_estimator", None) == "gae":
+        export_stage_output(store, final_step, "critic_model", cfg.pretrain, f"{cfg.save_path.rstrip('/')}_critic",
+                            run.storage_options)
+    return export_stage_output(store, final_step, trainer_class(stage).export_model_dir, cfg.pretrain,
+                               cfg.save_path, run.storage_options)

@@ -1,0 +1,278 @@
+"""A stop signal is obeyed and used: SIGTERM or Ctrl-C ends a run at the next step, with that step committed.
+
+SIGTERM is what a spot preemption notice, `docker stop`, Kubernetes and `ray job stop` send; Ctrl-C is SIGINT
+from the terminal. The first of either, in the driver, asks for a stop (`requested()`): the ranks finish the
+step they are in and agree, at the next step boundary, to go no further (`rlhf_core.driver.engine`), and the chunk
+commits that step as an emergency checkpoint, a commit like any other at an off-boundary step
+(`rlhf_core.driver.chunk`). It must commit within `--stop_grace_s` (default 25 s, under Kubernetes' 30 s) less a
+reserve for leaving (`exit_reserve_s`: 5 s of 25); when it cannot, the step is abandoned and the last commit
+stands. The chunk then raises `StoppedBySignal`, whose text is the line the CLI prints, and the process exits
+with 128 + the signal's number (130, 143), as a shell reports a process killed by that signal. Prefect marks
+the run Cancelled and never retries it (`tasks.chunks`, `flows.pipeline`).
+
+A second signal leaves at once: every process this one started (Prefect's ephemeral server, the local Ray
+cluster, the ranks) is killed and the last commit stands. So does the watchdog when the grace period ends
+with the process still running (a hung store, a rank that never finishes its step).
+
+Departures: OpenRLHF, DeepSpeed and TRL leave SIGTERM and SIGINT to Python (a KeyboardInterrupt wherever it
+lands, no checkpoint); torchelastic forwards SIGTERM to its workers and lets them die. Prefect's own SIGTERM
+bridge (it marks the run Crashed) is replaced while a flow body runs here (`obeying_signals`), and only a
+signal that lands in Prefect's own code between two flow bodies reaches it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from typing import Callable, Iterator
+
+DEFAULT_GRACE_S = 25.0
+# What the grace period keeps for leaving after the emergency commit (Prefect's final states, the ranks' and
+# Ray's shutdown, the server's stop: about 2 s here): a fifth of it, at least 3 s, at most half.
+EXIT_RESERVE_FRACTION, MIN_EXIT_RESERVE_S = 0.2, 3.0
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StoppedBySignal(Exception):
+    """The run stopped on a signal, with `step` its stage's newest commit; its text is the CLI's last line."""
+
+    def __init__(self, signal_number: int, stage: str, step: int, committed_in: str | None,
+                 stopped_at: int | None = None, abandoned: bool = False):
+        self.signal_number, self.stage, self.step, self.committed_in = signal_number, stage, step, committed_in
+        self.stopped_at = step if stopped_at is None else stopped_at
+        self.abandoned = abandoned
+        super().__init__(self.describe())
+
+    def __reduce__(self):  # picklable (Prefect may persist it), with the fields the text is made of
+        return (type(self), (self.signal_number, self.stage, self.step, self.committed_in, self.stopped_at,
+                             self.abandoned))
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signal_number
+
+    def describe(self) -> str:
+        name = signal.Signals(self.signal_number).name
+        where = f" in {self.committed_in}" if self.committed_in else ""
+        commit = f"step_{self.step}{where}" if self.step else None
+        if self.abandoned:
+            kept = f"the last commit, {commit}, stands" if commit else "nothing of this stage is committed yet"
+            return (f"stopped by {name} at step {self.stopped_at}; its emergency checkpoint did not fit in "
+                    f"--stop_grace_s {grace_s():g}, so {kept}; run the same command to continue")
+        if commit is None:
+            return f"stopped by {name} before any step of {self.stage} was committed; run the same command to start"
+        return f"stopped by {name} at step {self.step}; committed {commit}; run the same command to continue"
+
+
+class GraceExpired(Exception):
+    """The grace period ran out before the ranks finished their step or the emergency checkpoint committed."""
+
+
+class _Stop:
+    """This process's stop: the first signal's number and time, and whom to tell."""
+
+    lock = threading.Lock()
+    signal_number: int | None = None
+    received_at: float | None = None  # time.monotonic()
+    grace_s: float = DEFAULT_GRACE_S
+    listeners: list[Callable[[], None]] = []
+    depth = 0  # nested `obeying_signals` blocks
+    generation = 0  # counts `reset`s: a watchdog of an earlier stop does nothing
+    owns_process = False  # whether the watchdog may end the process after the blocks (the CLI's), not only in them
+    outcome: StoppedBySignal | None = None  # the last `stopped()`
+    last_commit: tuple[str, int, str] | None = None  # (stage, step, stage folder) of the newest commit seen
+
+
+def requested() -> bool:
+    """Whether a stop signal has arrived."""
+    return _Stop.signal_number is not None
+
+
+def signal_number() -> int | None:
+    return _Stop.signal_number
+
+
+def grace_s() -> float:
+    return _Stop.grace_s
+
+
+def commit_deadline() -> float | None:
+    """The `time.monotonic()` by which an emergency checkpoint must have committed; None with no stop."""
+    if _Stop.received_at is None:
+        return None
+    return _Stop.received_at + _Stop.grace_s - exit_reserve_s(_Stop.grace_s)
+
+
+def exit_reserve_s(grace: float) -> float:
+    """The part of the grace period kept for leaving (see MIN_EXIT_RESERVE_S)."""
+    return min(grace / 2, max(MIN_EXIT_RESERVE_S, grace * EXIT_RESERVE_FRACTION))
+
+
+def check_deadline() -> None:
+    """Raise GraceExpired once the emergency checkpoint's time is up."""
+    deadline = commit_deadline()
+    if deadline is not None and time.monotonic() >= deadline:
+        raise GraceExpired(f"--stop_grace_s {_Stop.grace_s:g} ran out")
+
+
+def on_request(listener: Callable[[], None]) -> Callable[[], None]:
+    """Call `listener` (from a thread of its own) when a stop is requested, at once if it already was;
+    returns a function that unregisters it."""
+    with _Stop.lock:
+        _Stop.listeners.append(listener)
+        already = requested()
+    if already:
+        _notify([listener])
+
+    def unregister() -> None:
+        with _Stop.lock:
+            if listener in _Stop.listeners:
+                _Stop.listeners.remove(listener)
+    return unregister
+
+
+def record_commit(stage: str, step: int, stage_url: str) -> None:
+    """The newest commit this process has seen, for the line of a stop that has no time to look it up."""
+    _Stop.last_commit = (stage, step, stage_url)
+
+
+def stopped(stage: str, step: int, stage_url: str, stopped_at: int | None = None,
+            abandoned: bool = False) -> StoppedBySignal:
+    """The exception a chunk raises once it has done what a stop allows (also kept for `outcome`)."""
+    _Stop.outcome = StoppedBySignal(_Stop.signal_number or signal.SIGTERM, stage, step, stage_url if step else None,
+                                    stopped_at, abandoned)
+    return _Stop.outcome
+
+
+def outcome() -> StoppedBySignal | None:
+    """The stop this run ended with, for the caller of a flow that Prefect reports Cancelled."""
+    return _Stop.outcome
+
+
+@contextlib.contextmanager
+def obeying_signals(grace: float = DEFAULT_GRACE_S, owns_process: bool = False) -> Iterator[None]:
+    """Handle SIGINT and SIGTERM as described above while the block runs (nested blocks are fine: each
+    restores what it found). `owns_process` (the CLI): the watchdog may end the process after the block too,
+    when leaving hangs; otherwise (a flow called from a notebook, a test) only while a block runs. Outside
+    the main thread, signals cannot be handled here: nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if _Stop.depth == 0:
+        reset()  # a new run in this process (tests, a notebook) starts with no stop
+        _Stop.owns_process = owns_process
+    _Stop.grace_s = grace
+    previous = {number: signal.signal(number, _on_signal) for number in STOP_SIGNALS}
+    _Stop.depth += 1
+    try:
+        yield
+    finally:
+        _Stop.depth -= 1
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def obeying() -> bool:
+    """Whether an `obeying_signals` block is running."""
+    return _Stop.depth > 0
+
+
+def reclaim_signals() -> None:
+    """Put this module's handlers back inside an `obeying_signals` block, after a library replaced them
+    (`ray.init` installs a SIGTERM handler that exits with code 15 wherever the driver is)."""
+    if _Stop.depth > 0 and threading.current_thread() is threading.main_thread():
+        for number in STOP_SIGNALS:
+            signal.signal(number, _on_signal)
+
+
+def reset() -> None:
+    """Forget a stop (a new run in this process); the listeners stay (worker groups unregister themselves)."""
+    with _Stop.lock:
+        _Stop.signal_number = _Stop.received_at = _Stop.last_commit = _Stop.outcome = None
+        _Stop.generation += 1
+
+
+def _on_signal(number: int, frame) -> None:
+    if requested():
+        _leave_now(number, "a second stop signal")
+        return
+    with _Stop.lock:
+        _Stop.signal_number, _Stop.received_at = number, time.monotonic()
+        listeners = list(_Stop.listeners)
+    name = signal.Signals(number).name
+    again = "Ctrl-C" if number == signal.SIGINT else name
+    with contextlib.suppress(Exception):
+        from rlhf_core.ops.console import end_live_line
+
+        end_live_line()  # the notice goes on a line of its own, not over the live bar
+    _write_line(f"rlhf: {name} received: stopping after the current step, which commits within --stop_grace_s "
+                f"{_Stop.grace_s:g}; {again} again to leave at once (the last commit stands).")
+    _notify(listeners)
+    threading.Thread(target=_watchdog, args=(_Stop.generation,), name="rlhf-stop-watchdog", daemon=True).start()
+
+
+def _notify(listeners: list[Callable[[], None]]) -> None:
+    def run() -> None:
+        for listener in listeners:
+            try:
+                listener()
+            except Exception:  # noqa: BLE001 - a group already gone has nothing to stop
+                pass
+    threading.Thread(target=run, name="rlhf-stop-notify", daemon=True).start()
+
+
+def _watchdog(generation: int) -> None:
+    """Leave at the end of the grace period if the run is still here (and this stop was not forgotten)."""
+    time.sleep(max(0.0, _Stop.received_at + _Stop.grace_s - time.monotonic()))
+    with _Stop.lock:
+        current = _Stop.generation == generation and requested() and (_Stop.depth > 0 or _Stop.owns_process)
+    if current:
+        _dump_stacks_to_log_file()
+        _leave_now(_Stop.signal_number, f"--stop_grace_s {_Stop.grace_s:g} ran out")
+
+
+def _dump_stacks_to_log_file() -> None:
+    """Where every thread was when the grace period ran out, into the run's log file (what hung)."""
+    import faulthandler
+
+    from rlhf_core.ops.console import configured_log_file
+
+    path = configured_log_file()
+    if path is None:
+        return
+    with contextlib.suppress(OSError), open(path, "a") as log:
+        log.write("rlhf: --stop_grace_s ran out; the driver's threads were here:\n")
+        log.flush()
+        faulthandler.dump_traceback(file=log, all_threads=True)
+
+
+def _leave_now(number: int, why: str) -> None:
+    """Kill every process this one started and exit with 128 + `number`, the last commit standing."""
+    commit = _Stop.last_commit
+    kept = f"the last commit, step_{commit[1]} in {commit[2]}, stands" if commit else "the last commit stands"
+    _write_line(f"rlhf: stopped by {signal.Signals(number).name} ({why}): leaving now; {kept}; "
+                "run the same command to continue")
+    kill_descendants()
+    os._exit(128 + number)
+
+
+def kill_descendants() -> None:
+    """SIGKILL every process started from this one (the ranks too: Ray's raylet started them)."""
+    import psutil
+
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+
+
+def _write_line(text: str) -> None:
+    """One line on stderr, written whole even from a signal handler (no buffered stream in between)."""
+    with contextlib.suppress(OSError):
+        os.write(2, (text + "\n").encode())

@@ -1,0 +1,533 @@
+"""The seed's alerts, computed from what a chunk commits: reward stagnation, checkpoint size, non-finite values.
+
+The seed's user guide ("监控与告警") asks for two alerts on checkpoints: "the reward score has not improved
+across 3 consecutive checkpoints" and "the checkpoint file size is anomalous (a 70B model is about 140 GB)".
+We add a third that the first one would otherwise hide: NaN or Inf in the loss or the weights. Each alert
+is an `Alert` (its `name` is the Prefect event name the flow layer emits) and is appended to the run's
+`alerts.jsonl` (`AlertLog`), beside the checkpoints, so that it survives the flow run and `rlhf ckpt ls`
+can show it. This module only computes and records; it never imports prefect or ray.
+
+- `rlhf.alert.reward-stagnant`: the stage's headline metric (`headline_metric`: for PPO the held-out
+  `eval_reward`, else the chunk's `mean_reward`, else the last step's `reward`, higher is better; for SFT,
+  RM and any other stage `eval_loss`, else `mean_loss`, else `loss`, lower is better) over the line of
+  committed checkpoints. As Keras' EarlyStopping: a checkpoint improves when its value beats the best value
+  so far by more than `min_delta`; the first one sets the baseline. The alert fires at the commit where
+  the last `window` (default 3) checkpoints have all failed to improve (so it needs at least `window + 1`
+  values), once per episode: not again at the flat commits after it, and again only once an improvement
+  has cleared the condition and `window` more checkpoints fail to improve. Why: a flat reward wastes GPU
+  hours silently; a loss curve is the SFT/RM equivalent. Once, because an operator (or an automation's
+  notification) needs the start of a plateau, not a copy of it at every commit.
+- `rlhf.alert.checkpoint-size`: the committed checkpoint's bytes against (a) a prediction from the models'
+  parameter counts, training dtype, ZeRO stage and optimizer (`expected_checkpoint_bytes`) and (b) the median
+  size of the previous committed checkpoints of the stage; once per distinct anomaly: a checkpoint that
+  repeats its predecessor's anomaly (the same findings, on the same sides) raises nothing, so a run saved in
+  an unexpected dtype alerts once, not at every commit, while a truncated checkpoint after it still does. Why:
+  a rank whose files are missing or half-written still commits a manifest that verifies (it lists what was
+  uploaded), and a model saved in the wrong dtype or without its optimizer resumes badly; size is the cheap
+  tell. The seed's "70B is about 140 GB" is the bf16 weights alone (2 bytes per parameter); a resumable
+  DeepSpeed checkpoint of a full fine-tune also holds an fp32 master copy and two fp32 Adam moments per
+  trainable parameter (12 bytes), so 14-18 bytes per parameter with the bf16 HF copy (1.0-1.3 TB for 70B);
+  with LoRA it is close to the 140 GB again.
+- `rlhf.alert.non-finite`: NaN or Inf in a step's metrics (`non_finite_metrics`) or in the weights
+  (`non_finite_parameters`). Why: such a checkpoint poisons every resume from it, so the chunk raises
+  `NonFiniteTraining` before committing, and it is not worth retrying (same data, same seed, same NaN).
+
+Every alert recorded (`AlertLog.append`) is also announced as one warning of the logger `rlhf_core.ops.alerts`,
+`rlhf: warning: <message> (<name>)`: the quiet console prints it as that line (rlhf_core.ops.console), the run's log
+file keeps it, and Prefect's API handler on `rlhf_core` (PREFECT_LOGGING_EXTRA_LOGGERS) puts it in the flow
+run's log, beside the event the flow emits. Why: an alert in a file and an event reaches automations, not the
+person watching `rlhf train` (the stagnant-reward alert went unseen there).
+
+After each commit, `commit_alerts` computes the first two from the checkpoint's own metadata: its
+`metric_history` (one `history_entry` per checkpoint of its line, carried forward from the checkpoint it
+resumed from, so retention by --max_ckpt_num does not shorten it) and its `model_sizes` (`model_size_report`,
+made on a rank, where the models are). The non-finite check runs before the commit instead.
+
+What DeepSpeed writes, which the prediction follows (DeepSpeed 0.19; checked against toy checkpoints):
+- optimizer shards (`*optim_states.pt`, one per rank with ZeRO 1-3, partitioned, so their sum does not
+  depend on the world size): an fp32 master copy (4 bytes) and Adam's two fp32 moments (8 bytes) per
+  trainable parameter. ZeRO-0 keeps them inside `model_states`, without the master copy when the weights
+  are already fp32;
+- `model_states`: with ZeRO 0-2, rank 0 writes every module weight (frozen ones included) in the training
+  dtype; on a GPU, ZeRO-2 also writes the frozen weights a second time as CPU copies (`frozen_param_fragments`;
+  on a CPU the copy shares its storage and is written once; the GPU case is read from DeepSpeed's code, not
+  measured). With ZeRO-3 every rank writes a file, but the trainable weights live only in the optimizer
+  shards; the frozen ones are saved as their partitions;
+- the Hugging Face copy under `hf/`: every weight in the training dtype, or the adapter alone with LoRA;
+- small files: DeepSpeed's `zero_to_fp32.py` and `zero_to_torch.py` (~41 kB per model), configs, pickled
+  bookkeeping per `.pt` file, `training_metadata.json` and `MANIFEST.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import posixpath
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
+
+from rlhf_core.ops.console import WARNING_PREFIX
+from rlhf_core.errors import RLHFError, human_bytes
+
+logger = logging.getLogger(__name__)
+
+ALERT_REWARD_STAGNANT = "rlhf.alert.reward-stagnant"
+ALERT_CHECKPOINT_SIZE = "rlhf.alert.checkpoint-size"
+ALERT_NON_FINITE = "rlhf.alert.non-finite"
+ALERT_NAMES = (ALERT_REWARD_STAGNANT, ALERT_CHECKPOINT_SIZE, ALERT_NON_FINITE)
+ALERTS_FILE_NAME = "alerts.jsonl"
+
+# Headline metrics in order of preference: held-out first, then the chunk's mean, then the last step's.
+HIGHER_IS_BETTER_METRICS = {"ppo": ("eval_reward", "mean_reward", "reward")}
+LOWER_IS_BETTER_METRICS = ("eval_loss", "mean_loss", "loss")
+
+MASTER_WEIGHT_BYTES = 4  # fp32 master copy per trainable parameter
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8}  # two fp32 moments per trainable parameter
+# Measured on DeepSpeed 0.19 checkpoints of the toy model; negligible beside a real model's weights.
+DEEPSPEED_SCRIPTS_BYTES = 41_070  # zero_to_fp32.py + zero_to_torch.py, copied into each model folder
+TORCH_FILE_OVERHEAD_BYTES = 8_000  # pickled bookkeeping of one .pt file (ds_config, shapes, scheduler)
+HF_SMALL_FILES_BYTES = 3_000  # config.json, generation_config.json, safetensors header
+CHECKPOINT_SMALL_FILES_BYTES = 3_500  # training_metadata.json + MANIFEST.json
+
+NUM_PARAMETERS_NAMED = 5  # non_finite_parameters stops after this many names
+
+
+def _json_safe(value: Any) -> Any:
+    """`value` with every non-finite float spelled as a string, so the record is strict JSON (NaN is not)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)  # 'nan', 'inf', '-inf'
+    if isinstance(value, Mapping):
+        return {str(key): _json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(item) for item in value]
+    return value
+
+
+@dataclass
+class Alert:
+    """One alert: `name` is its Prefect event name; `message` is one sentence for an operator."""
+
+    name: str
+    run_name: str
+    stage: str
+    step: int
+    message: str
+    details: dict[str, Any] = field(default_factory=dict)
+    time: float = field(default_factory=time.time)  # epoch seconds
+
+    def __post_init__(self):
+        self.details = _json_safe(dict(self.details))
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True, allow_nan=False)
+
+    @classmethod
+    def from_json(cls, line: str) -> Alert:
+        """Parse one `alerts.jsonl` line; raises ValueError when it is not an alert."""
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError("not valid JSON") from error
+        if not isinstance(record, dict):
+            raise ValueError("not a JSON object")
+        try:
+            alert = cls(name=str(record["name"]), run_name=str(record["run_name"]), stage=str(record["stage"]),
+                        step=int(record["step"]), message=str(record["message"]),
+                        details=dict(record.get("details") or {}), time=float(record["time"]))
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"missing or malformed field: {error}") from error
+        return alert
+
+
+# --- reward-stagnant -------------------------------------------------------------------------------------
+
+
+def headline_metric(stage: str, metrics: Mapping[str, Any]) -> tuple[str, bool] | None:
+    """(name, higher_is_better) of the metric that says whether `stage` is improving, or None if
+    `metrics` holds none of them. PPO: eval_reward, mean_reward, reward (higher is better); other
+    stages: eval_loss, mean_loss, loss (lower is better); the first one present wins."""
+    higher = HIGHER_IS_BETTER_METRICS.get(stage)
+    candidates, higher_is_better = (higher, True) if higher else (LOWER_IS_BETTER_METRICS, False)
+    for name in candidates:
+        if _is_number(metrics.get(name)):
+            return name, higher_is_better
+    return None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def history_entry(step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """What a checkpoint's metadata keeps for the stagnation check: its step and its headline candidates
+    (a small record, so the whole line of checkpoints fits in the newest one's metadata, whatever
+    retention removed)."""
+    names = {name for names in HIGHER_IS_BETTER_METRICS.values() for name in names} | set(LOWER_IS_BETTER_METRICS)
+    return {"step": int(step), **{name: _json_safe(float(metrics[name])) for name in sorted(names)
+                                  if _is_number(metrics.get(name))}}
+
+
+def metric_history(stage: str,
+                   entries: Sequence[Mapping[str, Any]]) -> tuple[str, bool, list[tuple[int, float]]] | None:
+    """(metric, higher_is_better, [(step, value)] oldest first) from `history_entry` records (or any
+    {"step", metric...} mappings). The metric is the newest entry's headline; entries without it, or with
+    a non-finite value (the non-finite alert's business), are left out. None when there is nothing to judge."""
+    if not entries:
+        return None
+    ordered = sorted(entries, key=lambda entry: int(entry["step"]))
+    chosen = headline_metric(stage, ordered[-1])
+    if chosen is None:
+        return None
+    name, higher_is_better = chosen
+    values = [(int(entry["step"]), float(entry[name])) for entry in ordered
+              if _is_number(entry.get(name)) and math.isfinite(entry[name])]
+    return name, higher_is_better, values
+
+
+def checkpoints_without_improvement(values: Sequence[float], higher_is_better: bool,
+                                    min_delta: float = 0.0) -> tuple[int, int]:
+    """(how many of the newest values in a row failed to improve, index of the best value so far). A value
+    improves when it beats the best so far by more than `min_delta`; the first value is the baseline."""
+    best_index, streak = 0, 0
+    for index in range(1, len(values)):
+        gain = values[index] - values[best_index] if higher_is_better else values[best_index] - values[index]
+        if gain > min_delta:
+            best_index, streak = index, 0
+        else:
+            streak += 1
+    return streak, best_index
+
+
+def reward_stagnant_alert(run_name: str, stage: str, history: Sequence[tuple[int, float]], metric: str,
+                          higher_is_better: bool, window: int = 3, min_delta: float = 0.0) -> Alert | None:
+    """An alert when the newest checkpoint in `history` ((step, value) pairs, any order; non-finite values
+    ignored) is the `window`-th in a row that failed to improve on the best value before it by more than
+    `min_delta`: the start of a plateau. None otherwise: before it, and at the flat checkpoints after it
+    (the same plateau; the next alert needs an improvement first), and always with fewer than `window + 1`
+    values. Stateless: the history alone says where each plateau started, so a retry or a resume from
+    another process judges the same way."""
+    if window < 1 or min_delta < 0:
+        raise ValueError(f"window must be >= 1 and min_delta >= 0 (got {window}, {min_delta})")
+    points = sorted((int(step), float(value)) for step, value in history if math.isfinite(value))
+    if len(points) < window + 1:
+        return None
+    streak, best_index = checkpoints_without_improvement([value for _, value in points], higher_is_better, min_delta)
+    if streak != window:  # below: not stagnant yet; above: this plateau was reported at its start
+        return None
+    best_step, best_value = points[best_index]
+    recent = points[-streak:]
+    direction = "higher" if higher_is_better else "lower"
+    hint = "the learning rate, the KL coefficient or the reward" if stage == "ppo" else "the learning rate or the data"
+    message = (f"{stage} {metric} has not improved for {streak} committed checkpoints (steps {recent[0][0]} to "
+               f"{recent[-1][0]}): best {best_value:.4g} at step {best_step}, newest {recent[-1][1]:.4g} "
+               f"({direction} is better); check {hint} before spending more steps.")
+    details = {"metric": metric, "higher_is_better": higher_is_better, "window": window, "min_delta": min_delta,
+               "checkpoints_without_improvement": streak, "best_step": best_step, "best_value": best_value,
+               "recent": [[step, value] for step, value in recent]}
+    return Alert(ALERT_REWARD_STAGNANT, run_name, stage, points[-1][0], message, details)
+
+
+# --- checkpoint-size -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """What a checkpoint's size depends on for one saved model: its parameters (all and trainable; with
+    LoRA the trainable ones are the adapter), the bytes of one parameter in the training dtype, LoRA."""
+
+    num_params: int
+    num_trainable_params: int
+    param_bytes: int
+    lora: bool = False
+
+    @classmethod
+    def from_module(cls, module, lora: bool | None = None) -> ModelSize:
+        """Count a torch module's parameters (ZeRO-3's partitioned ones by their full size, `ds_numel`)."""
+        num_params = num_trainable = 0
+        param_bytes = 0
+        for param in module.parameters():
+            numel = int(getattr(param, "ds_numel", param.numel()))
+            num_params += numel
+            if param.requires_grad:
+                num_trainable += numel
+                param_bytes = param_bytes or param.element_size()
+        param_bytes = param_bytes or next(iter(module.parameters())).element_size()
+        return cls(num_params, num_trainable, param_bytes, hasattr(module, "peft_config") if lora is None else lora)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, record: Mapping[str, Any]) -> ModelSize:
+        return cls(int(record["num_params"]), int(record["num_trainable_params"]), int(record["param_bytes"]),
+                   bool(record.get("lora", False)))
+
+
+def _model_bytes(model: ModelSize, zero_stage: int, world_size: int, optimizer: str, has_ds_state: bool,
+                 has_hf_copy: bool, on_gpu: bool) -> int:
+    """Predicted bytes of one model's folder in a checkpoint (see the module docstring)."""
+    total = 0
+    if has_hf_copy:
+        hf_params = model.num_trainable_params if model.lora else model.num_params
+        total += hf_params * model.param_bytes + HF_SMALL_FILES_BYTES
+    if not has_ds_state:
+        return total
+    trainable, frozen = model.num_trainable_params, model.num_params - model.num_trainable_params
+    master = MASTER_WEIGHT_BYTES if zero_stage > 0 or model.param_bytes != MASTER_WEIGHT_BYTES else 0
+    total += trainable * (master + OPTIMIZER_STATE_BYTES[optimizer])
+    if zero_stage == 3:
+        total += frozen * model.param_bytes  # frozen partitions; trainable weights live in the optimizer shards
+    else:
+        total += model.num_params * model.param_bytes
+        if zero_stage == 2 and on_gpu:
+            total += frozen * model.param_bytes  # frozen_param_fragments: CPU copies beside the GPU state dict
+    num_torch_files = (world_size if zero_stage == 3 else 1) + (world_size if zero_stage > 0 else 0)
+    return total + num_torch_files * TORCH_FILE_OVERHEAD_BYTES + DEEPSPEED_SCRIPTS_BYTES
+
+
+def expected_checkpoint_bytes(num_params: int, num_trainable_params: int, param_bytes: int, zero_stage: int,
+                              optimizer: str = "adamw", world_size: int = 1, has_hf_copy: bool = True,
+                              extra_models: Sequence[ModelSize] = (), *, lora: bool = False,
+                              has_ds_state: bool = True, on_gpu: bool = False, extra_bytes: int = 0) -> int:
+    """Predicted total bytes of a committed step folder whose first model has `num_params` parameters
+    (`num_trainable_params` trained; with `lora`, the adapter's), `param_bytes` per weight in the training
+    dtype (4 fp32, 2 bf16/fp16), saved by DeepSpeed with `zero_stage` over `world_size` ranks; plus the
+    `extra_models` saved beside it (PPO's critic) with the same settings, and `extra_bytes` known besides
+    (a tokenizer). `has_ds_state=False` is --disable_ds_ckpt (the HF copy alone)."""
+    if optimizer not in OPTIMIZER_STATE_BYTES:
+        raise ValueError(f"no checkpoint size model for optimizer {optimizer!r}; "
+                         f"known: {sorted(OPTIMIZER_STATE_BYTES)}")
+    if zero_stage not in (0, 1, 2, 3) or world_size < 1:
+        raise ValueError(f"zero_stage must be 0-3 and world_size >= 1 (got {zero_stage}, {world_size})")
+    models = [ModelSize(num_params, num_trainable_params, param_bytes, lora), *extra_models]
+    return CHECKPOINT_SMALL_FILES_BYTES + extra_bytes + sum(
+        _model_bytes(model, zero_stage, world_size, optimizer, has_ds_state, has_hf_copy, on_gpu) for model in models)
+
+
+def expected_bytes_of_models(models: Sequence[ModelSize], zero_stage: int, world_size: int, *,
+                             has_ds_state: bool = True, has_hf_copy: bool = True, on_gpu: bool = False,
+                             optimizer: str = "adamw") -> int:
+    """`expected_checkpoint_bytes` for a checkpoint's models given as `ModelSize`s (e.g. from its metadata)."""
+    first, *rest = models
+    return expected_checkpoint_bytes(first.num_params, first.num_trainable_params, first.param_bytes, zero_stage,
+                                     optimizer, world_size, has_hf_copy, rest, lora=first.lora,
+                                     has_ds_state=has_ds_state, on_gpu=on_gpu)
+
+
+def _relative_gap(actual: float, reference: float) -> float:
+    return abs(actual - reference) / reference
+
+
+def _size_findings(actual_bytes: int, expected_bytes: int | None, previous_sizes: Sequence[int], tolerance: float,
+                   jump: float) -> tuple[list[str], frozenset[tuple[str, str]], dict[str, Any]]:
+    """What is off about a checkpoint of `actual_bytes`: (sentences for the message, the findings as
+    {("predicted" | "previous", "more" | "less")}, details). Empty when nothing is."""
+    reasons, findings = [], set()
+    details: dict[str, Any] = {"actual_bytes": int(actual_bytes), "tolerance": tolerance, "jump": jump}
+    if expected_bytes:
+        gap = _relative_gap(actual_bytes, expected_bytes)
+        details |= {"expected_bytes": int(expected_bytes), "ratio_to_expected": actual_bytes / expected_bytes}
+        if gap > tolerance:
+            side = "more" if actual_bytes > expected_bytes else "less"
+            findings.add(("predicted", side))
+            reasons.append(f"{gap:.0%} {side} than the {human_bytes(expected_bytes)} its models' parameters, "
+                           f"dtype, ZeRO stage and optimizer predict")
+    if previous_sizes:
+        median = statistics.median(previous_sizes)
+        details |= {"previous_median_bytes": median, "num_previous": len(previous_sizes)}
+        if median > 0 and _relative_gap(actual_bytes, median) > jump:
+            side = "more" if actual_bytes > median else "less"
+            findings.add(("previous", side))
+            reasons.append(f"{_relative_gap(actual_bytes, median):.0%} {side} than the median "
+                           f"{human_bytes(median)} of the {len(previous_sizes)} previous committed checkpoints")
+    return reasons, frozenset(findings), details
+
+
+def repeats_previous_anomaly(actual_bytes: int, expected_bytes: int | None, previous_sizes: Sequence[int],
+                             tolerance: float = 0.5, jump: float = 0.2) -> bool:
+    """Whether a checkpoint of `actual_bytes` shows the same anomaly as the newest of `previous_sizes` (oldest
+    first): the same findings, on the same sides (a size off from the one before by more than `jump` is a
+    finding of its own, against the median). That predecessor is judged as its own commit was, against the
+    prediction and the sizes before it (those still listed: retention may have removed some), so a
+    persisting anomaly is reported once, at the checkpoint where it started."""
+    if not previous_sizes:
+        return False
+    _, findings, _ = _size_findings(actual_bytes, expected_bytes, previous_sizes, tolerance, jump)
+    _, before, _ = _size_findings(previous_sizes[-1], expected_bytes, previous_sizes[:-1], tolerance, jump)
+    return bool(findings) and findings == before
+
+
+def checkpoint_size_alert(actual_bytes: int, expected_bytes: int | None, previous_sizes: Sequence[int],
+                          tolerance: float = 0.5, jump: float = 0.2, *, run_name: str, stage: str,
+                          step: int) -> Alert | None:
+    """An alert when a committed checkpoint's `actual_bytes` differ from `expected_bytes` by more than
+    `tolerance` (relative to the prediction; skipped when there is none), or from the median of the
+    `previous_sizes` (the stage's earlier committed checkpoints, oldest first) by more than `jump`; None
+    otherwise, and None when the previous checkpoint showed the same anomaly (`repeats_previous_anomaly`)."""
+    reasons, _, details = _size_findings(actual_bytes, expected_bytes, previous_sizes, tolerance, jump)
+    if not reasons or repeats_previous_anomaly(actual_bytes, expected_bytes, previous_sizes, tolerance, jump):
+        return None
+    message = (f"{stage} checkpoint step_{step} holds {human_bytes(actual_bytes)}, {' and '.join(reasons)}; "
+               f"check that every rank saved all its files (`rlhf ckpt ls --verify`) before resuming from it.")
+    return Alert(ALERT_CHECKPOINT_SIZE, run_name, stage, step, message, details)
+
+
+def model_size_report(modules: Mapping[str, Any]) -> dict[str, Any]:
+    """What a rank knows about the models a checkpoint saves, for its metadata (`model_sizes`):
+    {"on_gpu": bool, "models": {folder name: ModelSize as a dict}}; `modules` maps the checkpoint folder
+    (`actor_model`, `critic_model`, `reward_model`) to its torch module (a DeepSpeed engine's `.module`)."""
+    on_gpu = any(param.is_cuda for module in modules.values() for param in module.parameters())
+    return {"on_gpu": on_gpu, "models": {name: ModelSize.from_module(module).to_dict()
+                                         for name, module in modules.items()}}
+
+
+def expected_bytes_from_metadata(metadata: Mapping[str, Any], has_ds_state: bool = True) -> int | None:
+    """The predicted size of a checkpoint from its `training_metadata.json` (`model_sizes`, `zero_stage`,
+    `world_size`); None when it does not record its models (written before the alerts existed)."""
+    report = metadata.get("model_sizes") or {}
+    models = [ModelSize.from_dict(record) for record in (report.get("models") or {}).values()]
+    if not models:
+        return None
+    return expected_bytes_of_models(models, int(metadata.get("zero_stage", 0)), int(metadata.get("world_size", 1)),
+                                    has_ds_state=has_ds_state, on_gpu=bool(report.get("on_gpu", False)))
+
+
+# --- non-finite ------------------------------------------------------------------------------------------
+
+
+def non_finite_metrics(metrics: Mapping[str, Any]) -> list[str]:
+    """The names of the numeric metrics that are NaN or +-Inf."""
+    return [name for name, value in metrics.items() if _is_number(value) and not math.isfinite(value)]
+
+
+def non_finite_parameters(module_or_named_tensors, limit: int = NUM_PARAMETERS_NAMED) -> list[str]:
+    """The names of the first `limit` parameters holding NaN or Inf, from a torch module or (name, tensor)
+    pairs (a mapping too). One `isfinite().all()` per tensor. Under ZeRO-3 each rank checks its own
+    partition (`ds_tensor`), so the caller combines the ranks' answers."""
+    import torch
+
+    if isinstance(module_or_named_tensors, torch.nn.Module):
+        named: Iterable = module_or_named_tensors.named_parameters()
+    elif isinstance(module_or_named_tensors, Mapping):
+        named = module_or_named_tensors.items()
+    else:
+        named = module_or_named_tensors
+    found = []
+    with torch.no_grad():
+        for name, tensor in named:
+            data = getattr(tensor, "ds_tensor", tensor)
+            if data.is_floating_point() and data.numel() and not bool(torch.isfinite(data).all()):
+                found.append(name)
+                if len(found) >= limit:
+                    break
+    return found
+
+
+class NonFiniteTraining(RLHFError, RuntimeError):
+    """NaN or Inf in a chunk's metrics or weights: its checkpoint is not committed, and retrying the same
+    steps from the same checkpoint would give the same values, so the chunk fails without a retry."""
+
+    def __init__(self, stage: str, step: int, metrics: Sequence[str] = (), parameters: Sequence[str] = ()):
+        self.stage, self.step = stage, int(step)
+        self.metrics, self.parameters = list(metrics), list(parameters)
+        found = [f"metrics {', '.join(self.metrics)}" if self.metrics else "",
+                 f"parameters {', '.join(self.parameters)}" if self.parameters else ""]
+        super().__init__(
+            f"{stage} step {self.step}: NaN or Inf in the {' and '.join(part for part in found if part)}, so this "
+            f"checkpoint was not committed; lower the learning rate (or clip harder with a smaller --max_norm), "
+            f"then resume from the last committed checkpoint with --load_checkpoint.")
+
+    def __reduce__(self):  # Ray pickles a rank's exception to the driver; __init__ takes four arguments
+        return (type(self), (self.stage, self.step, self.metrics, self.parameters))
+
+    def to_alert(self, run_name: str) -> Alert:
+        return Alert(ALERT_NON_FINITE, run_name, self.stage, self.step, str(self),
+                     {"metrics": self.metrics, "parameters": self.parameters})
+
+
+# --- the run's alerts.jsonl ------------------------------------------------------------------------------
+
+
+class AlertLog:
+    """`{run_url}/alerts.jsonl`, one `Alert` per line. A local file is appended to (one write per call, after
+    a newline if a crash left a partial last line); an object store cannot append, so the file is read and
+    written whole. Only the run's lease holder writes, so there is no second writer to race."""
+
+    def __init__(self, run_url: str, storage_options: Mapping[str, Any] | None = None):
+        self.fs, root = url_to_fs(run_url, **dict(storage_options or {}))
+        self.path = posixpath.join(root.rstrip("/"), ALERTS_FILE_NAME) if root.rstrip("/") else ALERTS_FILE_NAME
+        self.url = f"{run_url.rstrip('/')}/{ALERTS_FILE_NAME}"
+
+    def append(self, *alerts: Alert) -> None:
+        """Record the alerts, then announce each one (`announce`)."""
+        if not alerts:
+            return
+        lines = "".join(alert.to_json() + "\n" for alert in alerts).encode()
+        if isinstance(self.fs, LocalFileSystem):
+            self._append_local(lines)
+        else:
+            existing = self._read_bytes()
+            if existing and not existing.endswith(b"\n"):
+                existing += b"\n"
+            self.fs.pipe_file(self.path, existing + lines)
+        for alert in alerts:
+            announce(alert)
+
+    def _append_local(self, lines: bytes) -> None:
+        self.fs.makedirs(posixpath.dirname(self.path), exist_ok=True)
+        with open(self.path, "ab+") as handle:
+            if handle.tell() > 0:
+                handle.seek(-1, 2)
+                if handle.read(1) != b"\n":
+                    lines = b"\n" + lines
+            handle.write(lines)
+
+    def _read_bytes(self) -> bytes:
+        try:
+            return self.fs.cat_file(self.path)
+        except FileNotFoundError:
+            return b""
+
+    def read(self) -> list[Alert]:
+        """Every alert, oldest first; a line that does not parse (a partial write) is skipped."""
+        alerts = []
+        for line in self._read_bytes().decode("utf-8", errors="replace").splitlines():
+            if line.strip():
+                try:
+                    alerts.append(Alert.from_json(line))
+                except ValueError:
+                    continue
+        return alerts
+
+    def for_stage(self, stage: str) -> list[Alert]:
+        return [alert for alert in self.read() if alert.stage == stage]
+
+
+def announce(alert: Alert) -> None:
+    """One `rlhf: warning:` line for the people watching: the console and the flow run's log (module docstring)."""
+    logger.warning("%s%s (%s)", WARNING_PREFIX, alert.message, alert.name)
+
+
+# --- after a commit ---------------------------------------------------------------------------------------
+
+
+def commit_alerts(run_name: str, stage: str, step: int, metadata: Mapping[str, Any], actual_bytes: int,
+                  previous_sizes: Sequence[int], *, has_ds_state: bool = True, window: int = 3,
+                  min_delta: float = 0.0, tolerance: float = 0.5, jump: float = 0.2) -> list[Alert]:
+    """The reward-stagnant and checkpoint-size alerts of a just-committed checkpoint, from its metadata
+    (`metric_history`: `history_entry` records of its line of checkpoints, itself included; `model_sizes`),
+    its size in bytes and the sizes of the stage's earlier committed checkpoints."""
+    alerts = []
+    history = metric_history(stage, metadata.get("metric_history") or [])
+    if history is not None:
+        metric, higher_is_better, points = history
+        alerts.append(reward_stagnant_alert(run_name, stage, points, metric, higher_is_better, window, min_delta))
+    alerts.append(checkpoint_size_alert(actual_bytes, expected_bytes_from_metadata(metadata, has_ds_state),
+                                        previous_sizes, tolerance, jump, run_name=run_name, stage=stage, step=step))
+    return [alert for alert in alerts if alert is not None]

@@ -1,0 +1,618 @@
+"""The goodput ledger of a run (`{ckpt_path}/{run_name}/goodput.json`) and the checkpoint-interval planner.
+
+Goodput is the share of a run's wall time spent on training steps whose result was committed. The ledger
+follows one run across all its attempts (processes: the first command, a restart after a kill, a Prefect
+retry in a new process) and says where the rest of the time went, per stage and in total:
+
+- useful: the step-loop seconds of every committed chunk: the ranks' own `step_loop` time where the chunk
+  reports it, else `train` (the driver's wait for the steps; shorter than the steps when the ranks trained
+  ahead while the previous checkpoint was written, so it errs low);
+- stall: seconds the step loop waited for a checkpoint (`stall`; with synchronous checkpoints, the whole
+  `save_and_commit`), and the seconds it ran slower beside the background writer (`writer_slowdown`, moved
+  out of useful: its serialisation, hashing and writes take CPU from the ranks). `commit` (the background
+  writer's own time) is shown but overlaps training;
+- start-up: from the command's start (process creation, when the CLI marks it) to the attempt's first chunk,
+  plus each chunk's `workers` seconds (Ray and the worker group starting);
+- load: checkpoint fetch, verify and load (`load`, or `workers_and_load` where they are not told apart);
+- plan: the chunk's own planning (`plan`);
+- lost: chunks that started and never committed (a crash or a failed chunk), from their start to the
+  failure: their steps are trained again. A chunk's start is when the ranks began training it ahead, during
+  the previous chunk's commit (`trained_ahead_s`); training ahead that no chunk took over (a crash right
+  after a commit, a stop at a run budget) is lost too;
+- other: the rest of the wall time (Prefect between chunks, export, teardown), by subtraction;
+- down: time between a crashed attempt's end and the next attempt's start, not part of the wall time
+  (nothing runs; a restart a week later must not count as a week of badput).
+
+How it is recorded: the chunk code calls `chunk_started(stage, from_step, to_step)` before it trains and
+`chunk_committed(stage, step, seconds)` after its commit; the flow calls `attempt_started()` before it takes the
+run lease (it does nothing while another live process holds it) and `attempt_finished()` at its end. Code that
+calls neither (a bare `train_stage`) gets an attempt begun by its first `chunk_started`. Each call attributes
+the wall time since this attempt's previous call to the stage it names, so stage wall times add up to the run's.
+When an attempt starts it closes the previous one: a chunk still pending there either committed (its
+`MANIFEST.json` is in the store: the process died after the commit, before recording it) or is lost. The
+previous attempt's end is estimated from its last ledger write and, when the run lease still names its process,
+the lease's last heartbeat, plus one heartbeat interval (so a crash costs at most `RunLease`'s 10 s heartbeat
+more than it did: the number errs low); without that lease record the end is the new attempt's start (all of the
+gap counts).
+
+Why one small JSON document, rewritten whole: it has a constant size (aggregates per stage, the chunks in
+flight, one record per attempt), so a write costs the same at chunk 10 and at chunk 10,000, and a reader
+needs one GET. A rewrite cannot be torn: on a local disk it is written to a temporary file in the same folder
+and renamed over the old one (`os.replace`, atomic on POSIX), fsync'd on both sides of the rename so a power
+cut keeps the old or the new; on an object store a PUT replaces the whole
+object or nothing. Only the run's lease holder trains, so there is one writer; a lock orders this process's
+own threads (a background checkpoint writer may record its commit while the next chunk starts). Recording is
+best effort: a store error while recording costs a warning, never a chunk.
+
+The planner (`plan_interval`) follows Young (1974) and Daly (2006): with C the seconds each checkpoint
+costs the step loop and M the mean time between failures, the interval of work between checkpoints that
+loses the least is T = sqrt(2 C M). Expected goodput, to first order: 1 - C/T - (T/2 + R)/M, where R is the
+restart cost (start-up and load): each checkpoint costs C per T of work, and each failure (1/M per second)
+loses half an interval of work on average plus the restart.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import os
+import posixpath
+import socket
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Mapping
+
+from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
+
+from rlhf_core.storage import durable
+from rlhf_core.errors import UserError
+
+GOODPUT_FILE_NAME = "goodput.json"
+LEDGER_FORMAT = 1
+LEASE_HEARTBEAT_S = 10.0  # rlhf_core.storage.lease.RunLease's default renewal period: bounds a crashed attempt's end
+RUNNING, FINISHED, CRASHED = "running", "finished", "crashed"
+
+# ChunkResult.seconds keys -> ledger category. With "stall" present, "save_and_commit" is not the stall
+# (the asynchronous writer does the rest): it is left to "other" by subtraction. With "step_loop" (the
+# ranks' own time in their step loop for the chunk's steps) present, "train" (the driver's wait for them,
+# shorter when they trained ahead during the previous commit) is not the useful time.
+OVERRIDDEN_BY = {"save_and_commit": "stall", "train": "step_loop"}
+SECONDS_CATEGORIES = {"step_loop": "useful_s", "train": "useful_s", "stall": "stall_s", "save_and_commit": "stall_s",
+                      "commit": "commit_s", "workers": "startup_s", "load": "load_s", "workers_and_load": "load_s",
+                      "plan": "plan_s", "writer_slowdown": "stall_s"}
+# Timers that are a part of another timer's time, taken out of that timer's category: the step loop's
+# slowdown beside the background writer is inside "step_loop" (or "train"), but is not useful time.
+PART_OF = {"writer_slowdown": "useful_s"}
+# Categories that are part of the wall time (commit_s runs in the background, beside training).
+WALL_CATEGORIES = ("useful_s", "stall_s", "startup_s", "load_s", "plan_s", "lost_s")
+
+logger = logging.getLogger(__name__)
+
+_MUTEX = threading.RLock()
+_ATTEMPT_IDS: dict[str, str] = {}  # run url -> id of this process's attempt
+_command_started: float | None = None
+
+
+def mark_command_started(when: float | None = None) -> None:
+    """The command's start (default: this process's creation), used as the start of the next attempt this
+    process begins, so start-up counts the interpreter and imports too. The CLI calls it first thing."""
+    global _command_started
+    if when is None:
+        import psutil
+
+        when = psutil.Process().create_time()
+    _command_started = when
+
+
+def _new_stage() -> dict[str, Any]:
+    return {"chunks": 0, "steps": 0, "lost_chunks": 0, "lost_steps": 0, "attempts": 0, "wall_s": 0.0,
+            **{name: 0.0 for name in (*WALL_CATEGORIES, "commit_s")}, "seconds": {}}
+
+
+def empty_ledger() -> dict[str, Any]:
+    return {"format": LEDGER_FORMAT, "attempts": [], "pending": [], "stages": {}, "outside_stages_s": 0.0,
+            "down_s": 0.0, "ahead": {}}
+
+
+# --------------------------------------------------------------------------- transitions (pure)
+# Each takes the ledger document and the time now, and changes the document in place.
+
+
+def _stage(doc: dict, stage: str) -> dict:
+    record = doc["stages"].setdefault(stage, _new_stage())
+    for name, value in _new_stage().items():  # a ledger written by an older version lacks newer fields
+        record.setdefault(name, value)
+    return record
+
+
+def _attempt(doc: dict, attempt_id: str) -> dict | None:
+    return next((attempt for attempt in doc["attempts"] if attempt["id"] == attempt_id), None)
+
+
+def _tick(doc: dict, attempt: dict, stage: str | None, now: float) -> None:
+    """Attribute the attempt's wall time since its last record to `stage` (None: outside any stage)."""
+    elapsed = max(0.0, now - attempt["last_seen"])
+    if stage is None:
+        doc["outside_stages_s"] += elapsed
+    else:
+        _stage(doc, stage)["wall_s"] += elapsed
+    attempt["last_seen"] = max(attempt["last_seen"], now)
+
+
+def _lose(doc: dict, chunks: list[dict], until: float) -> None:
+    """`chunks` (pending records) never committed: their steps count as lost, and per stage the time from the
+    earliest one's start to `until` (chunks in flight together overlap; the union is what was lost)."""
+    for stage in {chunk["stage"] for chunk in chunks}:
+        mine = [chunk for chunk in chunks if chunk["stage"] == stage]
+        record = _stage(doc, stage)
+        record["lost_chunks"] += len(mine)
+        record["lost_steps"] += sum(chunk["to_step"] - chunk["from_step"] for chunk in mine)
+        record["lost_s"] += max(0.0, until - min(chunk["started"] for chunk in mine))
+    doc["pending"] = [chunk for chunk in doc["pending"] if chunk not in chunks]
+
+
+def begin_attempt(doc: dict, attempt_id: str, now: float, started: float | None = None,
+                  lease_holder: Mapping[str, Any] | None = None,
+                  is_committed: Callable[[str, int], bool] = lambda stage, step: False) -> dict:
+    """A new attempt starting at `started` (default now); closes every attempt still marked running (it
+    crashed: this process would not start otherwise) and settles its pending chunks. `lease_holder` is the
+    run lease's record as found before this attempt takes it ({host, pid, heartbeat, released})."""
+    started = now if started is None else min(started, now)
+    for old in [attempt for attempt in doc["attempts"] if attempt["state"] == RUNNING]:
+        _close_crashed(doc, old, started, lease_holder, is_committed)
+    attempt = {"id": attempt_id, "host": socket.gethostname(), "pid": os.getpid(), "started": started,
+               "last_seen": started, "end": None, "state": RUNNING, "chunks_started": 0}
+    doc["attempts"].append(attempt)
+    return attempt
+
+
+def _close_crashed(doc: dict, old: dict, next_started: float, lease_holder: Mapping[str, Any] | None,
+                   is_committed: Callable[[str, int], bool]) -> None:
+    holder_is_old = bool(lease_holder) and lease_holder.get("host") == old["host"] \
+        and lease_holder.get("pid") == old["pid"] and lease_holder.get("heartbeat", 0) >= old["started"]
+    if holder_is_old and lease_holder.get("released"):  # it ended cleanly, without recording its end
+        end, state = max(old["last_seen"], lease_holder["heartbeat"]), FINISHED
+    elif holder_is_old:
+        end, state = min(next_started, max(old["last_seen"], lease_holder["heartbeat"]) + LEASE_HEARTBEAT_S), CRASHED
+    else:
+        end, state = max(old["last_seen"], next_started), CRASHED
+    pending = [chunk for chunk in doc["pending"] if chunk["attempt"] == old["id"]]
+    committed = [chunk for chunk in pending if is_committed(chunk["stage"], chunk["to_step"])]
+    lost = [chunk for chunk in pending if chunk not in committed]
+    first_pending = min(pending, key=lambda chunk: chunk["started"], default=None)
+    _tick(doc, old, first_pending["stage"] if first_pending else _ahead_stage(doc, old), end)
+    for chunk in committed:  # died after the commit, before recording it: the chunk's whole time counts as useful
+        record = _stage(doc, chunk["stage"])
+        record["chunks"] += 1
+        record["steps"] += chunk["to_step"] - chunk["from_step"]
+        record["useful_s"] += max(0.0, end - chunk["started"])
+    doc["pending"] = [chunk for chunk in doc["pending"] if chunk not in committed]
+    _lose(doc, lost, end)
+    _lose_ahead(doc, old, end)
+    old["end"], old["state"] = end, state
+    doc["down_s"] += max(0.0, next_started - end)
+
+
+def start_chunk(doc: dict, attempt: dict, stage: str, from_step: int, to_step: int, now: float) -> None:
+    """A chunk of `stage` starts training at `from_step` toward `to_step`. A chunk of the stage still pending
+    with an end above `from_step` never committed (this one trains its steps again): it is lost. One that ends
+    at or below `from_step` may still be committing in the background: it stays pending."""
+    record = _stage(doc, stage)
+    if attempt["chunks_started"] == 0:
+        record["startup_s"] += max(0.0, now - attempt["started"])
+    if stage not in attempt.setdefault("stages", []):  # restarts per stage, for the restart cost R
+        attempt["stages"].append(stage)
+        record["attempts"] += 1
+    _tick(doc, attempt, stage, now)
+    attempt["chunks_started"] += 1
+    _lose(doc, [chunk for chunk in doc["pending"] if chunk["stage"] == stage and chunk["to_step"] > from_step], now)
+    ahead = _ahead(doc).pop(stage, None)
+    started = now
+    if ahead and ahead["attempt"] == attempt["id"] and ahead["after_step"] == from_step:
+        started = min(now, ahead["since"])  # its first steps trained while the previous chunk committed
+    doc["pending"].append({"stage": stage, "from_step": int(from_step), "to_step": int(to_step), "started": started,
+                           "attempt": attempt["id"]})
+
+
+def commit_chunk(doc: dict, attempt: dict, stage: str, step: int, seconds: Mapping[str, float], now: float,
+                 num_steps: int | None = None, trained_ahead_s: float = 0.0) -> None:
+    """The chunk of `stage` ending at `step` committed; `seconds` are its timers (ChunkResult.seconds). The
+    ranks have been training the next chunk ahead for the last `trained_ahead_s` seconds: that chunk's record
+    starts then (`start_chunk`), and if none starts, that time is lost (`_lose_ahead`)."""
+    _tick(doc, attempt, stage, now)
+    _ahead(doc).pop(stage, None)
+    if trained_ahead_s > 0:
+        _ahead(doc)[stage] = {"after_step": int(step), "since": now - trained_ahead_s, "attempt": attempt["id"]}
+    record = _stage(doc, stage)
+    # An emergency checkpoint (rlhf_core.driver.stop) commits its chunk short of the chunk's end.
+    match = next((chunk for chunk in doc["pending"]
+                  if chunk["stage"] == stage and chunk["from_step"] < step <= chunk["to_step"]), None)
+    if match is not None:
+        doc["pending"].remove(match)
+        num_steps = match["to_step"] - match["from_step"] if num_steps is None else num_steps
+    record["chunks"] += 1
+    record["steps"] += int(num_steps or 0)
+    for name, value in seconds.items():
+        record["seconds"][name] = record["seconds"].get(name, 0.0) + float(value)
+        category = SECONDS_CATEGORIES.get(name)
+        if category and OVERRIDDEN_BY.get(name) not in seconds:
+            record[category] += float(value)
+        if name in PART_OF:
+            record[PART_OF[name]] -= float(value)
+
+
+def writer_slowdown(step_times: list[tuple[float, bool]], clean_step_seconds: float | None = None
+                    ) -> tuple[float, float | None]:
+    """Seconds a rank's step loop lost to the background checkpoint writer, from its steps' (seconds, whether a
+    write ran beside the step): what the steps beside a write took beyond the median step with none beside it,
+    summed (never below 0). The median comes from these steps, else `clean_step_seconds` (an earlier call's,
+    for a chunk whose every step ran beside a write); with neither, nothing can be told apart and it is 0.
+    Returns (the slowdown, the median clean step to pass next time). On 2 shared cores a step's time moves
+    with the machine's load too, so over a chunk this measures the writer to within that noise."""
+    clean = sorted(seconds for seconds, beside_write in step_times if not beside_write)
+    if clean:
+        middle = len(clean) // 2
+        clean_step_seconds = clean[middle] if len(clean) % 2 else (clean[middle - 1] + clean[middle]) / 2
+    if clean_step_seconds is None:
+        return 0.0, None
+    excess = sum(seconds - clean_step_seconds for seconds, beside_write in step_times if beside_write)
+    return max(0.0, excess), clean_step_seconds
+
+
+def finish_attempt(doc: dict, attempt: dict, now: float) -> None:
+    """The attempt ends cleanly; chunks it left pending never committed (a failed stage)."""
+    _tick(doc, attempt, _ahead_stage(doc, attempt), now)
+    _lose(doc, [chunk for chunk in doc["pending"] if chunk["attempt"] == attempt["id"]], now)
+    _lose_ahead(doc, attempt, now)
+    attempt["end"], attempt["state"] = now, FINISHED
+
+
+def _lose_ahead(doc: dict, attempt: dict, until: float) -> None:
+    """Training ahead that `attempt` began after a commit and no chunk record took over (the process died, or
+    the run stopped at that boundary): trained, never committed, so lost until `until`. Its steps are not
+    known here; its time is."""
+    for stage, ahead in list(_ahead(doc).items()):
+        if ahead["attempt"] == attempt["id"]:
+            _stage(doc, stage)["lost_s"] += max(0.0, until - ahead["since"])
+            del _ahead(doc)[stage]
+
+
+def _ahead_stage(doc: dict, attempt: dict) -> str | None:
+    """The stage `attempt` was training ahead in after its last commit, if any."""
+    return next((stage for stage, ahead in _ahead(doc).items() if ahead["attempt"] == attempt["id"]), None)
+
+
+def _ahead(doc: dict) -> dict[str, dict]:
+    """Per stage, the training ahead begun after its last commit that no chunk record took over yet (a ledger
+    written by an older version has none)."""
+    return doc.setdefault("ahead", {})
+
+
+# --------------------------------------------------------------------------- the file
+
+
+def _best_effort(method):
+    """A ledger write that fails costs a warning, never the chunk that records it."""
+
+    @functools.wraps(method)
+    def recording(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as error:  # noqa: BLE001 - the ledger is a view of training, not part of it
+            logger.warning("could not record goodput in %s: %s", self.url, error)
+            return None
+
+    return recording
+
+
+class GoodputLedger:
+    """`{run_url}/goodput.json`: the hooks the chunk code and the flow call, and `summary()` for readers."""
+
+    def __init__(self, run_url: str, storage_options: Mapping[str, Any] | None = None,
+                 clock: Callable[[], float] = time.time):
+        self.run_url = run_url.rstrip("/")
+        self.storage_options = dict(storage_options or {})
+        self.fs, root = url_to_fs(self.run_url, **self.storage_options)
+        self.root = root.rstrip("/")
+        self.path = posixpath.join(self.root, GOODPUT_FILE_NAME) if self.root else GOODPUT_FILE_NAME
+        self.url = f"{self.run_url}/{GOODPUT_FILE_NAME}"
+        self.clock = clock
+        self._key = os.path.abspath(self.run_url) if isinstance(self.fs, LocalFileSystem) else self.run_url
+
+    # ---- reading and writing
+
+    def read(self) -> dict[str, Any]:
+        """The ledger document; an empty one when the run has none yet. A file that is not a ledger (never
+        written by us: the writes cannot tear) raises ValueError."""
+        try:
+            payload = self.fs.cat_file(self.path)
+        except FileNotFoundError:
+            return empty_ledger()
+        doc = json.loads(payload)
+        if not isinstance(doc, dict) or doc.get("format") != LEDGER_FORMAT:
+            raise ValueError(f"{self.url} is not a goodput ledger of format {LEDGER_FORMAT}")
+        return doc
+
+    def exists(self) -> bool:
+        return self.fs.exists(self.path)
+
+    def _write(self, doc: dict) -> None:
+        payload = json.dumps(doc, sort_keys=True, allow_nan=False).encode()
+        if not isinstance(self.fs, LocalFileSystem):
+            self.fs.pipe_file(self.path, payload)  # one PUT: the object is replaced whole or not at all
+            return
+        durable.replace_durably(self.path, payload)
+
+    def _update(self, change: Callable[[dict, dict], None], start_new: bool = False) -> None:
+        """Read, apply `change(doc, this process's attempt)`, write; begins an attempt when none runs here
+        (`start_new`: always, ending this process's previous one)."""
+        with _MUTEX:
+            doc = self._read_or_restart()
+            attempt = _attempt(doc, _ATTEMPT_IDS.get(self._key, ""))
+            if start_new and attempt is not None and attempt["state"] == RUNNING:
+                finish_attempt(doc, attempt, self.clock())
+            if start_new or attempt is None or attempt["state"] != RUNNING:
+                attempt = self._begin(doc)
+            change(doc, attempt)
+            self._write(doc)
+
+    def _read_or_restart(self) -> dict:
+        """The ledger, or a new one when the file is not a ledger (e.g. emptied by a power loss between the
+        write and the rename reaching the disk): the old file is kept beside it as goodput.json.corrupt."""
+        try:
+            return self.read()
+        except ValueError as error:
+            self.fs.mv(self.path, f"{self.path}.corrupt")
+            logger.warning("%s is not a goodput ledger (%s): kept as %s.corrupt; recording starts again", self.url,
+                           error, GOODPUT_FILE_NAME)
+            return empty_ledger()
+
+    def _begin(self, doc: dict) -> dict:
+        global _command_started
+        attempt_id = uuid.uuid4().hex[:12]
+        attempt = begin_attempt(doc, attempt_id, self.clock(), _command_started, self._lease_holder(),
+                                self._is_committed)
+        _command_started = None  # a second attempt in this process starts when it is asked for
+        _ATTEMPT_IDS[self._key] = attempt_id
+        return attempt
+
+    def _lease(self):
+        from rlhf_core.storage.lease import RunLease
+
+        return RunLease(self.run_url, self.storage_options)
+
+    def _lease_holder(self) -> dict | None:
+        try:
+            holder = self._lease().read()
+        except (OSError, ValueError):
+            return None
+        return None if holder is None else asdict(holder)
+
+    def _is_committed(self, stage: str, step: int) -> bool:
+        from rlhf_core.storage.manifest import MANIFEST_NAME, step_dir_name
+
+        return self.fs.exists(f"{self.root}/{stage}/{step_dir_name(step)}/{MANIFEST_NAME}")
+
+    # ---- hooks
+
+    @_best_effort
+    def attempt_started(self) -> None:
+        """Call before taking the run lease (the lease still names the previous attempt's process). Does
+        nothing while another live process holds the lease: this attempt is about to be refused, and the
+        other one is not dead."""
+        try:
+            self._lease().check_available()
+        except UserError:
+            return
+        self._update(lambda doc, attempt: None, start_new=True)
+
+    @_best_effort
+    def chunk_started(self, stage: str, from_step: int, to_step: int) -> None:
+        self._update(lambda doc, attempt: start_chunk(doc, attempt, stage, from_step, to_step, self.clock()))
+
+    @_best_effort
+    def chunk_committed(self, stage: str, step: int, seconds: Mapping[str, float] | None = None,
+                        num_steps: int | None = None, trained_ahead_s: float = 0.0) -> None:
+        self._update(lambda doc, attempt: commit_chunk(doc, attempt, stage, step, seconds or {}, self.clock(),
+                                                       num_steps, trained_ahead_s))
+
+    @_best_effort
+    def attempt_finished(self) -> None:
+        with _MUTEX:
+            doc = self.read()
+            attempt = _attempt(doc, _ATTEMPT_IDS.pop(self._key, ""))
+            if attempt is not None and attempt["state"] == RUNNING:
+                finish_attempt(doc, attempt, self.clock())
+                self._write(doc)
+
+    def summary(self) -> GoodputSummary:
+        return summarize(self.read())
+
+
+# --------------------------------------------------------------------------- reading
+
+
+@dataclass
+class StageGoodput:
+    stage: str
+    wall_s: float = 0.0
+    useful_s: float = 0.0
+    stall_s: float = 0.0
+    commit_s: float = 0.0
+    startup_s: float = 0.0
+    load_s: float = 0.0
+    plan_s: float = 0.0
+    lost_s: float = 0.0
+    chunks: int = 0
+    steps: int = 0
+    lost_chunks: int = 0
+    lost_steps: int = 0
+    attempts: int = 0
+
+    @property
+    def other_s(self) -> float:
+        """Wall time no timer accounts for: Prefect between chunks, export, teardown."""
+        return self.wall_s - sum(getattr(self, name) for name in WALL_CATEGORIES)
+
+    @property
+    def goodput(self) -> float | None:
+        return self.useful_s / self.wall_s if self.wall_s > 0 else None
+
+    @property
+    def step_seconds(self) -> float | None:
+        return self.useful_s / self.steps if self.steps else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "other_s": self.other_s, "goodput": self.goodput, "step_seconds": self.step_seconds}
+
+
+@dataclass
+class GoodputSummary:
+    stages: list[StageGoodput]
+    total: StageGoodput
+    down_s: float = 0.0
+    num_attempts: int = 0
+    num_crashed: int = 0
+    running: bool = False
+    pending: list[dict] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"stages": [stage.to_dict() for stage in self.stages], "total": self.total.to_dict(),
+                "down_s": self.down_s, "attempts": self.num_attempts, "crashed": self.num_crashed,
+                "running": self.running, "pending": self.pending}
+
+
+def summarize(doc: Mapping[str, Any]) -> GoodputSummary:
+    """Per-stage and total figures of a ledger document."""
+    stages = []
+    for name, record in doc.get("stages", {}).items():
+        stages.append(StageGoodput(name, **{key: record.get(key, 0) for key in StageGoodput.__dataclass_fields__
+                                            if key != "stage"}))
+    total = StageGoodput("total")
+    for stage in stages:
+        for key in StageGoodput.__dataclass_fields__:
+            if key != "stage":
+                setattr(total, key, getattr(total, key) + getattr(stage, key))
+    total.wall_s += doc.get("outside_stages_s", 0.0)
+    attempts = doc.get("attempts", [])
+    total.attempts = len(attempts)
+    return GoodputSummary(stages, total, doc.get("down_s", 0.0), len(attempts),
+                          sum(attempt["state"] == CRASHED for attempt in attempts),
+                          any(attempt["state"] == RUNNING for attempt in attempts), list(doc.get("pending", [])))
+
+
+def _seconds(value: float) -> str:
+    if value >= 3600:
+        return f"{value / 3600:.2f} h"
+    return f"{value / 60:.1f} min" if value >= 600 else f"{value:.1f} s"
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def format_summary(summary: GoodputSummary, run_url: str) -> str:
+    """A few lines: the run's goodput, then one line per stage and a total line."""
+    total = summary.total
+    lines = [f"goodput {_percent(total.goodput)} of run {run_url}: {_seconds(total.useful_s)} of committed "
+             f"training in {_seconds(total.wall_s)} wall, {summary.num_attempts} attempt(s), "
+             f"{summary.num_crashed} crashed" + (f", {_seconds(summary.down_s)} down between attempts (not counted)"
+                                                 if summary.down_s >= 0.05 else "")
+             + (" (an attempt is running or ended without a word)" if summary.running else "")]
+    header = f"{'stage':<6} {'goodput':>7} {'steps':>6} {'chunks':>6} {'useful':>9} {'stall':>8} {'start-up':>9} " \
+             f"{'load':>8} {'lost':>14} {'other':>8} {'commit*':>8}"
+    lines.append(header)
+    for row in (*summary.stages, total):
+        lost = f"{_seconds(row.lost_s)}/{row.lost_steps}st"
+        lines.append(f"{row.stage:<6} {_percent(row.goodput):>7} {row.steps:>6} {row.chunks:>6} "
+                     f"{_seconds(row.useful_s):>9} {_seconds(row.stall_s):>8} {_seconds(row.startup_s):>9} "
+                     f"{_seconds(row.load_s):>8} {lost:>14} {_seconds(row.other_s):>8} {_seconds(row.commit_s):>8}")
+    lines.append("useful: train seconds of committed chunks; lost: chunks never committed (time/steps); other: "
+                 "Prefect, planning, export; *commit runs in the background, beside training")
+    return "\n".join(lines)
+
+
+def format_markdown(summary: GoodputSummary, run_url: str) -> str:
+    """The same figures as a markdown table, for the Prefect artifact."""
+    rows = ["| stage | goodput | steps | chunks | useful | stall | start-up | load | lost (s / steps) | other | "
+            "commit (background) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in (*summary.stages, summary.total):
+        rows.append(f"| {row.stage} | {_percent(row.goodput)} | {row.steps} | {row.chunks} | {row.useful_s:.1f} s | "
+                    f"{row.stall_s:.1f} s | {row.startup_s:.1f} s | {row.load_s:.1f} s | {row.lost_s:.1f} s / "
+                    f"{row.lost_steps} | {row.other_s:.1f} s | {row.commit_s:.1f} s |")
+    return "\n".join([f"# Goodput of {run_url}", "",
+                      f"**{_percent(summary.total.goodput)}**: {summary.total.useful_s:.1f} s of committed training in "
+                      f"{summary.total.wall_s:.1f} s wall; {summary.num_attempts} attempt(s), {summary.num_crashed} "
+                      f"crashed, {summary.down_s:.1f} s down between attempts (not counted).", "", *rows, "",
+                      f"From `{GOODPUT_FILE_NAME}` in the run folder (`rlhf goodput {run_url}`)."])
+
+
+def read_ledger(run_url: str, storage_options: Mapping[str, Any] | None = None) -> GoodputSummary:
+    """The summary of a run's ledger; a UserError (one sentence) when `run_url` has none."""
+    ledger = GoodputLedger(run_url, storage_options)
+    try:
+        if not ledger.fs.isdir(ledger.root):
+            raise UserError(f"{run_url} is not a folder; give a run folder {{ckpt_path}}/{{run_name}} "
+                            "(e.g. ./ckpt/rlhf).")
+        if not ledger.exists():
+            from rlhf_core.config import STAGES
+
+            parent, _, name = run_url.rstrip("/").rpartition("/")
+            hint = f" ({name} is a stage folder: give its parent, {parent})" if name in STAGES else ""
+            raise UserError(f"{run_url} has no {GOODPUT_FILE_NAME}: give a run folder {{ckpt_path}}/{{run_name}} "
+                            f"that has trained at least one chunk{hint}.")
+        return ledger.summary()
+    except ValueError as error:
+        raise UserError(f"{ledger.url} is not a goodput ledger ({error}); it is written by rlhf training runs only.") \
+            from None
+    except OSError as error:
+        raise UserError(f"cannot read {ledger.url}: {error}.") from None
+
+
+# --------------------------------------------------------------------------- the planner
+
+
+@dataclass
+class IntervalPlan:
+    checkpoint_seconds: float  # C: what each checkpoint costs the step loop
+    step_seconds: float
+    restart_seconds: float  # R: start-up and load after a failure
+    mtbf_seconds: float
+    interval_seconds: float  # Young's T = sqrt(2 C M), seconds of work between checkpoints
+    save_steps: int
+    expected_goodput: float  # at save_steps, first order
+
+
+def expected_goodput(interval_seconds: float, checkpoint_seconds: float, mtbf_seconds: float,
+                     restart_seconds: float = 0.0) -> float:
+    """First-order goodput with a checkpoint every `interval_seconds` of work: 1 - C/T - (T/2 + R)/M."""
+    if interval_seconds <= 0 or mtbf_seconds <= 0:
+        raise ValueError("the interval and the MTBF must be positive")
+    return 1.0 - checkpoint_seconds / interval_seconds - (interval_seconds / 2 + restart_seconds) / mtbf_seconds
+
+
+def plan_interval(checkpoint_seconds: float, step_seconds: float, mtbf_seconds: float,
+                  restart_seconds: float = 0.0) -> IntervalPlan:
+    """Young's interval T = sqrt(2 C M) in steps (at least 1), and the goodput expected at that many steps."""
+    if checkpoint_seconds < 0 or step_seconds <= 0 or mtbf_seconds <= 0 or restart_seconds < 0:
+        raise ValueError("checkpoint and restart seconds must be >= 0; step seconds and the MTBF > 0")
+    interval = math.sqrt(2 * checkpoint_seconds * mtbf_seconds)
+    save_steps = max(1, round(interval / step_seconds))
+    return IntervalPlan(checkpoint_seconds, step_seconds, restart_seconds, mtbf_seconds, interval, save_steps,
+                        expected_goodput(save_steps * step_seconds, checkpoint_seconds, mtbf_seconds, restart_seconds))
+
+
+def measured_costs(stage: StageGoodput) -> tuple[float, float, float] | None:
+    """(C, step seconds, R) measured in a stage's ledger, or None before it committed a chunk. C is what each
+    chunk boundary costs the step loop: its stall plus the chunk's share of planning and of the time between
+    chunks ("other"); R is start-up plus load per attempt."""
+    if not stage.chunks or not stage.steps or stage.useful_s <= 0:
+        return None
+    boundary = (stage.stall_s + stage.plan_s + max(0.0, stage.other_s)) / stage.chunks
+    restart = (stage.startup_s + stage.load_s) / max(stage.attempts, 1)
+    return boundary, stage.useful_s / stage.steps, restart

@@ -1,0 +1,197 @@
+"""Experiment trackers of a training stage (`--use_tensorboard DIR`, `--use_wandb`), kept on the driver.
+
+OpenRLHF (openrlhf/utils/logging_utils.py and its trainers) logs from rank 0: `train/<metric>` every
+`--logging_steps` steps against `train/global_step`, and `eval/<metric>` after each evaluation, to
+wandb, or, only when wandb is off, to TensorBoard under `{use_tensorboard}/{wandb_run_name}`.
+
+Here the ranks hand their per-step metrics (rank 0's, already averaged over ranks) back to the driver
+(`rlhf_core.driver.chunk`, which trains to each logged step in turn), and the driver logs them through the
+`StageTrackers` of that (run, stage); nothing is printed per step. Departures:
+- Both trackers may be on together (OpenRLHF drops TensorBoard when wandb is on). TensorBoard
+  writes to `{use_tensorboard}/{run_name}/{stage}`; the wandb run is named `--wandb_run_name`, else
+  `{run_name}-{stage}`: one wandb run per stage, its metrics `train/*` and `eval/*` as OpenRLHF's.
+- A trainer reports evaluation results as `eval_<name>` on the steps it evaluates; they are logged
+  as `eval/<name>` whenever present (not thinned by logging_steps, as OpenRLHF's evaluate()).
+- Resume: every checkpoint's training_metadata.json records `tracker_ids()`; a stage that resumes
+  from a checkpoint reopens the same wandb run (`resume="allow"`) and the same TensorBoard folder.
+  TensorBoard is opened with `purge_step` = the first step about to be trained, so points logged
+  past the checkpoint by the run that died (or by a run rewound with --resume_from) are hidden and
+  the retrained ones shown: each step once. wandb cannot hide points, so steps up to the last one
+  that run logged are skipped; "last" is known within this process, and from the server's
+  `train/global_step` for a resumed online run. An offline run resumed in a new process logs such
+  retrained steps again (in a new offline-run folder with the same id).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import uuid
+from typing import Any
+
+import fsspec
+
+from rlhf_core.config import RunConfig
+from rlhf_core.errors import UserError
+
+EXTRA_HINT = "pip install 'rlhf-pipeline[tracking]'"
+EVAL_PREFIX = "eval_"
+
+
+def tracking_enabled(run: RunConfig) -> bool:
+    return bool(run.use_tensorboard or run.use_wandb)
+
+
+def require_tracker_packages(run: RunConfig) -> None:
+    """Refuse a tracker flag whose package is missing, before any training."""
+    needed = {"--use_tensorboard": ("tensorboard", run.use_tensorboard), "--use_wandb": ("wandb", run.use_wandb)}
+    for flag, (package, enabled) in needed.items():
+        if enabled and importlib.util.find_spec(package) is None:
+            raise UserError(f"{flag} needs the {package} package, which is not installed; run {EXTRA_HINT}.")
+
+
+def tensorboard_dir(run: RunConfig, stage: str) -> str:
+    root = run.use_tensorboard
+    protocol, _ = fsspec.core.split_protocol(root)
+    return f"{root.rstrip('/')}/{run.run_name}/{stage}" if protocol else \
+        os.path.join(os.path.abspath(root), run.run_name, stage)
+
+
+def split_metrics(metrics: dict[str, Any]) -> tuple[dict[str, float], dict[str, float]]:
+    """One step's metrics as (train, eval) scalars, without the `step` entry and non-numbers."""
+    train, evaluation = {}, {}
+    for name, value in metrics.items():
+        if name == "step" or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if name.startswith(EVAL_PREFIX):
+            evaluation[name[len(EVAL_PREFIX):]] = float(value)
+        else:
+            train[name] = float(value)
+    return train, evaluation
+
+
+# Last step each wandb run id logged in this process: a chunk retried after a failure re-trains
+# steps that run already shows.
+_WANDB_LAST_STEP: dict[str, int] = {}
+
+
+class StageTrackers:
+    """The open trackers of one (run, stage): a TensorBoard SummaryWriter and/or a wandb run."""
+
+    def __init__(self, run: RunConfig, stage: str, saved_ids: dict[str, Any], start_step: int):
+        require_tracker_packages(run)
+        self.settings = tracker_settings(run)
+        self.logging_steps = run.stage_config(stage).logging_steps
+        self.tensorboard = self.tensorboard_dir = self.wandb_run = None
+        try:
+            if run.use_tensorboard:
+                self._open_tensorboard(run, stage, start_step)
+            if run.use_wandb:
+                self._open_wandb(run, stage, saved_ids.get("wandb_run_id"))
+        except BaseException:
+            self.close(failed=True)
+            raise
+
+    def _open_tensorboard(self, run: RunConfig, stage: str, start_step: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.tensorboard_dir = tensorboard_dir(run, stage)
+        # Hides points at or past the first step trained now, logged by an earlier session of this
+        # folder that got further than the checkpoint this one starts from.
+        self.tensorboard = SummaryWriter(self.tensorboard_dir, purge_step=start_step + 1)
+
+    def _open_wandb(self, run: RunConfig, stage: str, run_id: str | None) -> None:
+        import wandb
+
+        run_id = run_id or uuid.uuid4().hex[:12]
+        try:
+            self.wandb_run = wandb.init(
+                project=run.wandb_project, entity=run.wandb_org, group=run.wandb_group,
+                name=run.wandb_run_name or f"{run.run_name}-{stage}", id=run_id, resume="allow",
+                reinit="create_new", job_type=stage,
+            )
+        except wandb.errors.UsageError as error:
+            raise UserError(f"--use_wandb: wandb refused to start ({error}); set WANDB_API_KEY (or pass "
+                            f"--use_wandb TOKEN), or WANDB_MODE=offline to log without network.") from error
+        # Operational settings may change on resume; they must not make wandb refuse the run.
+        self.wandb_run.config.update({"run_name": run.run_name, "stage": stage,
+                                      **run.stage_config(stage).model_dump(mode="json")}, allow_val_change=True)
+        for section in ("train", "eval"):
+            self.wandb_run.define_metric(f"{section}/global_step")
+            self.wandb_run.define_metric(f"{section}/*", step_metric=f"{section}/global_step", step_sync=True)
+        logged_before = self.wandb_run.summary.get("train/global_step") if self.wandb_run.resumed else None
+        _WANDB_LAST_STEP[run_id] = max(_WANDB_LAST_STEP.get(run_id, 0), int(logged_before or 0))
+
+    def tracker_ids(self) -> dict[str, Any]:
+        """What a checkpoint records so that a resumed stage continues the same tracker runs."""
+        return {"wandb_run_id": self.wandb_run.id if self.wandb_run else None,
+                "tensorboard_dir": self.tensorboard_dir}
+
+    def log(self, step_metrics: list[dict[str, Any]]) -> None:
+        """Log per-step metrics (each with its `step`): train/* every logging_steps, eval/* when present."""
+        for metrics in step_metrics:
+            step = int(metrics["step"])
+            train, evaluation = split_metrics(metrics)
+            if step % self.logging_steps:
+                train = {}
+            if train or evaluation:
+                self._log_step(step, train, evaluation)
+        if self.tensorboard is not None:
+            self.tensorboard.flush()  # on disk at once: the process may be killed before the next chunk
+
+    def _log_step(self, step: int, train: dict[str, float], evaluation: dict[str, float]) -> None:
+        sections = {"train": train, "eval": evaluation}
+        if self.tensorboard is not None:
+            for section, values in sections.items():
+                for name, value in values.items():
+                    self.tensorboard.add_scalar(f"{section}/{name}", value, step)
+        if self.wandb_run is not None and step > _WANDB_LAST_STEP.get(self.wandb_run.id, 0):
+            payload = {}
+            for section, values in sections.items():
+                if values:
+                    payload[f"{section}/global_step"] = step
+                    payload.update({f"{section}/{name}": value for name, value in values.items()})
+            self.wandb_run.log(payload)
+            _WANDB_LAST_STEP[self.wandb_run.id] = step
+
+    def close(self, failed: bool = False) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
+        if self.wandb_run is not None:
+            self.wandb_run.finish(exit_code=1 if failed else 0)
+            self.wandb_run = None
+
+
+def tracker_settings(run: RunConfig) -> tuple:
+    return (run.use_tensorboard, run.use_wandb, run.wandb_org, run.wandb_group, run.wandb_project,
+            run.wandb_run_name)
+
+
+# The open trackers of this (driver) process, by stage URL: they outlive a chunk, as the warm group.
+_OPEN: dict[str, StageTrackers] = {}
+
+
+def stage_trackers(run: RunConfig, stage: str) -> StageTrackers | None:
+    """The trackers already open for this stage, if any (with the same settings)."""
+    trackers = _OPEN.get(run.stage_url(stage))
+    if trackers is not None and trackers.settings != tracker_settings(run):
+        close_trackers(run, stage)
+        return None
+    return trackers
+
+
+def open_stage_trackers(run: RunConfig, stage: str, saved_ids: dict[str, Any], start_step: int) -> StageTrackers:
+    """Open (or resume, from a checkpoint's `saved_ids`) the trackers of a stage that trains from start_step."""
+    close_trackers(run, stage)
+    trackers = _OPEN[run.stage_url(stage)] = StageTrackers(run, stage, saved_ids, start_step)
+    return trackers
+
+
+def close_trackers(run: RunConfig | None = None, stage: str | None = None, failed: bool = False) -> None:
+    """Close the trackers of one stage, or (no arguments) every open one: end of a stage, failure, end of a flow."""
+    urls = [run.stage_url(stage)] if run is not None and stage is not None else list(_OPEN)
+    for url in urls:
+        trackers = _OPEN.pop(url, None)
+        if trackers is not None:
+            trackers.close(failed)

@@ -1,0 +1,391 @@
+"""Datasets from files, folders or hub names: read, validate, fingerprint, and batch in a deterministic order.
+
+`read_records` accepts what OpenRLHF's `blending_datasets` (v0.9.10) accepts, each source read into the
+same `Record`s:
+- a JSONL, JSON (a list of objects, or JSON lines in a .json file), CSV or Parquet file at any fsspec URL;
+- a folder written by `datasets`' `save_to_disk` (any fsspec URL); a local folder of data files
+  (`datasets.load_dataset(folder)`);
+- a hub name (`Open-Orca/OpenOrca`) through `datasets.load_dataset(name, split=...)`, which works offline
+  (HF_HUB_OFFLINE=1) from the dataset cache a previous load left; failing that, from a snapshot of the
+  dataset repository in the hub cache (`hf download --repo-type dataset`), which `datasets` alone does not
+  read offline.
+Several comma-separated sources are concatenated, or, with `probs`, interleaved as OpenRLHF does
+(`datasets.interleave_datasets`, stopping when every source is exhausted, seeded by the run's seed).
+OpenRLHF's `name@data_dir` (a hub name or local folder, then a folder inside it) loads that folder alone.
+Departures: probabilities are normalised (OpenRLHF needs them to sum to 1); `max_samples` caps each
+source and then the mixture, as OpenRLHF; a DatasetDict's missing split is an error (OpenRLHF uses the
+whole dict); dataset scripts are not supported.
+
+Every problem a user can fix (missing file or name, bytes that are not UTF-8, bad JSON) stops before
+training with one sentence that names the file and the line (JSONL), item (JSON array) or row (Parquet,
+datasets). How records become tokens is `rlhf_core.rank.samples`.
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass, replace
+from typing import Any
+
+import fsspec
+import torch
+
+from rlhf_core.errors import UserError
+from rlhf_core.storage.hub import is_hub_id, not_cached, store_unreachable
+from rlhf_core.urls import is_local_url, local_path
+
+SPLIT_FLAGS = {"--dataset": "--dataset_split", "--prompt_data": "--prompt_split", "--eval_dataset": "--eval_split"}
+SAVED_DATASET_FILES = ("dataset_dict.json", "state.json")  # what `save_to_disk` writes at the top
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Record:
+    line: int  # 1-based line (JSONL), item (JSON array) or row (Parquet, datasets) number, for messages
+    fields: dict[str, Any]
+    unit: str = "line"  # what `line` counts: "line", "item" or "row"
+    source: str | None = None  # the dataset it came from, when several are mixed
+
+    def where(self, url: str) -> str:
+        """`file line N` (or item/row), for messages."""
+        return f"{self.source or url} {self.unit} {self.line}"
+
+
+def _open(url: str, storage_options: dict | None, mode: str = "rb", flag: str = "--dataset"):
+    try:
+        return fsspec.open(url, mode, **(storage_options or {})).open()
+    except FileNotFoundError:
+        raise UserError(f"{url}: dataset file not found.") from None
+    except IsADirectoryError:
+        raise UserError(f"{flag}: {url} is a folder that holds no dataset saved by datasets.") from None
+    except Exception as error:  # noqa: BLE001 - a store's own error types; re-raised unless understood
+        raise _as_user_error(error, url, flag, storage_options) from None
+
+
+def _as_user_error(error: Exception, url: str, flag: str, storage_options: dict | None) -> Exception:
+    if isinstance(error, UserError):
+        return error
+    unreachable = store_unreachable(error, flag, url, storage_options)
+    if unreachable is not None:
+        return unreachable
+    if isinstance(error, (OSError, ValueError)):
+        return UserError(f"{url}: cannot open the dataset ({error}).")
+    return error
+
+
+def read_records(url: str, storage_options: dict | None = None, max_samples: int | None = None, *,
+                 split: str = "train", probs: str | None = None, seed: int = 0,
+                 flag: str = "--dataset") -> list[Record]:
+    """All records of the dataset(s) at `url` (comma-separated for a mixture, weighted by `probs`);
+    raises UserError on anything unreadable, naming `flag` where no file can be named."""
+    sources = [part.strip() for part in url.split(",") if part.strip()]
+    if not sources:
+        raise UserError(f"{flag}: no dataset given.")
+    weights = _parse_probs(probs, len(sources))
+    per_source = []
+    for source in sources:
+        try:
+            records = _read_source(source, storage_options, max_samples, split, flag)
+        except Exception as error:  # noqa: BLE001 - translated when understood, else re-raised as is
+            raise _as_user_error(error, source, flag, storage_options) from None
+        if not records:
+            raise UserError(f"{source}: the dataset is empty.")
+        per_source.append([replace(record, source=source) for record in records] if len(sources) > 1 else records)
+    if len(per_source) == 1:
+        records = per_source[0]
+    elif weights is None:  # OpenRLHF concatenates when no probabilities are given
+        records = [record for records in per_source for record in records]
+    else:
+        records = _interleave(per_source, weights, seed)
+    return records[:max_samples] if max_samples else records
+
+
+def read_stage_dataset(cfg, storage_options: dict | None, seed: int,
+                       evaluation: bool = False) -> tuple[str, list[Record]]:
+    """(url, records) of an SFT or RM stage: its --dataset mixture, or with `evaluation` its --eval_dataset."""
+    url = cfg.eval_dataset if evaluation else cfg.dataset
+    return url, read_records(url, storage_options, cfg.max_samples, seed=seed,
+                             split=cfg.eval_split if evaluation else cfg.dataset_split,
+                             probs=None if evaluation else cfg.dataset_probs,
+                             flag="--eval_dataset" if evaluation else "--dataset")
+
+
+def _parse_probs(probs: str | None, num_sources: int) -> list[float] | None:
+    if probs is None or (isinstance(probs, str) and not probs.strip()):
+        return None
+    try:
+        weights = [float(part) for part in str(probs).split(",")]
+    except ValueError:
+        raise UserError(f"--dataset_probs {probs!r}: expected comma-separated numbers such as 0.7,0.3.") from None
+    if len(weights) != num_sources:
+        raise UserError(f"--dataset_probs {probs!r} has {len(weights)} weights for {num_sources} comma-separated "
+                        "datasets; give one weight per dataset.")
+    if any(weight < 0 for weight in weights) or sum(weights) <= 0:
+        raise UserError(f"--dataset_probs {probs!r}: weights must be non-negative and not all zero.")
+    return [weight / sum(weights) for weight in weights]
+
+
+def _interleave(per_source: list[list[Record]], weights: list[float], seed: int) -> list[Record]:
+    """OpenRLHF's mixture: `interleave_datasets` with these probabilities, run on (source, row) indices so
+    that sources with different columns mix."""
+    import datasets
+
+    indices = [datasets.Dataset.from_dict({"source": [k] * len(records), "row": list(range(len(records)))})
+               for k, records in enumerate(per_source)]
+    mixed = datasets.interleave_datasets(indices, probabilities=weights, seed=seed, stopping_strategy="all_exhausted")
+    return [per_source[source][row] for source, row in zip(mixed["source"], mixed["row"])]
+
+
+def split_data_dir(source: str, flag: str) -> tuple[str, str | None]:
+    """OpenRLHF's `name@data_dir`: (name, data_dir), or (source, None) without '@' (or for an fsspec URL)."""
+    if "@" not in source or "://" in source:
+        return source, None
+    name, data_dir = (part.strip() for part in source.split("@", 1))
+    if not data_dir or not (os.path.isdir(name) or is_hub_id(name)):
+        raise UserError(f"{flag}: {source}: name@data_dir needs a hub name or a local folder before '@' and a "
+                        "folder inside it after.")
+    return name, data_dir
+
+
+def _read_source(source: str, storage_options: dict | None, max_samples: int | None, split: str,
+                 flag: str) -> list[Record]:
+    name, data_dir = split_data_dir(source, flag)
+    if data_dir is not None:
+        dataset = (_load_dataset(name, split, flag, data_dir=data_dir) if os.path.isdir(name)
+                   else _hub_dataset(name, split, flag, data_dir))
+        return _dataset_records(dataset, max_samples)
+    path = local_path(source)
+    if path is not None and not os.path.exists(path) and is_hub_id(source):
+        return _dataset_records(_hub_dataset(source, split, flag), max_samples)
+    filesystem, fs_path = fsspec.core.url_to_fs(source, **(storage_options or {}))
+    if filesystem.isdir(fs_path):
+        return _dataset_records(_folder_dataset(source, filesystem, fs_path, split, storage_options, flag),
+                                max_samples)
+    return _read_file(source, storage_options, flag)
+
+
+def _read_file(url: str, storage_options: dict | None, flag: str) -> list[Record]:
+    lower = url.lower()
+    if lower.endswith(".parquet"):
+        return _read_table(url, storage_options, "parquet")
+    if lower.endswith(".csv"):
+        return _read_table(url, storage_options, "csv")
+    with _open(url, storage_options, flag=flag) as handle:
+        text = _decode(url, handle.read())
+    if lower.endswith(".json") and text.lstrip().startswith("["):
+        return _parse_json_array(url, text)
+    return _parse_jsonl(url, text)  # JSONL, and JSON lines in a .json file (as datasets' json loader reads)
+
+
+def _decode(url: str, data: bytes) -> str:
+    """UTF-8 text (a BOM is skipped); bytes that are not UTF-8 are an error naming line and byte offset."""
+    start = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    try:
+        return data[start:].decode("utf-8")
+    except UnicodeDecodeError as error:
+        offset = start + error.start
+        line = data.count(b"\n", 0, offset) + 1
+        raise UserError(f"{url} line {line}: bytes that are not UTF-8 at byte offset {offset} "
+                        f"({data[offset:start + error.end]!r}); save the file as UTF-8.") from None
+
+
+def _parse_jsonl(url: str, text: str) -> list[Record]:
+    records = []
+    for line_number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise UserError(f"{url} line {line_number}: invalid JSON ({error.msg}).") from None
+        if not isinstance(value, dict):
+            raise UserError(f"{url} line {line_number}: expected a JSON object, got {type(value).__name__}.")
+        records.append(Record(line_number, value))
+    return records
+
+
+def _parse_json_array(url: str, text: str) -> list[Record]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise UserError(f"{url} line {error.lineno}: invalid JSON ({error.msg}).") from None
+    if not isinstance(value, list):
+        raise UserError(f"{url}: a .json dataset must be a list of objects (or one object per line).")
+    for index, item in enumerate(value, start=1):
+        if not isinstance(item, dict):
+            raise UserError(f"{url} item {index}: expected a JSON object, got {type(item).__name__}.")
+    return [Record(index, item, "item") for index, item in enumerate(value, start=1)]
+
+
+def _read_table(url: str, storage_options: dict | None, kind: str) -> list[Record]:
+    import pyarrow.csv
+    import pyarrow.parquet
+
+    with _open(url, storage_options) as handle:
+        try:
+            table = pyarrow.parquet.read_table(handle) if kind == "parquet" else pyarrow.csv.read_csv(handle)
+        except Exception as error:  # pyarrow raises several unrelated types for a bad file
+            raise UserError(f"{url}: not a readable {kind.capitalize()} file ({error}).") from None
+    return [Record(index, row, "row") for index, row in enumerate(table.to_pylist(), start=1)]
+
+
+def _dataset_records(dataset, max_samples: int | None) -> list[Record]:
+    if max_samples:
+        dataset = dataset.select(range(min(max_samples, len(dataset))))
+    return [Record(index, row, "row") for index, row in enumerate(dataset.to_list(), start=1)]
+
+
+def _pick_split(name: str, dataset, split: str, flag: str):
+    """The `split` of a DatasetDict; a plain Dataset is used whole (OpenRLHF does the same)."""
+    if not hasattr(dataset, "keys"):
+        return dataset
+    if split not in dataset:
+        raise UserError(f"{flag}: {name} has no split {split!r} (it has {', '.join(dataset.keys())}); "
+                        f"choose one with {SPLIT_FLAGS.get(flag, '--dataset_split')}.")
+    return dataset[split]
+
+
+def _load_dataset(path: str, split: str, flag: str, name: str | None = None, data_dir: str | None = None):
+    """`datasets.load_dataset(path, split=split)`, an unknown split named with the user's flag and `name`."""
+    import datasets
+
+    try:
+        return datasets.load_dataset(path, split=split, data_dir=data_dir)
+    except ValueError as error:
+        if "split" not in str(error).lower():
+            raise
+        choices = re.search(r"one of \[(.*)\]", str(error))
+        has = f"it has {choices.group(1)}" if choices else str(error).rstrip(".")
+        raise UserError(f"{flag}: {name or path} has no split {split!r} ({has}); choose one with "
+                        f"{SPLIT_FLAGS.get(flag, '--dataset_split')}.") from None
+
+
+def _hub_dataset(name: str, split: str, flag: str, data_dir: str | None = None):
+    """A hub dataset from `datasets`' cache (or the hub when online), else from a cached hub snapshot."""
+    from rlhf_core.storage.hub import hub_snapshot
+
+    try:
+        return _load_dataset(name, split, flag, data_dir=data_dir)
+    except (ConnectionError, FileNotFoundError) as error:  # offline / not on the hub / unreachable
+        snapshot = hub_snapshot(name, repo_type="dataset", download=False)
+        if snapshot is None:
+            raise not_cached(flag, name, "dataset") from error
+    if data_dir is not None and not os.path.isdir(os.path.join(snapshot, data_dir)):
+        raise UserError(f"{flag}: {name}@{data_dir}: the cached dataset has no folder {data_dir!r}.")
+    return _load_dataset(snapshot, split, flag, name, data_dir)
+
+
+def _folder_dataset(url: str, filesystem, path: str, split: str, storage_options: dict | None, flag: str):
+    """A folder written by `save_to_disk` (any store), or a local folder of data files."""
+    import datasets
+
+    if any(filesystem.exists(f"{path.rstrip('/')}/{name}") for name in SAVED_DATASET_FILES):
+        try:
+            return _pick_split(url, datasets.load_from_disk(url, storage_options=storage_options), split, flag)
+        except (FileNotFoundError, ValueError) as error:
+            raise UserError(f"{flag}: {url} is not a readable dataset saved by datasets ({error}).") from None
+    if not is_local_url(url):
+        raise UserError(f"{flag}: {url} is a folder that holds no dataset saved by datasets (save_to_disk); "
+                        "give a file or a hub name.")
+    try:
+        return _load_dataset(path, split, flag)
+    except FileNotFoundError as error:
+        raise UserError(f"{flag}: {url} is a folder without data files datasets can read ({error}).") from None
+
+
+def rank_micro_batches(global_indices: list[int], rank: int, world_size: int, micro_batch_size: int) -> list[list[int]]:
+    """This rank's micro-batches of one global batch: rank r takes every world_size-th micro-batch."""
+    micro_batches = [
+        global_indices[start : start + micro_batch_size]
+        for start in range(0, len(global_indices), micro_batch_size)
+    ]
+    return micro_batches[rank::world_size]
+
+
+def dataset_fingerprint(cfg, storage_options: dict | None = None) -> str:
+    """Fingerprint of a stage's data (dataset or prompt_data, with its split), or "" if it has none."""
+    if getattr(cfg, "dataset", None):
+        return fingerprint(cfg.dataset, storage_options, split=getattr(cfg, "dataset_split", "train"))
+    if getattr(cfg, "prompt_data", None):
+        return fingerprint(cfg.prompt_data, storage_options, split=getattr(cfg, "prompt_split", "train"),
+                           flag="--prompt_data")
+    return ""
+
+
+_FINGERPRINTS: dict[tuple, str] = {}
+
+
+def _version_of(url: str, storage_options: dict | None, flag: str) -> tuple | None:
+    """(url, size, modification stamp or ETag) of a file, or None when the store tells neither."""
+    try:
+        filesystem, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        info = filesystem.info(path)
+    except Exception as error:  # noqa: BLE001 - a store's own error types: unknown version, unless unreachable
+        unreachable = store_unreachable(error, flag, url, storage_options)
+        if unreachable is not None:
+            raise unreachable from None
+        return None
+    stamp = info.get("mtime") or info.get("ETag") or info.get("LastModified")
+    return (url, info.get("size"), str(stamp)) if stamp is not None else None
+
+
+def fingerprint(url: str, storage_options: dict | None = None, *, split: str = "train",
+                flag: str = "--dataset") -> str:
+    """Identity of the data at `url`, recorded in each checkpoint's metadata: the sha256 of a file (of
+    every file of a folder), datasets' own fingerprint of a hub dataset's split, and a hash of the parts'
+    fingerprints for a comma-separated mixture. Files are hashed once per process and version (size and
+    mtime or ETag): every commit asks, and a dataset can be large."""
+    sources = [part.strip() for part in url.split(",") if part.strip()]
+    if len(sources) > 1:
+        parts = "\n".join(fingerprint(source, storage_options, split=split, flag=flag) for source in sources)
+        return hashlib.sha256(parts.encode()).hexdigest()
+    name, data_dir = split_data_dir(url, flag)
+    if data_dir is not None and os.path.isdir(name):
+        return fingerprint(os.path.join(name, data_dir), storage_options, split=split, flag=flag)
+    protocol, _ = fsspec.core.split_protocol(name)
+    path = local_path(name)
+    if path is not None and not os.path.exists(path) and is_hub_id(name):
+        key = ("hub", url, split)
+        if key not in _FINGERPRINTS:
+            _FINGERPRINTS[key] = "hub:" + _hub_dataset(name, split, flag, data_dir)._fingerprint
+        return _FINGERPRINTS[key]
+    try:
+        filesystem, fs_path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        if filesystem.isdir(fs_path):
+            names = sorted(filesystem.find(fs_path))
+            protocol_prefix = "" if is_local_url(name) else f"{protocol}://"
+            parts = "\n".join(f"{name[len(fs_path):]}:"
+                               f"{_file_fingerprint(protocol_prefix + name, storage_options, flag)}" for name in names)
+            return hashlib.sha256(parts.encode()).hexdigest()
+    except Exception as error:  # noqa: BLE001 - a store's own error types; re-raised unless understood
+        raise _as_user_error(error, url, flag, storage_options) from None
+    return _file_fingerprint(url, storage_options, flag)
+
+
+def _file_fingerprint(url: str, storage_options: dict | None, flag: str) -> str:
+    version = _version_of(url, storage_options, flag)
+    if version in _FINGERPRINTS:
+        return _FINGERPRINTS[version]
+    digest = hashlib.sha256()
+    with _open(url, storage_options, flag=flag) as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    if version is not None:
+        _FINGERPRINTS[version] = digest.hexdigest()
+    return digest.hexdigest()
+
+
+def split_holdout(items: list, fraction: float, seed: int) -> tuple[list, list]:
+    """A fixed (train, held-out) split: the held-out part is drawn by `seed`, the rest keeps its order."""
+    from rlhf_core.rank.determinism import generator
+
+    num_held_out = int(len(items) * fraction)
+    held_out = set(torch.randperm(len(items), generator=generator(seed, "holdout")).tolist()[:num_held_out])
+    return ([item for i, item in enumerate(items) if i not in held_out],
+            [item for i, item in enumerate(items) if i in held_out])

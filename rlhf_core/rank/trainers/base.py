@@ -1,0 +1,273 @@
+"""What every DeepSpeed stage trainer shares: its engines, precision, saving and loading one checkpoint.
+
+A checkpoint holds one folder per trained model (`actor_model/`, `critic_model/`, `reward_model/`):
+DeepSpeed's own state under `ds/` (weights, optimizer, LR schedule, per rank) and a Hugging Face copy
+of the weights under `hf/` (safetensors; the adapter alone with LoRA), which export and inspection read
+without unpickling anything. Under ZeRO-3 every rank gathers the partitioned parameters and rank 0
+writes them whole, in the dtype the module trains in (fp32 stays fp32, so exports are exact). The step
+and any controller state ride in the first engine's client state, so all models of a step commit
+together under one manifest. With `disable_ds_ckpt` a checkpoint keeps `hf/` only (plus the step in
+`trainer_state.json`), and resuming it restores the weights with a fresh optimizer, as
+--load_weights_only does.
+
+Precision: bf16 on a GPU is DeepSpeed's; on a CPU with native bf16, forward passes run under
+`torch.autocast("cpu", bfloat16)` (`self.autocast()`), weights and optimizer stay fp32 (as TRL on CPU).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import glob
+import json
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlhf_core.config import RunConfig
+from rlhf_core.rank.ds_config import (DEEPSPEED_STATE_DIR, HF_WEIGHTS_DIR, TRAINER_STATE_NAME, UNIVERSAL_STATE_DIR,
+                                 deepspeed_config, lr_scheduler_factory, resolve_precision, warn_once)
+from rlhf_core.faults import fault_point
+from rlhf_core.storage.safe_load import guard_checkpoint_loads, reading_checkpoint
+
+
+
+def configure_gradient_checkpointing(model, cfg) -> None:
+    """Apply --gradient_checkpointing_use_reentrant (models load with the non-reentrant variant). The
+    reentrant variant only back-propagates into checkpointed blocks whose inputs require grad, which
+    frozen embeddings (LoRA) do not give, hence enable_input_require_grads."""
+    if cfg.gradient_checkpointing and cfg.gradient_checkpointing_use_reentrant:
+        from rlhf_core.rank.models import enable_activation_checkpointing
+
+        enable_activation_checkpointing(model, use_reentrant=True)
+        model.enable_input_require_grads()
+
+
+def gathered(engine, modifier_rank: int | None = None):
+    """A context in which a ZeRO-3 engine's parameters are whole on every rank (no-op for ZeRO 0-2); with
+    `modifier_rank`, that rank's changes are partitioned back to every rank on exit."""
+    if engine.zero_optimization_stage() != 3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=modifier_rank)
+
+
+class DeepSpeedTrainer(abc.ABC):
+    """One rank of a stage: DeepSpeed engines over its trained models, at optimizer step `self.step`.
+
+    A stage declares `count_items(run)` (samples, pairs or prompts, for the planner), `train_step()`
+    (one optimizer step, returning its metrics) and `export_model_dir` (the model folder its export reads).
+    """
+
+    stage: str = ""
+    step_size_flag = "train_batch_size"  # the flag named when the data cannot fill one step
+
+    @staticmethod
+    @abc.abstractmethod
+    def count_items(run: RunConfig) -> int:
+        """Usable items of the stage's data (samples, pairs or prompts)."""
+
+    @property
+    @abc.abstractmethod
+    def export_model_dir(self) -> str:
+        """The checkpoint folder (`actor_model`, `reward_model`) whose `hf/` is the stage's output."""
+
+    @abc.abstractmethod
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step (or PPO step); returns its metrics, already averaged over ranks."""
+
+    @staticmethod
+    def items_per_step(cfg) -> int:
+        """Samples (or pairs) one step consumes; PPO counts prompts instead."""
+        return cfg.train_batch_size
+
+    @staticmethod
+    def num_passes(cfg) -> int:
+        return cfg.max_epochs
+
+    def __init__(self, run: RunConfig, total_steps: int, rank: int, world_size: int, load_universal: bool = False):
+        self.run, self.cfg = run, run.stage_config(self.stage)
+        self.total_steps, self.rank, self.world_size = total_steps, rank, world_size
+        self.load_universal = load_universal
+        self.on_gpu = torch.cuda.is_available()
+        self.precision = resolve_precision(self.cfg.param_dtype, self.on_gpu)
+        self.engines: dict[str, Any] = {}
+        self.step = 0
+
+    def autocast(self):
+        """The context for forward passes: bf16 autocast on a CPU run with --param_dtype bf16, else nothing."""
+        if self.precision.cpu_autocast_bf16:
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def build_engine(self, name: str, model: torch.nn.Module, learning_rate: float | None = None,
+                     num_optimizer_steps: int | None = None):
+        """A DeepSpeed engine for `model`, saved under `{name}/` in each checkpoint."""
+        import deepspeed
+
+        cfg = self.cfg if learning_rate is None else self.cfg.model_copy(update={"learning_rate": learning_rate})
+        configure_gradient_checkpointing(model, cfg)
+        hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
+        config = deepspeed_config(cfg, self.world_size, self.load_universal, self.on_gpu, hidden_size)
+        schedule = lr_scheduler_factory(cfg.lr_scheduler, cfg.lr_warmup_ratio, num_optimizer_steps or self.total_steps,
+                                        cfg.min_lr_ratio)
+        trainable = [param for param in model.parameters() if param.requires_grad]
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=config,
+                                               lr_scheduler=schedule)
+        if self.world_size == 1 and engine.zero_optimization_stage() == 0:
+            # Without ZeRO, DeepSpeed all-reduces the gradients after each backward by flattening, reducing,
+            # dividing and copying them back: on one rank an identity costing ~4 passes over the gradients.
+            # (ZeRO 1-3 move gradients into their partitions in that call, so they keep it.)
+            engine.enable_backward_allreduce = False
+        guard_checkpoint_loads(engine)
+        self.engines[name] = engine
+        return engine
+
+    def controller_state(self) -> dict[str, Any]:
+        """Extra state saved with the step (e.g. the KL controller); stages override both methods."""
+        return {}
+
+    def restore_controller_state(self, state: dict[str, Any]) -> None:
+        pass
+
+    def save(self, directory: str) -> None:
+        """All ranks write DeepSpeed state (unless disable_ds_ckpt) and gather ZeRO-3 weights; rank 0
+        writes the HF copies (and the tokenizer if save_hf_ckpt)."""
+        client_state = {"step": self.step, "controller": self.controller_state(),
+                        "universal_checkpoint_info": {"universal_checkpoint_version": 0.2}}
+        if not self.cfg.disable_ds_ckpt:
+            for name, engine in self.engines.items():
+                engine.save_checkpoint(os.path.join(directory, name), tag=DEEPSPEED_STATE_DIR,
+                                       client_state=client_state, save_latest=False)
+        elif self.rank == 0:
+            with open(os.path.join(directory, TRAINER_STATE_NAME), "w") as handle:
+                json.dump({"step": self.step, "controller": self.controller_state(),
+                           "global_steps": {name: engine.global_steps for name, engine in self.engines.items()}},
+                          handle)
+        fault_point("local_save", self.step)
+        for name, engine in self.engines.items():
+            self.save_hf(engine, os.path.join(directory, name, HF_WEIGHTS_DIR))
+        dist.barrier()
+
+    def save_hf(self, engine, hf_dir: str) -> None:
+        with gathered(engine):
+            if self.rank == 0:
+                engine.module.save_pretrained(hf_dir, safe_serialization=True)
+                if self.cfg.save_hf_ckpt:
+                    self.tokenizer.save_pretrained(hf_dir)
+
+    def load(self, directory: str, universal: bool = False, weights_only: bool = False) -> int:
+        """Restore the state saved in `directory`; with `weights_only` (or a checkpoint saved without
+        DeepSpeed state), fresh optimizers whose LR schedules continue at the saved step (a restarted
+        warmup would be a second shock)."""
+        first = next(iter(self.engines))
+        if not os.path.isdir(os.path.join(directory, first, DEEPSPEED_STATE_DIR)):
+            return self.load_hf_weights(directory)
+        client_states = []
+        tag = UNIVERSAL_STATE_DIR if universal else DEEPSPEED_STATE_DIR
+        for name, engine in self.engines.items():
+            if weights_only and engine.zero_optimization_stage() == 3:
+                # ZeRO-3's module-only load consolidates the fp32 partitions through zero_to_fp32, which
+                # finds the tag in the `latest` file only (we save without it). Each rank loads from a
+                # folder of its own.
+                with open(os.path.join(directory, name, "latest"), "w") as handle:
+                    handle.write(tag)
+            dist.barrier()
+            with reading_checkpoint(directory):
+                _, client_state = engine.load_checkpoint(
+                    os.path.join(directory, name), tag=tag,
+                    load_optimizer_states=not weights_only, load_lr_scheduler_states=not weights_only,
+                    load_module_only=weights_only,
+                )
+            client_states.append(client_state)
+            if weights_only:  # DeepSpeed leaves the step count in the client state when loading the module only
+                continue_schedule(engine, int(client_state["global_steps"]))
+            else:
+                apply_schedule(engine)
+        self.step = int(client_states[0]["step"])
+        self.restore_controller_state(client_states[0].get("controller", {}))
+        return self.step
+
+    def load_hf_weights(self, directory: str) -> int:
+        """Resume a checkpoint saved with --disable_ds_ckpt: its `hf/` weights, a fresh optimizer."""
+        with open(os.path.join(directory, TRAINER_STATE_NAME)) as handle:
+            state = json.load(handle)
+        if self.rank == 0:
+            warn_once(f"resuming step {state['step']} from a checkpoint without DeepSpeed state (--disable_ds_ckpt): "
+                      "weights restored, optimizer state starts fresh (as --load_weights_only).")
+        for name, engine in self.engines.items():
+            load_hf_into(engine, os.path.join(directory, name, HF_WEIGHTS_DIR))
+            continue_schedule(engine, int(state["global_steps"][name]))  # PPO takes several per step
+        self.step = int(state["step"])
+        self.restore_controller_state(state.get("controller", {}))
+        return self.step
+
+    def is_eval_step(self) -> bool:
+        """Evaluate every eval_steps steps (if > 0) and at each checkpoint step (as OpenRLHF's trainers)."""
+        cfg, step = self.cfg, self.step
+        return (cfg.eval_steps > 0 and step % cfg.eval_steps == 0) or step == self.total_steps or \
+            (cfg.save_steps > 0 and step % cfg.save_steps == 0)
+
+    def eval_micro_batches(self, items: list) -> list[tuple[list, bool]]:
+        """This rank's micro-batches of `items`, as (batch, counted). Every rank runs the same number of
+        forward passes (ZeRO-3 gathers parameters collectively): a rank whose share ran out repeats the
+        first item, and that pass is not counted."""
+        size = self.cfg.micro_train_batch_size
+        rounds = -(-len(items) // (size * self.world_size))
+        batches = []
+        for round_index in range(rounds):
+            start = (round_index * self.world_size + self.rank) * size
+            share = items[start : start + size]
+            batches.append((share, True) if share else (items[:1], False))
+        return batches
+
+    def mean_over_ranks(self, values: list[float]) -> float:
+        total = torch.tensor([sum(values), len(values)], dtype=torch.float64)
+        dist.all_reduce(total)
+        return (total[0] / total[1]).item()
+
+    def sum_over_ranks(self, *values: float) -> list[float]:
+        total = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(total)
+        return total.tolist()
+
+
+def load_hf_into(engine, hf_dir: str) -> None:
+    """Copy the safetensors weights of `hf_dir` into the engine's module (an adapter into a LoRA model),
+    then refresh the optimizer's fp32 master copy from them."""
+    from safetensors.torch import load_file
+
+    weights: dict[str, torch.Tensor] = {}
+    for path in sorted(glob.glob(os.path.join(hf_dir, "*.safetensors"))):
+        weights.update(load_file(path))
+    module = engine.module
+    with gathered(engine, modifier_rank=0):
+        if hasattr(module, "peft_config"):
+            from peft import set_peft_model_state_dict
+
+            set_peft_model_state_dict(module, weights)
+        else:
+            unexpected = module.load_state_dict(weights, strict=False).unexpected_keys
+            if unexpected:
+                raise RuntimeError(f"{hf_dir} holds weights the model does not have: {unexpected[:5]}")
+    for refresh in ("refresh_fp32_params", "_restore_from_bit16_weights"):
+        if hasattr(engine.optimizer, refresh):
+            getattr(engine.optimizer, refresh)()
+            break
+
+
+def apply_schedule(engine) -> None:
+    """Put the schedule's current LR into the optimizer: a restored scheduler does not touch it."""
+    for group, lr in zip(engine.lr_scheduler.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
+        group["lr"] = lr
+
+
+def continue_schedule(engine, global_steps: int) -> None:
+    """A fresh optimizer whose LR schedule (a LambdaLR) continues after `global_steps` optimizer steps."""
+    scheduler = engine.lr_scheduler
+    engine.global_steps = scheduler.last_epoch = global_steps
+    scheduler._last_lr = [base * factor(global_steps) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    apply_schedule(engine)

@@ -1,0 +1,421 @@
+"""PPO with its critic-free variants, one rank's share: rollout, score, advantages, update, evaluation.
+
+One PPO step takes `rollout_batch_size` prompts (from the (seed, episode) order; this rank takes its
+contiguous share), samples `n_samples_per_prompt` responses each with the actor, scores them with the
+reward model, `--reward_fn` or OpenRLHF's `--remote_rm_url` (a reward_func file or a reward server,
+see `rlhf_core.rank.rewards`), computes per-token KL to the frozen reference and the advantages of
+`--advantage_estimator`, then runs `max_epochs` passes of clipped-surrogate updates (and clipped value
+updates for gae). Models are colocated on each rank (actor, critic, reference, reward), a departure
+from OpenRLHF's separate actor groups that keeps one readable path; fine for toy and small models.
+Responses come from transformers `generate`, or on GPU from a colocated vLLM engine per rank
+(`--vllm_num_engines`, see `rlhf_core.rank.vllm_engine`); evaluation always samples with `generate`.
+
+OpenRLHF's reward options, as built here:
+- `--normalize_reward`: reward-model scores become (score - mean) / std with the mean and std recorded
+  in the reward model's config.json; a reward model without them, or a reward function, warns once.
+- `--reward_clip_range`, `--use_kl_loss` / `--kl_estimator`, `--entropy_loss_coef`: see `rlhf_core.rank.ppo_math`.
+  The KL is in the reward for every estimator unless `--use_kl_loss` (OpenRLHF 0.9.10 does the same for group_norm).
+- A rollout batch whose rewards are all equal (over every rank) teaches nothing: one warning, at most once per
+  chunk (`warn_if_rewards_equal`); OpenRLHF says nothing.
+- `--dynamic_filtering`: prompts whose samples' mean score lies outside the range are dropped from the
+  update. Departure: OpenRLHF draws replacement prompts until the batch is full; our rollout is a fixed
+  slice of the (seed, step) prompt order (so a resumed run replays it), so dropped samples are masked
+  out of the loss instead, and a step where no sample survives on any rank skips the update (the step
+  still counts; `dynamic_filtering_pass_rate` reports 0).
+- `--freezing_actor_steps N`: the first N PPO steps train only the critic.
+- Several ranks: the whitening statistics and the KL fed to `--kl_target`'s controller are the global
+  batch's (all-reduced), so every rank holds the same coefficient and a resumed run continues it
+  exactly. Group baselines and dynamic filtering need no reduce: a rank holds whole prompt groups. What
+  still depends on the number of ranks: the sampling seed of each rank's share (seed, step, rank), its
+  update shuffle, and each micro-batch's token-mean loss, so `num_workers` changes a PPO run's samples.
+- With ZeRO-3, generation and scoring with a trained model run inside `GatheredParameters`.
+- `--init_kl_coef 0`: no reference model is loaded (as OpenRLHF), and the KL is 0. If moreover each
+  rollout makes one optimizer step (one epoch, `rollout_batch_size * n_samples_per_prompt ==
+  train_batch_size`), the policy cannot move between sampling and update, so the update's own log-probs,
+  detached, stand in for the old ones (as TRL's GRPO does): the ratio is 1 and its gradient the policy
+  gradient, without the scoring forward pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlhf_core.rank import ppo_math
+from rlhf_core.config import PPOConfig, RunConfig
+from rlhf_core.rank.data import Record, read_records
+from rlhf_core.rank.determinism import derive_seed, generator, step_sample_indices
+from rlhf_core.errors import UserError
+from rlhf_core.rank.models import load_causal_lm, load_scalar_model, load_tokenizer, sequence_scores, token_values
+from rlhf_core.rank.rewards import (RewardBatch, check_reward_setup, mean_extra_logs_over_ranks, reward_function,
+                               reward_inputs)
+from rlhf_core.rank.rollout import (collate_sequences, generate, on_device, require_vllm, response_logits,
+                               response_logprobs)
+from rlhf_core.rank.samples import Renderer, tokenize_prompts
+from rlhf_core.rank.trainers.base import DeepSpeedTrainer, gathered
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    text: Any  # the prompt field as written in the data: a string, or a list of {role, content} messages
+    ids: list[int]  # the tokens the model sees (template or BOS, truncated from the left)
+    label: Any  # the --label_key value; "" without --label_key, as OpenRLHF
+    bos_added: bool = False  # ids[0] is a BOS added here, not written by the chat template
+
+
+def record_label(url: str, record: Record, label_key: str | None) -> Any:
+    if label_key is None:
+        return ""
+    if label_key not in record.fields:
+        raise UserError(f"{record.where(url)}: no key {label_key!r} (choose the key with --label_key).")
+    return record.fields[label_key]
+
+
+def load_prompts(run: RunConfig, tokenizer, eval_data: bool = False) -> list[PromptItem]:
+    """The prompts (or with `eval_data`, the evaluation prompts) with their labels."""
+    cfg = run.ppo
+    if eval_data:
+        url = cfg.eval_dataset
+        records = read_records(url, run.storage_options, split=cfg.eval_split, flag="--eval_dataset")
+    else:
+        url = cfg.prompt_data
+        records = read_records(url, run.storage_options, cfg.max_samples, split=cfg.prompt_split,
+                               probs=cfg.dataset_probs, seed=run.seed, flag="--prompt_data")
+    renderer = Renderer(tokenizer, url, cfg.apply_chat_template, cfg.input_template)
+    tokenized = tokenize_prompts(renderer, records, cfg.input_key, cfg.prompt_max_len)
+    assert len(tokenized) == len(records), "tokenize_prompts must keep one prompt per record"
+    return [PromptItem(prompt.value, prompt.ids, record_label(url, record, cfg.label_key), prompt.bos_added)
+            for prompt, record in zip(tokenized, records)]
+
+
+def optimizer_steps_per_ppo_step(cfg: PPOConfig) -> int:
+    return cfg.rollout_batch_size * cfg.n_samples_per_prompt // cfg.train_batch_size * cfg.max_epochs
+
+
+def all_ranks_sum(totals: torch.Tensor) -> torch.Tensor:
+    """`totals` summed over every rank, in float64 (ppo_math's `reduce`); the same result on every rank."""
+    totals = totals.to(torch.float64).clone()
+    dist.all_reduce(totals)
+    return totals
+
+
+def pad_rows(rows: list[torch.Tensor]) -> torch.Tensor:
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True) if rows else torch.zeros(0, 0)
+
+
+class PPOTrainer(DeepSpeedTrainer):
+    stage = "ppo"
+    export_model_dir = "actor_model"
+    step_size_flag = "rollout_batch_size"
+
+    @staticmethod
+    def count_items(run: RunConfig) -> int:
+        require_vllm(run.ppo.vllm_num_engines)
+        tokenizer = load_tokenizer(run.ppo.pretrain, run.storage_options)
+        prompts = load_prompts(run, tokenizer)
+        if run.ppo.eval_dataset:  # its keys and labels are checked here, not at the first evaluation
+            load_prompts(run, tokenizer, eval_data=True)
+        check_reward_setup(run.ppo, tokenizer, prompts[0])
+        return len(prompts)
+
+    @staticmethod
+    def items_per_step(cfg: PPOConfig) -> int:
+        return cfg.rollout_batch_size
+
+    @staticmethod
+    def num_passes(cfg: PPOConfig) -> int:
+        return cfg.num_episodes
+
+    def __init__(self, run: RunConfig, total_steps: int, rank: int, world_size: int, load_universal: bool = False):
+        super().__init__(run, total_steps, rank, world_size, load_universal)
+        cfg = self.cfg
+        self.tokenizer = load_tokenizer(cfg.pretrain, run.storage_options)
+        self.prompts = load_prompts(run, self.tokenizer)
+        self.eval_prompts = load_prompts(run, self.tokenizer, eval_data=True) if cfg.eval_dataset else []
+        self.kl = ppo_math.KLController(cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon)
+        self.equal_rewards_chunk: int | None = None  # the chunk whose equal rewards were warned about
+        # Whitening and KL statistics over every rank's samples (one process: its own batch is the batch).
+        self.reduce = all_ranks_sum if world_size > 1 else None
+        num_optimizer_steps = total_steps * optimizer_steps_per_ppo_step(cfg)
+        torch.manual_seed(derive_seed(run.seed, self.stage, "init"))
+        loading = {"attn_implementation": cfg.attn_implementation, "storage_options": run.storage_options}
+        actor = load_causal_lm(cfg.pretrain, cfg.lora_rank, cfg.lora_alpha, cfg.target_modules,
+                               cfg.gradient_checkpointing, lora_dropout=cfg.lora_dropout, **loading)
+        self.actor = self.build_engine("actor_model", actor, num_optimizer_steps=num_optimizer_steps)
+        # The frozen models follow the actor onto its device and precision (bf16 on GPU if asked).
+        placement = {"device": self.actor.device, "dtype": next(self.actor.module.parameters()).dtype}
+        self.reference = None
+        if cfg.init_kl_coef > 0:
+            self.reference = load_causal_lm(cfg.pretrain, **loading).eval().requires_grad_(False).to(**placement)
+        self.scores_old_logprobs = self.reference is not None or optimizer_steps_per_ppo_step(cfg) > 1
+        self.critic = None
+        if cfg.advantage_estimator == "gae":
+            critic = load_scalar_model(cfg.critic_pretrain, self.tokenizer.pad_token_id, flag="--critic_pretrain",
+                                       **loading)
+            self.critic = self.build_engine("critic_model", critic, cfg.critic_learning_rate, num_optimizer_steps)
+        self.reward_fn = reward_function(cfg.reward_fn, cfg.remote_rm_url)
+        self.reward_model, self.reward_normalization = None, None
+        if self.reward_fn is None:
+            self.reward_model = load_scalar_model(cfg.reward_pretrain, self.tokenizer.pad_token_id,
+                                                  flag="--reward_pretrain", **loading)
+            self.reward_model = self.reward_model.eval().requires_grad_(False).to(**placement)
+            self.reward_normalization = self.recorded_reward_statistics() if cfg.normalize_reward else None
+        self.vllm = None
+        if cfg.vllm_num_engines:
+            from rlhf_core.rank.vllm_engine import VLLMGenerator
+
+            self.vllm = VLLMGenerator(cfg, run.seed, rank)
+
+    def recorded_reward_statistics(self) -> tuple[float, float] | None:
+        """(mean, std) the RM stage recorded in the reward model's config.json, or None (warned once)."""
+        mean, std = (getattr(self.reward_model.config, name, None) for name in ("mean", "std"))
+        if mean is None or std is None or not std > 0:
+            if self.rank == 0:
+                logger.warning("--normalize_reward: %s records no reward mean/std in its config.json; scores are "
+                               "used as they are.", self.cfg.reward_pretrain)
+            return None
+        return float(mean), float(std)
+
+    def controller_state(self) -> dict:
+        return {"kl_coef": self.kl.coef}
+
+    def restore_controller_state(self, state: dict) -> None:
+        self.kl.coef = state.get("kl_coef", self.kl.coef)
+
+    def whole(self, engine):
+        """With ZeRO-3, each rank holds a slice of every parameter: gather them for generation and scoring."""
+        return contextlib.nullcontext() if engine is None else gathered(engine)
+
+    def rank_prompts(self) -> list[PromptItem]:
+        indices = step_sample_indices(self.step, self.cfg.rollout_batch_size, len(self.prompts), self.run.seed)
+        share = len(indices) // self.world_size
+        return [self.prompts[i] for i in indices[self.rank * share : (self.rank + 1) * share]]
+
+    def train_step(self) -> dict[str, float]:
+        cfg = self.cfg
+        with self.autocast():  # bf16 autocast on a CPU run with --param_dtype bf16, as SFT and RM
+            experience = self.make_experience()
+        self.warn_if_rewards_equal(experience["rewards"])
+        mask = experience["mask"] * experience["keep"][:, None]  # filtered samples leave the update
+        kl_in_reward = torch.zeros_like(experience["kl"]) if cfg.use_kl_loss else experience["kl"]
+        advantages, returns = ppo_math.advantages_and_returns(
+            cfg.advantage_estimator, experience["rewards"], kl_in_reward, mask, experience.get("values"),
+            self.kl.coef, cfg.gamma, cfg.lambd, cfg.n_samples_per_prompt, tuple(cfg.reward_clip_range),
+            reduce=self.reduce)
+        experience.update(advantages=advantages, returns=returns, loss_mask=mask)
+        kept = self.sum_over_ranks(experience["keep"].sum().item())
+        losses = self.update(experience) if kept > 0 else {}
+        # The global batch's KL and sample count: every rank's controller takes the same step.
+        observed_kl, num_samples = ppo_math.batch_kl(experience["kl"], experience["mask"], self.reduce)
+        self.kl.update(observed_kl, num_samples)
+        self.step += 1
+        metrics = {**mean_extra_logs_over_ranks(experience["extra_logs"], self.world_size),
+                   "step": self.step, "reward": self.mean_over_ranks(experience["rewards"].tolist()),
+                   "kl": observed_kl, "kl_coef": self.kl.coef,
+                   "response_length": self.mean_over_ranks(experience["mask"].sum(-1).tolist()),
+                   "lr": self.actor.get_lr()[0], **{k: self.mean_over_ranks(v) for k, v in losses.items()}}
+        if cfg.dynamic_filtering:
+            metrics["dynamic_filtering_pass_rate"] = 100 * kept / self.sum_over_ranks(len(experience["keep"]))
+        if self.evaluation_due():
+            metrics["eval_reward"] = self.evaluate()
+        return metrics
+
+    def warn_if_rewards_equal(self, rewards: torch.Tensor) -> None:
+        """A rollout batch (every rank's samples) whose rewards are all equal: one warning, at most once per chunk,
+        since no response scores better than another (a reward function in the wrong form, a broken one)."""
+        highest, negated_lowest = self.max_over_ranks(
+            [rewards.max().item(), -rewards.min().item()] if rewards.numel() else [-math.inf, -math.inf])
+        chunk = self.step // self.cfg.save_steps if self.cfg.save_steps > 0 else 0
+        if self.rank != 0 or highest != -negated_lowest or chunk == self.equal_rewards_chunk:
+            return
+        self.equal_rewards_chunk = chunk
+        logger.warning("ppo step %d: every reward of the rollout batch is %.4g, so its advantages carry no reward "
+                       "signal and the policy learns nothing from it; check the reward function or model (shown "
+                       "at most once per chunk).", self.step + 1, highest)
+
+    @torch.no_grad()
+    def make_experience(self) -> dict:
+        """Sample, then score: old and reference log-probs, values, rewards, per-token KL, filtering."""
+        cfg = self.cfg
+        torch.manual_seed(derive_seed(self.run.seed, self.stage, self.step, self.rank, "rollout"))
+        items = [item for item in self.rank_prompts() for _ in range(cfg.n_samples_per_prompt)]
+        prompts = [item.ids for item in items]
+        self.actor.eval()
+        responses = self.sample(prompts, cfg.temperature, use_vllm=True)
+        rows: dict[str, list] = {"old_logprobs": [], "ref_logprobs": [], "values": []}
+        with self.whole(self.actor), self.whole(self.critic):
+            for start in range(0, len(prompts), cfg.micro_rollout_batch_size):
+                part = slice(start, start + cfg.micro_rollout_batch_size)
+                self.score_micro_batch(prompts[part], responses[part], rows)
+        rewarded = self.rewards(items, responses)
+        lengths = [len(response) for response in responses]
+        experience = {"prompts": prompts, "responses": responses, "rewards": torch.tensor(rewarded.rewards),
+                      "mask": pad_rows([torch.ones(n) for n in lengths]), "extra_logs": rewarded.extra_logs,
+                      "keep": torch.ones(len(items))}
+        if cfg.dynamic_filtering:
+            experience["keep"] = ppo_math.group_filter(torch.tensor(rewarded.scores), cfg.n_samples_per_prompt,
+                                                       *cfg.dynamic_filtering_reward_range)
+        for name in (name for name, scored in rows.items() if scored):
+            experience[name] = pad_rows([row[:n] for row, n in zip(rows[name], lengths)])
+        experience["kl"] = torch.zeros_like(experience["mask"])
+        if self.reference is not None:
+            experience["kl"] = ppo_math.kl_estimate(experience["old_logprobs"], experience["ref_logprobs"],
+                                                    cfg.kl_estimator) * experience["mask"]
+        return experience
+
+    def sample(self, prompts: list[list[int]], temperature: float, use_vllm: bool) -> list[list[int]]:
+        cfg, eos_token_id = self.cfg, self.tokenizer.eos_token_id
+        with self.whole(self.actor):
+            if self.vllm is not None and use_vllm:
+                return self.vllm.generate(self.actor.module, prompts, self.step, eos_token_id)
+            responses = []
+            for start in range(0, len(prompts), cfg.micro_rollout_batch_size):
+                responses += generate(self.actor.module, prompts[start : start + cfg.micro_rollout_batch_size],
+                                      self.tokenizer.pad_token_id, eos_token_id, cfg.max_new_tokens, temperature,
+                                      cfg.top_p)
+        return responses
+
+    def score_micro_batch(self, prompts, responses, rows: dict) -> None:
+        # Experience is kept on the CPU in float32, whatever device and precision the models use.
+        batch = collate_sequences(prompts, responses, self.tokenizer.pad_token_id)
+        if self.scores_old_logprobs:
+            rows["old_logprobs"] += list(response_logprobs(self.actor.module, batch).cpu())
+        if self.reference is not None:
+            rows["ref_logprobs"] += list(response_logprobs(self.reference, batch).cpu())
+        if self.critic is not None:
+            values = token_values(self.critic.module, batch["input_ids"], batch["attention_mask"])
+            rows["values"] += list(values[:, batch["prompt_len"] - 1 : -1].float().cpu())
+
+    @torch.no_grad()
+    def rewards(self, items: list[PromptItem], responses: list[list[int]]) -> RewardBatch:
+        """Rewards of this rank's samples. A reward function's mistake on any rank stops every rank with the
+        same sentence (a rank left behind would wait in the next collective forever)."""
+        problem, result = "", RewardBatch([], [])
+        try:
+            if self.reward_fn is not None and items:
+                result = self.reward_fn(reward_inputs(self.tokenizer, items, responses))
+            elif self.reward_fn is None:
+                scores = self.reward_model_scores([item.ids for item in items], responses)
+                result = RewardBatch(scores, list(scores))
+        except UserError as error:
+            problem = str(error)
+        problems: list[str] = [""] * self.world_size
+        dist.all_gather_object(problems, problem)
+        if any(problems):
+            raise UserError(next(text for text in problems if text))
+        return result
+
+    def reward_model_scores(self, prompts: list[list[int]], responses: list[list[int]]) -> list[float]:
+        scores = []
+        for start in range(0, len(prompts), self.cfg.micro_rollout_batch_size):
+            part = slice(start, start + self.cfg.micro_rollout_batch_size)
+            inputs = on_device(collate_sequences(prompts[part], responses[part], self.tokenizer.pad_token_id),
+                               self.reward_model.device)
+            scores += sequence_scores(self.reward_model, inputs["input_ids"], inputs["attention_mask"]).float().tolist()
+        if self.reward_normalization is not None:
+            mean, std = self.reward_normalization
+            scores = [(score - mean) / std for score in scores]
+        return scores
+
+    def update(self, experience: dict) -> dict[str, list[float]]:
+        """max_epochs passes of micro-batch updates; DeepSpeed steps at each accumulation boundary."""
+        cfg, num_rows = self.cfg, len(experience["prompts"])
+        train_actor = self.step >= cfg.freezing_actor_steps  # OpenRLHF: global step (1-based) > N
+        losses: dict[str, list[float]] = ({"policy_loss": [], "clip_fraction": []} if train_actor else {}) | (
+            {"entropy_loss": []} if train_actor and cfg.entropy_loss_coef is not None else {}) | (
+            {"critic_loss": []} if self.critic else {})
+        self.actor.train()
+        for epoch in range(cfg.max_epochs):
+            order = torch.randperm(num_rows, generator=generator(self.run.seed, self.stage, self.step, self.rank,
+                                                                  epoch)).tolist()
+            for start in range(0, num_rows, cfg.micro_train_batch_size):
+                rows = order[start : start + cfg.micro_train_batch_size]
+                for name, value in self.update_micro_batch(experience, rows, train_actor).items():
+                    losses[name].append(value)
+        return losses
+
+    def update_micro_batch(self, experience: dict, rows: list[int], train_actor: bool) -> dict[str, float]:
+        cfg = self.cfg
+        batch = collate_sequences([experience["prompts"][i] for i in rows],
+                                  [experience["responses"][i] for i in rows], self.tokenizer.pad_token_id)
+        width = batch["action_mask"].shape[1]
+
+        def take(name: str) -> torch.Tensor:
+            return experience[name][rows, :width].to(self.actor.device)
+
+        mask = take("loss_mask")
+        result = {}
+        if train_actor:
+            with self.autocast():
+                logprobs, entropy = self.actor_logprobs(batch)
+            eps_low, eps_high = cfg.eps_clip_low_high or (cfg.eps_clip, cfg.eps_clip)
+            old_logprobs = take("old_logprobs") if self.scores_old_logprobs else logprobs.detach()
+            loss, clip_fraction = ppo_math.policy_loss(logprobs, old_logprobs, take("advantages"), mask,
+                                                       eps_low, eps_high)
+            if cfg.use_kl_loss and self.reference is not None:  # GRPO style: the KL in the loss, not the reward
+                loss = loss + self.kl.coef * ppo_math.masked_mean(
+                    ppo_math.kl_estimate(logprobs, take("ref_logprobs"), cfg.kl_estimator), mask)
+            result = {"policy_loss": loss.item(), "clip_fraction": clip_fraction.item()}
+            if entropy is not None:  # --entropy_loss_coef: 0 measures the entropy, anything else adds the bonus
+                loss, mean_entropy = ppo_math.entropy_bonus(loss, entropy, mask, cfg.entropy_loss_coef)
+                result["entropy_loss"] = mean_entropy.item()
+            self.actor.backward(loss)
+            self.actor.step()
+        if self.critic is not None:
+            with self.autocast():
+                values = token_values(self.critic.module, batch["input_ids"], batch["attention_mask"])
+            values = values[:, batch["prompt_len"] - 1 : -1].float()
+            critic_loss = ppo_math.value_loss(values, take("values"), take("returns"), mask, cfg.value_clip)
+            self.critic.backward(critic_loss)
+            self.critic.step()
+            result["critic_loss"] = critic_loss.item()
+        return result
+
+    def actor_logprobs(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The actor's log-probs of the response tokens and, with --entropy_loss_coef set, the entropy of each
+        response position's distribution (from the same forward pass; detached when the coefficient is 0)."""
+        coef = self.cfg.entropy_loss_coef
+        if coef is None:
+            return response_logprobs(self.actor, batch), None
+        logits, tokens = response_logits(self.actor, batch)
+        entropy = ppo_math.token_entropy(logits if coef else logits.detach())
+        return ppo_math.token_logprobs(logits, tokens), entropy
+
+    def evaluation_due(self) -> bool:
+        """Every eval_steps steps, and at the last step of each chunk (where a checkpoint is committed)."""
+        cfg = self.cfg
+        if not cfg.eval_dataset:
+            return False
+        chunk_end = self.step == self.total_steps or (cfg.save_steps > 0 and self.step % cfg.save_steps == 0)
+        return chunk_end or (cfg.eval_steps > 0 and self.step % cfg.eval_steps == 0)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean reward of eval_n_samples_per_prompt samples per eval prompt at eval_temperature, all ranks."""
+        cfg = self.cfg
+        torch.manual_seed(derive_seed(self.run.seed, self.stage, self.step, self.rank, "eval"))
+        items = [item for item in self.eval_prompts[self.rank :: self.world_size]
+                 for _ in range(cfg.eval_n_samples_per_prompt)]
+        self.actor.eval()
+        # Every rank samples, even with no prompt left to it: with ZeRO-3 the gather is a collective.
+        with self.autocast():  # the same precision as the training rollouts
+            responses = self.sample([item.ids for item in items], cfg.eval_temperature, use_vllm=False)
+        return self.mean_over_ranks(self.rewards(items, responses).rewards)
+
+    def sum_over_ranks(self, value: float) -> float:
+        total = torch.tensor([float(value)], dtype=torch.float64)
+        dist.all_reduce(total)
+        return total.item()
+
+    def max_over_ranks(self, values: list[float]) -> list[float]:
+        highest = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(highest, op=dist.ReduceOp.MAX)
+        return highest.tolist()

@@ -1,0 +1,162 @@
+"""Reward model on preference pairs: backbone + scalar `score` head read at the last token (EOS), as OpenRLHF.
+
+Loss (--loss): `sigmoid`, Bradley-Terry -log sigmoid(r_c - r_r - margin), with each pair's `margin`
+field when --margin_loss; or `logexploss`, log(1 + exp(r_r - r_c)), which ignores margins as in
+OpenRLHF. Evaluation (every --eval_steps steps and at every checkpoint step) reports `eval_accuracy`,
+`eval_loss` and the mean/std of the rewards (chosen and rejected) on --eval_dataset, else on a fixed
+held-out fraction (--eval_holdout, drawn from the seed); training steps walk the rest in the usual
+(seed, epoch) order. The reward mean/std are stored in the model config (`config.mean`, `config.std`,
+as OpenRLHF) for PPO's --normalize_reward; without any eval pairs they are measured on the training pairs.
+With --packing_samples each micro-batch's chosen and rejected sequences share one row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rlhf_core.config import RunConfig
+from rlhf_core.rank.data import rank_micro_batches, read_stage_dataset, split_holdout
+from rlhf_core.rank.determinism import derive_seed, step_sample_indices
+from rlhf_core.rank.ds_config import warn_once
+from rlhf_core.errors import UserError
+from rlhf_core.rank.models import load_scalar_model, load_tokenizer, sequence_scores
+from rlhf_core.rank.packing import pack_sequences, packed_scores
+from rlhf_core.rank.samples import Renderer, TokenizedPair, collate_pairs, tokenize_pairs
+from rlhf_core.rank.trainers.base import DeepSpeedTrainer
+
+MARGIN_KEY = "margin"
+
+
+@dataclass(frozen=True)
+class Pair:
+    tokens: TokenizedPair
+    margin: float
+
+
+def read_pairs(run: RunConfig, tokenizer, evaluation: bool = False) -> list[Pair]:
+    """The training pairs (the dataset mixture), or with `evaluation` those of --eval_dataset."""
+    cfg = run.rm
+    url, records = read_stage_dataset(cfg, run.storage_options, run.seed, evaluation)
+    if cfg.tokenizer_chat_template:
+        tokenizer.chat_template = cfg.tokenizer_chat_template
+    renderer = Renderer(tokenizer, url, cfg.apply_chat_template, cfg.input_template)
+    tokenized = tokenize_pairs(renderer, records, cfg.prompt_key, cfg.chosen_key, cfg.rejected_key, cfg.max_len)
+    return [Pair(tokens, pair_margin(url, record, cfg.margin_loss)) for tokens, record in zip(tokenized, records)]
+
+
+def pair_margin(url: str, record, required: bool) -> float:
+    if not required:
+        return 0.0
+    value = record.fields.get(MARGIN_KEY)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise UserError(f"{record.where(url)}: --margin_loss needs a numeric {MARGIN_KEY!r} field in every pair "
+                        f"(got {value!r}); add it or drop --margin_loss.")
+    return float(value)
+
+
+def load_pairs(run: RunConfig, tokenizer) -> tuple[list[Pair], list[Pair]]:
+    """(train, eval) preference pairs: eval from --eval_dataset, else held out of the training data."""
+    cfg = run.rm
+    pairs = read_pairs(run, tokenizer)
+    if cfg.eval_dataset:
+        return pairs, read_pairs(run, tokenizer, evaluation=True)
+    return split_holdout(pairs, cfg.eval_holdout, run.seed)
+
+
+def pairwise_loss(kind: str, chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor) -> torch.Tensor:
+    if kind == "logexploss":
+        return torch.log(1 + torch.exp(rejected - chosen)).mean()
+    return -F.logsigmoid(chosen - rejected - margin).mean()
+
+
+class RewardModelTrainer(DeepSpeedTrainer):
+    stage = "rm"
+    export_model_dir = "reward_model"
+
+    @staticmethod
+    def count_items(run: RunConfig) -> int:
+        return len(load_pairs(run, load_tokenizer(run.rm.pretrain, run.storage_options))[0])
+
+    def __init__(self, run: RunConfig, total_steps: int, rank: int, world_size: int, load_universal: bool = False):
+        super().__init__(run, total_steps, rank, world_size, load_universal)
+        self.tokenizer = load_tokenizer(self.cfg.pretrain, run.storage_options)
+        self.train_pairs, self.eval_pairs = load_pairs(run, self.tokenizer)
+        if self.cfg.margin_loss and self.cfg.loss == "logexploss":
+            warn_once("--margin_loss has no effect with --loss logexploss (as in OpenRLHF).")
+        torch.manual_seed(derive_seed(run.seed, self.stage, "init"))  # the new score head starts identical everywhere
+        cfg = self.cfg
+        model = load_scalar_model(cfg.pretrain, self.tokenizer.pad_token_id, cfg.lora_rank, cfg.lora_alpha,
+                                  cfg.target_modules, cfg.gradient_checkpointing, lora_dropout=cfg.lora_dropout,
+                                  attn_implementation=cfg.attn_implementation, storage_options=run.storage_options)
+        self.engine = self.build_engine(self.export_model_dir, model)
+
+    def rewards(self, pairs: list[Pair]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen, rejected) rewards of `pairs`, from one padded batch or one packed row."""
+        sequences = [pair.tokens.chosen_ids for pair in pairs] + [pair.tokens.rejected_ids for pair in pairs]
+        with self.autocast():
+            if self.cfg.packing_samples:
+                packed = pack_sequences(sequences)
+                scores = packed_scores(self.engine.module, packed["input_ids"], packed["position_ids"], packed["ends"])
+            else:  # read at each sequence's last token, its EOS, also when the pad token is the EOS (GPT-2)
+                batch = collate_pairs([pair.tokens for pair in pairs], self.tokenizer.pad_token_id)
+                scores = sequence_scores(self.engine.module, batch["input_ids"], batch["attention_mask"])
+        scores = scores.float()
+        return scores[: len(pairs)], scores[len(pairs):]
+
+    def loss(self, pairs: list[Pair], chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+        margins = torch.tensor([pair.margin for pair in pairs], device=chosen.device)
+        return pairwise_loss(self.cfg.loss, chosen, rejected, margins)
+
+    def train_step(self) -> dict[str, float]:
+        torch.manual_seed(derive_seed(self.run.seed, self.stage, self.step, self.rank, "dropout"))
+        indices = step_sample_indices(self.step, self.cfg.train_batch_size, len(self.train_pairs), self.run.seed)
+        self.engine.train()
+        losses, accuracies = [], []
+        for micro_batch in rank_micro_batches(indices, self.rank, self.world_size, self.cfg.micro_train_batch_size):
+            pairs = [self.train_pairs[i] for i in micro_batch]
+            chosen, rejected = self.rewards(pairs)
+            loss = self.loss(pairs, chosen, rejected)
+            self.engine.backward(loss)
+            self.engine.step()
+            losses.append(loss.item())
+            accuracies.append((chosen > rejected).float().mean().item())
+        self.step += 1
+        metrics = {"step": self.step, "loss": self.mean_over_ranks(losses), "lr": self.engine.get_lr()[0],
+                   "accuracy": self.mean_over_ranks(accuracies)}
+        if self.is_eval_step():
+            metrics.update(self.evaluate())
+        return metrics
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Accuracy, loss and reward mean/std on the eval pairs (each rank scores a share of them); the
+        mean/std go into the model config, so each checkpoint's hf/config.json carries them."""
+        self.engine.eval()
+        pairs = self.eval_pairs or self.train_pairs
+        correct = loss_sum = reward_sum = reward_square_sum = 0.0
+        num_pairs = 0
+        for share, counted in self.eval_micro_batches(pairs):
+            chosen, rejected = self.rewards(share)
+            if counted:
+                rewards = torch.cat([chosen, rejected]).double()
+                correct += (chosen > rejected).sum().item()
+                loss_sum += self.loss(share, chosen, rejected).item() * len(share)
+                reward_sum += rewards.sum().item()
+                reward_square_sum += rewards.square().sum().item()
+                num_pairs += len(share)
+        correct, loss_sum, reward_sum, reward_square_sum, num_pairs = self.sum_over_ranks(
+            correct, loss_sum, reward_sum, reward_square_sum, num_pairs)
+        num_rewards = 2 * num_pairs
+        mean = reward_sum / num_rewards
+        variance = (reward_square_sum - num_rewards * mean**2) / max(num_rewards - 1, 1)  # unbiased, as torch.std
+        std = max(variance, 0.0) ** 0.5
+        config = (self.engine.module.get_base_model() if hasattr(self.engine.module, "get_base_model")
+                  else self.engine.module).config
+        config.mean, config.std = mean, max(std, 1e-8)
+        metrics = {"reward_mean": mean, "reward_std": std}
+        if self.eval_pairs:
+            metrics.update(eval_accuracy=correct / num_pairs, eval_loss=loss_sum / num_pairs)
+        return metrics

@@ -1,0 +1,103 @@
+"""Supervised fine-tuning: next-token cross-entropy on response tokens only (as OpenRLHF's SFT).
+
+Step `s` trains on the global batch `step_sample_indices(s, ...)`, split across ranks in micro-batches;
+dropout is seeded from (seed, stage, step, rank), so a resumed run replays exactly the same step.
+With --packing_samples a micro-batch is one packed row (`rlhf_core.rank.packing`). With --eval_dataset,
+`eval_loss` (the mean loss per response token over the whole eval set) is reported every --eval_steps
+steps and at every checkpoint step; OpenRLHF's SFT also evaluates only when given an eval dataset.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rlhf_core.config import RunConfig
+from rlhf_core.rank.data import rank_micro_batches, read_stage_dataset
+from rlhf_core.rank.determinism import derive_seed, step_sample_indices
+from rlhf_core.faults import fault_requested
+from rlhf_core.rank.models import load_causal_lm, load_tokenizer
+from rlhf_core.rank.packing import pack_sft
+from rlhf_core.rank.samples import (IGNORE_INDEX, Renderer, TokenizedSample, collate_sft, tokenize_pretraining,
+                               tokenize_sft)
+from rlhf_core.rank.trainers.base import DeepSpeedTrainer
+
+
+def load_sft_samples(run: RunConfig, tokenizer, evaluation: bool = False) -> list[TokenizedSample]:
+    """The training samples (the dataset mixture), or with `evaluation` those of --eval_dataset."""
+    cfg = run.sft
+    url, records = read_stage_dataset(cfg, run.storage_options, run.seed, evaluation)
+    if cfg.pretrain_mode:
+        return tokenize_pretraining(url, records, tokenizer, cfg.input_key, cfg.max_len)
+    if cfg.tokenizer_chat_template:
+        tokenizer.chat_template = cfg.tokenizer_chat_template
+    renderer = Renderer(tokenizer, url, cfg.apply_chat_template, cfg.input_template)
+    return tokenize_sft(renderer, records, cfg.input_key, cfg.output_key, cfg.max_len, cfg.multiturn)
+
+
+class SFTTrainer(DeepSpeedTrainer):
+    stage = "sft"
+    export_model_dir = "actor_model"
+
+    @staticmethod
+    def count_items(run: RunConfig) -> int:
+        tokenizer = load_tokenizer(run.sft.pretrain, run.storage_options)
+        if run.sft.eval_dataset:  # its keys are checked here, before training, as RM and PPO do
+            load_sft_samples(run, tokenizer, evaluation=True)
+        return len(load_sft_samples(run, tokenizer))
+
+    def __init__(self, run: RunConfig, total_steps: int, rank: int, world_size: int, load_universal: bool = False):
+        super().__init__(run, total_steps, rank, world_size, load_universal)
+        self.tokenizer = load_tokenizer(self.cfg.pretrain, run.storage_options)
+        self.samples = load_sft_samples(run, self.tokenizer)
+        self.eval_samples = load_sft_samples(run, self.tokenizer, evaluation=True) if self.cfg.eval_dataset else []
+        torch.manual_seed(derive_seed(run.seed, self.stage, "init"))  # LoRA adapters start identical everywhere
+        cfg = self.cfg
+        model = load_causal_lm(cfg.pretrain, cfg.lora_rank, cfg.lora_alpha, cfg.target_modules,
+                               cfg.gradient_checkpointing, lora_dropout=cfg.lora_dropout, attn_implementation=cfg.attn_implementation,
+                               storage_options=run.storage_options)
+        self.engine = self.build_engine("actor_model", model)
+
+    def batch(self, samples: list[TokenizedSample]) -> dict:
+        """Model inputs of a micro-batch: one packed row (no KV cache, see rlhf_core.rank.packing) or a padded batch."""
+        if self.cfg.packing_samples:
+            return {**{name: t.to(self.engine.device) for name, t in pack_sft(samples).items()}, "use_cache": False}
+        batch = collate_sft(samples, self.tokenizer.pad_token_id)
+        return {name: tensor.to(self.engine.device) for name, tensor in batch.items()}
+
+    def train_step(self) -> dict[str, float]:
+        torch.manual_seed(derive_seed(self.run.seed, self.stage, self.step, self.rank, "dropout"))
+        indices = step_sample_indices(self.step, self.cfg.train_batch_size, len(self.samples), self.run.seed)
+        self.engine.train()
+        losses = []
+        for micro_batch in rank_micro_batches(indices, self.rank, self.world_size, self.cfg.micro_train_batch_size):
+            with self.autocast():
+                loss = self.engine(**self.batch([self.samples[i] for i in micro_batch])).loss
+            if fault_requested("loss", self.step + 1, "nan"):  # test hook: the non-finite alert's case
+                loss = loss * float("nan")
+            self.engine.backward(loss)
+            self.engine.step()
+            losses.append(loss.item())
+        self.step += 1
+        metrics = {"step": self.step, "loss": self.mean_over_ranks(losses), "lr": self.engine.get_lr()[0]}
+        if self.eval_samples and self.is_eval_step():
+            metrics["eval_loss"] = self.eval_loss()
+        return metrics
+
+    @torch.no_grad()
+    def eval_loss(self) -> float:
+        """Mean cross-entropy per response token over the eval set (each rank scores a share of it)."""
+        self.engine.eval()
+        loss_sum, num_tokens = 0.0, 0
+        for samples, counted in self.eval_micro_batches(self.eval_samples):
+            batch = self.batch(samples)
+            labels = batch.pop("labels")
+            with self.autocast():
+                logits = self.engine(**batch).logits
+            token_losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                                           ignore_index=IGNORE_INDEX, reduction="sum")
+            if counted:
+                loss_sum += token_losses.item()
+                num_tokens += int((labels[:, 1:] != IGNORE_INDEX).sum())
+        total_loss, total_tokens = self.sum_over_ranks(loss_sum, num_tokens)
+        return total_loss / max(total_tokens, 1)

@@ -1,0 +1,126 @@
+"""vLLM generation for PPO on GPU: one engine per rank, colocated with the rank's models.
+
+Each DeepSpeed rank (a Ray actor holding one GPU) builds its own `vllm.LLM` in-process with
+`distributed_executor_backend="external_launcher"`, so vLLM reuses the rank's torch.distributed
+environment instead of starting workers of its own (TRL's "colocate" mode). Before each rollout the
+actor's current weights (LoRA merged in) are loaded into the engine; with `vllm_enable_sleep` the
+engine releases its GPU memory (weights and KV cache, sleep level 2) while the models train.
+
+Departures from OpenRLHF, which runs vLLM engines as separate Ray actors synced over NCCL:
+`vllm_num_engines` must equal `num_workers` and `vllm_tensor_parallel_size` must be 1 (the config
+refuses anything else); models are always colocated (OpenRLHF's `--colocate_all_models` is accepted as a no-op).
+Sampling uses one seed per sequence, derived from (run seed, step, rank, index), so a resumed run asks
+for the same samples; vLLM's kernels are not bit-reproducible across GPUs, so PPO resume is exact on
+CPU (transformers generation) and only statistically equal with vLLM.
+
+vLLM is imported lazily: it is the optional `[vllm]` extra and exists only on GPU machines.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+import torch
+
+from rlhf_core.config import PPOConfig
+from rlhf_core.rank.determinism import derive_seed
+from rlhf_core.rank.models import is_lora_dir, local_model_dir
+
+
+@torch.no_grad()
+def inference_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's weights under Hugging Face names, LoRA adapters merged in (what vLLM loads).
+
+    The merge is computed out of place (base + delta per layer): merging into the trained weights and
+    unmerging again, as `merge_adapter` does, would round them a little differently at every step in bf16.
+    """
+    if not hasattr(model, "peft_config"):
+        yield from model.state_dict().items()
+        return
+    from peft.tuners.lora import LoraLayer
+
+    merged = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer):
+            weight = module.base_layer.weight
+            for adapter in module.active_adapters:
+                weight = weight + module.get_delta_weight(adapter).to(weight.dtype)
+            merged[f"{name}.base_layer.weight"] = weight
+    for name, tensor in model.state_dict().items():
+        if "lora_" not in name:
+            hf_name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+            yield hf_name, merged.get(name, tensor)
+
+
+def _load_weights(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """Runs on vLLM's (in-process) worker: vLLM maps HF names onto its fused layers itself."""
+    worker.model_runner.model.load_weights(weights=weights)
+
+
+def _engine_model_dir(pretrain: str) -> str:
+    """Where vLLM reads the architecture (config.json): the base model when `pretrain` is an adapter."""
+    directory = local_model_dir(pretrain)
+    if not is_lora_dir(directory):
+        return directory
+    from peft import PeftConfig
+
+    return local_model_dir(PeftConfig.from_pretrained(directory).base_model_name_or_path)
+
+
+class VLLMGenerator:
+    """A colocated vLLM engine that samples responses for one rank's prompts."""
+
+    def __init__(self, cfg: PPOConfig, seed: int, rank: int):
+        # Imported here: the `[vllm]` extra is optional and GPU-only.
+        from vllm import LLM
+
+        from transformers import AutoConfig
+
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine stays in this process
+        self.cfg, self.seed, self.rank = cfg, seed, rank
+        model_dir = _engine_model_dir(cfg.pretrain)
+        longest = getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", None)
+        self.llm = LLM(
+            model=model_dir,
+            load_format="dummy",  # the actor's weights are loaded before the first rollout
+            skip_tokenizer_init=True,  # prompts and responses travel as token ids
+            dtype="bfloat16" if cfg.bf16 else "float32",
+            tensor_parallel_size=1,
+            distributed_executor_backend="external_launcher",
+            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+            max_model_len=min(cfg.prompt_max_len + cfg.max_new_tokens, longest or 1 << 30),
+            enable_sleep_mode=cfg.vllm_enable_sleep,
+            enforce_eager=True,
+            seed=seed,
+        )
+        if cfg.vllm_enable_sleep:
+            self.llm.sleep(level=2)
+
+    def generate(self, actor: torch.nn.Module, prompts: list[list[int]], step: int,
+                 eos_token_id: int) -> list[list[int]]:
+        """One response per prompt, sampled with the actor's current weights; each ends at its first EOS."""
+        from vllm import SamplingParams
+
+        if self.cfg.vllm_enable_sleep:
+            self.llm.wake_up()
+        self.llm.collective_rpc(_load_weights, args=(list(inference_weights(actor)),))
+        params = [
+            SamplingParams(temperature=self.cfg.temperature, top_p=self.cfg.top_p, max_tokens=self.cfg.max_new_tokens,
+                           stop_token_ids=[eos_token_id], detokenize=False,
+                           seed=derive_seed(self.seed, "ppo", step, self.rank, "vllm", index) % 2**31)
+            for index in range(len(prompts))
+        ]
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+        if self.cfg.vllm_enable_sleep:
+            self.llm.sleep(level=2)
+        responses = []
+        for output in outputs:
+            completion = output.outputs[0]
+            tokens = list(completion.token_ids)
+            if eos_token_id in tokens:
+                tokens = tokens[: tokens.index(eos_token_id) + 1]
+            elif completion.finish_reason == "stop":  # stopped by the EOS id without returning it
+                tokens.append(eos_token_id)
+            responses.append(tokens)
+        return responses

@@ -1,0 +1,241 @@
+"""One DeepSpeed rank, as a Ray actor (`TrainWorker`): it joins the group's torch.distributed world, hosts the
+trainer of one stage, trains to the step the driver names (timing each step, and noting which ran beside a
+checkpoint write), and does the rank's checkpoint I/O: a snapshot into memory at a chunk boundary, its upload
+into the store's uncommitted step from a second actor thread ("io") while the first trains on, and on load the
+files this rank reads, verified against the manifest. A third thread ("control") takes a stop request while the
+first is busy. The driver side, placing and driving a group of these, is `rlhf_core.driver.engine`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+
+import ray
+
+from rlhf_core.config import RunConfig
+
+logger = logging.getLogger(__name__)
+# DeepSpeed's per-rank shard files: ZeRO optimizer partitions (and ZeRO-3 weight partitions).
+_RANK_SHARD = re.compile(r"(?:^|/)(?:bf16_)?zero_pp_rank_(\d+)_")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class RankLocation:
+    hostname: str
+    node_ip: str
+    node_id: str
+
+    def describe(self) -> str:
+        return f"{self.node_ip} ({self.hostname}, node {self.node_id[:8]})"
+
+
+class TrainWorker:
+    """One DeepSpeed rank. Runs inside a Ray actor; hosts the trainer of one stage."""
+
+    def __init__(self, rank: int, world_size: int):
+        from rlhf_core.ops.console import rank_warnings
+
+        rank_warnings()
+        self.rank, self.world_size = rank, world_size
+        self.trainer = None
+        self._stop_requested = False  # set by request_stop, from the driver's stop signal (rlhf_core.driver.stop)
+        self._kept_in_memory: dict[str, dict] = {}  # a snapshot's state dicts, by its folder (see snapshot)
+        self._written_state: dict = {}  # the last written snapshot's state dicts: buffers for the next one
+        # Background writes in flight, and started so far: a step during which either changed ran beside one.
+        self._num_writes_in_flight = self._num_writes_started = 0
+
+    def location(self) -> RankLocation:
+        return RankLocation(socket.gethostname(), ray.util.get_node_ip_address(),
+                            ray.get_runtime_context().get_node_id())
+
+    def sees(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def join(self, master_addr: str, master_port: int, ranks_on_node: int) -> None:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_node))
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
+                          WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
+        # DeepSpeed JIT-builds an op with whichever `ninja` is first on PATH; two ninjas (system and
+        # venv) record builds differently and force a rebuild each time they alternate.
+        os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+        import deepspeed
+        from deepspeed.utils import logger as deepspeed_logger
+
+        deepspeed_logger.setLevel(logging.WARNING)
+        # ZeRO-3 on torch >= 2.13 calls a collective torch deprecated, once per step and rank.
+        warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.* is deprecated")
+        from rlhf_core.rank.jit_build import clear_stale_build_lock
+
+        clear_stale_build_lock()
+        deepspeed.init_distributed()
+
+    def warm_up(self, run: RunConfig, stage: str) -> None:
+        """Import what `setup` of `stage` imports (the trainer, transformers, the model family's classes:
+        about 1.8 s on a CPU rank), while the driver still starts Prefect. Best effort: any error
+        here is left for `setup` to report."""
+        from rlhf_core.rank.trainers import trainer_class
+
+        try:
+            trainer_class(stage)
+            from rlhf_core.rank.models import import_model_classes
+
+            import_model_classes(run.stage_config(stage).pretrain)
+        except Exception:  # noqa: BLE001
+            logger.debug("warming up rank %d for %s failed", self.rank, stage, exc_info=True)
+
+    def setup(self, run: RunConfig, stage: str, total_steps: int, load_universal: bool) -> None:
+        from rlhf_core.rank.trainers import trainer_class
+
+        self.trainer = trainer_class(stage)(run, total_steps, self.rank, self.world_size, load_universal)
+
+    def train_until(self, target_step: int) -> tuple[list[dict[str, float]], float, int, list[tuple[float, bool]]]:
+        """The metrics of each step up to `target_step`, the seconds this rank spent in its step loop, the
+        step it reached (fewer when a stop was requested (`request_stop`), at a step all ranks agree on), and
+        each step's (seconds, whether a background checkpoint write ran beside it)."""
+        from rlhf_core.faults import fault_point
+
+        started, metrics, step_times = time.perf_counter(), [], []
+        while self.trainer.step < target_step and not self._stop_agreed():
+            fault_point("train_step", self.trainer.step + 1)
+            step_started, writes_before = time.perf_counter(), (self._num_writes_in_flight, self._num_writes_started)
+            metrics.append(self.trainer.train_step())
+            beside_write = writes_before[0] > 0 or self._num_writes_started != writes_before[1]
+            step_times.append((time.perf_counter() - step_started, beside_write))
+        return metrics, time.perf_counter() - started, self.trainer.step, step_times
+
+    @ray.method(concurrency_group="control")
+    def request_stop(self) -> None:
+        """Finish the step in progress and train no further (the driver got SIGTERM or Ctrl-C)."""
+        self._stop_requested = True
+
+    def _stop_agreed(self) -> bool:
+        """Whether any rank has been asked to stop, agreed at this step boundary by every rank (a rank that
+        stopped alone would leave the others waiting in the next step's collectives)."""
+        if self.world_size == 1:
+            return self._stop_requested
+        import torch
+        import torch.distributed as dist
+
+        device = f"cuda:{torch.cuda.current_device()}" if self.trainer.on_gpu else "cpu"
+        flag = torch.tensor([int(self._stop_requested)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def model_sizes(self) -> dict:
+        from rlhf_core.ops.alerts import model_size_report
+
+        return model_size_report({name: engine.module for name, engine in self.trainer.engines.items()})
+
+    def non_finite_parameters(self) -> list[str]:
+        """Parameters holding NaN or Inf (this rank's partition under ZeRO-3)."""
+        from rlhf_core.ops.alerts import non_finite_parameters
+
+        return [f"{name}:{parameter}" for name, engine in self.trainer.engines.items()
+                for parameter in non_finite_parameters(engine.module)]
+
+    def snapshot(self) -> str:
+        """Save this rank's share of the current step into a folder in memory (`rlhf_core.rank.snapshot`) and
+        return it; training may go on while `write_snapshot` uploads it."""
+        from rlhf_core.rank.snapshot import snapshot_folder, tensors_kept_in_memory
+
+        folder = snapshot_folder(self.rank, self._expected_folder_bytes())
+        try:
+            # Only a snapshot whose write has finished lends its buffers (popped: never two at once).
+            reuse, self._written_state = self._written_state, {}
+            with tensors_kept_in_memory(self.trainer.engines.values(), folder, reuse) as kept:
+                self.trainer.save(folder)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        self._kept_in_memory[folder] = kept
+        return folder
+
+    @ray.method(concurrency_group="io")
+    def write_snapshot(self, folder: str, store_url: str, storage_options: dict, pending) -> list:
+        """Upload a snapshot into the uncommitted step folder `pending` (hashing as it writes), remove it,
+        and return its manifest entries. Runs in the actor's I/O thread, beside `train_until`."""
+        from rlhf_core.storage.checkpoint import CheckpointStore
+        from rlhf_core.rank.snapshot import write_state
+
+        kept = self._kept_in_memory.pop(folder, {})
+        streams = [(path, functools.partial(write_state, state)) for path, state in kept.items()]
+        self._num_writes_in_flight += 1
+        self._num_writes_started += 1
+        try:
+            timings: dict[str, float] = {}
+            entries = CheckpointStore(store_url, storage_options).upload_tree(pending, folder, streams, timings)
+        finally:
+            self._num_writes_in_flight -= 1
+            shutil.rmtree(folder, ignore_errors=True)
+        self._written_state = kept  # the same peak memory as while writing, without page faults next time
+        return entries, timings
+
+    def _expected_folder_bytes(self) -> int:
+        """About what the snapshot's folder holds: the HF copy of each model's weights (DeepSpeed's state
+        stays in memory, `tensors_kept_in_memory`)."""
+        return sum(parameter.numel() * parameter.element_size()
+                   for engine in self.trainer.engines.values() for parameter in engine.module.parameters())
+
+    def load_from_store(self, store_url: str, storage_options: dict, step: int, universal: bool,
+                        weights_only: bool) -> int:
+        """Load the files of committed `step` this rank reads, verified against the manifest: on a local
+        store in place while they are hashed, else fetched (hashed as they arrive) first."""
+        from rlhf_core.storage.checkpoint import CheckpointStore
+        from rlhf_core.rank.ds_config import convert_to_universal
+        from rlhf_core.storage.safe_load import check_no_pickled_code
+
+        # The universal converter, and ZeRO-3's module-only load, read every rank's shard (with a plain
+        # unpickler), so they get all files and a scan first; otherwise DeepSpeed's own reads are the scan.
+        reads_all_shards = universal or (weights_only and self.trainer.cfg.zero_stage == 3)
+        store = CheckpointStore(store_url, storage_options)
+        select = lambda paths: files_for_rank(paths, self.rank, reads_all_shards)  # noqa: E731
+        if not reads_all_shards:  # both of those write into the folder they read: they get a copy
+            # DeepSpeed loads while the files are hashed; a mismatch raises CorruptCheckpoint at the end of
+            # the block, and the driver then loads an older checkpoint over whatever this load set.
+            with store.read_in_place(step, select) as in_place:
+                if in_place is not None:
+                    return self.trainer.load(in_place, False, weights_only)
+        local_dir = tempfile.mkdtemp(prefix=f"rlhf-load-rank{self.rank}-")
+        try:
+            store.fetch(step, local_dir, select)
+            if reads_all_shards:
+                check_no_pickled_code(local_dir)
+            universal = universal and convert_to_universal(local_dir)
+            return self.trainer.load(local_dir, universal, weights_only)
+        finally:
+            shutil.rmtree(local_dir, ignore_errors=True)
+
+
+def files_for_rank(paths: list[str], rank: int, all_shards: bool) -> list[str]:
+    """The checkpoint files one rank reads: the shared ones and its own ZeRO shards (every shard with
+    `all_shards`), and the Hugging Face copies only when there is no DeepSpeed state to read instead."""
+    has_deepspeed_state = any("/ds/" in path for path in paths)
+    chosen = []
+    for path in paths:
+        if has_deepspeed_state and "/hf/" in path:
+            continue
+        shard = _RANK_SHARD.search(path)
+        if shard is None or all_shards or int(shard.group(1)) == rank:
+            chosen.append(path)
+    return chosen

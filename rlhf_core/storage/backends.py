@@ -1,0 +1,191 @@
+"""Where a checkpoint store's bytes live, behind one small interface: a local (or NFS) filesystem, or an object
+store (S3, GCS, Azure, `memory://`). `CheckpointStore` holds the commit protocol and never asks which one it has;
+each backend supplies what "committed" and "durable" mean on its medium:
+
+| | local filesystem (`LocalBackend`) | object store (`ObjectStoreBackend`) |
+|---|---|---|
+| uncommitted step | a hidden staging folder, made durably | `step_N` itself |
+| commit marker | the staging folder renamed to `step_N` (after fsyncs) | the manifest's PUT |
+| a file written | fsync'd by its writer; the disk starts on it while it is written | durable when the PUT returns |
+| a file replaced | temp + fsync + rename + fsync of the folder | one PUT |
+| move aside | `os.rename` | copy file by file, then delete |
+| removal | manifest first, its folder fsync'd; then the tree, its parent fsync'd | manifest first, then the rest |
+| read in place | the step folder | none: files are fetched |
+
+Object stores give read-after-write consistency (S3 since 2020, GCS, Azure Blob) and acknowledge a PUT only once it
+is stored redundantly, so nothing there needs syncing and there is no rename to order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import posixpath
+import shutil
+from typing import Any, BinaryIO, Iterator, Protocol
+
+from fsspec.implementations.local import LocalFileSystem
+
+from rlhf_core.storage import durable
+from rlhf_core.faults import fault_point
+from rlhf_core.storage.manifest import MANIFEST_NAME, digest_of_local_file, digest_of_stream, parse_step_dir_name
+
+
+class StoreBackend(Protocol):
+    """What `CheckpointStore` needs of the medium under its root; see the module's table."""
+
+    fs: Any
+
+    def uncommitted_folder(self, step_path: str, staging_path: str) -> str: ...
+
+    def publish(self, folder: str, step_path: str) -> None: ...
+
+    @contextlib.contextmanager
+    def open_new(self, path: str) -> Iterator[BinaryIO]: ...
+
+    def sync(self, handle: BinaryIO) -> None: ...
+
+    def write_new(self, path: str, data: bytes) -> None: ...
+
+    def replace(self, path: str, data: bytes) -> None: ...
+
+    def move(self, source: str, target: str) -> None: ...
+
+    def remove_step(self, step_path: str, manifest_path: str) -> None: ...
+
+    def digest(self, path: str, checksum: str, expected_size: int) -> str | None: ...
+
+    def folder_to_read(self, step_path: str) -> str | None: ...
+
+    def free_bytes(self, root: str) -> int | None: ...
+
+    def is_file(self, path: str) -> bool: ...
+
+
+class LocalBackend:
+    """A local or shared (NFS) filesystem: staging + rename, and every name and byte fsync'd (`rlhf_core.storage.durable`)."""
+
+    def __init__(self, fs: LocalFileSystem):
+        self.fs = fs
+
+    def uncommitted_folder(self, step_path: str, staging_path: str) -> str:
+        durable.make_dirs_durably(staging_path)  # the first commit also creates the run's folders
+        return staging_path
+
+    def publish(self, folder: str, step_path: str) -> None:
+        # Every file is fsync'd as it is written; the names go down before the rename that publishes them.
+        durable.fsync_tree_dirs(folder)
+        os.rename(folder, step_path)  # atomic and, unlike shutil.move, never merges into an existing folder
+        durable.fsync_dir(posixpath.dirname(step_path))
+
+    @contextlib.contextmanager
+    def open_new(self, path: str) -> Iterator[BinaryIO]:
+        """A new file; the disk starts writing each window while the rest is still being serialized, so the
+        closing `sync` waits for little."""
+        self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+        with self.fs.open(path, "wb") as handle:
+            yield durable.WritebackAhead(handle)
+
+    def sync(self, handle: BinaryIO) -> None:
+        handle.flush()
+        os.fsync(handle.target.fileno())
+
+    def write_new(self, path: str, data: bytes) -> None:
+        with self.open_new(path) as handle:
+            handle.write(data)
+            self.sync(handle)
+
+    def replace(self, path: str, data: bytes) -> None:
+        durable.replace_durably(path, data)
+
+    def move(self, source: str, target: str) -> None:
+        self.fs.makedirs(posixpath.dirname(target), exist_ok=True)
+        os.rename(source, target)
+
+    def remove_step(self, step_path: str, manifest_path: str) -> None:
+        _remove_manifest(self.fs, manifest_path)
+        durable.fsync_dir(step_path)  # the manifest's removal lands before any file's, or a cut could leave it alone
+        _fault_during_removal(step_path)
+        self.fs.rm(step_path, recursive=True)
+        durable.fsync_dir(posixpath.dirname(step_path))  # else a power cut brings the half-removed folder back
+
+    def digest(self, path: str, checksum: str, expected_size: int) -> str | None:
+        return digest_of_local_file(path, checksum, expected_size)[1]  # mmap: hashed where it lies
+
+    def folder_to_read(self, step_path: str) -> str | None:
+        return step_path
+
+    def free_bytes(self, root: str) -> int | None:
+        folder = root
+        while not os.path.isdir(folder):
+            folder = os.path.dirname(folder)
+        return shutil.disk_usage(folder).free
+
+    def is_file(self, path: str) -> bool:
+        return os.path.isfile(path)
+
+
+class ObjectStoreBackend:
+    """An object store through fsspec: no folders, no rename; the manifest's PUT is the commit."""
+
+    def __init__(self, fs: Any):
+        self.fs = fs
+
+    def uncommitted_folder(self, step_path: str, staging_path: str) -> str:
+        return step_path
+
+    def publish(self, folder: str, step_path: str) -> None:
+        pass  # the manifest, written last into step_N, is the commit
+
+    @contextlib.contextmanager
+    def open_new(self, path: str) -> Iterator[BinaryIO]:
+        with self.fs.open(path, "wb") as handle:
+            yield handle
+
+    def sync(self, handle: BinaryIO) -> None:
+        pass  # durable once the upload returns, at the close
+
+    def write_new(self, path: str, data: bytes) -> None:
+        self.fs.pipe_file(path, data)
+
+    def replace(self, path: str, data: bytes) -> None:
+        self.fs.pipe_file(path, data)
+
+    def move(self, source: str, target: str) -> None:
+        # A recursive fs.mv trips over s3's pseudo folders: copy file by file, then remove the original.
+        source_paths = sorted(self.fs.find(source))
+        if source_paths:
+            self.fs.copy(source_paths, [target + path[len(source):] for path in source_paths])
+        self.remove_step(source, posixpath.join(source, MANIFEST_NAME))
+
+    def remove_step(self, step_path: str, manifest_path: str) -> None:
+        _remove_manifest(self.fs, manifest_path)  # without it a half-deleted step reads as incomplete
+        _fault_during_removal(step_path)
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(step_path, recursive=True)
+
+    def digest(self, path: str, checksum: str, expected_size: int) -> str | None:
+        with self.fs.open(path, "rb") as stream:
+            return digest_of_stream(stream, checksum)
+
+    def folder_to_read(self, step_path: str) -> str | None:
+        return None
+
+    def free_bytes(self, root: str) -> int | None:
+        return None  # no limit the store tells
+
+    def is_file(self, path: str) -> bool:
+        return False  # a key and a prefix may share a name; only a listing tells
+
+
+def backend_for(fs: Any) -> StoreBackend:
+    return LocalBackend(fs) if isinstance(fs, LocalFileSystem) else ObjectStoreBackend(fs)
+
+
+def _remove_manifest(fs: Any, manifest_path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm_file(manifest_path)
+
+
+def _fault_during_removal(step_path: str) -> None:
+    fault_point("during_removal", parse_step_dir_name(posixpath.basename(step_path)) or 0)
