@@ -18,10 +18,14 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from rlhf_core.config import STAGES
+
 IMPLEMENTED, MAPPED, REFUSED = "implemented", "mapped", "refused"
 SFT, RM, PPO, COMBINER = "sft", "rm", "ppo", "lora-combiner"
 TRAIN = (SFT, RM, PPO)
-OPENRLHF_MODULES = {SFT: "train_sft", RM: "train_rm", PPO: "train_ppo_ray", COMBINER: "lora_combiner"}
+# Each command's OpenRLHF module, as its stage declares it (rlhf_core.config.STAGES); the combiner is the merge's.
+OPENRLHF_MODULES = {**{name: stage.openrlhf_module for name, stage in STAGES.items() if stage.kind == "train"},
+                    COMBINER: STAGES["merge"].openrlhf_module}
 
 
 @dataclass(frozen=True)

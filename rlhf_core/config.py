@@ -22,7 +22,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from rlhf_core.errors import UserError
 
-STEP_DIR_PATH = re.compile(r"^(.*?)/?([A-Za-z0-9._-]+)/(sft|rm|ppo)/step_(\d+)/?$")
 SECRET_OPTION = re.compile(r"secret|token|password|credential|^key$|_key$", re.IGNORECASE)
 
 
@@ -323,6 +322,14 @@ class Stage:
     kind: Literal["train", "merge", "export"]
     trainer: str = ""  # "module:Class" of the rank-side trainer (train stages), imported where ranks run
     output_field: str = "save_path"  # the field naming where the stage's result is written
+    openrlhf_module: str = ""  # OpenRLHF's CLI module this stage's flags come from (`openrlhf.cli.NAME`)
+    # The metrics its stagnation alert watches, in order of preference (held-out first), whether higher is
+    # better, and what to check when they stall.
+    headline_metrics: tuple[str, ...] = ("eval_loss", "mean_loss", "loss")
+    higher_is_better: bool = False
+    stall_hint: str = "the learning rate or the data"
+    is_policy: bool = False  # its output is a policy a merge or an export takes (the last one run)
+    world_size_dependent: bool = False  # each rank samples with its own seed: the math depends on the rank count
 
     def trainer_class(self):
         module_name, class_name = self.trainer.split(":")
@@ -330,14 +337,22 @@ class Stage:
 
 
 STAGES: dict[str, Stage] = {stage.name: stage for stage in (
-    Stage("sft", SFTConfig, "train", "rlhf_core.rank.trainers.sft:SFTTrainer"),
-    Stage("rm", RMConfig, "train", "rlhf_core.rank.trainers.rm:RewardModelTrainer"),
-    Stage("ppo", PPOConfig, "train", "rlhf_core.rank.trainers.ppo:PPOTrainer"),
-    Stage("merge", MergeConfig, "merge", output_field="output_path"),
+    Stage("sft", SFTConfig, "train", "rlhf_core.rank.trainers.sft:SFTTrainer", openrlhf_module="train_sft",
+          is_policy=True),
+    Stage("rm", RMConfig, "train", "rlhf_core.rank.trainers.rm:RewardModelTrainer", openrlhf_module="train_rm"),
+    Stage("ppo", PPOConfig, "train", "rlhf_core.rank.trainers.ppo:PPOTrainer", openrlhf_module="train_ppo_ray",
+          headline_metrics=("eval_reward", "mean_reward", "reward"), higher_is_better=True,
+          stall_hint="the learning rate, the KL coefficient or the reward", is_policy=True,
+          world_size_dependent=True),
+    Stage("merge", MergeConfig, "merge", output_field="output_path", openrlhf_module="lora_combiner"),
     Stage("export", ExportConfig, "export"),
 )}
 KNOWN_STAGES = tuple(STAGES)
 TRAINING_STAGES = tuple(name for name, stage in STAGES.items() if stage.kind == "train")
+# Stages whose math depends on the number of ranks (PPO: each rank samples its share with its own seed).
+WORLD_SIZE_DEPENDENT_STAGES = tuple(name for name, stage in STAGES.items() if stage.world_size_dependent)
+# OpenRLHF resumes a given step with --ckpt_path {root}/{run_name}/{stage}/step_N: any training stage's folder.
+STEP_DIR_PATH = re.compile(rf"^(.*?)/?([A-Za-z0-9._-]+)/({'|'.join(TRAINING_STAGES)})/step_(\d+)/?$")
 
 
 def fields_with_role(config: type[BaseModel], role: str) -> list[str]:
@@ -541,7 +556,7 @@ class RunConfig(BaseModel):
                 produced_rm = self.rm.save_path if "rm" in self.stages[: self.stages.index("ppo")] else None
                 updates["critic_pretrain"] = reward_model or produced_rm or updates.get("pretrain", ppo.pretrain)
             self.ppo = ppo.model_copy(update=updates)
-        policy = next((stage for stage in ("ppo", "sft") if stage in self.stages), None)
+        policy = next((stage for stage in reversed(self.stages) if STAGES[stage].is_policy), None)
         if "merge" in self.stages:
             if policy is None and (self.merge.model_path is None or self.merge.lora_path is None):
                 raise ValueError("merge needs model_path and lora_path, or a policy stage (sft, ppo) before it")
@@ -574,8 +589,6 @@ def semantic_fields(model: BaseModel) -> dict[str, Any]:
             if (field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}).get("affects_training", True)}
 
 
-# Stages whose math depends on the number of ranks: each PPO rank samples its share with its own seed.
-WORLD_SIZE_DEPENDENT_STAGES = ("ppo",)
 
 
 def semantic_hash(run: RunConfig, stage: str) -> str:
@@ -589,7 +602,7 @@ def semantic_hash(run: RunConfig, stage: str) -> str:
 
 def _field_names() -> set[str]:
     """Every setting's name that has an underscore (distinct enough to be spotted inside a message)."""
-    models = (RunConfig, SFTConfig, RMConfig, PPOConfig, MergeConfig, ExportConfig)
+    models = (RunConfig, *(stage.config for stage in STAGES.values()))
     return {name for model in models for name in model.model_fields if "_" in name}
 
 
@@ -597,7 +610,7 @@ def _spell_fields(message: str, prefix: str) -> str:
     """Setting names inside a validator's message as the user writes them: `--name` (a stage's `ppo.name` too,
     on the command line) or `sft.name`."""
     known = _field_names()
-    stage = "" if prefix != "--" else r"(?:(?:sft|rm|ppo|merge|export)\.)?"
+    stage = "" if prefix != "--" else rf"(?:(?:{'|'.join(STAGES)})\.)?"
 
     def spell(found: re.Match) -> str:
         return prefix + found.group(1) if found.group(1) in known else found.group(0)

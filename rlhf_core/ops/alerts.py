@@ -73,6 +73,7 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
 from rlhf_core.ops.console import WARNING_PREFIX
+from rlhf_core.config import STAGES
 from rlhf_core.errors import RLHFError, human_bytes
 
 logger = logging.getLogger(__name__)
@@ -83,9 +84,6 @@ ALERT_NON_FINITE = "rlhf.alert.non-finite"
 ALERT_NAMES = (ALERT_REWARD_STAGNANT, ALERT_CHECKPOINT_SIZE, ALERT_NON_FINITE)
 ALERTS_FILE_NAME = "alerts.jsonl"
 
-# Headline metrics in order of preference: held-out first, then the chunk's mean, then the last step's.
-HIGHER_IS_BETTER_METRICS = {"ppo": ("eval_reward", "mean_reward", "reward")}
-LOWER_IS_BETTER_METRICS = ("eval_loss", "mean_loss", "loss")
 
 MASTER_WEIGHT_BYTES = 4  # fp32 master copy per trainable parameter
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8}  # two fp32 moments per trainable parameter
@@ -150,13 +148,12 @@ class Alert:
 
 def headline_metric(stage: str, metrics: Mapping[str, Any]) -> tuple[str, bool] | None:
     """(name, higher_is_better) of the metric that says whether `stage` is improving, or None if
-    `metrics` holds none of them. PPO: eval_reward, mean_reward, reward (higher is better); other
-    stages: eval_loss, mean_loss, loss (lower is better); the first one present wins."""
-    higher = HIGHER_IS_BETTER_METRICS.get(stage)
-    candidates, higher_is_better = (higher, True) if higher else (LOWER_IS_BETTER_METRICS, False)
-    for name in candidates:
+    `metrics` holds none of them: the first present of the stage's declared `headline_metrics` (PPO:
+    eval_reward, mean_reward, reward, higher is better; the others: eval_loss, mean_loss, loss)."""
+    declared = STAGES[stage]
+    for name in declared.headline_metrics:
         if _is_number(metrics.get(name)):
-            return name, higher_is_better
+            return name, declared.higher_is_better
     return None
 
 
@@ -168,7 +165,7 @@ def history_entry(step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
     """What a checkpoint's metadata keeps for the stagnation check: its step and its headline candidates
     (a small record, so the whole line of checkpoints fits in the newest one's metadata, whatever
     retention removed)."""
-    names = {name for names in HIGHER_IS_BETTER_METRICS.values() for name in names} | set(LOWER_IS_BETTER_METRICS)
+    names = {name for stage in STAGES.values() for name in stage.headline_metrics}
     return {"step": int(step), **{name: _json_safe(float(metrics[name])) for name in sorted(names)
                                   if _is_number(metrics.get(name))}}
 
@@ -223,7 +220,7 @@ def reward_stagnant_alert(run_name: str, stage: str, history: Sequence[tuple[int
     best_step, best_value = points[best_index]
     recent = points[-streak:]
     direction = "higher" if higher_is_better else "lower"
-    hint = "the learning rate, the KL coefficient or the reward" if stage == "ppo" else "the learning rate or the data"
+    hint = STAGES[stage].stall_hint
     message = (f"{stage} {metric} has not improved for {streak} committed checkpoints (steps {recent[0][0]} to "
                f"{recent[-1][0]}): best {best_value:.4g} at step {best_step}, newest {recent[-1][1]:.4g} "
                f"({direction} is better); check {hint} before spending more steps.")
