@@ -355,6 +355,14 @@ WORLD_SIZE_DEPENDENT_STAGES = tuple(name for name, stage in STAGES.items() if st
 STEP_DIR_PATH = re.compile(rf"^(.*?)/?([A-Za-z0-9._-]+)/({'|'.join(TRAINING_STAGES)})/step_(\d+)/?$")
 
 
+def chunk_ends(total_steps: int, save_steps: int) -> list[int]:
+    """The steps a stage's chunks end at, where a checkpoint commits: every `save_steps` (OpenRLHF's
+    --save_steps; -1 or 0: one chunk) and the last step. The one statement of the rule: the driver's plan
+    (`driver.plan.plan_stage`) and the ranks' evaluation at chunk ends (`DeepSpeedTrainer.is_chunk_end`) read it."""
+    every = save_steps if save_steps > 0 else total_steps
+    return list(range(every, total_steps, every)) + [total_steps]
+
+
 def fields_with_role(config: type[BaseModel], role: str) -> list[str]:
     """The fields of a stage config tagged with `role` (model: an input model; data: a dataset; path: another
     input file; output: where the stage writes)."""

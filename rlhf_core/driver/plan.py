@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import fsspec
 
-from rlhf_core.config import STAGES, RunConfig, fields_with_role
+from rlhf_core.config import STAGES, RunConfig, chunk_ends, fields_with_role
 from rlhf_core.errors import UserError
 from rlhf_core.storage.hub import is_hub_id
 from rlhf_core.rank.trainers import trainer_class
@@ -73,6 +73,4 @@ def plan_stage(run: RunConfig, stage: str) -> StagePlan:
             f"{data_url}; lower it or add data."
         )
     total_steps = steps_per_pass * trainer.num_passes(cfg)
-    chunk = cfg.save_steps if cfg.save_steps > 0 else total_steps
-    targets = list(range(chunk, total_steps, chunk)) + [total_steps]
-    return StagePlan(stage, num_items, total_steps, targets)
+    return StagePlan(stage, num_items, total_steps, chunk_ends(total_steps, cfg.save_steps))

@@ -91,3 +91,18 @@ def test_drift_compares_only_settings_both_versions_know(toy_assets):
     assert config_drift(run, "sft", {**saved, "config": older}) == []
     changed = dict(saved["config"], max_len=128)
     assert config_drift(run, "sft", {**saved, "config": changed}) == ["max_len: 128 -> 64"]
+
+
+def test_the_chunk_boundary_rule_is_stated_once_and_read_by_the_plan_and_the_ranks():
+    import re
+    from pathlib import Path
+
+    from rlhf_core.config import chunk_ends
+
+    assert chunk_ends(10, 4) == [4, 8, 10] and chunk_ends(8, 4) == [4, 8]
+    assert chunk_ends(10, -1) == [10] and chunk_ends(10, 0) == [10]
+    root = Path(__file__).resolve().parents[2] / "rlhf_core"
+    restated = [f"{path.relative_to(root)}:{number}" for path in root.rglob("*.py")
+                for number, line in enumerate(path.read_text().splitlines(), 1)
+                if re.search(r"% *(self\.)?cfg\.save_steps *== *0|range\(chunk, total_steps", line)]
+    assert restated == []

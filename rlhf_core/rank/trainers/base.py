@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlhf_core.config import RunConfig
+from rlhf_core.config import RunConfig, chunk_ends
 from rlhf_core.rank.ds_config import (DEEPSPEED_STATE_DIR, HF_WEIGHTS_DIR, TRAINER_STATE_NAME, UNIVERSAL_STATE_DIR,
                                  deepspeed_config, lr_scheduler_factory, resolve_precision, warn_once)
 from rlhf_core.faults import fault_point
@@ -96,6 +96,7 @@ class DeepSpeedTrainer(abc.ABC):
         self.precision = resolve_precision(self.cfg.param_dtype, self.on_gpu)
         self.engines: dict[str, Any] = {}
         self.step = 0
+        self._chunk_ends: frozenset[int] | None = None
 
     def autocast(self):
         """The context for forward passes: bf16 autocast on a CPU run with --param_dtype bf16, else nothing."""
@@ -205,11 +206,16 @@ class DeepSpeedTrainer(abc.ABC):
         self.restore_controller_state(state.get("controller", {}))
         return self.step
 
+    def is_chunk_end(self, step: int | None = None) -> bool:
+        """Whether `step` (default: the current one) ends a chunk, where a checkpoint commits (`config.chunk_ends`)."""
+        if self._chunk_ends is None:
+            self._chunk_ends = frozenset(chunk_ends(self.total_steps, self.cfg.save_steps))
+        return (self.step if step is None else step) in self._chunk_ends
+
     def is_eval_step(self) -> bool:
         """Evaluate every eval_steps steps (if > 0) and at each checkpoint step (as OpenRLHF's trainers)."""
         cfg, step = self.cfg, self.step
-        return (cfg.eval_steps > 0 and step % cfg.eval_steps == 0) or step == self.total_steps or \
-            (cfg.save_steps > 0 and step % cfg.save_steps == 0)
+        return (cfg.eval_steps > 0 and step % cfg.eval_steps == 0) or self.is_chunk_end()
 
     def eval_micro_batches(self, items: list) -> list[tuple[list, bool]]:
         """This rank's micro-batches of `items`, as (batch, counted). Every rank runs the same number of

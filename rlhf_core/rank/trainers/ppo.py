@@ -391,11 +391,7 @@ class PPOTrainer(DeepSpeedTrainer):
 
     def evaluation_due(self) -> bool:
         """Every eval_steps steps, and at the last step of each chunk (where a checkpoint is committed)."""
-        cfg = self.cfg
-        if not cfg.eval_dataset:
-            return False
-        chunk_end = self.step == self.total_steps or (cfg.save_steps > 0 and self.step % cfg.save_steps == 0)
-        return chunk_end or (cfg.eval_steps > 0 and self.step % cfg.eval_steps == 0)
+        return bool(self.cfg.eval_dataset) and self.is_eval_step()
 
     @torch.no_grad()
     def evaluate(self) -> float:
