@@ -498,6 +498,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "rlhf_core")  # fallback and set-aside notices
     # rlhf_core's warnings during preflight come before any flow run: keep them off Prefect's API handler.
     os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
+    # The ephemeral server's start took 12-25 s on a loaded 2-core machine, past Prefect's 20 s default, which then
+    # starts a second one (see flows.pipeline._start_ephemeral_server_in_background).
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args) or 0

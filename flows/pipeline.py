@@ -66,6 +66,7 @@ for _logger_name in ("prefect.flow_runs", "prefect.task_runs"):
     logging.getLogger(_logger_name).addFilter(_NoTracebackForNamedFailures())
 # Where the ranks were placed is worth a line each time a group starts (rlhf_core.driver.engine).
 logging.getLogger("rlhf_core").setLevel(logging.INFO)
+logger = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- events
@@ -359,7 +360,16 @@ def _start_ephemeral_server_in_background() -> threading.Thread | None:
         # (a signal mask survives fork and exec), as Ray does for its processes, so it outlives the stop that
         # Ctrl-C begins (rlhf_core.driver.stop) and still records it. SubprocessASGIServer.stop sends SIGTERM at exit.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        SubprocessASGIServer().start()
+        server = SubprocessASGIServer()
+        try:
+            server.start()
+        except Exception:
+            # Prefect 3.9 leaves a server that did not answer within its startup timeout running, and the flow's
+            # client then starts another: the first would outlive this process (holding its stdout open).
+            process = getattr(server, "server_process", None)
+            if process is not None and process.poll() is None:
+                process.kill()
+            logger.debug("Prefect's ephemeral server did not start here; the flow's client retries", exc_info=True)
 
     thread = threading.Thread(target=start, name="prefect-server-start", daemon=True)
     thread.start()
