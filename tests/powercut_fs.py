@@ -14,11 +14,17 @@ A power cut: create `.powercut` at the top of the mount (an ordinary file, passe
 writers, unmount. The process then replaces BACKING's contents with the durable image and exits. Mount again
 to see what survived.
 
-Departures from a real disk, all in the disk's favour for the code under test: no torn writes (an fsync'd
-file is whole), metadata such as modes and times is not modelled, and data is never made durable without an
-fsync (a real disk may keep more, never less, so code that passes here is safe there).
+Torn writes (`--torn-writes`, or POWERCUT_TORN_WRITES=1 for `PowerCutMount`): a disk may also keep part of
+what was never fsync'd, having written some of a file's blocks before the power went. In this mode a file
+whose name survives keeps, beyond the bytes it shares with its last fsync'd content, the first half of what
+was written after that (a real disk tears at a block; here at any byte, which is harsher): a reader then finds
+a file that is neither empty nor whole. Only files still reachable by some name at the cut can tear; one
+unlinked since keeps its fsync'd bytes. The log names every file a cut tore.
 
-    python -m tests.powercut_fs BACKING MOUNTPOINT
+Other departures from a real disk: metadata such as modes and times is not modelled, and without torn writes
+data is never made durable without an fsync (a real disk may keep more, which torn writes stand for).
+
+    python -m tests.powercut_fs BACKING MOUNTPOINT [--torn-writes]
 """
 
 from __future__ import annotations
@@ -36,14 +42,24 @@ import mfusepy
 from mfusepy import FUSE, FuseOSError, Operations
 
 CUT_MARKER = ".powercut"
+TORN_WRITES_ENV = "POWERCUT_TORN_WRITES"
 PROJECT_DIR = Path(__file__).resolve().parents[1]
+
+
+def torn_content(durable: bytes, now: bytes) -> bytes:
+    """What a torn write leaves of a file whose last fsync'd bytes were `durable` and whose bytes are `now`:
+    the bytes they share from the start, then the first half of the rest of `now` (a file truncated since its
+    fsync keeps its shorter length)."""
+    shared = len(os.path.commonprefix([durable, now]))  # works on any sequences, bytes too
+    return now[:shared + (len(now) - shared) // 2]
 
 
 class PowerCutFS(Operations):
     use_ns = True  # utimens gets nanoseconds, as os.utime(ns=...) takes them
 
-    def __init__(self, backing: str):
+    def __init__(self, backing: str, torn_writes: bool = False):
         self.backing = os.path.abspath(backing)  # FUSE changes the working directory
+        self.torn_writes = torn_writes
         self._state_lock = threading.Lock()
         self.durable_entries: dict[int, dict[str, tuple[int, bool]]] = {}  # folder inode -> name -> (inode, is dir)
         self.durable_bytes: dict[int, bytes] = {}
@@ -73,20 +89,46 @@ class PowerCutFS(Operations):
 
     def apply_durable_image(self) -> None:
         """Make BACKING what the durable image says: what a disk would show after the power came back."""
+        contents = {}
+        if self.torn_writes:  # read before BACKING is emptied
+            contents = {inode: torn_content(self.durable_bytes.get(inode, b""), now)
+                        for inode, now in self._current_durable_files().items()}
         for name in os.listdir(self.backing):
             path = os.path.join(self.backing, name)
             shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
-        self._materialise(self.root_inode, self.backing)
+        self._materialise(self.root_inode, self.backing, contents)
 
-    def _materialise(self, folder_inode: int, real: str) -> None:
+    def _current_durable_files(self) -> dict[int, bytes]:
+        """The bytes in BACKING now (before the cut takes effect) of each file a durable name points at, by
+        inode: what a torn write keeps part of."""
+        with self._state_lock:
+            wanted = {inode for entries in self.durable_entries.values() for inode, is_dir in entries.values()
+                      if not is_dir}
+        found: dict[int, bytes] = {}
+        for folder, _, files in os.walk(self.backing):
+            for name in files:
+                path = os.path.join(folder, name)
+                inode = os.lstat(path).st_ino
+                if inode in wanted and inode not in found and not os.path.islink(path):
+                    with open(path, "rb") as stream:
+                        found[inode] = stream.read()
+        return found
+
+    def _materialise(self, folder_inode: int, real: str, contents: dict[int, bytes]) -> None:
+        """Write the durable tree below `folder_inode` at `real`; a file's bytes from `contents` (torn) when
+        there, else its fsync'd bytes."""
         for name, (inode, is_dir) in sorted(self.durable_entries.get(folder_inode, {}).items()):
             target = os.path.join(real, name)
             if is_dir:
                 os.mkdir(target)
-                self._materialise(inode, target)
+                self._materialise(inode, target, contents)
             else:
+                durable = self.durable_bytes.get(inode, b"")
+                kept = contents.get(inode, durable)
+                if kept != durable:  # the log says which files a cut tore, for a test that wonders
+                    print(f"torn write: {target}: {len(kept)} bytes kept, {len(durable)} were fsync'd", flush=True)
                 with open(target, "wb") as stream:
-                    stream.write(self.durable_bytes.get(inode, b""))
+                    stream.write(kept)
 
     # --------------------------------------------------------------- pass-through
     def _real(self, path: str) -> str:
@@ -182,17 +224,22 @@ class PowerCutMount:
     """The filesystem above, mounted by a process of its own at `mountpoint` over `backing`, for a test:
     `cut()` is a power cut (writers must be dead: kill them first), after which the mount is back."""
 
-    def __init__(self, backing: Path, mountpoint: Path, log: Path):
+    def __init__(self, backing: Path, mountpoint: Path, log: Path, torn_writes: bool | None = None):
+        """`torn_writes`: cuts tear un-fsync'd writes (see the module); None reads POWERCUT_TORN_WRITES=1, so a
+        whole test (the fault matrix's power-cut chain) can be rerun in that mode."""
         self.backing, self.mountpoint, self.log = backing, mountpoint, log
+        self.torn_writes = os.environ.get(TORN_WRITES_ENV) == "1" if torn_writes is None else torn_writes
         backing.mkdir(parents=True, exist_ok=True)
         mountpoint.mkdir(parents=True, exist_ok=True)
         self.process: subprocess.Popen | None = None
 
     def mount(self, timeout_s: float = 30) -> None:
         with open(self.log, "ab") as log:
-            self.process = subprocess.Popen([sys.executable, "-m", "tests.powercut_fs", str(self.backing),
-                                             str(self.mountpoint)], cwd=PROJECT_DIR, stdout=log,
-                                            stderr=subprocess.STDOUT, start_new_session=True)
+            command = [sys.executable, "-m", "tests.powercut_fs", str(self.backing), str(self.mountpoint)]
+            if self.torn_writes:
+                command.append("--torn-writes")
+            self.process = subprocess.Popen(command, cwd=PROJECT_DIR, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while not os.path.ismount(self.mountpoint):
             if self.process.poll() is not None or time.monotonic() > deadline:
@@ -224,8 +271,8 @@ class PowerCutMount:
                 self.process.kill()
 
 
-def main(backing: str, mountpoint: str) -> None:
-    filesystem = PowerCutFS(backing)
+def main(backing: str, mountpoint: str, *options: str) -> None:
+    filesystem = PowerCutFS(backing, torn_writes="--torn-writes" in options)
     FUSE(filesystem, mountpoint, foreground=True, nothreads=False)
     if os.path.exists(os.path.join(filesystem.backing, CUT_MARKER)):
         filesystem.apply_durable_image()
@@ -233,4 +280,4 @@ def main(backing: str, mountpoint: str) -> None:
 
 if __name__ == "__main__":
     assert mfusepy, "mfusepy is needed (pip install mfusepy; apt-get install fuse3)"
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:])

@@ -30,19 +30,21 @@ from tests.integration.conftest import ray_head
 
 pytestmark = pytest.mark.slow
 
-# In the order a run reaches them (save_steps 5, max_ckpt_num 2: the commit of step 15 removes step 5).
+# In the order a run reaches them (save_steps 5, max_ckpt_num 2). Each lies on the chain's way forward, never only
+# on a rerun that trains again a chunk retention removed: after_commit@5, in its place before, fired only because
+# the run after during_removal@5 found step_5 incomplete and trained steps 1-5 again from scratch.
 FAULT_POINTS = [
     "train_step@3",        # inside a training step (Ray worker), before any checkpoint
     "local_save@5",        # the in-memory snapshot: DeepSpeed state written, HF copy not yet
     "between_uploads@5",   # background writer: first file uploaded, the rest not
     "before_manifest@5",   # every file uploaded, no MANIFEST.json
-    "before_latest@5",     # MANIFEST.json written, `latest` not moved
-    "after_commit@5",      # committed, retention not yet run
+    "before_latest@5",     # MANIFEST.json written, `latest` never yet written
     "train_step@8",        # mid-chunk, one checkpoint behind
     "mid_upload@10",       # background writer, while step 11 trains: a file half hashed and uploaded
     "before_manifest@15",
-    "during_removal@5",    # retention: step_5's manifest deleted, its files not yet
+    "after_commit@15",     # committed, retention not yet run: steps 5, 10 and 15 all on the store
     "local_save@20",
+    "during_removal@5",    # the commit of step 20 retains 2: step_5's manifest deleted, its files not yet
     "before_latest@25",
 ]
 
@@ -140,20 +142,16 @@ def test_fault_matrix_on_a_local_folder_and_on_s3(toy_assets, rlhf_env, tmp_path
     assert not failures, "\n\n".join(f"[{backend}] {error}" for backend, error in failures.items())
 
 
-# The points where a commit is under way or just done, where what the disk keeps matters.
-POWER_CUT_POINTS = ["between_uploads@5", "before_manifest@5", "before_latest@5", "after_commit@5", "mid_upload@10",
-                    "during_removal@5", "before_latest@25"]
-
-
 @pytest.mark.skipif(not Path("/dev/fuse").exists() or shutil.which("fusermount3") is None,
                     reason="needs /dev/fuse and fusermount3 (apt-get install fuse3; .ci/run does)")
-def test_power_cuts_at_the_commit_points_lose_no_commit(toy_assets, rlhf_env, tmp_path, reference_sft_weights,
-                                                        ray_cluster):
-    """The local chain with the store on the power-cut filesystem (tests/powercut_fs.py): each kill is also a
-    power cut, which drops every write and rename no fsync made durable. After each one the newest commit
-    made before it is still there (the store without fsyncs fails here: the cut takes every commit), every
-    step listed as committed verifies, and `latest` names one of them;
-    the run ends with the uninterrupted run's weights."""
+def test_power_cuts_at_every_kill_point_lose_no_commit(toy_assets, rlhf_env, tmp_path, reference_sft_weights,
+                                                       ray_cluster):
+    """The local chain, at all of FAULT_POINTS, with the store on the power-cut filesystem
+    (tests/powercut_fs.py): each kill is also a power cut, which drops every write and rename no fsync made
+    durable. After each one the newest commit made before it is still there (the store without fsyncs fails
+    here: the cut takes every commit), every step listed as committed verifies, and `latest` names one of them;
+    the run ends with the uninterrupted run's weights. POWERCUT_TORN_WRITES=1 runs it with torn writes (a cut
+    keeps the first half of each un-fsync'd write)."""
     from tests.powercut_fs import PowerCutMount
 
     run = sft_run(toy_assets, str(tmp_path / "mnt" / "ckpt"), str(tmp_path / "model"))
@@ -171,5 +169,5 @@ def test_power_cuts_at_the_commit_points_lose_no_commit(toy_assets, rlhf_env, tm
             latest = store.latest_name()
             assert latest is None or int(latest.removeprefix("step_")) in listed, (latest, listed)
 
-        check_chain(run, {**rlhf_env, "RAY_ADDRESS": ray_cluster}, faults_dir, POWER_CUT_POINTS,
+        check_chain(run, {**rlhf_env, "RAY_ADDRESS": ray_cluster}, faults_dir, FAULT_POINTS,
                     reference_sft_weights, str(tmp_path / "model"), cut_and_check)
