@@ -81,11 +81,11 @@ def checkpoint_variant(variant: str | None, group):
     NO_FSYNC `os.fsync` a no-op in this process and in every rank of `group`."""
     import ray
 
-    from rlhf_core.storage import manifest as checkpoint  # where the store reads its default checksum
+    from rlhf_core.storage import manifest  # where the store reads its default checksum
 
-    previous = checkpoint.DEFAULT_CHECKSUM
+    previous = manifest.DEFAULT_CHECKSUM
     if variant not in (None, NO_FSYNC, NO_WRITEBACK):
-        checkpoint.DEFAULT_CHECKSUM = variant
+        manifest.DEFAULT_CHECKSUM = variant
     switch = {NO_FSYNC: _set_fsync, NO_WRITEBACK: _set_writeback}.get(variant) if group is not None else None
     if switch is not None:
         switch(None, False)
@@ -93,7 +93,7 @@ def checkpoint_variant(variant: str | None, group):
     try:
         yield
     finally:
-        checkpoint.DEFAULT_CHECKSUM = previous
+        manifest.DEFAULT_CHECKSUM = previous
         if switch is not None:
             switch(None, True)
             ray.get([worker.__ray_call__.remote(switch, True) for worker in group.workers])

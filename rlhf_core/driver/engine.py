@@ -117,6 +117,7 @@ class WorkerGroup:
         self.zero_stage = resolve_zero_stage(cfg.zero_stage, self.world_size, cfg.adam_offload, saved_zero_stage)
         run = run.model_copy(update={stage: cfg.model_copy(update={"zero_stage": self.zero_stage})})
         self._model_sizes = None
+        self._clean_step_seconds = None  # another stage's steps take another time: no baseline carries over
         self._gather([worker.setup.remote(run, stage, total_steps, load_universal) for worker in self.workers])
 
     def warm_up(self, run: RunConfig, stage: str) -> None:

@@ -196,7 +196,7 @@ class CheckpointStore:
                 return existing
             self._move_aside(name)
         staging_path = self._path(f"{STAGING_PREFIX}{name}_{secrets.token_hex(4)}")
-        with self._full_is_one_sentence():
+        with self._named_store_errors():
             return PendingStep(step, self.backend.uncommitted_folder(self._path(name), staging_path), self.checksum)
 
     def discard(self, pending: PendingStep) -> None:
@@ -210,7 +210,7 @@ class CheckpointStore:
         return self.backend.free_bytes(self.root)
 
     @contextlib.contextmanager
-    def _full_is_one_sentence(self):
+    def _named_store_errors(self):
         """A write's OSError as the failure it is (`rlhf_core.errors`): a full disk or quota is StoreFull (one
         sentence, no retry); one that passes (a 5xx or reset after fsspec's own retries, EIO) is
         TransientStoreError naming the store (the chunk is retried); one no retry fixes (read-only, denied)
@@ -466,7 +466,7 @@ class CheckpointStore:
     def _write_stream(self, pending: PendingStep, relative_path: str, write: Callable[[BinaryIO], None],
                       timer: WriteTimings | None = None) -> ManifestEntry:
         remote_path = f"{pending.path}/{relative_path}"
-        with self._full_is_one_sentence():
+        with self._named_store_errors():
             return self._write_stream_into(pending, relative_path, remote_path, write, timer or WriteTimings({}))
 
     def _write_stream_into(self, pending: PendingStep, relative_path: str, remote_path: str,
@@ -514,13 +514,13 @@ class CheckpointStore:
         self.fs.invalidate_cache()
 
     def _write_bytes(self, path: str, data: bytes) -> None:
-        """A new file, durable when this returns (`store_backends`)."""
-        with self._full_is_one_sentence():
+        """A new file, durable when this returns (`storage.backends`)."""
+        with self._named_store_errors():
             self.backend.write_new(path, data)
 
     def _replace_bytes(self, path: str, data: bytes) -> None:
         """A file replaced whole, durably: readers (and a power cut) see the old bytes or the new."""
-        with self._full_is_one_sentence():
+        with self._named_store_errors():
             self.backend.replace(path, data)
 
 
