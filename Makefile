@@ -22,7 +22,7 @@ demo: $(BIN)/rlhf
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/rlhf demo --workdir ./demo
 
 test: $(BIN)/rlhf
-	$(BIN)/python -m pytest tests -v -rfEsR --durations=15
+	$(BIN)/python -m pytest tests -v -rfEsR --durations=40
 
 test-fast: $(BIN)/rlhf
 	$(BIN)/python -m pytest tests/unit -q

@@ -262,17 +262,23 @@ def kill_once_committed(command: list[str], env: dict[str, str], paused_step: in
     background), and SIGKILL its whole session once `manifest` exists: a mid-chunk kill one commit behind."""
     faults_dir.mkdir(exist_ok=True)
     point = f"train_step@{paused_step}"
-    paused = subprocess.Popen(command, env={**env, "RLHF_FAULT_INJECT": f"{point}=sleep:600",
-                                            "RLHF_FAULT_STATE": str(faults_dir)},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd=cwd)
+    log_path = faults_dir.with_name(faults_dir.name + "-job.log")  # what the job printed, for a failure message
+    with open(log_path, "wb") as log:
+        paused = subprocess.Popen(command, env={**env, "RLHF_FAULT_INJECT": f"{point}=sleep:600",
+                                                "RLHF_FAULT_STATE": str(faults_dir)},
+                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd)
     try:
         deadline = time.monotonic() + 500  # a hang guard, not a speed check
         while not manifest.exists() or not (faults_dir / point).exists():
-            assert paused.poll() is None, f"the job ended (rc {paused.returncode}) before {manifest} appeared"
+            assert paused.poll() is None, (f"the job ended (rc {paused.returncode}) before {manifest} appeared; "
+                                           f"it printed:\n{log_path.read_text(errors='replace')[-4000:]}")
             assert time.monotonic() < deadline, f"{manifest} did not appear while {point} was paused"
             time.sleep(0.2)
     finally:
-        os.killpg(paused.pid, signal.SIGKILL)
+        try:
+            os.killpg(paused.pid, signal.SIGKILL)
+        except ProcessLookupError:  # the job ended by itself and took its session with it
+            pass
         paused.wait()
 
 
