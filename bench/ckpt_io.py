@@ -111,7 +111,8 @@ def measure(num_ranks: int, model_dir: str, toy: dict[str, str], ckpt_root: str,
 
     from rlhf_core.storage.checkpoint import CheckpointStore
     from rlhf_core.driver.plan import plan_stage, resolve_paths
-    from rlhf_core.config import RunConfig, SFTConfig
+    from rlhf_core.config import RunConfig
+    from rlhf_core.stages.sft import SFTConfig
     from rlhf_core.driver.engine import WorkerGroup
 
     run = resolve_paths(RunConfig(

@@ -33,7 +33,9 @@ TOY_SAMPLES = 256  # per toy data set (rlhf_core.toy.make_datasets)
 def stage_config(stage: str, toy: dict[str, str], model_dir: str, out_dir: str, num_steps: int, save_steps: int,
                  param_dtype: str = "fp32", grpo: dict | None = None):
     """One stage's settings, matching trl_side.py's: batch BATCH in one micro-batch, max length MAX_LEN."""
-    from rlhf_core.config import PPOConfig, RMConfig, SFTConfig
+    from rlhf_core.stages.ppo import PPOConfig
+    from rlhf_core.stages.rm import RMConfig
+    from rlhf_core.stages.sft import SFTConfig
 
     common = {"pretrain": model_dir, "learning_rate": LEARNING_RATE, "save_steps": save_steps,
               "param_dtype": param_dtype, "save_path": out_dir}

@@ -32,7 +32,10 @@ from typing import Any, Sequence
 from pydantic import BaseModel, ValidationError
 
 from flows.openrlhf_flags import IMPLEMENTED, MAPPED, REFUSED, flags_for
-from rlhf_core.config import STAGES, MergeConfig, RunConfig, describe_validation_error, load_run_config
+from rlhf_core.config import RunConfig
+from rlhf_core.config_file import describe_validation_error, load_run_config
+from rlhf_core.stages import STAGES
+from rlhf_core.stages.merge import MergeConfig
 from rlhf_core.errors import RLHFError, UserError
 from rlhf_core.driver.stop import StoppedBySignal
 

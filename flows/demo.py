@@ -10,7 +10,12 @@ from __future__ import annotations
 import os
 import time
 
-from rlhf_core.config import ExportConfig, MergeConfig, PPOConfig, RMConfig, RunConfig, SFTConfig
+from rlhf_core.config import RunConfig
+from rlhf_core.stages.export import ExportConfig
+from rlhf_core.stages.merge import MergeConfig
+from rlhf_core.stages.ppo import PPOConfig
+from rlhf_core.stages.rm import RMConfig
+from rlhf_core.stages.sft import SFTConfig
 from rlhf_core.toy import init_toy
 
 

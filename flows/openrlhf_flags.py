@@ -18,14 +18,22 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from rlhf_core.config import STAGES
+from rlhf_core.stages import STAGES, TRAINING_STAGES
 
 IMPLEMENTED, MAPPED, REFUSED = "implemented", "mapped", "refused"
-SFT, RM, PPO, COMBINER = "sft", "rm", "ppo", "lora-combiner"
-TRAIN = (SFT, RM, PPO)
-# Each command's OpenRLHF module, as its stage declares it (rlhf_core.config.STAGES); the combiner is the merge's.
-OPENRLHF_MODULES = {**{name: stage.openrlhf_module for name, stage in STAGES.items() if stage.kind == "train"},
-                    COMBINER: STAGES["merge"].openrlhf_module}
+
+
+def _command_speaking(module: str) -> str:
+    """Our command for OpenRLHF's `module`: the stage that declares it speaks that module's flags."""
+    return next(name for name, stage in STAGES.items() if stage.openrlhf_module == module)
+
+
+# The table is written in OpenRLHF's commands; each stage declares which one it speaks (rlhf_core.stages).
+SFT, RM, PPO = _command_speaking("train_sft"), _command_speaking("train_rm"), _command_speaking("train_ppo_ray")
+COMBINER = "lora-combiner"  # `rlhf lora-combiner`, the merge stage's command
+TRAIN = TRAINING_STAGES  # a flag every OpenRLHF trainer has applies to every training stage, a new one too
+OPENRLHF_MODULES = {**{name: STAGES[name].openrlhf_module for name in TRAINING_STAGES},
+                    COMBINER: next(stage.openrlhf_module for stage in STAGES.values() if stage.kind == "merge")}
 
 
 @dataclass(frozen=True)
@@ -369,11 +377,12 @@ def render_markdown() -> str:
              "a test keeps them equal. Classes: **implemented** (OpenRLHF's meaning), **mapped** (accepted; the "
              "note says what it does here, printed once when given), **refused** (only OpenRLHF's default is "
              "accepted; anything else exits 2 with the reason).", ""]
-    for cli in (SFT, RM, PPO, COMBINER):
+    for cli in (*TRAIN, COMBINER):
         flags = flags_for(cli)
         counts = {kind: sum(flag.kind == kind for flag in flags) for kind in (IMPLEMENTED, MAPPED, REFUSED)}
         command = f"rlhf train {cli}" if cli in TRAIN else f"rlhf {cli}"
-        lines += [f"## `{command}` (OpenRLHF `{OPENRLHF_MODULES[cli]}`)", "",
+        module = f"OpenRLHF `{OPENRLHF_MODULES[cli]}`" if OPENRLHF_MODULES[cli] else "no OpenRLHF command"
+        lines += [f"## `{command}` ({module})", "",
                   ", ".join(f"{count} {kind}" for kind, count in counts.items()) + ".", "",
                   "| OpenRLHF 0.9 | OpenRLHF 0.11 | class | here |", "|---|---|---|---|"]
         for flag in flags:

@@ -41,7 +41,8 @@ from rlhf_core.ops.alerts import NonFiniteTraining
 from rlhf_core.driver.chunk import ChunkResult, prestart_workers, release_workers
 from rlhf_core.driver.plan import plan_stage, resolve_paths
 from rlhf_core.storage.manifest import ASIDE_DIR_NAME
-from rlhf_core.config import STAGES, RunConfig
+from rlhf_core.config import RunConfig
+from rlhf_core.stages import STAGES
 from rlhf_core.errors import RLHFError
 from rlhf_core.ops.goodput import GoodputLedger
 from rlhf_core.storage.lease import RunLease

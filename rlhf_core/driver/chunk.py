@@ -28,7 +28,8 @@ from rlhf_core.ops.alerts import (AlertLog, NonFiniteTraining, commit_alerts, ex
                               non_finite_metrics)
 from rlhf_core.storage.checkpoint import CheckpointStore
 from rlhf_core.storage.manifest import CheckpointInfo
-from rlhf_core.config import STAGES, RunConfig, semantic_fields, semantic_hash
+from rlhf_core.config import RunConfig, semantic_fields, semantic_hash
+from rlhf_core.stages import STAGES
 from rlhf_core.rank.data import dataset_fingerprint
 from rlhf_core.driver.engine import WorkerGroup, group_settings
 from rlhf_core.errors import StoreFull, store_full

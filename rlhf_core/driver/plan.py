@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 import fsspec
 
-from rlhf_core.config import STAGES, RunConfig, chunk_ends, fields_with_role
+from rlhf_core.config import RunConfig, chunk_ends
+from rlhf_core.stages import STAGES
+from rlhf_core.stages.base import fields_with_role
 from rlhf_core.errors import UserError
 from rlhf_core.storage.hub import is_hub_id
 from rlhf_core.rank.trainers import trainer_class
@@ -27,7 +29,7 @@ class StagePlan:
 
 def resolve_paths(run: RunConfig) -> RunConfig:
     """Make local paths absolute, so Ray workers (other working directories) see the same files. The fields
-    to resolve are those `rlhf_core.config.STAGES` tags with a role; several comma-separated datasets are
+    to resolve are those `rlhf_core.stages.STAGES` tags with a role; several comma-separated datasets are
     resolved one by one, and a hub id (`org/name`, no such local path) stays a hub id."""
 
     outputs = {getattr(run.stage_config(stage), STAGES[stage].output_field) for stage in run.stages}

@@ -15,7 +15,9 @@ from __future__ import annotations
 import os
 
 
-from rlhf_core.config import STAGES, TRAINING_STAGES, RunConfig, fields_with_role
+from rlhf_core.config import RunConfig
+from rlhf_core.stages import STAGES, TRAINING_STAGES
+from rlhf_core.stages.base import fields_with_role
 from rlhf_core.storage.writable import probe_writable
 
 

@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass
 
 from rlhf_core.storage.checkpoint import CheckpointStore
 from rlhf_core.storage.manifest import METADATA_NAME, CheckpointInfo
-from rlhf_core.config import TRAINING_STAGES, WORLD_SIZE_DEPENDENT_STAGES, RunConfig, semantic_fields
+from rlhf_core.config import RunConfig, semantic_fields
+from rlhf_core.stages import TRAINING_STAGES, WORLD_SIZE_DEPENDENT_STAGES
 from rlhf_core.rank.data import dataset_fingerprint
 from rlhf_core.errors import CorruptCheckpoint, UserError
 from rlhf_core.rank.models import input_model_fingerprints

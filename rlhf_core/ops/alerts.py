@@ -73,7 +73,7 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
 from rlhf_core.ops.console import WARNING_PREFIX
-from rlhf_core.config import STAGES
+from rlhf_core.stages import STAGES
 from rlhf_core.errors import RLHFError, human_bytes
 
 logger = logging.getLogger(__name__)

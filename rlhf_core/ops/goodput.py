@@ -560,7 +560,7 @@ def read_ledger(run_url: str, storage_options: Mapping[str, Any] | None = None) 
             raise UserError(f"{run_url} is not a folder; give a run folder {{ckpt_path}}/{{run_name}} "
                             "(e.g. ./ckpt/rlhf).")
         if not ledger.exists():
-            from rlhf_core.config import STAGES
+            from rlhf_core.stages import STAGES
 
             parent, _, name = run_url.rstrip("/").rpartition("/")
             hint = f" ({name} is a stage folder: give its parent, {parent})" if name in STAGES else ""

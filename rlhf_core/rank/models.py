@@ -112,7 +112,7 @@ def model_fingerprint(url: str, storage_options: dict | None = None, *, flag: st
 
 def input_model_fingerprints(cfg, storage_options: dict | None = None) -> dict[str, str]:
     """`model_fingerprint` of each model a stage starts from: its fields with the role "model"."""
-    from rlhf_core.config import fields_with_role
+    from rlhf_core.stages.base import fields_with_role
 
     return {name: model_fingerprint(getattr(cfg, name), storage_options, flag=f"--{name}")
             for name in fields_with_role(type(cfg), "model") if getattr(cfg, name, None)}

@@ -19,7 +19,8 @@ import torch
 from safetensors.torch import load_file
 
 from rlhf_core.storage.checkpoint import CheckpointStore
-from rlhf_core.config import RunConfig, SFTConfig
+from rlhf_core.config import RunConfig
+from rlhf_core.stages.sft import SFTConfig
 from rlhf_core.rank.ds_config import cpu_supports_bf16
 
 pytestmark = [pytest.mark.slow,

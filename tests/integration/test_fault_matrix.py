@@ -27,7 +27,8 @@ import pytest
 from safetensors.torch import load
 
 from rlhf_core.storage.checkpoint import CheckpointStore
-from rlhf_core.config import RunConfig, SFTConfig
+from rlhf_core.config import RunConfig
+from rlhf_core.stages.sft import SFTConfig
 from tests.conftest import make_bucket, s3_environment
 from tests.integration.conftest import ray_head
 

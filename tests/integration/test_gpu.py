@@ -9,7 +9,8 @@ import pytest
 
 from rlhf_core.driver.chunk import ensure_checkpoint, release_workers
 from rlhf_core.driver.plan import resolve_paths
-from rlhf_core.config import RunConfig, SFTConfig
+from rlhf_core.config import RunConfig
+from rlhf_core.stages.sft import SFTConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -40,7 +41,7 @@ def test_vllm_engine_samples_from_the_actors_current_weights(toy_assets, monkeyp
     pytest.importorskip("vllm")
     import torch
 
-    from rlhf_core.config import PPOConfig
+    from rlhf_core.stages.ppo import PPOConfig
     from rlhf_core.rank.models import load_causal_lm, load_tokenizer
     from rlhf_core.rank.vllm_engine import VLLMGenerator
 
@@ -70,7 +71,7 @@ def test_ppo_chunk_with_vllm_generation_trains_and_commits(toy_assets, tmp_path)
     pytest.importorskip("vllm")
     import torch
 
-    from rlhf_core.config import PPOConfig
+    from rlhf_core.stages.ppo import PPOConfig
     from rlhf_core.driver.resume import begin_stage
 
     run = resolve_paths(RunConfig(stages=["ppo"], ckpt_path=str(tmp_path), load_checkpoint=True,

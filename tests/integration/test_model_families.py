@@ -116,7 +116,9 @@ def uninterrupted_run(config: dict, stage: str, root: Path, hub_home: Path):
     no HF cache), for PPO copies of the killed run's SFT and RM outputs (the resumed command exports them again
     while this run reads them)."""
     from rlhf_core.driver.plan import resolve_paths
-    from rlhf_core.config import PPOConfig, RunConfig, SFTConfig
+    from rlhf_core.config import RunConfig
+    from rlhf_core.stages.ppo import PPOConfig
+    from rlhf_core.stages.sft import SFTConfig
 
     if stage == "sft":
         snapshot = hub_home / "hub" / f"models--{config['sft']['pretrain'].replace('/', '--')}" / "snapshots"

@@ -13,7 +13,8 @@ import pytest
 
 from rlhf_core.driver.stage_driver import train_stage
 from rlhf_core.driver.plan import plan_stage, resolve_paths
-from rlhf_core.config import PPOConfig, RunConfig
+from rlhf_core.config import RunConfig
+from rlhf_core.stages.ppo import PPOConfig
 from rlhf_core.rank.evaluate import mean_gold_score
 from rlhf_core.toy import prompt_digits
 

@@ -20,7 +20,8 @@ from flows.demo import demo_config
 from rlhf_core.driver.chunk import ensure_checkpoint, release_workers
 from rlhf_core.driver.stage_driver import export_stage, train_stage
 from rlhf_core.driver.plan import plan_stage, resolve_paths
-from rlhf_core.config import PPOConfig, RunConfig
+from rlhf_core.config import RunConfig
+from rlhf_core.stages.ppo import PPOConfig
 from rlhf_core.rank.evaluate import mean_gold_score
 from rlhf_core.driver.export import export_final, merge_lora
 from rlhf_core.driver.resume import begin_stage

@@ -25,7 +25,8 @@ import pytest
 from safetensors.torch import load_file
 
 from rlhf_core.driver.plan import resolve_paths
-from rlhf_core.config import PPOConfig, RunConfig
+from rlhf_core.config import RunConfig
+from rlhf_core.stages.ppo import PPOConfig
 from tests.integration.conftest import kill_fault_driver_once_committed
 
 pytestmark = pytest.mark.slow

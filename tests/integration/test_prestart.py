@@ -12,7 +12,8 @@ import pytest
 import ray
 
 from rlhf_core.driver.chunk import _Prestart, _WarmGroup, ensure_checkpoint, prestart_workers, release_workers
-from rlhf_core.config import RunConfig, SFTConfig
+from rlhf_core.config import RunConfig
+from rlhf_core.stages.sft import SFTConfig
 from rlhf_core.driver.engine import ensure_ray
 from rlhf_core.errors import UserError
 from rlhf_core.driver.resume import begin_stage

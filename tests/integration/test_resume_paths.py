@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 
 from rlhf_core.storage.manifest import MANIFEST_NAME, Manifest, ManifestEntry, digest_of_local_file
 from rlhf_core.driver.chunk import ensure_checkpoint, release_workers
-from rlhf_core.config import RunConfig, SFTConfig
+from rlhf_core.config import RunConfig
+from rlhf_core.stages.sft import SFTConfig
 from rlhf_core.errors import UnsafeCheckpoint, UserError
 from rlhf_core.driver.resume import Lineage, begin_stage, validate_run_start
 

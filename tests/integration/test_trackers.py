@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_core.config import RunConfig, SFTConfig
+from rlhf_core.config import RunConfig
+from rlhf_core.stages.sft import SFTConfig
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("tensorboard")

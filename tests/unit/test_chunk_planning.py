@@ -9,7 +9,9 @@ from flows.cli import main
 from rlhf_core.storage.checkpoint import CheckpointStore
 from rlhf_core.driver.plan import plan_stage, resolve_paths
 from rlhf_core.driver.resume import validate_run_start
-from rlhf_core.config import RMConfig, RunConfig, SFTConfig, semantic_fields
+from rlhf_core.config import RunConfig, semantic_fields
+from rlhf_core.stages.rm import RMConfig
+from rlhf_core.stages.sft import SFTConfig
 from rlhf_core.errors import UserError
 
 

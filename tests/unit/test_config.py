@@ -6,7 +6,9 @@ import pytest
 from pydantic import ValidationError
 
 from flows.cli import main
-from rlhf_core.config import RunConfig, SFTConfig, load_run_config, semantic_hash
+from rlhf_core.config import RunConfig, semantic_hash
+from rlhf_core.config_file import load_run_config
+from rlhf_core.stages.sft import SFTConfig
 from rlhf_core.errors import UserError
 
 
@@ -40,7 +42,7 @@ def test_semantic_hash_ignores_operational_fields_only():
 
 
 def test_num_workers_changes_the_math_of_ppo_only(tmp_path):
-    from rlhf_core.config import PPOConfig
+    from rlhf_core.stages.ppo import PPOConfig
     from rlhf_core.driver.resume import config_drift
 
     def ppo_run(num_workers: int, **overrides) -> RunConfig:
@@ -140,7 +142,8 @@ def test_vllm_without_a_gpu_is_refused_before_training(capsys, tmp_path, toy_ass
 
 def test_the_stage_table_is_the_one_source_of_stages():
     from flows.cli import STAGE_CONFIGS
-    from rlhf_core.config import STAGES, TRAINING_STAGES, fields_with_role
+    from rlhf_core.stages import STAGES, TRAINING_STAGES
+    from rlhf_core.stages.base import fields_with_role
     from rlhf_core.rank.trainers.base import DeepSpeedTrainer
 
     assert [name for name in RunConfig.model_fields if name in STAGES] == list(STAGES)

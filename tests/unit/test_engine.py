@@ -13,7 +13,8 @@ import pickle
 import pytest
 import torch
 
-from rlhf_core.config import RMConfig, SFTConfig
+from rlhf_core.stages.rm import RMConfig
+from rlhf_core.stages.sft import SFTConfig
 from rlhf_core.rank.samples import TokenizedPair, TokenizedSample, collate_pairs, collate_sft
 from rlhf_core.rank.ds_config import deepspeed_config, lr_scheduler_factory, resolve_precision, resolve_zero_stage
 from rlhf_core.errors import CorruptCheckpoint, UnsafeCheckpoint, UserError

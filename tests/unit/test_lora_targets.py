@@ -76,7 +76,9 @@ def test_preflight_refuses_them_for_a_stage_that_starts_from_an_earlier_stage_ou
                                                                                      tmp_path):
     """PPO's --pretrain is the SFT output, which does not exist yet: its architecture is SFT's --pretrain's."""
     from rlhf_core.driver.plan import resolve_paths
-    from rlhf_core.config import PPOConfig, RunConfig, SFTConfig
+    from rlhf_core.config import RunConfig
+    from rlhf_core.stages.ppo import PPOConfig
+    from rlhf_core.stages.sft import SFTConfig
     from rlhf_core.driver.preflight import preflight
 
     run = resolve_paths(RunConfig(

@@ -316,7 +316,8 @@ def test_unreachable_reward_server_is_named(monkeypatch):
 # --- the PPO trainer's side: what the function is given, labels, and the check before training ---
 
 def ppo_run(toy_assets, tmp_path, **settings):
-    from rlhf_core.config import PPOConfig, RunConfig
+    from rlhf_core.config import RunConfig
+    from rlhf_core.stages.ppo import PPOConfig
 
     prompt_data = settings.pop("prompt_data", toy_assets["prompts"])
     ppo = PPOConfig(pretrain=toy_assets["model"], prompt_data=prompt_data,
@@ -380,7 +381,7 @@ def test_normalize_reward_with_a_reward_function_warns_that_it_does_nothing(toy_
 def test_a_rollout_batch_of_equal_rewards_warns_once_per_chunk(caplog):
     """The check of the global batch (every rank's rewards: the max of max and of -min over ranks, stubbed for
     one rank here): steps 1-2 form chunk 1 and 3-4 chunk 2 at --save_steps 2."""
-    from rlhf_core.config import PPOConfig
+    from rlhf_core.stages.ppo import PPOConfig
     from rlhf_core.rank.trainers.ppo import PPOTrainer
 
     trainer = PPOTrainer.__new__(PPOTrainer)

@@ -13,7 +13,9 @@ import random
 import pytest
 import torch
 
-from rlhf_core.config import RMConfig, RunConfig, SFTConfig
+from rlhf_core.config import RunConfig
+from rlhf_core.stages.rm import RMConfig
+from rlhf_core.stages.sft import SFTConfig
 from rlhf_core.rank.samples import TokenizedPair, TokenizedSample
 from rlhf_core.rank.ds_config import Precision, deepspeed_config
 from rlhf_core.toy import build_model, build_tokenizer

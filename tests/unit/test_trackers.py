@@ -10,7 +10,8 @@ import pytest
 
 from rlhf_core.ops import trackers as trackers_module
 from rlhf_core.driver.chunk import _train_and_log
-from rlhf_core.config import RunConfig, SFTConfig
+from rlhf_core.config import RunConfig
+from rlhf_core.stages.sft import SFTConfig
 from rlhf_core.errors import UserError
 from rlhf_core.ops.trackers import (close_trackers, open_stage_trackers, require_tracker_packages,
                                 split_metrics, stage_trackers)

@@ -1,6 +1,6 @@
 """Stage trainers. Each runs inside one DeepSpeed rank and advances its stage one step at a time.
 
-Which trainer a stage uses is declared in `rlhf_core.config.STAGES`; a trainer class also tells the planner how
+Which trainer a stage uses is declared in `rlhf_core.stages.STAGES`; a trainer class also tells the planner how
 big its stage is: `count_items(run)` (samples, pairs or prompts), `items_per_step(cfg)` and `num_passes(cfg)`.
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 
 def trainer_class(stage: str):
-    """The trainer class `rlhf_core.config.STAGES` declares for a training stage."""
-    from rlhf_core.config import STAGES
+    """The trainer class `rlhf_core.stages.STAGES` declares for a training stage."""
+    from rlhf_core.stages import STAGES
 
     if stage not in STAGES or not STAGES[stage].trainer:
         raise ValueError(f"no trainer for stage {stage!r}")

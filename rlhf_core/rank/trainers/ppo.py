@@ -48,7 +48,8 @@ import torch
 import torch.distributed as dist
 
 from rlhf_core.rank import ppo_math
-from rlhf_core.config import PPOConfig, RunConfig
+from rlhf_core.config import RunConfig
+from rlhf_core.stages.ppo import PPOConfig
 from rlhf_core.rank.data import Record, read_records
 from rlhf_core.rank.determinism import derive_seed, generator, step_sample_indices
 from rlhf_core.errors import UserError

@@ -1,0 +1,213 @@
+"""What every stage declares, and the settings every training stage shares.
+
+A stage lives in one module of this package (`sft.py`, `rm.py`, ...): its config, the trainer that runs it, the
+inputs it takes from earlier stages (`chained`), its checks against the run (`check_in_run`), its headline metric
+and its OpenRLHF command, the last in one `STAGE = Stage(...)`. Everything else reads `rlhf_core.stages.STAGES`:
+the CLI (`rlhf train NAME` and its flags), `RunConfig`'s sections, path resolution, preflight, alerts, the flow's
+dispatch and the docs. A stage of another package registers the same way, through the `rlhf.stages` entry-point
+group (see `rlhf_core.stages`).
+
+Field names are OpenRLHF's flag names, so `--pretrain`, `--save_steps` ... move over unchanged. Each field is
+documented once, in `Field(description=...)`: that text is the `rlhf` CLI help and the Prefect UI form. Fields
+tagged `affects_training=False` (paths, logging, retention) never change the weights, so they stay out of the
+semantic hash that keys the Prefect cache and guards a resume against config drift.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+def operational(description: str, role: str | None = None) -> dict[str, Any]:
+    """Field kwargs for a setting that does not change the math (kept out of the semantic hash)."""
+    return {"description": description, "json_schema_extra": {"affects_training": False, **({"role": role} if role else {})}}
+
+
+def input_location(description: str, role: str) -> dict[str, Any]:
+    """Field kwargs for an input location: `role` is "model", "data" or "path" (see `fields_with_role`)."""
+    return {"description": description, "json_schema_extra": {"role": role}}
+
+
+def fields_with_role(config: type[BaseModel], role: str) -> list[str]:
+    """The fields of a stage config tagged with `role` (model: an input model; data: a dataset; path: another
+    input file; output: where the stage writes)."""
+    return [name for name, field in config.model_fields.items()
+            if isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get("role") == role]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage, declared once, in its own module. A stage's fields carry their roles (`role`: model,
+    data, path, output) in their metadata, as `affects_training` marks the semantic ones."""
+
+    name: str
+    config: type[StageSettings]
+    kind: Literal["train", "merge", "export"]
+    position: int  # where it runs in a pipeline: stages run in increasing position
+    description: str  # the help of its section in a run config (`sft:` in run.yaml)
+    trainer: str = ""  # "module:Class" of the rank-side trainer (train stages), imported where ranks run
+    output_field: str = "save_path"  # the field naming where the stage's result is written
+    openrlhf_module: str = ""  # OpenRLHF's CLI module this stage's flags come from (`openrlhf.cli.NAME`)
+    # The metrics its stagnation alert watches, in order of preference (held-out first), whether higher is
+    # better, and what to check when they stall.
+    headline_metrics: tuple[str, ...] = ("eval_loss", "mean_loss", "loss")
+    higher_is_better: bool = False
+    stall_hint: str = "the learning rate or the data"
+    is_policy: bool = False  # its output is a policy a merge or an export takes (the last one run)
+    world_size_dependent: bool = False  # each rank samples with its own seed: the math depends on the rank count
+
+    def trainer_class(self):
+        module_name, class_name = self.trainer.split(":")
+        return getattr(importlib.import_module(module_name), class_name)
+
+
+class Earlier:
+    """The stages of one run as one of them sees them: what the stages before it produce, for its defaults."""
+
+    def __init__(self, stage: str, stages: list[str], configs: Mapping[str, StageSettings],
+                 table: Mapping[str, Stage]):
+        self.stage, self._before, self._configs, self._table = stage, stages[: stages.index(stage)], configs, table
+
+    def ran(self, producer: str) -> bool:
+        return producer in self._before
+
+    def output(self, producer: str) -> str:
+        """Where `producer`, run before this stage, writes its result; a clear error when it does not run."""
+        if not self.ran(producer):
+            raise ValueError(f"{self.stage} needs its input: set it, or run {producer} before {self.stage}")
+        return getattr(self._configs[producer], self._table[producer].output_field)
+
+    def policy(self) -> tuple[str, StageSettings] | None:
+        """The last stage before this one whose output is a policy, and its config."""
+        name = next((name for name in reversed(self._before) if self._table[name].is_policy), None)
+        return None if name is None else (name, self._configs[name])
+
+    def policy_stages(self) -> str:
+        """The stages that produce a policy, for a message: "sft, ppo"."""
+        return ", ".join(name for name, stage in self._table.items() if stage.is_policy)
+
+
+class StageSettings(BaseModel):
+    """The settings of any stage: unknown keys are refused, and two hooks `RunConfig` calls."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    def chained(self, earlier: Earlier) -> StageSettings:
+        """These settings with their inputs defaulted from the stages run before (`earlier`)."""
+        return self
+
+    def check_in_run(self, stage: str, num_workers: int) -> None:
+        """Raise ValueError when these settings do not fit the run (its rank count)."""
+
+
+class StageConfig(StageSettings):
+    """Settings every training stage shares: model, optimisation, chunking, export."""
+
+    pretrain: str = Field(**input_location("Model to start from: a local folder, an fsspec URL, or a Hugging Face hub id "
+                                      "(resolved from the local cache when offline) in Hugging Face format.", role="model"))
+    max_len: int = Field(2048, ge=8, description="Maximum tokens per sample; longer samples are truncated.")
+    max_samples: int | None = Field(None, ge=1, description="Use at most this many samples of the dataset.")
+    train_batch_size: int = Field(128, ge=1, description="Global batch size: samples per optimizer step, all ranks.")
+    micro_train_batch_size: int = Field(8, ge=1, description="Samples per rank per forward/backward pass.")
+    max_epochs: int = Field(1, ge=1, description="Passes over the dataset.")
+    learning_rate: float = Field(5e-6, gt=0, description="Peak learning rate of the schedule (PPO: the actor's).")
+    lr_warmup_ratio: float = Field(0.03, ge=0, le=1, description="Fraction of the steps spent warming the LR up.")
+    lr_scheduler: Literal["cosine_with_min_lr", "cosine", "linear", "constant", "constant_with_warmup"] = Field(
+        "cosine_with_min_lr", description="LR schedule after warmup: cosine_with_min_lr (down to min_lr_ratio of "
+                                          "the peak, OpenRLHF's default), cosine (down to 0), linear (to 0), "
+                                          "constant.")
+    l2: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas (beta1 beta2).")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine_with_min_lr decays to this fraction of the "
+                                                             "peak learning rate.")
+    max_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    zero_stage: Literal[0, 1, 2, 3] | None = Field(
+        None, **operational("DeepSpeed ZeRO stage (0, 1, 2 or 3). Default: the stage the stage's checkpoints were "
+                             "written with when resuming; else 0 on one rank (ZeRO has nothing to partition "
+                             "there), 2 (OpenRLHF's default) on more ranks or with --adam_offload.")
+    )
+    param_dtype: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="Training precision: fp32; bf16 (bf16 weights on a GPU, bf16 autocast on a CPU with "
+                            "bf16 support, else fp32 with a warning); fp16 needs a GPU.")
+    attn_implementation: str | None = Field(
+        None, description="Attention kernel (eager, sdpa, flash_attention_2, ...); default: transformers' choice. "
+                          "flash_attention_* without flash-attn falls back to sdpa with a warning.")
+    adam_offload: bool = Field(False, description="Keep the AdamW states on the CPU (DeepSpeed optimizer offload).")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    gradient_checkpointing_use_reentrant: bool = Field(False, description="Use torch's reentrant activation "
+                                                                          "checkpointing variant.")
+    packing_samples: bool = Field(False, description="Pack several samples into one row without padding "
+                                                     "(attention kept within each sample).")
+    lora_rank: int = Field(0, ge=0, description="LoRA rank; 0 trains the full model.")
+    lora_alpha: int = Field(16, ge=1, description="LoRA scaling numerator (alpha / rank).")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA adapters' input.")
+    target_modules: list[str] | None = Field(
+        None, description="Modules that get LoRA adapters; default: all linear layers."
+    )
+    input_template: str | None = Field(
+        None, description="Template with one '{}' that wraps each prompt when no chat template is applied "
+                          "(e.g. 'User: {}\\nAssistant: '); default: the prompt as is.")
+    dataset_probs: str | None = Field(None, description="Sampling weights of several comma-separated datasets "
+                                                        "(e.g. '0.7,0.3'), interleaved until each is exhausted; "
+                                                        "default: concatenated.")
+    dataset_split: str = Field("train", description="Split of a dataset given by hub name (or a dataset dict).")
+    eval_dataset: str | None = Field(None, **operational("Evaluation data (path, URL or hub name); evaluated every "
+                                                          "eval_steps and at each checkpoint.", role="data"))
+    eval_split: str = Field("train", **operational("Split of eval_dataset to evaluate on."))
+    eval_steps: int = Field(-1, **operational("Evaluate every N steps; -1: at each checkpoint only."))
+    save_steps: int = Field(
+        -1, description="Optimizer steps per chunk; each chunk ends with a committed checkpoint. -1: one chunk."
+    )
+    save_path: str = Field("./out/model", **operational("Where the final Hugging Face model is exported (any fsspec "
+                                                         "URL).", role="output"))
+    save_hf_ckpt: bool = Field(
+        False, **operational("Make each checkpoint's actor_model/hf a standalone HF model (adds tokenizer).")
+    )
+    disable_ds_ckpt: bool = Field(
+        False, **operational("Checkpoints keep the weights only (no DeepSpeed optimizer state); a resume restores "
+                              "the weights with a fresh optimizer, as --load_weights_only.")
+    )
+    logging_steps: int = Field(1, ge=1, **operational("Log training metrics to the trackers (--use_tensorboard, "
+                                                       "--use_wandb) every N steps."))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bf16_flag(cls, data: Any) -> Any:
+        """`bf16: true`, the older spelling (OpenRLHF <= 0.8 and the seed guide), means param_dtype bf16."""
+        if isinstance(data, dict) and "bf16" in data:
+            data = dict(data)
+            if data.pop("bf16"):
+                data.setdefault("param_dtype", "bf16")
+        return data
+
+    @property
+    def bf16(self) -> bool:
+        return self.param_dtype == "bf16"
+
+    @field_validator("save_steps")
+    @classmethod
+    def _positive_or_whole_stage(cls, value: int) -> int:
+        if value == 0 or value < -1:
+            raise ValueError("must be a positive number of steps, or -1 for one chunk per stage")
+        return value
+
+    @model_validator(mode="after")
+    def _micro_fits_global(self) -> "StageConfig":
+        if self.train_batch_size % self.micro_train_batch_size:
+            raise ValueError(
+                f"train_batch_size ({self.train_batch_size}) must be a multiple of "
+                f"micro_train_batch_size ({self.micro_train_batch_size})"
+            )
+        return self
+
+    def check_in_run(self, stage: str, num_workers: int) -> None:
+        per_pass = self.micro_train_batch_size * num_workers
+        if self.train_batch_size % per_pass:
+            raise ValueError(f"{stage}.train_batch_size ({self.train_batch_size}) must be a multiple of "
+                             f"micro_train_batch_size x num_workers ({per_pass})")
