@@ -209,7 +209,7 @@ def add_plan_parser(commands) -> None:
 
 def cmd_goodput(run_url: str, as_json: bool) -> None:
     """`rlhf goodput RUN_URL`: the run's ledger in a few lines (rlhf_core.ops.goodput)."""
-    from rlhf_core.ops.goodput import format_summary, read_ledger
+    from rlhf_core.ops.goodput_summary import format_summary, read_ledger
 
     summary = read_ledger(run_url.rstrip("/"))
     print(json.dumps(summary.to_dict(), indent=2) if as_json else format_summary(summary, run_url.rstrip("/")))
@@ -226,7 +226,8 @@ def plan_lines(ckpt_path: str, run_name: str, mtbf_hours: float, only_stage: str
                restart_seconds: float | None = None) -> list[str]:
     """Per stage of the run's ledger (or once, for the given costs): C, step time and R, the goodput expected
     at the save_steps the run used, and Young's interval with the goodput expected there."""
-    from rlhf_core.ops.goodput import GoodputLedger, measured_costs
+    from rlhf_core.ops.goodput import GoodputLedger
+    from rlhf_core.ops.goodput_summary import measured_costs
 
     for flag, value, may_be_zero in (("--mtbf_hours", mtbf_hours, False), ("--step_seconds", step_seconds, False),
                                      ("--checkpoint_seconds", checkpoint_seconds, True),
@@ -254,7 +255,7 @@ def plan_lines(ckpt_path: str, run_name: str, mtbf_hours: float, only_stage: str
 
 def _stage_plan(name: str, measured: tuple[float, float, float], overrides: tuple, mtbf_seconds: float,
                 save_steps_now: int | None) -> list[str]:
-    from rlhf_core.ops.goodput import expected_goodput, plan_interval
+    from rlhf_core.ops.goodput_summary import expected_goodput, plan_interval
 
     c, t, r = (given if given is not None else value for given, value in zip(overrides, measured))
     sources = ["given" if given is not None else "measured" for given in overrides]
@@ -271,9 +272,11 @@ def _stage_plan(name: str, measured: tuple[float, float, float], overrides: tupl
 
 def _ledger_stages(ledger, required: bool = True) -> list:
     """The stages of a run's goodput ledger; with none and `required`, a UserError naming the override flags."""
+    from rlhf_core.ops.goodput_summary import summarize
+
     try:
         if ledger.exists():
-            return ledger.summary().stages
+            return summarize(ledger.read()).stages
     except (OSError, ValueError) as error:
         raise UserError(f"cannot read {ledger.url}: {error}.") from None
     if required:

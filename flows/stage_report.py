@@ -174,13 +174,14 @@ class StageReport:
     def publish_goodput(self) -> None:
         """The run's goodput ledger as markdown (one read of goodput.json); a run without one shows nothing,
         and a failure to read it costs a warning, not the chunk."""
-        from rlhf_core.ops.goodput import GoodputLedger, format_markdown
+        from rlhf_core.ops.goodput import GoodputLedger
+        from rlhf_core.ops.goodput_summary import format_markdown, summarize
 
         ledger = GoodputLedger(self.run.run_url(), self.run.storage_options)
         try:
             if not ledger.exists():
                 return
-            markdown = format_markdown(ledger.summary(), self.run.run_url())
+            markdown = format_markdown(summarize(ledger.read()), self.run.run_url())
         except (OSError, ValueError) as error:
             self.logger.warning("%s: could not read the goodput ledger %s: %s", self.stage, ledger.url, error)
             return

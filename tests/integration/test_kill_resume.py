@@ -68,8 +68,9 @@ def test_sigkill_mid_chunk_then_rerun_matches_uninterrupted_run(toy_assets, rlhf
 
     # The goodput ledger saw both attempts: the killed one as crashed, every step committed once.
     from rlhf_core.ops.goodput import GoodputLedger
+    from rlhf_core.ops.goodput_summary import summarize
 
-    ledger = GoodputLedger(str(ckpt / "rlhf")).summary()
+    ledger = summarize(GoodputLedger(str(ckpt / "rlhf")).read())
     assert ledger.num_attempts == 2 and ledger.num_crashed == 1, ledger
     assert (ledger.stages[0].steps, ledger.stages[0].chunks) == (32, 7), ledger
     assert ledger.stages[0].lost_steps in (0, 5), ledger  # 5 once chunk 15 had started before the kill

@@ -11,8 +11,8 @@ import pytest
 
 from flows.cli import main
 from rlhf_core.ops.goodput import (CRASHED, FINISHED, LEASE_HEARTBEAT_S, GoodputLedger, begin_attempt, commit_chunk,
-                               empty_ledger, expected_goodput, finish_attempt, measured_costs, plan_interval,
-                               start_chunk, summarize, writer_slowdown)
+                                   empty_ledger, finish_attempt, start_chunk, writer_slowdown)
+from rlhf_core.ops.goodput_summary import expected_goodput, measured_costs, plan_interval, summarize
 
 
 class Clock:
@@ -247,7 +247,7 @@ def test_ledger_file_is_written_whole_and_read_back_across_ledger_objects(tmp_pa
     ledger.attempt_finished()
     doc = json.loads(ledger.fs.cat_file(ledger.path))
     assert doc["format"] == 1 and doc["attempts"][0]["state"] == FINISHED
-    sft = ledger.summary().stages[0]
+    sft = summarize(ledger.read()).stages[0]
     assert (sft.chunks, sft.steps, sft.useful_s, sft.stall_s) == (1, 5, 5.0, 1.0)
     if not memory:
         assert sorted(os.listdir(tmp_path / "run")) == ["goodput.json"]  # no temporary file left behind
@@ -261,7 +261,7 @@ def test_a_second_attempt_in_a_new_process_finds_the_first_crashed(tmp_path, mon
     monkeypatch.setattr(goodput, "_ATTEMPT_IDS", {})  # as a new process: no attempt of its own yet
     clock.advance(30.0)
     GoodputLedger(url, clock=clock).attempt_started()
-    summary = GoodputLedger(url).summary()
+    summary = summarize(GoodputLedger(url).read())
     assert summary.num_crashed == 1 and summary.stages[0].lost_steps == 5 and summary.running
 
 
@@ -270,7 +270,7 @@ def test_a_new_attempt_in_the_same_process_ends_the_previous_one_cleanly(tmp_pat
     GoodputLedger(url, clock=clock).chunk_started("sft", 0, 5)
     clock.advance(2.0)
     GoodputLedger(url, clock=clock).attempt_started()  # e.g. train_stage for the next stage
-    summary = GoodputLedger(url).summary()
+    summary = summarize(GoodputLedger(url).read())
     assert summary.num_attempts == 2 and summary.num_crashed == 0 and summary.stages[0].lost_steps == 5
 
 
@@ -283,7 +283,7 @@ def test_attempt_started_leaves_the_ledger_alone_while_another_live_run_holds_th
         GoodputLedger(url, clock=clock).chunk_started("sft", 0, 5)
         monkeypatch.setattr(goodput, "_ATTEMPT_IDS", {})  # a second process, about to be refused the lease
         GoodputLedger(url, clock=clock).attempt_started()
-        summary = GoodputLedger(url).summary()
+        summary = summarize(GoodputLedger(url).read())
         assert summary.num_attempts == 1 and summary.num_crashed == 0 and summary.pending
 
 
