@@ -12,6 +12,7 @@ import pytest
 
 from flows.stage_report import progress_line  # imports prefect, which sets up logging: before the fixtures
 from rlhf_core.ops import console
+from rlhf_core.ops.progress import render_live_bar
 
 
 class _Terminal(io.StringIO):
@@ -192,10 +193,10 @@ def _chunk_line(stage, num_done, num_chunks, step, total_steps, loss):
 
 
 def test_live_bar_rendering_follows_the_steps_and_names_the_chunks():
-    assert console.render_live_bar("sft", 32, 64, "4/8", "  loss 2.97") == \
+    assert render_live_bar("sft", 32, 64, "4/8", "  loss 2.97") == \
         "sft [###############---------------] 4/8 chunks  step 32/64  loss 2.97"
-    assert console.render_live_bar("ppo", 0, 3) == "ppo [------------------------------] step 0/3"
-    assert console.render_live_bar("rm", 7, 7, "2/2", width=4) == "rm [####] 2/2 chunks  step 7/7"
+    assert render_live_bar("ppo", 0, 3) == "ppo [------------------------------] step 0/3"
+    assert render_live_bar("rm", 7, 7, "2/2", width=4) == "rm [####] 2/2 chunks  step 7/7"
 
 
 def test_on_a_terminal_each_stage_is_one_bar_redrawn_in_place_per_chunk_and_step(quiet, monkeypatch):
