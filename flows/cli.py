@@ -21,17 +21,16 @@ with code 2.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
-import types
 import typing
 from typing import Any, Sequence
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
-from flows.openrlhf_flags import IMPLEMENTED, MAPPED, REFUSED, flags_for
+from flows.cli_flags import add_openrlhf_flags, apply_openrlhf_flags
+from flows.cli_inspect import cmd_ckpt, cmd_goodput, cmd_plan, cmd_status
 from rlhf_core.config import RunConfig
 from rlhf_core.config_file import describe_validation_error, load_run_config
 from rlhf_core.stages import STAGES
@@ -41,99 +40,6 @@ from rlhf_core.driver.stop import StoppedBySignal
 
 STAGE_CONFIGS = {name: stage.config for name, stage in STAGES.items() if stage.kind == "train"}
 RUN_FLAGS_EXCLUDED = {"stages", *STAGES}
-
-
-def _flag_type(annotation: Any) -> tuple[Any, dict[str, Any]]:
-    """argparse keyword arguments for a pydantic field annotation."""
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        inner = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
-        return _flag_type(inner[0])
-    if annotation is bool:
-        return None, {"action": "store_true", "default": argparse.SUPPRESS}
-    if origin is tuple:
-        item_types = typing.get_args(annotation)
-        return None, {"nargs": len(item_types), "type": item_types[0], "default": argparse.SUPPRESS}
-    if origin is list:
-        return None, {"nargs": "+", "default": argparse.SUPPRESS}
-    if origin is dict:
-        return None, {"type": json.loads, "default": argparse.SUPPRESS, "metavar": "JSON"}
-    if origin is typing.Literal:
-        choices = typing.get_args(annotation)
-        return None, {"type": type(choices[0]), "choices": choices, "default": argparse.SUPPRESS}
-    return None, {"type": annotation, "default": argparse.SUPPRESS}
-
-
-def add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel], exclude: set[str] = frozenset(),
-                    aliases: dict[str, list[str]] | None = None) -> None:
-    """One flag per field of `model`, its help the field's description; `aliases` adds other spellings."""
-    for name, field in model.model_fields.items():
-        if name in exclude:
-            continue
-        _, kwargs = _flag_type(field.annotation)
-        required = " (required)" if field.is_required() else ""
-        spellings = [f"--{name}"] + [f"--{alias}" for alias in (aliases or {}).get(name, []) if alias != name]
-        parser.add_argument(*spellings, dest=name, help=((field.description or "") + required).replace("%", "%%"),
-                            **kwargs)
-
-
-OPENRLHF_DEST = "openrlhf:"
-_TAKES = {"switch": {"action": "store_true"}, "value": {}, "pair": {"nargs": 2}, "list": {"nargs": "*"}}
-
-
-def add_openrlhf_flags(parser: argparse.ArgumentParser, cli: str, models: Sequence[type[BaseModel]],
-                       exclude: set[str] = frozenset()) -> None:
-    """Our fields' flags, with OpenRLHF's spellings (0.9 and 0.11's dotted ones) from `openrlhf_flags` as aliases,
-    and one flag per OpenRLHF flag that is mapped, refused or converted (checked in `apply_openrlhf_flags`)."""
-    aliases: dict[str, list[str]] = {}
-    own_flags = _own_openrlhf_flags(cli, _field_names(models, exclude))
-    for flag in flags_for(cli):
-        if flag not in own_flags:
-            aliases.setdefault(flag.field, []).extend(flag.spellings(cli))
-    claimed = {name for flag in own_flags for name in flag.spellings(cli)}
-    for model in models:
-        add_model_flags(parser, model, exclude | claimed, aliases)
-    group = parser.add_argument_group("OpenRLHF flags mapped or refused here (see docs/openrlhf-flags.md)")
-    for index, flag in enumerate(own_flags):
-        kwargs = dict(_TAKES[flag.takes])
-        if flag.takes != "switch":
-            kwargs.update(type=flag.value_type, metavar=("LOW", "HIGH") if flag.takes == "pair" else "VALUE")
-        help_text = f"{flag.kind}: {flag.note or flag.field}".replace("%", "%%")
-        group.add_argument(*(f"--{name}" for name in flag.spellings(cli)), dest=f"{OPENRLHF_DEST}{index}",
-                           default=argparse.SUPPRESS, help=help_text, **kwargs)
-
-
-def _field_names(models: Sequence[type[BaseModel]], exclude: set[str]) -> set[str]:
-    return {name for model in models for name in model.model_fields} - exclude
-
-
-def _own_openrlhf_flags(cli: str, fields: set[str]) -> list:
-    """The OpenRLHF flags of `cli` that get a flag of their own: all but plain spellings of one of our fields."""
-    return [flag for flag in flags_for(cli)
-            if not (flag.kind == IMPLEMENTED and flag.convert is None and flag.field in fields)]
-
-
-def apply_openrlhf_flags(cli: str, flags: dict[str, Any], models: Sequence[type[BaseModel]],
-                         exclude: set[str] = frozenset()) -> dict[str, Any]:
-    """Our field values from parsed flags: refused OpenRLHF flags at a non-default value are a UserError, mapped
-    ones print their note once, and OpenRLHF's rank counts become --num_workers."""
-    own_flags = _own_openrlhf_flags(cli, _field_names(models, exclude))
-    values = {name: value for name, value in flags.items() if not name.startswith(OPENRLHF_DEST)}
-    for index, flag in enumerate(own_flags):
-        if f"{OPENRLHF_DEST}{index}" not in flags:
-            continue
-        value = flags[f"{OPENRLHF_DEST}{index}"]
-        spelled = " / ".join(f"--{name}" for name in flag.spellings(cli))
-        if flag.kind == REFUSED and value != flag.default and not (flag.takes == "pair" and
-                                                                   tuple(value) == tuple(flag.default or ())):
-            raise UserError(f"{spelled} {value!r} is not supported here: {flag.note}.")
-        if flag.kind == MAPPED:
-            print(f"rlhf: note: {spelled}: {flag.note}.", file=sys.stderr)
-        values.update(flag.updates(value))
-    nodes, gpus = values.pop("_num_nodes", None), values.pop("_num_gpus_per_node", None)
-    if (nodes or gpus) and "num_workers" not in values:
-        values["num_workers"] = (nodes or 1) * (gpus or 1)
-    return values
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -207,84 +113,6 @@ def add_plan_parser(commands) -> None:
     plan.set_defaults(handler=cmd_plan)
 
 
-def cmd_goodput(run_url: str, as_json: bool) -> None:
-    """`rlhf goodput RUN_URL`: the run's ledger in a few lines (rlhf_core.ops.goodput)."""
-    from rlhf_core.ops.goodput_summary import format_summary, read_ledger
-
-    summary = read_ledger(run_url.rstrip("/"))
-    print(json.dumps(summary.to_dict(), indent=2) if as_json else format_summary(summary, run_url.rstrip("/")))
-
-
-def cmd_plan(args: argparse.Namespace) -> None:
-    """`rlhf plan`: per stage, the measured costs, the goodput expected at today's save_steps and at Young's."""
-    print("\n".join(plan_lines(args.ckpt_path, args.run_name, args.mtbf_hours, args.stage, args.checkpoint_seconds,
-                               args.step_seconds, args.restart_seconds)))
-
-
-def plan_lines(ckpt_path: str, run_name: str, mtbf_hours: float, only_stage: str | None = None,
-               checkpoint_seconds: float | None = None, step_seconds: float | None = None,
-               restart_seconds: float | None = None) -> list[str]:
-    """Per stage of the run's ledger (or once, for the given costs): C, step time and R, the goodput expected
-    at the save_steps the run used, and Young's interval with the goodput expected there."""
-    from rlhf_core.ops.goodput import GoodputLedger
-    from rlhf_core.ops.goodput_summary import measured_costs
-
-    for flag, value, may_be_zero in (("--mtbf_hours", mtbf_hours, False), ("--step_seconds", step_seconds, False),
-                                     ("--checkpoint_seconds", checkpoint_seconds, True),
-                                     ("--restart_seconds", restart_seconds, True)):
-        if value is not None and not (value >= 0 and (may_be_zero or value > 0)):
-            raise UserError(f"{flag} {value} must be a positive number of {'hours' if 'hours' in flag else 'seconds'}.")
-    run_url = f"{ckpt_path.rstrip('/')}/{run_name}"
-    ledger = GoodputLedger(run_url)
-    given = checkpoint_seconds is not None and step_seconds is not None
-    stages = [stage for stage in _ledger_stages(ledger, required=not given)
-              if only_stage in (None, stage.stage) and measured_costs(stage) is not None]
-    if not stages and not given:
-        raise UserError(f"{ledger.url} has no committed chunk{' of stage ' + only_stage if only_stage else ''} yet: "
-                        "train a few chunks first, or give --checkpoint_seconds and --step_seconds.")
-    lines = [f"plan for run {run_name} ({run_url}), MTBF {mtbf_hours:g} h:"]
-    overrides = (checkpoint_seconds, step_seconds, restart_seconds)
-    for stage in stages or [None]:
-        measured = measured_costs(stage) if stage is not None else (0.0, 0.0, 0.0)
-        name = stage.stage if stage is not None else (only_stage or "given")
-        lines += _stage_plan(name, measured, overrides, mtbf_hours * 3600,
-                             round(stage.steps / stage.chunks) if stage is not None else None)
-    lines.append("expected goodput = 1 - C/T - (T/2 + R)/MTBF (first order; T = save_steps x step seconds)")
-    return lines
-
-
-def _stage_plan(name: str, measured: tuple[float, float, float], overrides: tuple, mtbf_seconds: float,
-                save_steps_now: int | None) -> list[str]:
-    from rlhf_core.ops.goodput_summary import expected_goodput, plan_interval
-
-    c, t, r = (given if given is not None else value for given, value in zip(overrides, measured))
-    sources = ["given" if given is not None else "measured" for given in overrides]
-    lines = [f"{name}: C {c:.3g} s per checkpoint ({sources[0]}), step {t:.3g} s ({sources[1]}), "
-             f"restart R {r:.3g} s ({sources[2]})"]
-    if save_steps_now:
-        lines.append(f"  now:       --save_steps {save_steps_now} ({save_steps_now * t:.3g} s of work per checkpoint): "
-                     f"expected goodput {100 * expected_goodput(save_steps_now * t, c, mtbf_seconds, r):.2f}%")
-    plan = plan_interval(c, t, mtbf_seconds, r)
-    lines.append(f"  suggested: --save_steps {plan.save_steps} (T = sqrt(2*C*MTBF) = {plan.interval_seconds:.3g} s "
-                 f"of work): expected goodput {100 * plan.expected_goodput:.2f}%")
-    return lines
-
-
-def _ledger_stages(ledger, required: bool = True) -> list:
-    """The stages of a run's goodput ledger; with none and `required`, a UserError naming the override flags."""
-    from rlhf_core.ops.goodput_summary import summarize
-
-    try:
-        if ledger.exists():
-            return summarize(ledger.read()).stages
-    except (OSError, ValueError) as error:
-        raise UserError(f"cannot read {ledger.url}: {error}.") from None
-    if required:
-        raise UserError(f"{ledger.url} does not exist: check --ckpt_path and --run_name, train a few chunks first, "
-                        "or give --checkpoint_seconds and --step_seconds.")
-    return []
-
-
 def run_config_from_flags(stage: str, flags: dict[str, Any]) -> RunConfig:
     flags = apply_openrlhf_flags(stage, flags, (RunConfig, STAGE_CONFIGS[stage]), RUN_FLAGS_EXCLUDED)
     stage_fields = STAGE_CONFIGS[stage].model_fields
@@ -294,141 +122,6 @@ def run_config_from_flags(stage: str, flags: dict[str, Any]) -> RunConfig:
         return RunConfig(stages=[stage], **run_values, **{stage: STAGE_CONFIGS[stage](**stage_values)})
     except ValidationError as error:
         raise UserError(describe_validation_error(error, f"rlhf train {stage}", flag_style=True)) from None
-
-
-def cmd_ckpt(command: str, path: str, as_json: bool, verify: bool) -> int:
-    """`ckpt ls` lists, each checkpoint with its alerts; `ckpt verify` hashes everything and fails when the
-    newest step is not valid."""
-    from rlhf_core.storage.checkpoint import CheckpointStore, format_listing, to_json
-
-    store = CheckpointStore(path)
-    store.require_folder()  # a mistyped path is a mistake (exit 2), not an empty listing
-    infos = store.list(verify=verify or command == "verify")
-    alerts = stage_alerts(store.url)
-    if as_json:
-        rows = to_json(infos)
-        for row in rows:
-            row["alerts"] = [alert_summary(alert) for alert in alerts if alert.step == row["step"]]
-        print(json.dumps(rows, indent=2))
-    else:
-        print(listing_with_alerts(format_listing(infos), infos, alerts))
-    if command == "verify" and (not infos or not infos[-1].is_committed):
-        newest = f"{infos[-1].name} is {infos[-1].status} ({infos[-1].reason})" if infos else "no checkpoint found"
-        print(f"rlhf: newest checkpoint is not valid: {newest}.", file=sys.stderr)
-        return 1
-    return 0
-
-
-def stage_alerts(stage_url: str) -> list:
-    """The alerts of the stage folder `stage_url` ({run_url}/{stage}), from its run's alerts.jsonl."""
-    from rlhf_core.ops.alerts import AlertLog
-
-    run_url, _, stage = stage_url.rstrip("/").rpartition("/")
-    if not run_url or not stage:
-        return []
-    return AlertLog(run_url).for_stage(stage)
-
-
-def alert_summary(alert) -> dict[str, Any]:
-    return {"name": alert.name, "stage": alert.stage, "step": alert.step, "message": alert.message}
-
-
-def _alert_line(alert, indent: str = "  ") -> str:
-    return f"{indent}! {alert.name}: {alert.message}"
-
-
-def listing_with_alerts(table: str, infos: list, alerts: list) -> str:
-    """`format_listing`'s table (a header, then one line per checkpoint) with each checkpoint's alerts on lines
-    below it; alerts of steps that have no checkpoint (a chunk that failed uncommitted) come last."""
-    if not alerts:
-        return table
-    lines = table.splitlines()
-    if len(lines) != len(infos) + 1:  # not the expected table (e.g. "no checkpoints"): alerts after it
-        lines, infos = [table], []
-    out, listed = [lines[0]], {info.step for info in infos}
-    for info, line in zip(infos, lines[1:]):
-        out.append(line)
-        out.extend(_alert_line(alert) for alert in alerts if alert.step == info.step)
-    unlisted = [alert for alert in alerts if alert.step not in listed]
-    if unlisted:
-        out.append("alerts at steps without a checkpoint here:")
-        out.extend(f"  step {alert.step}: {alert.name}: {alert.message}" for alert in unlisted)
-    return "\n".join(out)
-
-
-def cmd_status(run_url: str) -> None:
-    """`rlhf status RUN_URL`: a few lines on a run folder (see `run_status`)."""
-    print(run_status(run_url))
-
-
-def run_status(run_url: str) -> str:
-    """The stages found under `run_url`, each one's last committed step, headline metric and output folder, the
-    run's alerts and its lease holder. A URL that is no run folder is a UserError."""
-    import time
-
-    from rlhf_core.ops.alerts import AlertLog
-    from rlhf_core.storage.checkpoint import CheckpointStore
-    from rlhf_core.storage.lease import RunLease
-
-    run_url = run_url.rstrip("/")
-    try:
-        CheckpointStore(run_url).require_folder()  # also: an unreachable store is one sentence
-    except UserError as error:
-        if "no such folder" not in str(error) and "is a file" not in str(error):
-            raise
-        raise UserError(f"{run_url} is not a folder; give a run folder {{ckpt_path}}/{{run_name}} "
-                        "(e.g. ./ckpt/rlhf).") from None
-    stages = [(stage, CheckpointStore(f"{run_url}/{stage}")) for stage in STAGES]
-    stages = [(stage, store) for stage, store in stages if _is_folder(store)]
-    alerts = AlertLog(run_url).read()
-    holder = RunLease(run_url).read()
-    if not stages and not alerts and holder is None:
-        parent, _, name = run_url.rpartition("/")
-        hint = (f" ({name} is a stage folder: give its parent, {parent})" if name in STAGES else "")
-        raise UserError(f"{run_url} is not a run folder: it holds no stage folder, alerts.jsonl or LEASE.json; "
-                        f"give {{ckpt_path}}/{{run_name}}{hint}.")
-    lines = [f"run {run_url.rpartition('/')[2]} ({run_url})"]
-    lines += [_stage_status(stage, store) for stage, store in stages] or ["no stage folders yet"]
-    if holder is None or holder.released:
-        lines.append("lease: free")
-    else:
-        lines.append(f"lease: held by {holder.describe(time.time())}")
-    lines.append(f"alerts: {len(alerts)}" if alerts else "alerts: none")
-    lines += [f"  {alert.stage} step {alert.step}: {alert.name}: {alert.message}" for alert in alerts]
-    return "\n".join(lines)
-
-
-def _is_folder(store) -> bool:
-    try:
-        return store.fs.isdir(store.root)
-    except OSError:
-        return False
-
-
-def _stage_status(stage: str, store) -> str:
-    """One line: the stage's last committed step of its total, its headline metric and its output folder."""
-    from rlhf_core.ops.alerts import headline_metric
-
-    infos = store.list()
-    committed = [info for info in infos if info.is_committed]
-    if not committed:
-        return f"{stage:<6} no committed checkpoint ({len(infos)} incomplete or corrupt)"
-    last = committed[-1]
-    try:
-        metadata = store.read_metadata(last.step)
-    except UserError:
-        metadata = {}
-    metrics = metadata.get("metrics") or {}
-    total = metadata.get("total_steps")
-    parts = [f"{stage:<6} step {last.step}" + (f"/{total}" if total else ""),
-             f"{len(committed)} committed"]
-    headline = headline_metric(stage, metrics)
-    if headline:
-        parts.append(f"{headline[0]} {metrics[headline[0]]:.4g}")
-    config = metadata.get("config") or {}
-    save_path = metadata.get("save_path") or config.get("save_path")
-    parts.append(f"output {save_path}" if save_path else f"checkpoint {last.uri}")
-    return ", ".join(parts)
 
 
 def cmd_lora_combiner(flags: dict[str, Any]) -> None:

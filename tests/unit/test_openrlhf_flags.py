@@ -94,7 +94,8 @@ def test_refused_flags_exit_2_with_the_reason(flag, capsys):
 
 
 def test_mapped_flags_print_one_note_and_set_what_they_map(capsys):
-    from flows.cli import _own_flags, apply_openrlhf_flags
+    from flows.cli import _own_flags
+    from flows.cli_flags import apply_openrlhf_flags
     from rlhf_core.config import RunConfig
     from rlhf_core.stages.ppo import PPOConfig
 
@@ -109,7 +110,8 @@ def test_mapped_flags_print_one_note_and_set_what_they_map(capsys):
 
 
 def test_wandb_key_goes_to_the_environment_not_the_config(monkeypatch):
-    from flows.cli import _own_flags, apply_openrlhf_flags
+    from flows.cli import _own_flags
+    from flows.cli_flags import apply_openrlhf_flags
     from rlhf_core.config import RunConfig
     from rlhf_core.stages.ppo import PPOConfig
 
