@@ -24,8 +24,8 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from rlhf_core.driver import stop
-from rlhf_core.ops.alerts import (AlertLog, NonFiniteTraining, commit_alerts, expected_bytes_from_metadata, history_entry,
-                              non_finite_metrics)
+from rlhf_core.ops.alerts import AlertLog, NonFiniteTraining, history_entry, non_finite_metrics
+from rlhf_core.ops.commit_alerts import commit_alerts, expected_bytes_from_metadata
 from rlhf_core.storage.checkpoint import CheckpointStore
 from rlhf_core.storage.manifest import CheckpointInfo
 from rlhf_core.config import RunConfig, semantic_fields, semantic_hash

@@ -143,7 +143,7 @@ class TrainWorker:
         return bool(flag.item())
 
     def model_sizes(self) -> dict:
-        from rlhf_core.ops.alerts import model_size_report
+        from rlhf_core.ops.commit_alerts import model_size_report
 
         return model_size_report({name: engine.module for name, engine in self.trainer.engines.items()})
 

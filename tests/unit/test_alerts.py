@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from rlhf_core.ops.alerts import (ALERT_CHECKPOINT_SIZE, ALERT_NON_FINITE, ALERT_REWARD_STAGNANT, Alert, AlertLog,
-                              ModelSize, NonFiniteTraining, checkpoint_size_alert, commit_alerts,
-                              expected_bytes_from_metadata, expected_bytes_of_models, expected_checkpoint_bytes,
-                              headline_metric, history_entry, metric_history, model_size_report, non_finite_metrics,
-                              non_finite_parameters, repeats_previous_anomaly,
-                              reward_stagnant_alert)
+                                   NonFiniteTraining, headline_metric, history_entry, metric_history,
+                                   non_finite_metrics, non_finite_parameters, reward_stagnant_alert)
+from rlhf_core.ops.commit_alerts import (ModelSize, checkpoint_size_alert, commit_alerts, expected_bytes_from_metadata,
+                                         expected_bytes_of_models, expected_checkpoint_bytes, model_size_report,
+                                         repeats_previous_anomaly)
 
 # File sizes of real committed checkpoints of the toy model (84,672 fp32 parameters; `rlhf train sft` on
 # `rlhf toy init` data, DeepSpeed 0.19.8, CPU), step_32 of each run, as `find -printf %s` listed them.
