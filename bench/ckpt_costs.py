@@ -130,7 +130,7 @@ def resume_costs(run, steps: dict[str, int], read_paths: list[str], step_dirs: d
     plan, costs = plan_stage(run, "sft"), {}
     group = WorkerGroup(run)
     try:
-        group.setup(run, "sft", plan.total_steps)
+        group.setup(run, "sft", plan.targets)
 
         def load(step: int, cold: bool) -> float:
             if cold:

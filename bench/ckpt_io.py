@@ -123,7 +123,7 @@ def measure(num_ranks: int, model_dir: str, toy: dict[str, str], ckpt_root: str,
     store = CheckpointStore(store_url, storage_options)
     group = WorkerGroup(run)
     try:
-        group.setup(run, "sft", plan.total_steps)
+        group.setup(run, "sft", plan.targets)
         group.train_until(1)
         pending = store.prepare_step(1)
         saves = ray.get([worker.__ray_call__.remote(rank_save, store_url, storage_options, pending,

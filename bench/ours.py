@@ -72,7 +72,7 @@ def step_seconds(run, stage: str, num_steps: int) -> list[float]:
     plan = plan_stage(run, stage)
     group = WorkerGroup(run)
     try:
-        group.setup(run, stage, plan.total_steps)
+        group.setup(run, stage, plan.targets)
         seconds = []
         for step in range(1, min(num_steps, plan.total_steps) + 1):
             started = time.perf_counter()

@@ -202,7 +202,7 @@ def _train_stage_chunks(run: RunConfig, stage: str, upstream_digest: str, chunks
         started = time.monotonic()
         last_allowed = _last_chunk_allowed(None if chunks_left is None else chunks_left - num_trained, stop_at,
                                            last_chunk_s)
-        state = train_chunk(run, stage, target, upstream_digest, lineage, train_ahead=not last_allowed,
+        state = train_chunk(run, stage, target, upstream_digest, lineage, train_ahead=not last_allowed, plan=plan,
                             return_state=True)
         aside = _emit_set_aside_events(run, stage, aside)
         if state.is_cancelled():  # stopped by a signal, after its emergency checkpoint
@@ -220,7 +220,7 @@ def _train_stage_chunks(run: RunConfig, stage: str, upstream_digest: str, chunks
         report.add_chunk(result, _chunk_status(run, state.name, result))
     if stop.requested():  # the stage's last chunk committed; the next run of the command exports it
         return _cancelled(stage, plan.total_steps, run)
-    save_path = export_model(run, stage, plan.total_steps)
+    save_path = export_model(run, stage, plan.total_steps, plan)
     report.finish(save_path)
     logger.info("%s: exported the final model (step %d) to %s", stage, plan.total_steps, save_path)
     return {"status": COMPLETED, "final_step": plan.total_steps, "checkpoint": result.uri,

@@ -23,14 +23,6 @@ SECRET_OPTION = re.compile(r"secret|token|password|credential|^key$|_key$", re.I
 STEP_DIR_PATH = re.compile(rf"^(.*?)/?([A-Za-z0-9._-]+)/({'|'.join(TRAINING_STAGES)})/step_(\d+)/?$")
 
 
-def chunk_ends(total_steps: int, save_steps: int) -> list[int]:
-    """The steps a stage's chunks end at, where a checkpoint commits: every `save_steps` (OpenRLHF's
-    --save_steps; -1 or 0: one chunk) and the last step. The one statement of the rule: the driver's plan
-    (`driver.plan.plan_stage`) and the ranks' evaluation at chunk ends (`DeepSpeedTrainer.is_chunk_end`) read it."""
-    every = save_steps if save_steps > 0 else total_steps
-    return list(range(every, total_steps, every)) + [total_steps]
-
-
 class RunSettings(BaseModel):
     """The pipeline: which stages run, where checkpoints live, and the settings all stages share."""
 

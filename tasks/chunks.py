@@ -21,6 +21,7 @@ from prefect.states import Cancelled
 from prefect.transactions import get_transaction
 
 from rlhf_core.driver.chunk import CHECKPOINT_FORMAT_VERSION, ensure_checkpoint
+from rlhf_core.driver.plan import StagePlan
 from rlhf_core.driver.stage_driver import export_stage
 from rlhf_core.config import RunConfig, semantic_hash
 from rlhf_core.errors import is_retryable
@@ -90,12 +91,13 @@ def _retry_if_retryable(task, task_run, state) -> bool:
     task_run_name="{stage}-to-step-{target_step}",
 )
 def train_chunk(run: RunConfig, stage: str, target_step: int, upstream_digest: str, lineage: Lineage,
-                train_ahead: bool = True) -> dict:
-    """Train `stage` up to `target_step` and commit the checkpoint; returns a ChunkResult dict. `train_ahead`
-    (not part of the cache key): train the next chunk while this one commits. Stopped by a signal (after
+                train_ahead: bool = True, plan: StagePlan | None = None) -> dict:
+    """Train `stage` up to `target_step` and commit the checkpoint; returns a ChunkResult dict. Not part of the
+    cache key: `train_ahead` (train the next chunk while this one commits) and `plan` (the stage's, planned once
+    by the flow; a function of the run, which the key holds). Stopped by a signal (after
     its emergency checkpoint, `rlhf_core.driver.stop`), the task run is Cancelled: never retried, never cached."""
     try:
-        return ensure_checkpoint(run, stage, target_step, lineage, train_ahead).to_dict()
+        return ensure_checkpoint(run, stage, target_step, lineage, train_ahead, plan).to_dict()
     except StoppedBySignal as stopped:
         # Prefect keeps the cache key of a failed task unwritten, but writes one (with no result) for a returned
         # Cancelled state, which the next run would take as this chunk done: keep it unwritten here too.
@@ -106,9 +108,9 @@ def train_chunk(run: RunConfig, stage: str, target_step: int, upstream_digest: s
 
 
 @task(name="export_model", retries=1, retry_condition_fn=_retry_if_retryable)
-def export_model(run: RunConfig, stage: str, final_step: int) -> str:
+def export_model(run: RunConfig, stage: str, final_step: int, plan: StagePlan | None = None) -> str:
     """Export the stage's final checkpoint as a Hugging Face model (an adapter if LoRA) to its save_path."""
-    ensure_checkpoint(run, stage, final_step)  # cheap when present; retrains a checkpoint that vanished
+    ensure_checkpoint(run, stage, final_step, plan=plan)  # cheap when present; retrains a checkpoint that vanished
     return export_stage(run, stage, final_step)
 
 

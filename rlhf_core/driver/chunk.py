@@ -155,7 +155,7 @@ def _group_at(run: RunConfig, stage: str, plan: StagePlan, store: CheckpointStor
     """A worker group holding the state of the newest good checkpoint in `infos` (or the pretrained
     model), and that checkpoint (None when the warm group of the last chunk already holds it)."""
     identity = (run.stage_url(stage), semantic_hash(run, stage), run.num_workers, run.stage_config(stage).zero_stage,
-                plan.total_steps)
+                tuple(plan.targets))
     warm = _WarmGroup.group
     if warm is not None and _WarmGroup.identity == identity and infos and infos[-1].is_committed \
             and warm.step == infos[-1].step:
@@ -164,7 +164,7 @@ def _group_at(run: RunConfig, stage: str, plan: StagePlan, store: CheckpointStor
     group = _Prestart.take(run) or WorkerGroup(run)
     group.log_placement()
     _WarmGroup.group, _WarmGroup.identity = group, identity
-    start = load_start(run, stage, store, infos, lineage, group, plan.total_steps)
+    start = load_start(run, stage, store, infos, lineage, group, plan.targets)
     _WarmGroup.world_size_changes = _world_size_changes(group, start)
     return group, start
 
@@ -263,13 +263,14 @@ def _train_and_log(group: WorkerGroup, start_step: int, target_step: int, tracke
 
 
 def ensure_checkpoint(run: RunConfig, stage: str, target_step: int, lineage: Lineage = Lineage(),
-                      train_ahead: bool = True) -> ChunkResult:
+                      train_ahead: bool = True, plan: StagePlan | None = None) -> ChunkResult:
     """Make sure a valid checkpoint at `target_step` exists (training only what is missing). With
-    `train_ahead`, the ranks train on towards the next chunk while this one commits. After a stop signal
+    `train_ahead`, the ranks train on towards the next chunk while this one commits. `plan`: the stage's, as the
+    caller planned it once for all its chunks (planned here when not given). After a stop signal
     (`rlhf_core.driver.stop`) the ranks stop at the next step boundary, that step commits, and StoppedBySignal is
     raised; one that finds nothing trained since the last commit raises it at once."""
     started = time.perf_counter()
-    plan = plan_stage(run, stage)
+    plan = plan or plan_stage(run, stage)
     target_step = min(target_step, plan.total_steps)
     store = open_store(run, stage)
     infos = [info for info in store.list() if info.step <= target_step]

@@ -109,16 +109,17 @@ class WorkerGroup:
         the group may have been started before any run, `rlhf_core.driver.chunk.prestart_workers`)."""
         logger.log(*self._placement_line)
 
-    def setup(self, run: RunConfig, stage: str, total_steps: int, load_universal: bool = False,
+    def setup(self, run: RunConfig, stage: str, chunk_ends: list[int], load_universal: bool = False,
               saved_zero_stage: int | None = None) -> None:
-        """Build the stage's trainers on every rank, with the ZeRO stage resolved for this group
+        """Build the stage's trainers on every rank, handing them the plan's chunk ends (`StagePlan.targets`: where
+        checkpoints commit, the last one the stage's last step), with the ZeRO stage resolved for this group
         (`rlhf_core.rank.ds_config.resolve_zero_stage`; `saved_zero_stage`: the checkpoint's, when resuming)."""
         cfg = run.stage_config(stage)
         self.zero_stage = resolve_zero_stage(cfg.zero_stage, self.world_size, cfg.adam_offload, saved_zero_stage)
         run = run.model_copy(update={stage: cfg.model_copy(update={"zero_stage": self.zero_stage})})
         self._model_sizes = None
         self._clean_step_seconds = None  # another stage's steps take another time: no baseline carries over
-        self._gather([worker.setup.remote(run, stage, total_steps, load_universal) for worker in self.workers])
+        self._gather([worker.setup.remote(run, stage, chunk_ends, load_universal) for worker in self.workers])
 
     def warm_up(self, run: RunConfig, stage: str) -> None:
         """Start every rank's imports for `stage` without waiting: `setup` runs after them on each rank."""

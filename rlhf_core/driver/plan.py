@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import fsspec
 
-from rlhf_core.config import RunConfig, chunk_ends
+from rlhf_core.config import RunConfig
 from rlhf_core.stages import STAGES
 from rlhf_core.stages.base import fields_with_role
 from rlhf_core.errors import UserError
@@ -49,6 +49,14 @@ def resolve_paths(run: RunConfig) -> RunConfig:
                   for name in fields_with_role(config_class, "data") if getattr(cfg, name, None)}
         updates[stage] = cfg.model_copy(update=paths)
     return run.model_copy(update=updates)
+
+
+def chunk_ends(total_steps: int, save_steps: int) -> list[int]:
+    """The steps a stage's chunks end at, where a checkpoint commits: every `save_steps` (OpenRLHF's
+    --save_steps; -1 or 0: one chunk) and the last step. The one statement of the rule: the plan holds its result
+    (`StagePlan.targets`), and the driver hands that to the ranks (`WorkerGroup.setup`), which evaluate there."""
+    every = save_steps if save_steps > 0 else total_steps
+    return list(range(every, total_steps, every)) + [total_steps]
 
 
 _NUM_ITEMS: dict[tuple, int] = {}

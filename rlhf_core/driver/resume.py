@@ -157,10 +157,10 @@ def begin_stage(run: RunConfig, stage: str) -> Lineage:
 
 
 def load_start(run: RunConfig, stage: str, store: CheckpointStore, infos: list[CheckpointInfo], lineage: Lineage,
-               group, total_steps: int) -> StartState | None:
-    """Set `group` (a rlhf_core.driver.engine.WorkerGroup) up for the stage and load the newest good checkpoint in
-    `infos` into it; a bad one is set aside with one log line and the next older one is tried. None: no
-    checkpoint, the group starts from the pretrained model."""
+               group, chunk_ends: list[int]) -> StartState | None:
+    """Set `group` (a rlhf_core.driver.engine.WorkerGroup) up for the stage (`chunk_ends`: the plan's) and load
+    the newest good checkpoint in `infos` into it; a bad one is set aside with one log line and the next older one
+    is tried. None: no checkpoint, the group starts from the pretrained model."""
     for info in reversed(infos):
         try:
             if not info.is_committed:
@@ -169,7 +169,7 @@ def load_start(run: RunConfig, stage: str, store: CheckpointStore, infos: list[C
             check_drift(run, stage, info, metadata)
             start = StartState(info, metadata, needs_universal(metadata, group.world_size),
                                lineage.weights_only and info.step == lineage.start_step)
-            group.setup(run, stage, total_steps, load_universal=start.universal,
+            group.setup(run, stage, chunk_ends, load_universal=start.universal,
                         saved_zero_stage=metadata.get("zero_stage"))
             group.load(run.stage_url(stage), run.storage_options, info.step, start.universal, start.weights_only)
             return start
@@ -177,7 +177,7 @@ def load_start(run: RunConfig, stage: str, store: CheckpointStore, infos: list[C
             status = info.status if not info.is_committed else "corrupt"
             logger.warning("skipping checkpoint %s (%s: %s); set aside to %s", info.name, status, error.reason,
                            store.set_aside(CheckpointInfo(**{**asdict(info), "status": status, "reason": error.reason})))
-    group.setup(run, stage, total_steps, load_universal=False)
+    group.setup(run, stage, chunk_ends, load_universal=False)
     return None
 
 

@@ -20,7 +20,7 @@ def train_stage(run: RunConfig, stage: str) -> str:
     with run_lease(run):
         try:
             for target in plan.targets:
-                ensure_checkpoint(run, stage, target, lineage)
+                ensure_checkpoint(run, stage, target, lineage, plan=plan)
         finally:
             release_workers()
         return export_stage(run, stage, plan.total_steps)

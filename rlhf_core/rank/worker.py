@@ -104,10 +104,10 @@ class TrainWorker:
         except Exception:  # noqa: BLE001
             logger.debug("warming up rank %d for %s failed", self.rank, stage, exc_info=True)
 
-    def setup(self, run: RunConfig, stage: str, total_steps: int, load_universal: bool) -> None:
+    def setup(self, run: RunConfig, stage: str, chunk_ends: list[int], load_universal: bool) -> None:
         from rlhf_core.rank.trainers import trainer_class
 
-        self.trainer = trainer_class(stage)(run, total_steps, self.rank, self.world_size, load_universal)
+        self.trainer = trainer_class(stage)(run, chunk_ends, self.rank, self.world_size, load_universal)
 
     def train_until(self, target_step: int) -> tuple[list[dict[str, float]], float, int, list[tuple[float, bool]]]:
         """The metrics of each step up to `target_step`, the seconds this rank spent in its step loop, the

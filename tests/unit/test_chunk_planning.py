@@ -99,7 +99,7 @@ def test_the_chunk_boundary_rule_is_stated_once_and_read_by_the_plan_and_the_ran
     import re
     from pathlib import Path
 
-    from rlhf_core.config import chunk_ends
+    from rlhf_core.driver.plan import chunk_ends
 
     assert chunk_ends(10, 4) == [4, 8, 10] and chunk_ends(8, 4) == [4, 8]
     assert chunk_ends(10, -1) == [10] and chunk_ends(10, 0) == [10]
@@ -108,3 +108,20 @@ def test_the_chunk_boundary_rule_is_stated_once_and_read_by_the_plan_and_the_ran
                 for number, line in enumerate(path.read_text().splitlines(), 1)
                 if re.search(r"% *(self\.)?cfg\.save_steps *== *0|range\(chunk, total_steps", line)]
     assert restated == []
+
+
+def test_the_ranks_evaluate_at_the_chunk_ends_the_plan_hands_them():
+    """The ranks do not derive the chunk ends again from save_steps: they take the plan's (`StagePlan.targets`),
+    so a plan whose ends differ from the rule (here 3 and 7 with save_steps 5) is what they follow."""
+    from types import SimpleNamespace
+
+    from rlhf_core.rank.trainers.base import DeepSpeedTrainer
+
+    class Probe(DeepSpeedTrainer):
+        stage = "sft"
+        count_items = train_step = export_model_dir = None
+
+    cfg = SimpleNamespace(param_dtype="fp32", save_steps=5, eval_steps=-1)
+    trainer = Probe(SimpleNamespace(stage_config=lambda stage: cfg), [3, 7], rank=0, world_size=1)
+    assert trainer.total_steps == 7
+    assert [step for step in range(1, 8) if trainer.is_chunk_end(step)] == [3, 7]

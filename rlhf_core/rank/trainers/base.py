@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlhf_core.config import RunConfig, chunk_ends
+from rlhf_core.config import RunConfig
 from rlhf_core.rank.ds_config import (DEEPSPEED_STATE_DIR, HF_WEIGHTS_DIR, TRAINER_STATE_NAME, UNIVERSAL_STATE_DIR,
                                  deepspeed_config, lr_scheduler_factory, resolve_precision, warn_once)
 from rlhf_core.faults import fault_point
@@ -88,15 +88,16 @@ class DeepSpeedTrainer(abc.ABC):
     def num_passes(cfg) -> int:
         return cfg.max_epochs
 
-    def __init__(self, run: RunConfig, total_steps: int, rank: int, world_size: int, load_universal: bool = False):
+    def __init__(self, run: RunConfig, chunk_ends: list[int], rank: int, world_size: int, load_universal: bool = False):
+        """`chunk_ends`: the steps the driver's plan commits at (`StagePlan.targets`), the last the stage's last."""
         self.run, self.cfg = run, run.stage_config(self.stage)
-        self.total_steps, self.rank, self.world_size = total_steps, rank, world_size
+        self.total_steps, self.rank, self.world_size = chunk_ends[-1], rank, world_size
+        self._chunk_ends = frozenset(chunk_ends)
         self.load_universal = load_universal
         self.on_gpu = torch.cuda.is_available()
         self.precision = resolve_precision(self.cfg.param_dtype, self.on_gpu)
         self.engines: dict[str, Any] = {}
         self.step = 0
-        self._chunk_ends: frozenset[int] | None = None
 
     def autocast(self):
         """The context for forward passes: bf16 autocast on a CPU run with --param_dtype bf16, else nothing."""
@@ -207,9 +208,7 @@ class DeepSpeedTrainer(abc.ABC):
         return self.step
 
     def is_chunk_end(self, step: int | None = None) -> bool:
-        """Whether `step` (default: the current one) ends a chunk, where a checkpoint commits (`config.chunk_ends`)."""
-        if self._chunk_ends is None:
-            self._chunk_ends = frozenset(chunk_ends(self.total_steps, self.cfg.save_steps))
+        """Whether `step` (default: the current one) ends a chunk, where a checkpoint commits (the plan's)."""
         return (self.step if step is None else step) in self._chunk_ends
 
     def is_eval_step(self) -> bool:

@@ -135,8 +135,8 @@ class PPOTrainer(DeepSpeedTrainer):
     def num_passes(cfg: PPOConfig) -> int:
         return cfg.num_episodes
 
-    def __init__(self, run: RunConfig, total_steps: int, rank: int, world_size: int, load_universal: bool = False):
-        super().__init__(run, total_steps, rank, world_size, load_universal)
+    def __init__(self, run: RunConfig, chunk_ends: list[int], rank: int, world_size: int, load_universal: bool = False):
+        super().__init__(run, chunk_ends, rank, world_size, load_universal)
         cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.pretrain, run.storage_options)
         self.prompts = load_prompts(run, self.tokenizer)
@@ -145,7 +145,7 @@ class PPOTrainer(DeepSpeedTrainer):
         self.equal_rewards_chunk: int | None = None  # the chunk whose equal rewards were warned about
         # Whitening and KL statistics over every rank's samples (one process: its own batch is the batch).
         self.reduce = all_ranks_sum if world_size > 1 else None
-        num_optimizer_steps = total_steps * optimizer_steps_per_ppo_step(cfg)
+        num_optimizer_steps = self.total_steps * optimizer_steps_per_ppo_step(cfg)
         torch.manual_seed(derive_seed(run.seed, self.stage, "init"))
         loading = {"attn_implementation": cfg.attn_implementation, "storage_options": run.storage_options}
         actor = load_causal_lm(cfg.pretrain, cfg.lora_rank, cfg.lora_alpha, cfg.target_modules,

@@ -80,8 +80,8 @@ class RewardModelTrainer(DeepSpeedTrainer):
     def count_items(run: RunConfig) -> int:
         return len(load_pairs(run, load_tokenizer(run.rm.pretrain, run.storage_options))[0])
 
-    def __init__(self, run: RunConfig, total_steps: int, rank: int, world_size: int, load_universal: bool = False):
-        super().__init__(run, total_steps, rank, world_size, load_universal)
+    def __init__(self, run: RunConfig, chunk_ends: list[int], rank: int, world_size: int, load_universal: bool = False):
+        super().__init__(run, chunk_ends, rank, world_size, load_universal)
         self.tokenizer = load_tokenizer(self.cfg.pretrain, run.storage_options)
         self.train_pairs, self.eval_pairs = load_pairs(run, self.tokenizer)
         if self.cfg.margin_loss and self.cfg.loss == "logexploss":

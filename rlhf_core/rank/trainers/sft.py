@@ -46,8 +46,8 @@ class SFTTrainer(DeepSpeedTrainer):
             load_sft_samples(run, tokenizer, evaluation=True)
         return len(load_sft_samples(run, tokenizer))
 
-    def __init__(self, run: RunConfig, total_steps: int, rank: int, world_size: int, load_universal: bool = False):
-        super().__init__(run, total_steps, rank, world_size, load_universal)
+    def __init__(self, run: RunConfig, chunk_ends: list[int], rank: int, world_size: int, load_universal: bool = False):
+        super().__init__(run, chunk_ends, rank, world_size, load_universal)
         self.tokenizer = load_tokenizer(self.cfg.pretrain, run.storage_options)
         self.samples = load_sft_samples(run, self.tokenizer)
         self.eval_samples = load_sft_samples(run, self.tokenizer, evaluation=True) if self.cfg.eval_dataset else []
