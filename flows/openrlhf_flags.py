@@ -367,7 +367,8 @@ FLAGS: tuple[Flag, ...] = (
 
 
 def flags_for(cli: str) -> list[Flag]:
-    return [flag for flag in FLAGS if cli in flag.clis]
+    """The flags `cli` takes: those of its rows that spell a name for it (a row may name only some commands)."""
+    return [flag for flag in FLAGS if cli in flag.clis and flag.spellings(cli)]
 
 
 def render_markdown() -> str:

@@ -60,6 +60,7 @@ class TokenizedSample:
 class TokenizedPair:
     chosen_ids: list[int]
     rejected_ids: list[int]
+    prompt_len: int = 0  # the prompt's own token count: both sequences' responses start there (DPO's loss mask)
 
 
 @dataclass(frozen=True)
@@ -336,7 +337,8 @@ def pair_texts(renderer: Renderer, record: Record, prompt_key: str | None, chose
 
 def tokenize_pairs(renderer: Renderer, records: list[Record], prompt_key: str | None, chosen_key: str,
                    rejected_key: str, max_len: int) -> list[TokenizedPair]:
-    """Prompt + chosen and prompt + rejected, each ending in EOS (the reward is read there)."""
+    """Prompt + chosen and prompt + rejected, each ending in EOS (the reward is read there), and the prompt's own
+    token count (as OpenRLHF's DPO counts it: the prompt tokenized alone, truncated to max_len)."""
     pairs = []
     for record in records:
         if prompt_key is None and isinstance(record.fields.get("prompt"), str):
@@ -344,7 +346,8 @@ def tokenize_pairs(renderer: Renderer, records: list[Record], prompt_key: str | 
                       "default): chosen and rejected are scored without it; pass --prompt_key prompt to use it.")
         prompt, chosen, rejected = pair_texts(renderer, record, prompt_key, chosen_key, rejected_key)
         pairs.append(TokenizedPair(sequence_ids(renderer.tokenizer, renderer.begin(prompt + chosen), max_len),
-                                   sequence_ids(renderer.tokenizer, renderer.begin(prompt + rejected), max_len)))
+                                   sequence_ids(renderer.tokenizer, renderer.begin(prompt + rejected), max_len),
+                                   len(token_ids(renderer.tokenizer, renderer.begin(prompt), max_len))))
     return pairs
 
 

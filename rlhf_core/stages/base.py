@@ -211,3 +211,20 @@ class StageConfig(StageSettings):
         if self.train_batch_size % per_pass:
             raise ValueError(f"{stage}.train_batch_size ({self.train_batch_size}) must be a multiple of "
                              f"micro_train_batch_size x num_workers ({per_pass})")
+
+
+class PreferenceConfig(StageConfig):
+    """The preference data a stage trains on (the reward model, DPO): OpenRLHF's reward dataset and its keys."""
+
+    dataset: str = Field(**input_location("Preference data (prompt, chosen, rejected), in any form --dataset of SFT takes.",
+                                  role="data"))
+    prompt_key: str | None = Field(None, description="Key of the prompt in each sample; none (OpenRLHF's default): "
+                                                     "chosen and rejected each hold the whole text or conversation.")
+    chosen_key: str = Field("chosen", description="Key of the preferred response (a string, or messages).")
+    rejected_key: str = Field("rejected", description="Key of the dispreferred response (a string, or messages).")
+    apply_chat_template: bool = Field(False, description="Render prompt and replies with the tokenizer's chat "
+                                                         "template, as OpenRLHF does.")
+    tokenizer_chat_template: str | None = Field(None, description="A Jinja chat template that replaces the "
+                                                                  "tokenizer's own (with apply_chat_template).")
+    eval_holdout: float = Field(0.1, ge=0, lt=1, description="Without eval_dataset: fraction of the pairs held out "
+                                                             "to measure accuracy.")

@@ -6,27 +6,15 @@ from typing import Literal
 
 from pydantic import Field
 
-from rlhf_core.stages.base import Earlier, Stage, StageConfig, input_location, operational
+from rlhf_core.stages.base import Earlier, PreferenceConfig, Stage, input_location, operational
 
 
-class RMConfig(StageConfig):
+class RMConfig(PreferenceConfig):
     """Reward model: a causal-LM backbone with a scalar `score` head, trained on preference pairs
     with the Bradley-Terry loss; accuracy is measured on a held-out split."""
 
     pretrain: str | None = Field(None, **input_location("Backbone to start from; default: the SFT output of this run.",
                                                 role="model"))
-    dataset: str = Field(**input_location("Preference data (prompt, chosen, rejected), in any form --dataset of SFT takes.",
-                                  role="data"))
-    prompt_key: str | None = Field(None, description="Key of the prompt in each sample; none (OpenRLHF's default): "
-                                                     "chosen and rejected each hold the whole text or conversation.")
-    chosen_key: str = Field("chosen", description="Key of the preferred response (a string, or messages).")
-    rejected_key: str = Field("rejected", description="Key of the dispreferred response (a string, or messages).")
-    apply_chat_template: bool = Field(False, description="Render prompt and replies with the tokenizer's chat "
-                                                         "template, as OpenRLHF does.")
-    tokenizer_chat_template: str | None = Field(None, description="A Jinja chat template that replaces the "
-                                                                  "tokenizer's own (with apply_chat_template).")
-    eval_holdout: float = Field(0.1, ge=0, lt=1, description="Without eval_dataset: fraction of the pairs held out "
-                                                             "to measure accuracy.")
     loss: Literal["sigmoid", "logexploss"] = Field("sigmoid", description="Pairwise loss: sigmoid (Bradley-Terry, "
                                                                          "-log sigmoid(r_c - r_r)) or logexploss "
                                                                          "(log(1 + exp(r_r - r_c))).")

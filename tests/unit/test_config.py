@@ -24,8 +24,8 @@ def test_batch_sizes_must_divide_across_workers():
 
 
 def test_unknown_and_unavailable_stages_are_refused():
-    with pytest.raises(ValidationError, match="unknown stage 'dpo'"):
-        RunConfig(stages=["dpo"], sft=sft())
+    with pytest.raises(ValidationError, match="unknown stage 'kto'"):
+        RunConfig(stages=["kto"], sft=sft())
     with pytest.raises(ValidationError, match="in pipeline order"):
         RunConfig(stages=["rm", "sft"], sft=sft())
     with pytest.raises(ValidationError, match="has no settings"):

@@ -96,7 +96,7 @@ def test_the_run_config_the_flow_form_and_the_docs_carry_the_stage(plugin_env):
     assert probe.returncode == 0, probe.stderr[-3000:]
     seen = json.loads(probe.stdout.strip().splitlines()[-1])
     assert seen["chained_pretrain"] == "./out/sft" and seen["knob"] == 2.0  # its input: the SFT output
-    assert "pipeline order (sft -> rm -> throwaway -> ppo" in seen["out_of_order"]
+    assert "pipeline order (sft -> dpo -> rm -> throwaway -> ppo" in seen["out_of_order"]
     assert "throwaway" in seen["form"] and seen["form_knob"] == "A knob only the throwaway stage has."
     assert "## `rlhf train throwaway` (no OpenRLHF command)" in seen["docs"]
 

@@ -26,6 +26,7 @@ from rlhf_core.rank.models import load_scalar_model, load_tokenizer, sequence_sc
 from rlhf_core.rank.packing import pack_sequences, packed_scores
 from rlhf_core.rank.samples import Renderer, TokenizedPair, collate_pairs, tokenize_pairs
 from rlhf_core.rank.trainers.base import DeepSpeedTrainer
+from rlhf_core.stages.base import PreferenceConfig
 
 MARGIN_KEY = "margin"
 
@@ -36,15 +37,16 @@ class Pair:
     margin: float
 
 
-def read_pairs(run: RunConfig, tokenizer, evaluation: bool = False) -> list[Pair]:
-    """The training pairs (the dataset mixture), or with `evaluation` those of --eval_dataset."""
-    cfg = run.rm
+def read_pairs(cfg: PreferenceConfig, run: RunConfig, tokenizer, evaluation: bool = False) -> list[Pair]:
+    """The training pairs of a preference stage's config (the dataset mixture), or with `evaluation` those of
+    --eval_dataset."""
     url, records = read_stage_dataset(cfg, run.storage_options, run.seed, evaluation)
     if cfg.tokenizer_chat_template:
         tokenizer.chat_template = cfg.tokenizer_chat_template
     renderer = Renderer(tokenizer, url, cfg.apply_chat_template, cfg.input_template)
     tokenized = tokenize_pairs(renderer, records, cfg.prompt_key, cfg.chosen_key, cfg.rejected_key, cfg.max_len)
-    return [Pair(tokens, pair_margin(url, record, cfg.margin_loss)) for tokens, record in zip(tokenized, records)]
+    margin_loss = getattr(cfg, "margin_loss", False)
+    return [Pair(tokens, pair_margin(url, record, margin_loss)) for tokens, record in zip(tokenized, records)]
 
 
 def pair_margin(url: str, record, required: bool) -> float:
@@ -57,12 +59,11 @@ def pair_margin(url: str, record, required: bool) -> float:
     return float(value)
 
 
-def load_pairs(run: RunConfig, tokenizer) -> tuple[list[Pair], list[Pair]]:
+def load_pairs(cfg: PreferenceConfig, run: RunConfig, tokenizer) -> tuple[list[Pair], list[Pair]]:
     """(train, eval) preference pairs: eval from --eval_dataset, else held out of the training data."""
-    cfg = run.rm
-    pairs = read_pairs(run, tokenizer)
+    pairs = read_pairs(cfg, run, tokenizer)
     if cfg.eval_dataset:
-        return pairs, read_pairs(run, tokenizer, evaluation=True)
+        return pairs, read_pairs(cfg, run, tokenizer, evaluation=True)
     return split_holdout(pairs, cfg.eval_holdout, run.seed)
 
 
@@ -78,12 +79,12 @@ class RewardModelTrainer(DeepSpeedTrainer):
 
     @staticmethod
     def count_items(run: RunConfig) -> int:
-        return len(load_pairs(run, load_tokenizer(run.rm.pretrain, run.storage_options))[0])
+        return len(load_pairs(run.rm, run, load_tokenizer(run.rm.pretrain, run.storage_options))[0])
 
     def __init__(self, run: RunConfig, chunk_ends: list[int], rank: int, world_size: int, load_universal: bool = False):
         super().__init__(run, chunk_ends, rank, world_size, load_universal)
         self.tokenizer = load_tokenizer(self.cfg.pretrain, run.storage_options)
-        self.train_pairs, self.eval_pairs = load_pairs(run, self.tokenizer)
+        self.train_pairs, self.eval_pairs = load_pairs(self.cfg, run, self.tokenizer)
         if self.cfg.margin_loss and self.cfg.loss == "logexploss":
             warn_once("--margin_loss has no effect with --loss logexploss (as in OpenRLHF).")
         torch.manual_seed(derive_seed(run.seed, self.stage, "init"))  # the new score head starts identical everywhere

@@ -1,0 +1,185 @@
+"""DPO: the policy learns from preference pairs against a frozen reference model, as OpenRLHF's `train_dpo`.
+
+Each sequence's log-probability is the sum over its response tokens (those after the prompt's own token count,
+EOS included), under the policy and under the reference. With logits = (policy_c - policy_r) - (ref_c - ref_r):
+- DPO (Rafailov et al. 2023, eq. 7): -log sigmoid(beta * logits); with --label_smoothing e, conservative DPO:
+  -(1 - e) log sigmoid(beta * logits) - e log sigmoid(-beta * logits);
+- IPO (Azar et al. 2023, eq. 17; --ipo): (logits - 1 / (2 beta))^2, on the same summed log-probabilities (the
+  paper averages per token; OpenRLHF sums, and so do we);
+- --nll_loss_coef c adds c x the chosen responses' mean NLL per token (Llama 3.1's regulariser).
+The implicit rewards are beta x (policy - reference) log-ratios; `accuracy` is the share of pairs whose chosen
+reward is higher. Evaluation (every --eval_steps steps and at every checkpoint) reports `eval_loss` and
+`eval_accuracy` on --eval_dataset, else on a held-out fraction (--eval_holdout), as the reward model does.
+
+Departures from OpenRLHF: pairs whose prompt leaves fewer than 2 tokens of --max_len are dropped, as OpenRLHF's
+dataset drops them, but with one warning naming how many; the reference model is not wrapped in DeepSpeed (it
+never trains), and --ref_offload keeps it on the CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rlhf_core.config import RunConfig
+from rlhf_core.errors import UserError
+from rlhf_core.rank.data import rank_micro_batches
+from rlhf_core.rank.determinism import derive_seed, step_sample_indices
+from rlhf_core.rank.ds_config import warn_once
+from rlhf_core.rank.models import load_causal_lm, load_tokenizer
+from rlhf_core.rank.packing import pack_sft
+from rlhf_core.rank.samples import IGNORE_INDEX, TokenizedSample, collate_sft
+from rlhf_core.rank.trainers.base import DeepSpeedTrainer
+from rlhf_core.rank.trainers.rm import Pair, load_pairs
+
+
+def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, reference_chosen: torch.Tensor,
+             reference_rejected: torch.Tensor, beta: float, label_smoothing: float = 0.0,
+             ipo: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mean loss, chosen rewards, rejected rewards) of a batch of pairs' summed response log-probabilities."""
+    logits = (policy_chosen - policy_rejected) - (reference_chosen - reference_rejected)
+    if ipo:
+        losses = (logits - 1 / (2 * beta)) ** 2
+    else:
+        losses = (-F.logsigmoid(beta * logits) * (1 - label_smoothing)
+                  - F.logsigmoid(-beta * logits) * label_smoothing)
+    return (losses.mean(), beta * (policy_chosen - reference_chosen).detach(),
+            beta * (policy_rejected - reference_rejected).detach())
+
+
+def response_logps(logits: torch.Tensor, labels: torch.Tensor,
+                   lengths: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence, the summed log-probability of its target tokens (labels other than IGNORE_INDEX) and their
+    count: one sequence per row of a padded batch, or the sequences of one packed row (`lengths`)."""
+    targets = labels[:, 1:]
+    mask = targets != IGNORE_INDEX
+    logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    token = logprobs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask
+    if lengths is None:
+        return token.sum(-1), mask.sum(-1)
+    segment = torch.repeat_interleave(torch.arange(len(lengths), device=token.device),
+                                      torch.tensor(lengths, device=token.device))[1:]  # of each target position
+    sums = torch.zeros(len(lengths), device=token.device).index_add(0, segment, token[0])
+    counts = torch.zeros(len(lengths), device=token.device).index_add(0, segment, mask[0].float())
+    return sums, counts
+
+
+def response_samples(pair: Pair) -> tuple[TokenizedSample, TokenizedSample]:
+    """The pair's chosen and rejected sequences, each a target from the prompt's end on."""
+    tokens = pair.tokens
+    return tuple(TokenizedSample(ids, [0] * tokens.prompt_len + [1] * (len(ids) - tokens.prompt_len))
+                 for ids in (tokens.chosen_ids, tokens.rejected_ids))
+
+
+def trainable_pairs(pairs: list[Pair], max_len: int, where: str) -> list[Pair]:
+    """OpenRLHF's filter: a pair whose prompt takes max_len - 2 tokens or more leaves no response to learn."""
+    kept = [pair for pair in pairs if pair.tokens.prompt_len < max_len - 2]
+    if pairs and not kept:
+        raise UserError(f"{where}: every prompt takes --max_len {max_len} - 2 tokens or more, so no response is "
+                        "left to learn from; raise --max_len.")
+    if len(kept) < len(pairs):
+        warn_once(f"{where}: {len(pairs) - len(kept)} of {len(pairs)} pairs dropped: their prompt takes --max_len "
+                  f"{max_len} - 2 tokens or more (as OpenRLHF drops them).")
+    return kept
+
+
+class DPOTrainer(DeepSpeedTrainer):
+    stage = "dpo"
+    export_model_dir = "actor_model"
+
+    @staticmethod
+    def count_items(run: RunConfig) -> int:
+        cfg = run.dpo
+        pairs, _ = load_pairs(cfg, run, load_tokenizer(cfg.pretrain, run.storage_options))
+        return len(trainable_pairs(pairs, cfg.max_len, "--dataset"))
+
+    def __init__(self, run: RunConfig, chunk_ends: list[int], rank: int, world_size: int, load_universal: bool = False):
+        super().__init__(run, chunk_ends, rank, world_size, load_universal)
+        cfg = self.cfg
+        self.tokenizer = load_tokenizer(cfg.pretrain, run.storage_options)
+        train_pairs, eval_pairs = load_pairs(cfg, run, self.tokenizer)
+        self.train_pairs = trainable_pairs(train_pairs, cfg.max_len, "--dataset")
+        self.eval_pairs = trainable_pairs(eval_pairs, cfg.max_len, "--eval_dataset") if eval_pairs else []
+        torch.manual_seed(derive_seed(run.seed, self.stage, "init"))  # LoRA adapters start identical everywhere
+        model = load_causal_lm(cfg.pretrain, cfg.lora_rank, cfg.lora_alpha, cfg.target_modules,
+                               cfg.gradient_checkpointing, lora_dropout=cfg.lora_dropout,
+                               attn_implementation=cfg.attn_implementation, storage_options=run.storage_options)
+        self.engine = self.build_engine(self.export_model_dir, model)
+        reference = load_causal_lm(cfg.ref_pretrain, attn_implementation=cfg.attn_implementation,
+                                   storage_options=run.storage_options, flag="--ref_pretrain")
+        self.reference = reference.to("cpu" if cfg.ref_offload else self.engine.device).eval().requires_grad_(False)
+
+    def logps(self, model, pairs: list[Pair]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(chosen, rejected) summed response log-probabilities under `model`, and the chosen responses' mean
+        log-probability per token, from one padded batch or one packed row."""
+        chosen, rejected = zip(*(response_samples(pair) for pair in pairs))
+        samples = list(chosen) + list(rejected)
+        device = next(model.parameters()).device
+        if self.cfg.packing_samples:
+            packed = pack_sft(samples)
+            with self.autocast():
+                logits = model(input_ids=packed["input_ids"].to(device), position_ids=packed["position_ids"].to(device),
+                               use_cache=False).logits
+            sums, counts = response_logps(logits, packed["labels"].to(device), [len(s.input_ids) for s in samples])
+        else:
+            batch = {name: tensor.to(device) for name, tensor in collate_sft(samples, self.tokenizer.pad_token_id).items()}
+            labels = batch.pop("labels")
+            with self.autocast():
+                logits = model(**batch).logits
+            sums, counts = response_logps(logits, labels)
+        sums, counts = sums.to(self.engine.device), counts.to(self.engine.device)
+        num_pairs = len(pairs)
+        chosen_mean = sums[:num_pairs] / counts[:num_pairs].clamp(min=1)
+        return sums[:num_pairs], sums[num_pairs:], chosen_mean
+
+    def pair_loss(self, pairs: list[Pair]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss, chosen rewards, rejected rewards, NLL of the chosen responses) of a micro-batch."""
+        cfg = self.cfg
+        policy_chosen, policy_rejected, chosen_mean = self.logps(self.engine, pairs)
+        with torch.no_grad():
+            reference_chosen, reference_rejected, _ = self.logps(self.reference, pairs)
+        loss, chosen_rewards, rejected_rewards = dpo_loss(policy_chosen, policy_rejected, reference_chosen,
+                                                          reference_rejected, cfg.beta, cfg.label_smoothing, cfg.ipo)
+        nll = -chosen_mean.mean()
+        if cfg.nll_loss_coef > 0:
+            loss = loss + cfg.nll_loss_coef * nll
+        return loss, chosen_rewards, rejected_rewards, nll
+
+    def train_step(self) -> dict[str, float]:
+        torch.manual_seed(derive_seed(self.run.seed, self.stage, self.step, self.rank, "dropout"))
+        indices = step_sample_indices(self.step, self.cfg.train_batch_size, len(self.train_pairs), self.run.seed)
+        self.engine.train()
+        losses, accuracies, chosen, rejected, nlls = [], [], [], [], []
+        for micro_batch in rank_micro_batches(indices, self.rank, self.world_size, self.cfg.micro_train_batch_size):
+            loss, chosen_rewards, rejected_rewards, nll = self.pair_loss([self.train_pairs[i] for i in micro_batch])
+            self.engine.backward(loss)
+            self.engine.step()
+            losses.append(loss.item())
+            accuracies.append((chosen_rewards > rejected_rewards).float().mean().item())
+            chosen.append(chosen_rewards.mean().item())
+            rejected.append(rejected_rewards.mean().item())
+            nlls.append(nll.item())
+        self.step += 1
+        metrics = {"step": self.step, "loss": self.mean_over_ranks(losses), "lr": self.engine.get_lr()[0],
+                   "accuracy": self.mean_over_ranks(accuracies), "chosen_reward": self.mean_over_ranks(chosen),
+                   "rejected_reward": self.mean_over_ranks(rejected)}
+        if self.cfg.nll_loss_coef > 0:
+            metrics["nll_loss"] = self.mean_over_ranks(nlls)
+        if self.eval_pairs and self.is_eval_step():
+            metrics.update(self.evaluate())
+        return metrics
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Loss and accuracy over the eval pairs (each rank scores a share of them)."""
+        self.engine.eval()
+        loss_sum = correct = 0.0
+        num_pairs = 0
+        for share, counted in self.eval_micro_batches(self.eval_pairs):
+            loss, chosen_rewards, rejected_rewards, _ = self.pair_loss(share)
+            if counted:
+                loss_sum += loss.item() * len(share)
+                correct += (chosen_rewards > rejected_rewards).sum().item()
+                num_pairs += len(share)
+        loss_sum, correct, num_pairs = self.sum_over_ranks(loss_sum, correct, num_pairs)
+        return {"eval_loss": loss_sum / max(num_pairs, 1), "eval_accuracy": correct / max(num_pairs, 1)}
