@@ -1,4 +1,4 @@
-"""Every flag of OpenRLHF's `train_sft`, `train_rm`, `train_ppo_ray` and `lora_combiner`, and what it does here.
+"""Every flag of OpenRLHF's `train_sft`, `train_rm`, `train_dpo`, `train_ppo_ray` and `lora_combiner`: what it does here.
 
 One row per OpenRLHF 0.9.x flag (plus the older spellings of the seed guide and the flags only 0.11 has). Each
 row is in one class:
@@ -30,6 +30,7 @@ def _command_speaking(module: str) -> str:
 
 # The table is written in OpenRLHF's commands; each stage declares which one it speaks (rlhf_core.stages).
 SFT, RM, PPO = _command_speaking("train_sft"), _command_speaking("train_rm"), _command_speaking("train_ppo_ray")
+DPO = _command_speaking("train_dpo")
 COMBINER = "lora-combiner"  # `rlhf lora-combiner`, the merge stage's command
 TRAIN = TRAINING_STAGES  # a flag every OpenRLHF trainer has applies to every training stage, a new one too
 OPENRLHF_MODULES = {**{name: STAGES[name].openrlhf_module for name in TRAINING_STAGES},
@@ -102,7 +103,7 @@ VLLM_ONLY = "a vLLM engine setting; without --vllm_num_engines (generation by tr
 
 FLAGS: tuple[Flag, ...] = (
     # checkpoints and outputs
-    _same("save_path", "ckpt.output_dir", (SFT, RM, PPO)),
+    _same("save_path", "ckpt.output_dir", (SFT, RM, DPO, PPO)),
     _same("save_steps", "ckpt.save_steps", value_type=int),
     _same("save_hf_ckpt", "ckpt.save_hf", takes="switch"),
     _same("disable_ds_ckpt", "ckpt.disable_ds", takes="switch"),
@@ -120,34 +121,40 @@ FLAGS: tuple[Flag, ...] = (
     # batches and optimisation
     _same("micro_train_batch_size", "train.micro_batch_size", value_type=int),
     _same("train_batch_size", "train.batch_size", value_type=int),
-    _same("max_norm", {SFT: "max_norm", RM: "max_norm", PPO: "actor.max_norm|critic.max_norm"}, value_type=float,
+    _same("max_norm", {SFT: "max_norm", RM: "max_norm", DPO: "max_norm", PPO: "actor.max_norm|critic.max_norm"},
+          value_type=float,
           note=f"PPO: {TRAIN_LR_SCHEDULE}"),
     _same("max_epochs", "train.max_epochs", value_type=int),
     _same("seed", "train.seed", value_type=int),
     _noop("full_determinism", "train.full_determinism_enable", "runs are always deterministic here: every random draw "
           "is derived from (seed, stage, step, rank)", takes="switch"),
-    _same("learning_rate", "adam.lr", (SFT, RM), value_type=float),
+    _same("learning_rate", "adam.lr", (SFT, RM, DPO), value_type=float),
     Flag("actor_learning_rate", MAPPED, (PPO,), "actor.adam.lr", field="learning_rate", value_type=float,
          note="the actor's learning rate is --learning_rate here"),
     _same("critic_learning_rate", "critic.adam.lr", (PPO,), value_type=float),
-    _same("lr_warmup_ratio", {SFT: "lr_warmup_ratio", RM: "lr_warmup_ratio",
+    _same("lr_warmup_ratio", {SFT: "lr_warmup_ratio", RM: "lr_warmup_ratio", DPO: "lr_warmup_ratio",
                               PPO: "actor.lr_warmup_ratio|critic.lr_warmup_ratio"}, value_type=float),
-    _same("lr_scheduler", {SFT: "lr_scheduler", RM: "lr_scheduler", PPO: "actor.lr_scheduler|critic.lr_scheduler"}),
-    _same("l2", {SFT: "adam.weight_decay", RM: "adam.weight_decay",
+    _same("lr_scheduler", {SFT: "lr_scheduler", RM: "lr_scheduler", DPO: "lr_scheduler",
+                           PPO: "actor.lr_scheduler|critic.lr_scheduler"}),
+    _same("l2", {SFT: "adam.weight_decay", RM: "adam.weight_decay", DPO: "adam.weight_decay",
                  PPO: "actor.adam.weight_decay|critic.adam.weight_decay"}, value_type=float),
-    _same("adam_betas", {SFT: "adam.betas", RM: "adam.betas", PPO: "actor.adam.betas|critic.adam.betas"},
-          takes="pair", value_type=float),
-    Flag("", IMPLEMENTED, TRAIN, {SFT: "adam.eps", RM: "adam.eps", PPO: "actor.adam.eps|critic.adam.eps"},
+    _same("adam_betas", {SFT: "adam.betas", RM: "adam.betas", DPO: "adam.betas",
+                         PPO: "actor.adam.betas|critic.adam.betas"}, takes="pair", value_type=float),
+    Flag("", IMPLEMENTED, TRAIN, {SFT: "adam.eps", RM: "adam.eps", DPO: "adam.eps",
+                                  PPO: "actor.adam.eps|critic.adam.eps"},
          field="adam_eps", value_type=float, note="PPO: one value for actor and critic here"),
-    Flag("", IMPLEMENTED, TRAIN, {SFT: "min_lr_ratio", RM: "min_lr_ratio",
-                                  PPO: "actor.min_lr_ratio|critic.min_lr_ratio"},
+    Flag("", IMPLEMENTED, (SFT, RM, PPO), {SFT: "min_lr_ratio", RM: "min_lr_ratio",
+                                          PPO: "actor.min_lr_ratio|critic.min_lr_ratio"},
          field="min_lr_ratio", value_type=float, note="PPO: one value for actor and critic here"),
-    _refuse("", {SFT: "optim", RM: "optim", PPO: "actor.optim|critic.optim"},
+    _same("min_lr_ratio", "min_lr_ratio", (DPO,), value_type=float),  # train_dpo has it since 0.9, same name
+    _refuse("", {SFT: "optim", RM: "optim", DPO: "optim", PPO: "actor.optim|critic.optim"},
             "only AdamW is built here (Muon is not)", default="adam"),
     _noop("", {SFT: "muon.lr|muon.momentum|muon.ns_steps", RM: "muon.lr|muon.momentum|muon.ns_steps",
+               DPO: "muon.lr|muon.momentum|muon.ns_steps",
                PPO: "actor.muon.lr|critic.muon.lr|actor.muon.momentum|critic.muon.momentum|actor.muon.ns_steps|"
                     "critic.muon.ns_steps"}, "a Muon setting; only AdamW is built here", value_type=float),
     _noop("", {SFT: "muon.nesterov|muon.no_nesterov", RM: "muon.nesterov|muon.no_nesterov",
+               DPO: "muon.nesterov|muon.no_nesterov",
                PPO: "actor.muon.nesterov|critic.muon.nesterov|actor.muon.no_nesterov|critic.muon.no_nesterov"},
           "a Muon setting; only AdamW is built here", takes="switch"),
     # DeepSpeed and precision
@@ -169,15 +176,17 @@ FLAGS: tuple[Flag, ...] = (
             default=1),
     _noop("local_rank", "local_rank", "set by the deepspeed launcher; ranks are Ray actors here", value_type=int),
     _noop("use_liger_kernel", "ds.use_liger_kernel", "Liger's Triton kernels need a GPU; standard kernels are used",
-          (SFT, PPO), takes="switch"),
+          (SFT, DPO, PPO), takes="switch"),
     _noop("grad_accum_dtype", "ds.grad_accum_dtype", "gradients accumulate in the training precision here"),
     _noop("overlap_comm", "ds.overlap_comm", "a communication/compute overlap for GPUs; gloo on CPU does not overlap",
           takes="switch"),
     _same("gradient_checkpointing", {SFT: "model.gradient_checkpointing_enable",
                                      RM: "model.gradient_checkpointing_enable",
+                                     DPO: "model.gradient_checkpointing_enable",
                                      PPO: "actor.gradient_checkpointing_enable"}, takes="switch"),
     _same("gradient_checkpointing_use_reentrant", {SFT: "model.gradient_checkpointing_reentrant",
                                                    RM: "model.gradient_checkpointing_reentrant",
+                                                   DPO: "model.gradient_checkpointing_reentrant",
                                                    PPO: "actor.gradient_checkpointing_reentrant"}, takes="switch"),
     _noop("disable_fast_tokenizer", "data.disable_fast_tokenizer", "the tokenizer is loaded as transformers "
           "chooses (fast when the folder has tokenizer.json)", takes="switch"),
@@ -191,7 +200,8 @@ FLAGS: tuple[Flag, ...] = (
             value_type=int, default=1),
     _refuse("load_in_4bit", "ds.load_in_4bit", "4-bit loading needs bitsandbytes on a GPU", takes="switch",
             default=False),
-    _refuse("aux_loss_coef", {SFT: "model.aux_loss_coef", RM: "model.aux_loss_coef", PPO: "actor.aux_loss_coef"},
+    _refuse("aux_loss_coef", {SFT: "model.aux_loss_coef", RM: "model.aux_loss_coef", DPO: "model.aux_loss_coef",
+                              PPO: "actor.aux_loss_coef"},
             "the MoE balancing loss is not built (dense models only)", value_type=float, default=0.0),
     _noop("", "ds.experts_implementation", "dense models only here; there are no experts to implement"),
     _same("packing_samples", "ds.packing_samples", takes="switch"),
@@ -202,10 +212,10 @@ FLAGS: tuple[Flag, ...] = (
     _same("lora_dropout", "ds.lora.dropout", value_type=float),
     # data
     _same("pretrain", {SFT: "model.model_name_or_path", RM: "model.model_name_or_path",
-                       PPO: "actor.model_name_or_path"}),
-    _same("dataset", "data.dataset", (SFT, RM)),
-    _same("dataset_probs", "data.dataset_probs", (SFT, RM)),
-    _same("dataset_split", "data.dataset_split", (SFT, RM)),
+                       DPO: "model.model_name_or_path", PPO: "actor.model_name_or_path"}),
+    _same("dataset", "data.dataset", (SFT, RM, DPO)),
+    _same("dataset_probs", "data.dataset_probs", (SFT, RM, DPO)),
+    _same("dataset_split", "data.dataset_split", (SFT, RM, DPO)),
     Flag("train_split", MAPPED, (SFT,), field="dataset_split", note="the older name of --dataset_split"),
     _same("eval_dataset", "eval.dataset"),
     _same("eval_split", "eval.split"),
@@ -217,18 +227,25 @@ FLAGS: tuple[Flag, ...] = (
     _same("output_key", "data.output_key", (SFT,)),
     _same("input_template", "data.input_template"),
     _same("apply_chat_template", "data.apply_chat_template", takes="switch"),
-    _same("tokenizer_chat_template", "data.tokenizer_chat_template", (SFT, RM)),
+    _same("tokenizer_chat_template", "data.tokenizer_chat_template", (SFT, RM, DPO)),
     _same("pretrain_mode", "model.pretrain_mode_enable", (SFT,), takes="switch"),
     _same("multiturn", "data.multiturn", (SFT,), takes="switch"),
-    _same("prompt_key", "data.prompt_key", (RM,)),
-    _same("chosen_key", "data.chosen_key", (RM,)),
-    _same("rejected_key", "data.rejected_key", (RM,)),
+    _same("prompt_key", "data.prompt_key", (RM, DPO)),
+    _same("chosen_key", "data.chosen_key", (RM, DPO)),
+    _same("rejected_key", "data.rejected_key", (RM, DPO)),
     _same("loss", "model.loss_type", (RM,)),
     _same("margin_loss", "model.margin_loss_enable", (RM,), takes="switch"),
     _noop("compute_fp32_loss", "model.compute_fp32_loss_enable", "the reward loss is always computed in fp32 here",
           (RM,), takes="switch"),
     _refuse("value_head_prefix", "ds.value_head_prefix", "reward models and critics keep their head as `score` "
             "(transformers' sequence-classification layout)", (RM, PPO), default="score"),
+    # DPO
+    _same("ref_pretrain", "ref.model_name_or_path", (DPO,)),
+    _same("ref_offload", "ref.offload", (DPO,), takes="switch"),
+    _same("beta", "model.beta", (DPO,), value_type=float),
+    _same("ipo", "model.ipo_enable", (DPO,), takes="switch"),
+    _same("label_smoothing", "model.label_smoothing", (DPO,), value_type=float),
+    _same("nll_loss_coef", "model.nll_loss_coef", (DPO,), value_type=float),
     # trackers
     Flag("use_wandb", MAPPED, TRAIN, "logger.wandb.key", field="use_wandb", convert=_wandb_key,
          note="logs to wandb; the value (OpenRLHF's API key) goes to WANDB_API_KEY, never into the run config; "

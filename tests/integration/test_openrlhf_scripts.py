@@ -1,8 +1,8 @@
 """OpenRLHF's own example scripts run here as their users run them: hub names as written, chat data, templates kept.
 
 The scripts, byte-identical copies in tests/data/openrlhf/{release}/ (SOURCE.md names each upstream blob):
-- `train_sft.sh`, `train_rm.sh`, `train_ppo_with_reward_fn.sh` from OpenRLHF v0.9.10 (flat flags) and v0.11.0
-  (dotted flags);
+- `train_sft.sh`, `train_rm.sh`, `train_dpo_llama.sh`, `train_ppo_with_reward_fn.sh` from OpenRLHF v0.9.10 (flat
+  flags) and v0.11.0 (dotted flags);
 - `train_ppo_llama_ray.sh` from v0.9.0, the seed guide's flagship (actor, critic and reward model; the older
   spellings `--bf16`, `--prompt_max_len`, `--generate_max_len`, `--colocate_critic_reward`, `--reward_num_nodes`);
 - `train_ppo_ray_hybrid_engine.sh` (v0.9.10; actor, critic, reward model, no micro batch sizes) and
@@ -27,7 +27,7 @@ and GPU and engine counts: ALLOWED_EDITS. Every other flag stays as the script h
 `--use_wandb {wandb_token}` with WANDB_MODE=offline, ...), and `test_edits_touch_only_allowed_flags` proves the
 edited command has the script's flags, in its order, with only those changed.
 
-SFT and RM run as `rlhf train ...` subprocesses in a folder of their own (those scripts set no --ckpt_path, so
+SFT, RM and DPO run as `rlhf train ...` subprocesses in a folder of their own (those scripts set no --ckpt_path, so
 checkpoints go to OpenRLHF's default place relative to the working directory, here ./ckpt), and so do the scripts
 that launch `python3 -m openrlhf.cli.train_ppo_ray` directly (their --ckpt_path is a path edit). The `ray job
 submit` scripts are submitted to a `ray start --head` cluster with its dashboard (one per module), as the scripts
@@ -35,9 +35,10 @@ do; `rlhf` is found on the cluster's PATH (the head starts from the venv, as aft
 and their checkpoints land in Ray's copy of the working_dir (the job's working directory).
 
 Each run must exit 0, leave the final model in --save_path and a committed checkpoint whose metadata names the
-models and datasets as the script wrote them, print no traceback, print each mapped flag's note once and the
-warning of each flag this CPU machine cannot honour. The wall time of each script is printed (run with -s to see
-it); nothing is asserted on time.
+models and datasets as the script wrote them (DPO's reference model, which the scripts leave unset, as their
+--pretrain: OpenRLHF's default), print no traceback, print each mapped flag's note once and the warning of each
+flag this CPU machine cannot honour. The wall time of each script is printed (run with -s to see it); nothing is
+asserted on time.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ class Script:
 
     release: str
     name: str
-    stage: str  # sft, rm, ppo
+    stage: str  # sft, rm, dpo, ppo
     sizes: dict[str, str]
 
     @property
@@ -112,12 +113,14 @@ class Script:
 
 SFT_SIZES = {"max_len": "64", "train_batch_size": "8", "max_samples": "64"}
 RM_SIZES = {"train_batch_size": "16", "micro_train_batch_size": "4", "max_len": "64"}  # all 128 pairs, 10% held out
+DPO_SIZES = {"train_batch_size": "16", "micro_train_batch_size": "4", "max_len": "64"}  # the RM script's pairs, as RM
 PPO_FN_SIZES = {"actor_num_gpus_per_node": "1", "vllm_num_engines": "0", "micro_train_batch_size": "4",
                 "train_batch_size": "8", "micro_rollout_batch_size": "4", "rollout_batch_size": "8",
                 "max_samples": "16", "max_len": "64"}
 SCRIPTS = [
     *(Script(release, "train_sft.sh", "sft", SFT_SIZES) for release in ("v0.9.10", "v0.11.0")),
     *(Script(release, "train_rm.sh", "rm", RM_SIZES) for release in ("v0.9.10", "v0.11.0")),
+    *(Script(release, "train_dpo_llama.sh", "dpo", DPO_SIZES) for release in ("v0.9.10", "v0.11.0")),
     *(Script(release, "train_ppo_with_reward_fn.sh", "ppo", PPO_FN_SIZES) for release in ("v0.9.10", "v0.11.0")),
     Script("v0.9.0", "train_ppo_llama_ray.sh", "ppo", {
         "actor_num_gpus_per_node": "1", "vllm_num_engines": "0", "micro_train_batch_size": "4",
@@ -374,6 +377,11 @@ def check_outputs(script: Script, original: Command, save_path: Path, stage_ckpt
                 assert metadata["input_models"][flag] == f"hub:{name}@{HUB_REVISION}", metadata["input_models"]
     chat = script.spelled("apply_chat_template") in original.flags
     assert metadata["config"]["apply_chat_template"] is chat
+    if script.stage == "dpo" and script.spelled("ref_pretrain") not in original.flags:
+        # the scripts set no reference model: OpenRLHF's default is the policy's start, --pretrain as written
+        assert metadata["config"]["ref_pretrain"] == metadata["config"]["pretrain"], metadata["config"]
+        assert metadata["input_models"]["ref_pretrain"] == metadata["input_models"]["pretrain"], \
+            metadata["input_models"]
 
 
 def run_script(script: Script, root: Path, hub_env: dict[str, str], request

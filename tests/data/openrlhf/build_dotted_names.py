@@ -10,7 +10,7 @@ dropped flags, renames whose help text also changed).  Every entry carries the
 evidence that supports it.
 
 Evidence kinds (all from commit ed62d0e2, "dotted config hierarchy", which is
-the only commit between the tags that renames options of these four CLIs;
+the only commit between the tags that renames options of these five CLIs;
 this is checked, see ``check_intermediate_commits``):
 
 ``argparse diff``  In ``openrlhf/cli/NAME.py`` the removed ``add_argument`` line
@@ -101,10 +101,18 @@ MANUAL = {
         "The cosine_with_min_lr floor was hard-coded learning_rate*0.1 and is now --min_lr_ratio (default 0.1)",
         **{k: v for k, v in _sft_rm("train_rm").items() if k == "code"},
     ),
+    ("train_dpo", "learning_rate"): dict(
+        dotted="adam.lr",
+        note="AdamW LR; with --optim muon it is the LR of the aux-Adam group (2D weights use --muon.lr). "
+        "Unlike train_sft/train_rm, train_dpo already had --min_lr_ratio at v0.9.10 (name unchanged)",
+        **{k: v for k, v in _sft_rm("train_dpo").items() if k == "code"},
+    ),
     ("train_sft", "l2"): dict(dotted="adam.weight_decay", **_sft_rm("train_sft")),
     ("train_rm", "l2"): dict(dotted="adam.weight_decay", **_sft_rm("train_rm")),
+    ("train_dpo", "l2"): dict(dotted="adam.weight_decay", **_sft_rm("train_dpo")),
     ("train_sft", "adam_betas"): dict(dotted="adam.betas", **_sft_rm("train_sft")),
     ("train_rm", "adam_betas"): dict(dotted="adam.betas", **_sft_rm("train_rm")),
+    ("train_dpo", "adam_betas"): dict(dotted="adam.betas", **_sft_rm("train_dpo")),
     ("train_ppo_ray", "actor_learning_rate"): dict(
         dotted="actor.adam.lr",
         note="with --actor.optim muon it is the aux-Adam LR (2D weights use --actor.muon.lr); "

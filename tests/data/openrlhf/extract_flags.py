@@ -66,7 +66,7 @@ import sys
 
 DEFAULT_REPO = "/work/.mirror/OpenRLHF+OpenRLHF/repo"
 DEFAULT_TAGS = ["v0.9.10", "v0.11.0"]
-CLIS = ["train_sft", "train_rm", "train_ppo_ray", "lora_combiner"]
+CLIS = ["train_sft", "train_rm", "train_dpo", "train_ppo_ray", "lora_combiner"]
 
 
 def git(repo: str, *args: str) -> str:
