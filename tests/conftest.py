@@ -10,6 +10,23 @@ from pathlib import Path
 import pytest
 
 RLHF = str(Path(sys.executable).with_name("rlhf"))
+# What `ray.init` in this process adds to os.environ (RAY_AUTH_MODE=token among them), as the session began.
+RAY_SET_VARIABLES = ("RAY_", "PYTHONBREAKPOINT")
+_SESSION_RAY_ENVIRONMENT = {name: value for name, value in os.environ.items() if name.startswith(RAY_SET_VARIABLES)}
+
+
+@pytest.fixture(autouse=True)
+def ray_leaves_no_environment_behind():
+    """`ray.init` in this process (a test that connects in-process) sets RAY_AUTH_MODE=token, RAY_USAGE_STATS_ENABLED
+    and PYTHONBREAKPOINT in os.environ. A later test's `ray start --head` and `rlhf` subprocesses inherit what it
+    copies from os.environ, and with RAY_AUTH_MODE=token there every rank of the model-families module died before
+    it started (ActorDiedError, "all references to the actor were removed"): CI's 6 failures. Each test ends with
+    those variables as the session began."""
+    yield
+    for name in [name for name in os.environ if name.startswith(RAY_SET_VARIABLES)]:
+        if name not in _SESSION_RAY_ENVIRONMENT:
+            del os.environ[name]
+    os.environ.update(_SESSION_RAY_ENVIRONMENT)
 
 
 @pytest.fixture(autouse=True)

@@ -141,6 +141,11 @@ def begin_stage(run: RunConfig, stage: str) -> Lineage:
     usable = [info for info in committed if not explicit or info.step <= run.resume_from]
     if usable and run.load_checkpoint:
         check_drift(run, stage, usable[-1], store.read_metadata(usable[-1].step))
+    elif run.load_checkpoint and not store.list():
+        # The seed's `if [ -d ckpt ]; then --load_checkpoint` and a plain --load_checkpoint on a new folder both
+        # land here: a fresh start, said once (as OpenRLHF 0.11 does), never an error.
+        logger.info("%s: --load_checkpoint found no checkpoint in %s; starting from %s.", stage,
+                    run.stage_url(stage), getattr(run.stage_config(stage), "pretrain", None) or "the model")
     if explicit:
         start = next(info for info in committed if info.step == run.resume_from)
         marker = store.read_json(LINEAGE_MARKER)

@@ -159,7 +159,7 @@ def test_sft_then_ppo_deployments_run_on_a_process_worker(deployed, tmp_path):
     assert spec["entrypoint"] == "flows/pipeline.py:rlhf"
     with SyncPrefectClient(deployed.server.api_url) as client:
         deployment = client.read_deployment_by_name("rlhf/sft")
-        assert {d.name for d in client.read_deployments()} >= {"sft", "rm", "ppo", "full", "ppo-nightly"}
+        assert {d.name for d in client.read_deployments()} >= {"sft", "rm", "dpo", "ppo", "full", "ppo-nightly"}
     assert deployment.work_pool_name == deployed.pool
     assert deployment.entrypoint == "flows/pipeline.py:rlhf"
     assert [next(iter(step)) for step in deployment.pull_steps] == ["prefect.deployments.steps.set_working_directory"]
@@ -182,6 +182,34 @@ def test_sft_then_ppo_deployments_run_on_a_process_worker(deployed, tmp_path):
     ppo_dir = tmp_path / "ckpt" / "deploy-test" / "ppo"
     assert sorted(p.parent.name for p in ppo_dir.glob("step_*/MANIFEST.json")) == ["step_1", "step_2"]
     assert (tmp_path / "out" / "ppo" / "model.safetensors").is_file()
+
+
+def test_dpo_deployment_and_a_full_run_that_takes_dpo(deployed, tmp_path):
+    """`rlhf/dpo` trains DPO from a model; `rlhf/full` given the stages sft -> dpo (LoRA) -> merge -> export
+    chains them: DPO starts from this run's SFT output, the merge takes DPO's adapter, the export the merge."""
+    from prefect.client.orchestration import SyncPrefectClient
+
+    with SyncPrefectClient(deployed.server.api_url) as client:
+        assert client.read_deployment_by_name("rlhf/dpo").parameters["config"]["stages"] == ["dpo"]
+    dpo = {"dataset": deployed.toy["prefs"], "prompt_key": "prompt", "max_len": 64, "max_samples": 32,
+           "train_batch_size": 8, "micro_train_batch_size": 8, "max_epochs": 1, "learning_rate": 5e-4, "save_steps": 2}
+    alone = {"run_name": "deploy-dpo", "stages": ["dpo"], "ckpt_path": str(tmp_path / "ckpt"), "load_checkpoint": True,
+             "dpo": {**dpo, "pretrain": deployed.toy["model"], "save_path": str(tmp_path / "out" / "dpo")}}
+    deployed.run_to_completion("rlhf/dpo", alone)
+    assert (tmp_path / "out" / "dpo" / "model.safetensors").is_file()
+
+    out = tmp_path / "full"
+    chained = {"run_name": "deploy-sft-dpo", "stages": ["sft", "dpo", "merge", "export"],
+               "ckpt_path": str(tmp_path / "ckpt"), "load_checkpoint": True, "seed": 42,
+               "sft": sft_section(deployed.toy, out / "sft", save_steps=16),
+               "dpo": {**dpo, "lora_rank": 8, "save_path": str(out / "dpo_lora")},
+               "merge": {"output_path": str(out / "merged")}, "export": {"save_path": str(out / "final")}}
+    deployed.run_to_completion("rlhf/full", chained)
+    assert (out / "dpo_lora" / "adapter_config.json").is_file()
+    assert (out / "final" / "model.safetensors").is_file()
+    dpo_steps = sorted(p.parent.name for p in (tmp_path / "ckpt" / "deploy-sft-dpo" / "dpo").glob("step_*/MANIFEST.json"))
+    assert dpo_steps, "DPO committed no checkpoint in the full run"
+    assert (out / "merged" / "model.safetensors").is_file()
 
 
 # --------------------------------------------------------------------------- rlhf/full as an operator sees it

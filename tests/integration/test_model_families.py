@@ -5,8 +5,8 @@ resolved from a local HF cache (HF_HUB_OFFLINE=1), the data the toy task as chat
 
 Each run is SIGKILLed inside the second chunk of one stage (step 3 paused while step 2 commits) and the same
 command again finishes the pipeline: what was committed comes from Prefect's cache, the killed stage resumes
-from step 2. Its weights must equal, bit for bit, those of the same stage never interrupted (trained in this
-process from the same inputs, beside the resumed command). The killed stage is full-parameter SFT for the
+from step 2. Its weights must equal, bit for bit, those of the same stage never interrupted (trained by a
+process of its own from the same inputs, beside the resumed command). The killed stage is full-parameter SFT for the
 families with tied embeddings and Mistral, and PPO with LoRA (adapter and critic) for the two whose LoRA
 targets have no Llama names: GPT-2 (Conv1D) and Phi-3 (fused qkv_proj, gate_up_proj).
 
@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from tests.integration.conftest import ray_head as start_ray_head
 
 pytestmark = pytest.mark.slow
 
+PROJECT_DIR = Path(__file__).resolve().parents[2]
 PAUSED_STEP, STEPS = 3, 4  # the killed stage commits steps 2 and 4; the others train 2 steps, so step 3 is its
 KILLED_STAGE = {"qwen2": "sft", "qwen3": "sft", "mistral": "sft", "gemma": "sft", "phi3": "ppo", "gpt2": "ppo"}
 COMPARED_MODELS = {"sft": ("actor_model",), "ppo": ("actor_model", "critic_model")}
@@ -112,8 +114,8 @@ def pipeline_config(family: str, data: dict[str, str], root: Path, ray_address: 
 
 
 def uninterrupted_run(config: dict, stage: str, root: Path, hub_home: Path):
-    """`stage` of the pipeline alone, from the same inputs: for SFT the hub snapshot's folder (this process reads
-    no HF cache), for PPO copies of the killed run's SFT and RM outputs (the resumed command exports them again
+    """`stage` of the pipeline alone, from the same inputs: for SFT the hub snapshot's folder (the same files the
+    hub id resolves to), for PPO copies of the killed run's SFT and RM outputs (the resumed command exports them again
     while this run reads them)."""
     from rlhf_core.driver.plan import resolve_paths
     from rlhf_core.config import RunConfig
@@ -132,16 +134,12 @@ def uninterrupted_run(config: dict, stage: str, root: Path, hub_home: Path):
                                    ray_address=config["ray_address"], **{stage: stage_config}))
 
 
-def train_uninterrupted(run, stage: str) -> Path:
-    """`run`'s one stage trained in this process, never interrupted; its checkpoint folder."""
-    from rlhf_core.driver.chunk import release_workers
-    from rlhf_core.driver.stage_driver import train_stage
-
-    try:
-        train_stage(run, stage)
-    finally:
-        release_workers()
-    return Path(run.stage_url(stage))
+def start_uninterrupted(run, env: dict[str, str]) -> subprocess.Popen:
+    """`run`'s one stage trained by a process of its own (tests/integration/fault_driver.py), never interrupted.
+    Not in this process: a Ray connection here would be its second after any earlier module's `ray.init`, and
+    Ray keeps the first cluster's auth token for it (every rank then dies before it starts)."""
+    return subprocess.Popen([sys.executable, "-m", "tests.integration.fault_driver", run.model_dump_json()],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=PROJECT_DIR)
 
 
 def hf_weights(model_dir: Path) -> dict:
@@ -191,13 +189,17 @@ def test_family_runs_the_pipeline_from_its_hub_id_and_resumes_bit_exactly(family
     assert not (stage_dir / f"step_{STEPS}").exists() and not Path(config[killed]["save_path"]).exists()
     reference_run = uninterrupted_run(config, killed, tmp_path / "reference", hub_home)
     resumed = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    uninterrupted = start_uninterrupted(reference_run, offline_env(hub_home))  # beside the resumed command
     try:
-        reference = train_uninterrupted(reference_run, killed)  # beside the resumed command
+        reference_log = uninterrupted.communicate(timeout=600)[0]
         reference_done = time.perf_counter()
         log = resumed.communicate(timeout=600)[0]
     finally:
         resumed.kill()
+        uninterrupted.kill()
     finished = time.perf_counter()
+    assert uninterrupted.returncode == 0, reference_log[-4000:]
+    reference = Path(reference_run.stage_url(killed))
     assert resumed.returncode == 0 and "Traceback" not in log, log[-4000:]
     # Step 2 was committed before the kill: its chunk comes from Prefect's cache, or, when the kill came before
     # Prefect stored the chunk's result, from the store without training again.

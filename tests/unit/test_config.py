@@ -155,3 +155,16 @@ def test_the_stage_table_is_the_one_source_of_stages():
         trainer = STAGES[name].trainer_class()
         assert issubclass(trainer, DeepSpeedTrainer) and trainer.stage == name
         assert "pretrain" in fields_with_role(STAGES[name].config, "model")
+
+
+def test_dpo_chains_from_sft_into_merge_and_export():
+    """sft -> dpo -> merge -> export: DPO's policy and reference start from the SFT output (as OpenRLHF's
+    --ref_pretrain defaults to --pretrain), the merge takes DPO's adapter onto that base, the export the merge."""
+    run = RunConfig(stages=["sft", "dpo", "merge", "export"], sft=sft(save_path="/out/sft"),
+                    dpo={"dataset": "prefs.jsonl", "lora_rank": 8, "save_path": "/out/dpo"},
+                    merge={"output_path": "/out/merged"}, export={"save_path": "/out/final"})
+    assert (run.dpo.pretrain, run.dpo.ref_pretrain) == ("/out/sft", "/out/sft")
+    assert (run.merge.model_path, run.merge.lora_path) == ("/out/sft", "/out/dpo")
+    assert run.export.model_path == "/out/merged"
+    with pytest.raises(ValidationError, match="dpo needs its input: set it, or run sft before dpo"):
+        RunConfig(stages=["dpo"], dpo={"dataset": "prefs.jsonl"})
