@@ -273,7 +273,8 @@ def ensure_checkpoint(run: RunConfig, stage: str, target_step: int, lineage: Lin
     plan = plan or plan_stage(run, stage)
     target_step = min(target_step, plan.total_steps)
     store = open_store(run, stage)
-    infos = [info for info in store.list() if info.step <= target_step]
+    listing = store.list()
+    infos = [info for info in listing if info.step <= target_step]
     newest = max((info.step for info in infos if info.is_committed), default=0)
     if infos and infos[-1].step == target_step and infos[-1].is_committed:
         done = infos[-1]
@@ -282,6 +283,9 @@ def ensure_checkpoint(run: RunConfig, stage: str, target_step: int, lineage: Lin
             close_trackers(run, stage)
         return ChunkResult(stage, target_step, done.uri, done.manifest_digest, 0,
                            store.read_metadata(target_step).get("metrics", {}), size_bytes=done.size_bytes)
+    later = next((info for info in listing if info.is_committed and info.step > target_step), None)
+    if later is not None:  # retention removed this chunk's checkpoint once a later one committed: its work is in
+        return ChunkResult(stage, target_step, later.uri, later.manifest_digest, 0)  # there; never train it again
     if stop.requested() and (_WarmGroup.group is None or _WarmGroup.group.training_ahead_to is None):
         raise stop.stopped(stage, newest, run.stage_url(stage))  # nothing trained since the last commit
     ledger = GoodputLedger(run.run_url(), run.storage_options)

@@ -187,3 +187,14 @@ def test_load_weights_only_restarts_the_optimizer_but_not_the_schedule(toy_asset
     assert metadata["metrics"]["lr"] == pytest.approx(expected["metrics"]["lr"])
     with pytest.raises(AssertionError):  # fresh Adam moments: not the fully resumed weights
         assert_same(weights(run, 10), weights(reference, 10), atol=1e-7)
+
+
+def test_a_chunk_whose_checkpoint_retention_removed_is_never_trained_again(toy_assets, reference, tmp_path):
+    """With max_ckpt_num 1 only the newest commit stays. Asking again for an earlier chunk (a loop over the plan
+    run again, or a flow whose Prefect cache is gone) must train nothing: its work is inside the later commit.
+    It used to train steps 1-5 again from the pretrained model and commit a stale step_5 beside step_10."""
+    run = make_run(toy_assets, tmp_path, max_ckpt_num=1)
+    copy_checkpoints(reference, run, 10)
+    result = ensure_checkpoint(run, "sft", 5, begin_stage(run, "sft"))
+    assert result.num_steps_trained == 0 and result.uri.rstrip("/").endswith("step_10"), result
+    assert sorted(p.name for p in Path(run.stage_url("sft")).glob("step_*")) == ["step_10"]
