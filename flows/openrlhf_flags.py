@@ -226,7 +226,7 @@ FLAGS: tuple[Flag, ...] = (
     _same("input_key", "data.input_key", (SFT, PPO)),
     _same("output_key", "data.output_key", (SFT,)),
     _same("input_template", "data.input_template"),
-    _same("apply_chat_template", "data.apply_chat_template", takes="switch"),
+    _same("apply_chat_template", "data.apply_chat_template", (SFT, RM, DPO, PPO), takes="switch"),  # not train_prm
     _same("tokenizer_chat_template", "data.tokenizer_chat_template", (SFT, RM, DPO)),
     _same("pretrain_mode", "model.pretrain_mode_enable", (SFT,), takes="switch"),
     _same("multiturn", "data.multiturn", (SFT,), takes="switch"),

@@ -117,6 +117,10 @@ class PPOConfig(StageConfig):
         if self.reward_pretrain is None and self.reward_fn is None and self.remote_rm_url is None:
             updates["reward_pretrain"] = earlier.output("rm")
         reward_model = updates.get("reward_pretrain", self.reward_pretrain)
+        if reward_model is not None and earlier.ran("prm") and reward_model == earlier.output("prm"):
+            raise ValueError("ppo.reward_pretrain is the output of prm, a process reward model (a language model "
+                             "that labels each step at its placeholder tokens), not a reward model with a score "
+                             "head: run rm for PPO's reward, or give reward_fn")
         if self.advantage_estimator == "gae" and self.critic_pretrain is None:
             produced_rm = earlier.output("rm") if earlier.ran("rm") else None
             updates["critic_pretrain"] = reward_model or produced_rm or updates.get("pretrain", self.pretrain)

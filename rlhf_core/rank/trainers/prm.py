@@ -1,0 +1,188 @@
+"""Process reward model, as OpenRLHF v0.9.0's `train_prm`: a causal LM trained to predict, at each placeholder
+token that ends a step, that step's label.
+
+The text (--input_key) is tokenized as OpenRLHF does (no special tokens, truncated to --max_len); the step
+labels (--label_key) land on the placeholder positions in order, and those cut off by truncation are dropped.
+The loss is cross-entropy on the logits at the placeholder positions only (the position's own logits, not the
+next one's, as OpenRLHF's PRMLoss reads them): over --reward_tokens (hard labels: each label one of them), over
+the whole vocabulary without --reward_tokens, or for numeric labels a soft two-way cross-entropy with the label
+as the first reward token's probability. `accuracy` is the share of placeholders whose most likely reward
+token is the label's. With --eval_dataset, `eval_loss` and `eval_accuracy` every --eval_steps and at each
+checkpoint (OpenRLHF's PRM also evaluates only on an eval dataset). --packing_samples lays a micro-batch end to
+end in one row; the placeholders are the same positions, so the loss is the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rlhf_core.config import RunConfig
+from rlhf_core.errors import UserError
+from rlhf_core.rank.data import rank_micro_batches, read_stage_dataset
+from rlhf_core.rank.determinism import derive_seed, step_sample_indices
+from rlhf_core.rank.models import load_causal_lm, load_tokenizer
+from rlhf_core.rank.packing import pack_sequences
+from rlhf_core.rank.samples import IGNORE_INDEX, field_value
+from rlhf_core.rank.trainers.base import DeepSpeedTrainer
+
+
+@dataclass(frozen=True)
+class StepLabelledSample:
+    input_ids: list[int]
+    labels: list[float]  # per position: the label at a placeholder (a token id, or a soft label), else IGNORE_INDEX
+    soft: bool  # the labels are the first reward token's probability, not token ids
+
+
+def single_token_id(tokenizer, token: str, flag: str) -> int:
+    ids = tokenizer.encode(token, add_special_tokens=False)
+    if len(ids) != 1:
+        raise UserError(f"{flag} {token!r} is {len(ids)} tokens for this tokenizer; it must be one token.")
+    return ids[0]
+
+
+def tokenize_step_labels(url: str, records, tokenizer, cfg) -> list[StepLabelledSample]:
+    """One sample per record: its token ids, and its step labels on its placeholder positions."""
+    placeholder = single_token_id(tokenizer, cfg.placeholder_token, "--placeholder_token")
+    reward_ids = {token: single_token_id(tokenizer, token, "--reward_tokens") for token in cfg.reward_tokens or ()}
+    samples, kinds = [], set()
+    for record in records:
+        text = field_value(url, record, cfg.input_key, "--input_key")
+        values = field_value(url, record, cfg.label_key, "--label_key")
+        if not isinstance(text, str) or not isinstance(values, list) or not values:
+            raise UserError(f"{record.where(url)}: --input_key {cfg.input_key!r} must be a string and --label_key "
+                            f"{cfg.label_key!r} a non-empty list of step labels.")
+        ids = tokenizer(text, add_special_tokens=False, truncation=True, max_length=cfg.max_len).input_ids
+        positions = [index for index, token in enumerate(ids) if token == placeholder]
+        labels = [float(IGNORE_INDEX)] * len(ids)
+        for position, value in zip(positions, values):
+            labels[position] = float(_label_value(url, record, value, cfg, tokenizer, reward_ids))
+        kinds.add(not isinstance(values[0], str))
+        if len(kinds) > 1:
+            raise UserError(f"{record.where(url)}: step labels must all be reward tokens or all numbers in one "
+                            "dataset; this record's differ from the ones before.")
+        samples.append(StepLabelledSample(ids, labels, soft=not isinstance(values[0], str)))
+    return samples
+
+
+def _label_value(url, record, value, cfg, tokenizer, reward_ids: dict[str, int]) -> float:
+    if isinstance(value, str):
+        if reward_ids and value not in reward_ids:
+            raise UserError(f"{record.where(url)}: step label {value!r} is not one of --reward_tokens "
+                            f"{' '.join(cfg.reward_tokens)}.")
+        return reward_ids.get(value) if reward_ids else single_token_id(tokenizer, value, "a step label")
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1 and len(reward_ids) == 2:
+        return value
+    raise UserError(f"{record.where(url)}: step label {value!r} must be a reward token, or a number in [0, 1] with "
+                    "two --reward_tokens (soft labels).")
+
+
+def prm_loss(input_ids: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, placeholder_id: int,
+             reward_token_ids: list[int] | None, soft: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, accuracy) over the labelled placeholder positions of `input_ids`, as OpenRLHF's PRMLoss: `labels`
+    hold token ids, or with `soft` the first reward token's probability."""
+    mask = (input_ids == placeholder_id) & (labels != IGNORE_INDEX)
+    logits, labels = logits[mask].float(), labels[mask]
+    if reward_token_ids is not None:
+        logits = logits[:, reward_token_ids]
+    if soft:
+        targets = torch.stack([labels, 1 - labels], dim=-1)
+        loss = -(targets * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+        classes = (labels < 0.5).long()
+    else:
+        classes = labels.long()
+        if reward_token_ids is not None:  # token id -> its index among the reward tokens
+            classes = (classes[:, None] == torch.tensor(reward_token_ids, device=classes.device)).long().argmax(-1)
+        loss = F.cross_entropy(logits, classes)
+    return loss, (logits.argmax(-1) == classes).float().mean()
+
+
+class PRMTrainer(DeepSpeedTrainer):
+    stage = "prm"
+    export_model_dir = "actor_model"
+
+    @staticmethod
+    def load_samples(run: RunConfig, tokenizer, evaluation: bool = False) -> list[StepLabelledSample]:
+        cfg = run.prm
+        url, records = read_stage_dataset(cfg, run.storage_options, run.seed, evaluation)
+        return tokenize_step_labels(url, records, tokenizer, cfg)
+
+    @staticmethod
+    def count_items(run: RunConfig) -> int:
+        tokenizer = load_tokenizer(run.prm.pretrain, run.storage_options)
+        if run.prm.eval_dataset:  # its keys and labels are checked here, before training
+            PRMTrainer.load_samples(run, tokenizer, evaluation=True)
+        return len(PRMTrainer.load_samples(run, tokenizer))
+
+    def __init__(self, run: RunConfig, chunk_ends: list[int], rank: int, world_size: int, load_universal: bool = False):
+        super().__init__(run, chunk_ends, rank, world_size, load_universal)
+        cfg = self.cfg
+        self.tokenizer = load_tokenizer(cfg.pretrain, run.storage_options)
+        self.samples = self.load_samples(run, self.tokenizer)
+        self.eval_samples = self.load_samples(run, self.tokenizer, evaluation=True) if cfg.eval_dataset else []
+        self.placeholder_id = single_token_id(self.tokenizer, cfg.placeholder_token, "--placeholder_token")
+        self.reward_ids = ([single_token_id(self.tokenizer, token, "--reward_tokens") for token in cfg.reward_tokens]
+                           if cfg.reward_tokens else None)
+        torch.manual_seed(derive_seed(run.seed, self.stage, "init"))  # LoRA adapters start identical everywhere
+        model = load_causal_lm(cfg.pretrain, cfg.lora_rank, cfg.lora_alpha, cfg.target_modules,
+                               cfg.gradient_checkpointing, lora_dropout=cfg.lora_dropout,
+                               attn_implementation=cfg.attn_implementation, storage_options=run.storage_options)
+        self.engine = self.build_engine(self.export_model_dir, model)
+
+    def loss(self, samples: list[StepLabelledSample]) -> tuple[torch.Tensor, torch.Tensor]:
+        device = self.engine.device
+        if self.cfg.packing_samples:
+            packed = pack_sequences([sample.input_ids for sample in samples])
+            input_ids = packed["input_ids"].to(device)
+            with self.autocast():
+                logits = self.engine(input_ids=input_ids, position_ids=packed["position_ids"].to(device),
+                                     use_cache=False).logits
+            labels = torch.tensor([value for sample in samples for value in sample.labels], device=device)[None]
+        else:
+            length = max(len(sample.input_ids) for sample in samples)
+            input_ids = torch.full((len(samples), length), self.tokenizer.pad_token_id, dtype=torch.long)
+            attention_mask = torch.zeros_like(input_ids)
+            labels = torch.full((len(samples), length), float(IGNORE_INDEX))
+            for row, sample in enumerate(samples):
+                input_ids[row, : len(sample.input_ids)] = torch.tensor(sample.input_ids)
+                attention_mask[row, : len(sample.input_ids)] = 1
+                labels[row, : len(sample.labels)] = torch.tensor(sample.labels)
+            input_ids, labels = input_ids.to(device), labels.to(device)
+            with self.autocast():
+                logits = self.engine(input_ids=input_ids, attention_mask=attention_mask.to(device)).logits
+        return prm_loss(input_ids, logits, labels, self.placeholder_id, self.reward_ids, samples[0].soft)
+
+    def train_step(self) -> dict[str, float]:
+        torch.manual_seed(derive_seed(self.run.seed, self.stage, self.step, self.rank, "dropout"))
+        indices = step_sample_indices(self.step, self.cfg.train_batch_size, len(self.samples), self.run.seed)
+        self.engine.train()
+        losses, accuracies = [], []
+        for micro_batch in rank_micro_batches(indices, self.rank, self.world_size, self.cfg.micro_train_batch_size):
+            loss, accuracy = self.loss([self.samples[i] for i in micro_batch])
+            self.engine.backward(loss)
+            self.engine.step()
+            losses.append(loss.item())
+            accuracies.append(accuracy.item())
+        self.step += 1
+        metrics = {"step": self.step, "loss": self.mean_over_ranks(losses), "lr": self.engine.get_lr()[0],
+                   "accuracy": self.mean_over_ranks(accuracies)}
+        if self.eval_samples and self.is_eval_step():
+            metrics.update(self.evaluate())
+        return metrics
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Loss and accuracy over the eval samples, weighted by sample (each rank scores a share of them)."""
+        self.engine.eval()
+        loss_sum = accuracy_sum = 0.0
+        num_samples = 0
+        for share, counted in self.eval_micro_batches(self.eval_samples):
+            loss, accuracy = self.loss(share)
+            if counted:
+                loss_sum += loss.item() * len(share)
+                accuracy_sum += accuracy.item() * len(share)
+                num_samples += len(share)
+        loss_sum, accuracy_sum, num_samples = self.sum_over_ranks(loss_sum, accuracy_sum, num_samples)
+        return {"eval_loss": loss_sum / max(num_samples, 1), "eval_accuracy": accuracy_sum / max(num_samples, 1)}
