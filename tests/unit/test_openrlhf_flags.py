@@ -17,6 +17,10 @@ from flows.openrlhf_flags import COMBINER, FLAGS, IMPLEMENTED, MAPPED, OPENRLHF_
 DATA = Path(__file__).parents[1] / "data" / "openrlhf"
 REPO = Path(__file__).parents[2]
 CLIS = tuple(OPENRLHF_MODULES)
+# The commands whose OpenRLHF parsers the reference data holds at v0.9.10 and v0.11.0 (train_prm left OpenRLHF
+# before 0.9.10: its v0.9.0 options are checked by test_every_train_prm_option_of_v0_9_0_has_a_row).
+REFERENCE_CLIS = tuple(cli for cli in CLIS if OPENRLHF_MODULES[cli] in
+                       json.loads((DATA / "flags.json").read_text())["v0.9.10"])
 IGNORED = {"help"}
 
 
@@ -33,14 +37,14 @@ def _parser_for(cli: str):
 
 
 @pytest.mark.parametrize("tag", ["v0.9.10", "v0.11.0"])
-@pytest.mark.parametrize("cli", CLIS)
+@pytest.mark.parametrize("cli", REFERENCE_CLIS)
 def test_every_openrlhf_option_has_a_row(tag, cli):
     spelled = {name for flag in flags_for(cli) for name in flag.spellings(cli)}
     missing = sorted(_options(tag, cli) - spelled)
     assert not missing, f"OpenRLHF {tag} {OPENRLHF_MODULES[cli]} options with no row in flows/openrlhf_flags.py: {missing}"
 
 
-@pytest.mark.parametrize("cli", CLIS)
+@pytest.mark.parametrize("cli", REFERENCE_CLIS)
 def test_dotted_names_sit_on_the_row_of_their_old_name(cli):
     renames = json.loads((DATA / "dotted_names.json").read_text())[OPENRLHF_MODULES[cli]]
     rows = {flag.name: flag for flag in flags_for(cli) if flag.name}

@@ -35,7 +35,7 @@ class ThrowawayConfig(StageConfig):
         return self if self.pretrain else self.model_copy(update={"pretrain": earlier.output("sft")})
 
 
-STAGE = Stage("throwaway", ThrowawayConfig, "train", position=25, description="Settings of the throwaway stage.",
+STAGE = Stage("throwaway", ThrowawayConfig, "train", position=27, description="Settings of the throwaway stage.",
               trainer="rlhf_core.rank.trainers.sft:SFTTrainer")
 '''
 
@@ -96,7 +96,7 @@ def test_the_run_config_the_flow_form_and_the_docs_carry_the_stage(plugin_env):
     assert probe.returncode == 0, probe.stderr[-3000:]
     seen = json.loads(probe.stdout.strip().splitlines()[-1])
     assert seen["chained_pretrain"] == "./out/sft" and seen["knob"] == 2.0  # its input: the SFT output
-    assert "pipeline order (sft -> dpo -> rm -> throwaway -> ppo" in seen["out_of_order"]
+    assert "pipeline order (sft -> dpo -> rm -> prm -> throwaway -> ppo" in seen["out_of_order"]
     assert "throwaway" in seen["form"] and seen["form_knob"] == "A knob only the throwaway stage has."
     assert "## `rlhf train throwaway` (no OpenRLHF command)" in seen["docs"]
 
