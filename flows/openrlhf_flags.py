@@ -1,4 +1,5 @@
-"""Every flag of OpenRLHF's `train_sft`, `train_rm`, `train_dpo`, `train_ppo_ray` and `lora_combiner`: what it does here.
+"""Every flag of OpenRLHF's `train_sft`, `train_rm`, `train_dpo`, `train_ppo_ray`, `train_prm` (v0.9.0) and
+`lora_combiner`: what it does here.
 
 One row per OpenRLHF 0.9.x flag (plus the older spellings of the seed guide and the flags only 0.11 has). Each
 row is in one class:
@@ -31,6 +32,7 @@ def _command_speaking(module: str) -> str:
 # The table is written in OpenRLHF's commands; each stage declares which one it speaks (rlhf_core.stages).
 SFT, RM, PPO = _command_speaking("train_sft"), _command_speaking("train_rm"), _command_speaking("train_ppo_ray")
 DPO = _command_speaking("train_dpo")
+PRM = _command_speaking("train_prm")  # OpenRLHF v0.9.0 .. v0.9.5 only: it has no 0.11 (dotted) spellings
 COMBINER = "lora-combiner"  # `rlhf lora-combiner`, the merge stage's command
 TRAIN = TRAINING_STAGES  # a flag every OpenRLHF trainer has applies to every training stage, a new one too
 OPENRLHF_MODULES = {**{name: STAGES[name].openrlhf_module for name in TRAINING_STAGES},
@@ -81,6 +83,11 @@ def _refuse(name: str, dotted: str | dict[str, str], note: str, clis: tuple[str,
     return Flag(name, REFUSED, clis, dotted, note=note, **kwargs)
 
 
+def _dotted(name: str, *clis: str) -> dict[str, str]:
+    """A 0.11 spelling for `clis` only: a row that also names PRM gives it none (train_prm never reached 0.11)."""
+    return {cli: name for cli in clis}
+
+
 def _wandb_key(value: str) -> dict[str, Any]:
     """OpenRLHF takes the wandb API key as the flag's value: it goes to the environment, never into the config
     (which Prefect stores as parameters)."""
@@ -103,7 +110,7 @@ VLLM_ONLY = "a vLLM engine setting; without --vllm_num_engines (generation by tr
 
 FLAGS: tuple[Flag, ...] = (
     # checkpoints and outputs
-    _same("save_path", "ckpt.output_dir", (SFT, RM, DPO, PPO)),
+    _same("save_path", _dotted("ckpt.output_dir", SFT, RM, DPO, PPO), (SFT, RM, DPO, PPO, PRM)),
     _same("save_steps", "ckpt.save_steps", value_type=int),
     _same("save_hf_ckpt", "ckpt.save_hf", takes="switch"),
     _same("disable_ds_ckpt", "ckpt.disable_ds", takes="switch"),
@@ -128,7 +135,7 @@ FLAGS: tuple[Flag, ...] = (
     _same("seed", "train.seed", value_type=int),
     _noop("full_determinism", "train.full_determinism_enable", "runs are always deterministic here: every random draw "
           "is derived from (seed, stage, step, rank)", takes="switch"),
-    _same("learning_rate", "adam.lr", (SFT, RM, DPO), value_type=float),
+    _same("learning_rate", _dotted("adam.lr", SFT, RM, DPO), (SFT, RM, DPO, PRM), value_type=float),
     Flag("actor_learning_rate", MAPPED, (PPO,), "actor.adam.lr", field="learning_rate", value_type=float,
          note="the actor's learning rate is --learning_rate here"),
     _same("critic_learning_rate", "critic.adam.lr", (PPO,), value_type=float),
@@ -175,8 +182,8 @@ FLAGS: tuple[Flag, ...] = (
     _refuse("zpg", "ds.zpg", "ZeRO++ hierarchical partitioning is for multi-node GPU groups", value_type=int,
             default=1),
     _noop("local_rank", "local_rank", "set by the deepspeed launcher; ranks are Ray actors here", value_type=int),
-    _noop("use_liger_kernel", "ds.use_liger_kernel", "Liger's Triton kernels need a GPU; standard kernels are used",
-          (SFT, DPO, PPO), takes="switch"),
+    _noop("use_liger_kernel", _dotted("ds.use_liger_kernel", SFT, DPO, PPO), "Liger's Triton kernels need a GPU; "
+          "standard kernels are used", (SFT, DPO, PPO, PRM), takes="switch"),
     _noop("grad_accum_dtype", "ds.grad_accum_dtype", "gradients accumulate in the training precision here"),
     _noop("overlap_comm", "ds.overlap_comm", "a communication/compute overlap for GPUs; gloo on CPU does not overlap",
           takes="switch"),
@@ -213,9 +220,9 @@ FLAGS: tuple[Flag, ...] = (
     # data
     _same("pretrain", {SFT: "model.model_name_or_path", RM: "model.model_name_or_path",
                        DPO: "model.model_name_or_path", PPO: "actor.model_name_or_path"}),
-    _same("dataset", "data.dataset", (SFT, RM, DPO)),
-    _same("dataset_probs", "data.dataset_probs", (SFT, RM, DPO)),
-    _same("dataset_split", "data.dataset_split", (SFT, RM, DPO)),
+    _same("dataset", _dotted("data.dataset", SFT, RM, DPO), (SFT, RM, DPO, PRM)),
+    _same("dataset_probs", _dotted("data.dataset_probs", SFT, RM, DPO), (SFT, RM, DPO, PRM)),
+    _same("dataset_split", _dotted("data.dataset_split", SFT, RM, DPO), (SFT, RM, DPO, PRM)),
     Flag("train_split", MAPPED, (SFT,), field="dataset_split", note="the older name of --dataset_split"),
     _same("eval_dataset", "eval.dataset"),
     _same("eval_split", "eval.split"),
@@ -223,7 +230,7 @@ FLAGS: tuple[Flag, ...] = (
           convert=lambda value: {"max_samples": value}),
     _same("max_len", "data.max_len", value_type=int,
           note="PPO: prompt + response; responses stop at max_len minus the prompt's length"),
-    _same("input_key", "data.input_key", (SFT, PPO)),
+    _same("input_key", _dotted("data.input_key", SFT, PPO), (SFT, PPO, PRM)),
     _same("output_key", "data.output_key", (SFT,)),
     _same("input_template", "data.input_template"),
     _same("apply_chat_template", "data.apply_chat_template", (SFT, RM, DPO, PPO), takes="switch"),  # not train_prm
@@ -246,6 +253,10 @@ FLAGS: tuple[Flag, ...] = (
     _same("ipo", "model.ipo_enable", (DPO,), takes="switch"),
     _same("label_smoothing", "model.label_smoothing", (DPO,), value_type=float),
     _same("nll_loss_coef", "model.nll_loss_coef", (DPO,), value_type=float),
+    # PRM (OpenRLHF v0.9.0's train_prm; no 0.11 spelling)
+    _same("placeholder_token", "", (PRM,)),
+    _same("reward_tokens", "", (PRM,), takes="list",
+          note="none: the whole vocabulary (hard labels only); soft labels need two, the positive one first"),
     # trackers
     Flag("use_wandb", MAPPED, TRAIN, "logger.wandb.key", field="use_wandb", convert=_wandb_key,
          note="logs to wandb; the value (OpenRLHF's API key) goes to WANDB_API_KEY, never into the run config; "
@@ -363,7 +374,7 @@ FLAGS: tuple[Flag, ...] = (
     _same("prompt_split", "data.prompt_split", (PPO,)),
     _same("eval_temperature", "eval.temperature", (PPO,), value_type=float),
     _same("eval_n_samples_per_prompt", "eval.n_samples_per_prompt", (PPO,), value_type=int),
-    _same("label_key", "data.label_key", (PPO,)),
+    _same("label_key", _dotted("data.label_key", PPO), (PPO, PRM)),
     _same("dynamic_filtering", "algo.dynamic_filtering_enable", (PPO,), takes="switch"),
     _same("dynamic_filtering_reward_range", "algo.dynamic_filtering_range", (PPO,), takes="pair", value_type=float),
     _noop("perf", "", "timings are printed per chunk and written to the metrics", (PPO,), takes="switch"),

@@ -1,7 +1,7 @@
 """The OpenRLHF flag table against OpenRLHF's own parsers, our CLI and the docs, so no flag drifts silently.
 
-tests/data/openrlhf/flags.json holds every option of OpenRLHF's CLIs at v0.9.10 and v0.11.0 (extracted with ast),
-and dotted_names.json the 0.9 -> 0.11 renames; see tests/data/openrlhf/README.md.
+tests/data/openrlhf/flags.json holds every option of OpenRLHF's CLIs at v0.9.10 and v0.11.0, and of train_prm at
+v0.9.0 (extracted with ast), and dotted_names.json the 0.9 -> 0.11 renames; see tests/data/openrlhf/README.md.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from flows.cli import build_parser, main
-from flows.openrlhf_flags import COMBINER, FLAGS, IMPLEMENTED, MAPPED, OPENRLHF_MODULES, REFUSED, flags_for, render_markdown
+from flows.openrlhf_flags import (COMBINER, FLAGS, IMPLEMENTED, MAPPED, OPENRLHF_MODULES, PRM, REFUSED, flags_for,
+                                  render_markdown)
 
 DATA = Path(__file__).parents[1] / "data" / "openrlhf"
 REPO = Path(__file__).parents[2]
@@ -42,6 +43,16 @@ def test_every_openrlhf_option_has_a_row(tag, cli):
     spelled = {name for flag in flags_for(cli) for name in flag.spellings(cli)}
     missing = sorted(_options(tag, cli) - spelled)
     assert not missing, f"OpenRLHF {tag} {OPENRLHF_MODULES[cli]} options with no row in flows/openrlhf_flags.py: {missing}"
+
+
+def test_every_train_prm_option_of_v0_9_0_has_a_row():
+    """train_prm left OpenRLHF after v0.9.5, so the reference data holds it at v0.9.0 only."""
+    assert OPENRLHF_MODULES[PRM] == "train_prm"
+    spelled = {name for flag in flags_for(PRM) for name in flag.spellings(PRM)}
+    options = _options("v0.9.0", PRM)
+    assert len(options) == 60
+    missing = sorted(options - spelled)
+    assert not missing, f"OpenRLHF v0.9.0 train_prm options with no row in flows/openrlhf_flags.py: {missing}"
 
 
 @pytest.mark.parametrize("cli", REFERENCE_CLIS)
@@ -126,3 +137,46 @@ def test_wandb_key_goes_to_the_environment_not_the_config(monkeypatch):
     import os
 
     assert values == {"use_wandb": True} and os.environ["WANDB_API_KEY"] == "secret-key-123"
+
+
+def test_openrlhf_v0_9_0_prm_script_flags_land_in_prm_fields(tmp_path, capsys):
+    """OpenRLHF v0.9.0's examples/scripts/train_prm_mistral.sh (a byte-identical copy), with only its paths edited
+    (nothing is loaded: the model and data paths do not exist), parses as `rlhf train prm` and each flag lands in
+    its field."""
+    from flows.cli import _own_flags, run_config_from_flags
+    from tests.integration.openrlhf_scripts import ScriptEdits, changed_flags, edit_command, parse_script
+
+    script = parse_script(DATA / "v0.9.0" / "train_prm_mistral.sh")
+    assert script.module == "openrlhf.cli.train_prm"
+    known = {name for flag in flags_for(PRM) for name in flag.spellings(PRM)}
+    assert set(script.flags) <= known, sorted(set(script.flags) - known)
+    paths = {"pretrain": str(tmp_path / "no-such-model"), "dataset": str(tmp_path / "no-such-data.jsonl"),
+             "save_path": str(tmp_path / "out")}
+    edited = edit_command(script, ScriptEdits("train_prm", ("rlhf", "train", PRM),
+                                              {flag: (path,) for flag, path in paths.items()}), "v0.9.0")
+    assert changed_flags(script, edited) == set(paths)
+
+    args = build_parser().parse_args(edited.argv()[1:])
+    run = run_config_from_flags(PRM, _own_flags(args, "stage"))
+    prm = run.prm
+    assert (prm.placeholder_token, prm.reward_tokens) == ("ки", ["+", "-"])
+    assert (prm.input_key, prm.label_key) == ("input", "value")
+    assert prm.packing_samples is True and prm.zero_stage == 3 and prm.gradient_checkpointing is True
+    assert (prm.pretrain, prm.dataset, prm.save_path) == (paths["pretrain"], paths["dataset"], paths["save_path"])
+    assert (prm.learning_rate, prm.max_len, prm.max_epochs) == (1e-6, 8192, 1)
+    assert (prm.train_batch_size, prm.micro_train_batch_size) == (256, 8)
+    assert (prm.save_steps, prm.eval_steps, prm.logging_steps) == (500, 100, 1)
+    assert (prm.param_dtype, prm.attn_implementation) == ("bf16", "flash_attention_2")  # --bf16: mapped
+    assert run.load_checkpoint is True and run.wandb_group == "prm" and run.stages == [PRM]
+    assert capsys.readouterr().err.count("rlhf: note: --bf16:") == 1
+
+
+def test_train_prm_flags_have_no_invented_dotted_spelling():
+    """train_prm never reached OpenRLHF 0.11: the rows PRM shares with other commands give it only their 0.9
+    names, and the other commands keep their dotted ones."""
+    rows = {flag.name: flag for flag in flags_for(PRM)}
+    for name in ("save_path", "learning_rate", "use_liger_kernel", "dataset", "dataset_probs", "dataset_split",
+                 "input_key", "label_key", "placeholder_token", "reward_tokens"):
+        assert rows[name].spellings(PRM) == [name]
+    assert rows["label_key"].spellings("ppo") == ["label_key", "data.label_key"]
+    assert rows["input_key"].spellings("sft") == ["input_key", "data.input_key"]

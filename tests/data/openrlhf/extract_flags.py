@@ -8,7 +8,13 @@ or executed, only parsed with :mod:`ast`.
 Usage::
 
     python extract_flags.py [--repo /work/.mirror/OpenRLHF+OpenRLHF/repo] \
-        [--tags v0.9.10 v0.11.0] [--out flags.json] [--verify]
+        [--tags v0.9.10 v0.11.0] [--older v0.9.0=train_prm] [--out flags.json] [--verify]
+
+``--tags`` are read for every CLI of ``--clis``; ``--older TAG=CLI[,CLI...]`` adds CLIs
+that OpenRLHF removed before those tags, read at the one older tag named
+(default: ``v0.9.0=train_prm``; ``openrlhf/cli/train_prm.py`` is gone by v0.9.10).
+Each becomes ``flags.json[TAG][CLI]`` in the same record shape, and the tag's
+commit joins ``commits``.
 
 What is extracted
 -----------------
@@ -67,6 +73,16 @@ import sys
 DEFAULT_REPO = "/work/.mirror/OpenRLHF+OpenRLHF/repo"
 DEFAULT_TAGS = ["v0.9.10", "v0.11.0"]
 CLIS = ["train_sft", "train_rm", "train_dpo", "train_ppo_ray", "lora_combiner"]
+# CLIs OpenRLHF removed before DEFAULT_TAGS, read at one older tag each (train_prm: v0.9.0, the seed guide's
+# release; it lasted to v0.9.5 and was removed in 6a981c8c).
+OLDER = {"v0.9.0": ["train_prm"]}
+
+
+def _older(spec: str) -> tuple[str, list[str]]:
+    tag, _, clis = spec.partition("=")
+    if not tag or not clis:
+        raise argparse.ArgumentTypeError(f"expected TAG=CLI[,CLI...], got {spec!r}")
+    return tag, clis.split(",")
 
 
 def git(repo: str, *args: str) -> str:
@@ -361,6 +377,9 @@ def main(argv=None):
     ap.add_argument("--repo", default=DEFAULT_REPO, help="git dir of OpenRLHF/OpenRLHF")
     ap.add_argument("--tags", nargs="+", default=DEFAULT_TAGS)
     ap.add_argument("--clis", nargs="+", default=CLIS)
+    ap.add_argument("--older", nargs="*", type=_older, default=list(OLDER.items()), metavar="TAG=CLI[,CLI...]",
+                    help="CLIs read only at one (older) tag; default: "
+                         + " ".join(f"{t}={','.join(c)}" for t, c in OLDER.items()))
     ap.add_argument("--verify", action="store_true",
                     help="also build each real argparse parser (exec of the __main__ argparse block) and compare")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "flags.json"))
@@ -368,14 +387,15 @@ def main(argv=None):
 
     result = {}
     commits = {}
-    for tag in a.tags:
+    jobs = [(tag, a.clis) for tag in a.tags] + [(tag, clis) for tag, clis in a.older]
+    for tag, clis in jobs:
         commits[tag] = git(a.repo, "rev-list", "-n1", tag).strip()
         paths, helpers = helper_modules(a.repo, tag)
         print(f"[{tag}] files under openrlhf/ containing add_argument: {', '.join(paths) or '(none)'}")
         print(f"[{tag}] non-CLI helper functions adding arguments: "
               f"{ {p: sorted(f) for p, f in helpers.items()} or '(none)'}")
-        result[tag] = {}
-        for cli in a.clis:
+        result.setdefault(tag, {})
+        for cli in clis:
             path = f"openrlhf/cli/{cli}.py"
             text = show(a.repo, tag, path)
             recs = options_from_source(text, path)
@@ -402,6 +422,9 @@ def main(argv=None):
     print(f"{'cli':<16}" + "".join(f"{t:>10}" for t in a.tags))
     for cli in a.clis:
         print(f"{cli:<16}" + "".join(f"{len(result[t][cli]):>10}" for t in a.tags))
+    for tag, clis in a.older:
+        for cli in clis:
+            print(f"{cli:<16}{len(result[tag][cli]):>10} (at {tag} only)")
 
 
 if __name__ == "__main__":
