@@ -31,6 +31,9 @@ class PRMConfig(StageConfig):
     def _soft_labels_need_two_tokens(self) -> PRMConfig:
         if self.reward_tokens is not None and len(set(self.reward_tokens)) < 2:
             raise ValueError("reward_tokens needs two or more distinct tokens (e.g. + -)")
+        if self.input_template is not None:  # a StageConfig field the PRM's data never goes through
+            raise ValueError("input_template is not used by prm: the text of input_key is tokenized as written "
+                             "(as OpenRLHF's train_prm does); put the template into the data")
         return self
 
     def chained(self, earlier: Earlier) -> PRMConfig:

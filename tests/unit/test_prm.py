@@ -76,3 +76,9 @@ def test_a_prm_is_refused_as_ppos_reward_model_in_one_sentence():
         RunConfig(stages=["sft", "prm", "ppo"], sft=sft, prm=prm, ppo=ppo)
     run = RunConfig(stages=["sft", "prm"], sft=sft, prm=prm)
     assert run.prm.pretrain == "/o/sft"
+
+
+def test_a_setting_the_prm_would_ignore_is_refused():
+    with pytest.raises(ValidationError, match="input_template is not used by prm"):
+        PRMConfig(pretrain="m", dataset="d", placeholder_token=PLACEHOLDER, input_template="Q: {}",
+                  train_batch_size=1, micro_train_batch_size=1)
