@@ -36,7 +36,7 @@ from prefect.events import emit_event
 from prefect.states import Cancelled, State
 
 from flows.stage_report import StageReport, artifact_key
-from rlhf_core.driver import stop
+from rlhf_core.driver import preflight, stop
 from rlhf_core.ops.alerts import NonFiniteTraining
 from rlhf_core.driver.chunk import ChunkResult, prestart_workers, release_workers
 from rlhf_core.driver.plan import plan_stage, resolve_paths
@@ -271,10 +271,12 @@ def rlhf(config: RunConfig) -> dict:
 def _run_stages(config: RunConfig) -> dict | State:
     """The body of `rlhf`; a Cancelled state when a stop signal ended it (rlhf_core.driver.stop)."""
     logger = get_run_logger()
-    run = resolve_paths(config)
+    prepared = preflight.checked(config)  # by `run_pipeline` in this process: resolved and validated once there
+    run = config if prepared else resolve_paths(config)
     if (runtime.flow_run.run_count or 1) > 1:  # a Prefect retry of this flow run always resumes
-        run = run.model_copy(update={"load_checkpoint": True})
-    validate_run_start(run)
+        run, prepared = run.model_copy(update={"load_checkpoint": True}), False
+    if not prepared:
+        validate_run_start(run)
     _quiet_console_in_a_deployment_run(run)
     stop_at = (datetime.now(timezone.utc) + timedelta(minutes=run.time_budget_minutes)
                if run.time_budget_minutes else None)
@@ -315,10 +317,7 @@ def _run_stages(config: RunConfig) -> dict | State:
 def run_pipeline(run: RunConfig) -> dict:
     """The flow `rlhf` run in this process, after everything that can be checked before Prefect starts has been
     (rlhf_core.driver.preflight): a user mistake is then one sentence, not a failed flow run's traceback."""
-    from rlhf_core.driver.preflight import preflight
-
-    resolved = resolve_paths(run)
-    preflight(resolved)
+    resolved = preflight.preflight(run)
     server_start = _start_ephemeral_server_in_background()
     try:
         _prestart_first_training_stage(resolved)  # Ray and the first chunk's ranks start beside Prefect's server
@@ -326,7 +325,7 @@ def run_pipeline(run: RunConfig) -> dict:
         if server_start is not None:
             server_start.join()  # never leave the start half done (an exit would wait on it)
     try:
-        state = rlhf(config=run, return_state=True)
+        state = rlhf(config=resolved, return_state=True)
     finally:
         release_workers()  # the prestarted group, when no chunk adopted it (all cached, or a refused start)
     if state.is_cancelled() and stop.outcome() is not None:

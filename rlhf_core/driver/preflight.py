@@ -20,14 +20,20 @@ from rlhf_core.stages import STAGES, TRAINING_STAGES
 from rlhf_core.stages.base import fields_with_role
 from rlhf_core.storage.writable import probe_writable
 
+# The runs (as JSON, paths resolved) this process has resolved and checked: the flow `rlhf` given one of them does
+# neither again. A deployment run's flow, in a process no CLI ran in, does both itself.
+_CHECKED: set[str] = set()
 
-def preflight(run: RunConfig) -> None:
-    """Refuse, before Prefect starts a flow run, a run that would fail on its inputs or outputs."""
-    from rlhf_core.driver.plan import plan_stage
+
+def preflight(run: RunConfig) -> RunConfig:
+    """Resolve the run's paths (`resolve_paths`) and refuse, before Prefect starts a flow run, a run that would fail
+    on its inputs or outputs; returns the resolved run, which the flow then takes as checked (`checked`)."""
+    from rlhf_core.driver.plan import plan_stage, resolve_paths
     from rlhf_core.storage.lease import RunLease
     from rlhf_core.driver.resume import validate_run_start
     from rlhf_core.ops.trackers import require_tracker_packages
 
+    run = resolve_paths(run)
     validate_run_start(run)
     outputs = [(run.run_url(), "--ckpt_path")] + [
         (getattr(run.stage_config(stage), STAGES[stage].output_field), f"--{STAGES[stage].output_field}")
@@ -52,6 +58,13 @@ def preflight(run: RunConfig) -> None:
         produced[getattr(cfg, STAGES[stage].output_field)] = architecture
     require_tracker_packages(run)
     RunLease(run.run_url(), run.storage_options).check_available()
+    _CHECKED.add(run.model_dump_json())
+    return run
+
+
+def checked(run: RunConfig) -> bool:
+    """Whether this process's preflight resolved and checked exactly this run."""
+    return run.model_dump_json() in _CHECKED
 
 
 def check_model(url: str, flag: str, storage_options: dict | None) -> None:
