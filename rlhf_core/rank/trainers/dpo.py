@@ -28,6 +28,7 @@ from rlhf_core.rank.determinism import derive_seed, step_sample_indices
 from rlhf_core.rank.ds_config import warn_once
 from rlhf_core.rank.models import load_causal_lm, load_tokenizer
 from rlhf_core.rank.packing import pack_sft
+from rlhf_core.rank.ppo_math import token_logprobs
 from rlhf_core.rank.samples import IGNORE_INDEX, TokenizedSample, collate_sft
 from rlhf_core.rank.trainers.base import DeepSpeedTrainer
 from rlhf_core.rank.trainers.rm import Pair, load_pairs
@@ -53,8 +54,7 @@ def response_logps(logits: torch.Tensor, labels: torch.Tensor,
     count: one sequence per row of a padded batch, or the sequences of one packed row (`lengths`)."""
     targets = labels[:, 1:]
     mask = targets != IGNORE_INDEX
-    logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    token = logprobs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask
+    token = token_logprobs(logits[:, :-1], targets.clamp(min=0)) * mask
     if lengths is None:
         return token.sum(-1), mask.sum(-1)
     segment = torch.repeat_interleave(torch.arange(len(lengths), device=token.device),
