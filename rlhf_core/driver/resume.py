@@ -136,12 +136,13 @@ def begin_stage(run: RunConfig, stage: str) -> Lineage:
     may have rewritten them since the run began), apply --resume_from (set newer checkpoints aside,
     once) and return the stage's lineage."""
     store = open_store(run, stage)
-    committed = [info for info in store.list() if info.is_committed]
+    listing = store.list()
+    committed = [info for info in listing if info.is_committed]
     explicit = run.resume_from is not None and stage == run.stages[0]
     usable = [info for info in committed if not explicit or info.step <= run.resume_from]
     if usable and run.load_checkpoint:
         check_drift(run, stage, usable[-1], store.read_metadata(usable[-1].step))
-    elif run.load_checkpoint and not store.list():
+    elif run.load_checkpoint and not listing:
         # The seed's `if [ -d ckpt ]; then --load_checkpoint` and a plain --load_checkpoint on a new folder both
         # land here: a fresh start, said once (as OpenRLHF 0.11 does), never an error.
         logger.info("%s: --load_checkpoint found no checkpoint in %s; starting from %s.", stage,
