@@ -298,7 +298,9 @@ FLAGS: tuple[Flag, ...] = (
           "collective to choose", (PPO,)),
     _noop("vllm_sync_with_ray", "vllm.sync_with_ray", "weights reach the colocated engine in process", (PPO,),
           takes="switch"),
-    _noop("enable_prefix_caching", "vllm.enable_prefix_caching", VLLM_ONLY, (PPO,), takes="switch"),
+    Flag("enable_prefix_caching", MAPPED, (PPO,), "vllm.enable_prefix_caching", field="enable_prefix_caching",
+         takes="switch", note="passed to each rank's colocated vLLM engine (with --vllm_num_engines); transformers "
+                              "generation has no prefix cache"),
     _noop("enforce_eager", "vllm.enforce_eager", VLLM_ONLY, (PPO,), takes="switch"),
     _noop("vllm_generate_batch_size", "rollout.vllm_generate_batch_size", VLLM_ONLY, (PPO,), value_type=int),
     _noop("enable_vllm_is_correction", "algo.advantage.is_correction_enable", "samples come from the actor's own "
@@ -367,7 +369,7 @@ FLAGS: tuple[Flag, ...] = (
     _same("reward_pretrain", "reward.model_name_or_path", (PPO,)),
     _same("remote_rm_url", "reward.remote_url", (PPO,)),
     _same("critic_pretrain", "critic.model_name_or_path", (PPO,)),
-    _refuse("agent_func_path", "train.agent_func_path", "multi-turn agent rollouts are not built", (PPO,)),
+    _same("agent_func_path", "train.agent_func_path", (PPO,)),
     _same("prompt_data", "data.prompt_dataset", (PPO,)),
     Flag("prompt_data_probs", MAPPED, (PPO,), "data.prompt_probs", convert=_probs,
          note="the sampling weights of several comma-separated --prompt_data (our --dataset_probs)"),

@@ -107,14 +107,17 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
         lambd: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation; returns (advantages, returns)."""
-    values = values * mask
+    """Generalised advantage estimation; returns (advantages, returns). Rewards and values off the mask count as 0,
+    so right padding adds nothing, and across a hole in the mask (an agent's environment tokens) the running
+    advantage carries on, decayed by gamma * lambda per token, as OpenRLHF's: a first turn's actions see the
+    reward of the last."""
+    values, rewards = values * mask, rewards * mask
     advantages = torch.zeros_like(rewards)
     running = torch.zeros(rewards.shape[0], dtype=rewards.dtype)
     for t in reversed(range(rewards.shape[1])):
         next_value = values[:, t + 1] if t + 1 < rewards.shape[1] else torch.zeros_like(running)
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        running = delta + gamma * lambd * running * (mask[:, t + 1] if t + 1 < rewards.shape[1] else 0)
+        running = delta + gamma * lambd * running
         advantages[:, t] = running
     advantages = advantages * mask
     return advantages, advantages + values

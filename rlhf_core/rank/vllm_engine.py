@@ -19,6 +19,7 @@ vLLM is imported lazily: it is the optional `[vllm]` extra and exists only on GP
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from typing import Iterator
 
 import torch
@@ -91,29 +92,41 @@ class VLLMGenerator:
             gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
             max_model_len=min(cfg.prompt_max_len + cfg.max_new_tokens, longest or 1 << 30),
             enable_sleep_mode=cfg.vllm_enable_sleep,
+            enable_prefix_caching=cfg.enable_prefix_caching,
             enforce_eager=True,
             seed=seed,
         )
         if cfg.vllm_enable_sleep:
             self.llm.sleep(level=2)
 
-    def generate(self, actor: torch.nn.Module, prompts: list[list[int]], step: int,
-                 eos_token_id: int) -> list[list[int]]:
-        """One response per prompt, sampled with the actor's current weights; each ends at its first EOS."""
-        from vllm import SamplingParams
-
+    @contextmanager
+    def serving(self, actor: torch.nn.Module) -> Iterator[None]:
+        """The engine awake with the actor's current weights inside; asleep again after (with vllm_enable_sleep)."""
         if self.cfg.vllm_enable_sleep:
             self.llm.wake_up()
         self.llm.collective_rpc(_load_weights, args=(list(inference_weights(actor)),))
-        params = [
-            SamplingParams(temperature=self.cfg.temperature, top_p=self.cfg.top_p, max_tokens=self.cfg.max_new_tokens,
-                           stop_token_ids=[eos_token_id], detokenize=False,
-                           seed=derive_seed(self.seed, "ppo", step, self.rank, "vllm", index) % 2**31)
-            for index in range(len(prompts))
-        ]
+        try:
+            yield
+        finally:
+            if self.cfg.vllm_enable_sleep:
+                self.llm.sleep(level=2)
+
+    def generate(self, actor: torch.nn.Module, prompts: list[list[int]], step: int,
+                 eos_token_id: int) -> list[list[int]]:
+        """One response per prompt, sampled with the actor's current weights; each ends at its first EOS."""
+        seeds = [derive_seed(self.seed, "ppo", step, self.rank, "vllm", index) % 2**31 for index in range(len(prompts))]
+        with self.serving(actor):
+            return self.sample(prompts, seeds, self.cfg.max_new_tokens, self.cfg.temperature, self.cfg.top_p,
+                               eos_token_id)
+
+    def sample(self, prompts: list[list[int]], seeds: list[int], max_tokens: int, temperature: float, top_p: float,
+               eos_token_id: int) -> list[list[int]]:
+        """One response per prompt from the loaded weights (inside `serving`), one seed per prompt."""
+        from vllm import SamplingParams
+
+        params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                                 stop_token_ids=[eos_token_id], detokenize=False, seed=seed) for seed in seeds]
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
-        if self.cfg.vllm_enable_sleep:
-            self.llm.sleep(level=2)
         responses = []
         for output in outputs:
             completion = output.outputs[0]

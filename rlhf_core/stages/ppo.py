@@ -63,6 +63,10 @@ class PPOConfig(StageConfig):
                                                         "reward_func(prompts, responses)), or an HTTP reward server "
                                                         "URL (as serve_remote_rm.sh); replaces the reward model.",
                                                         role="path"))
+    agent_func_path: str | None = Field(None, **input_location(
+        "OpenRLHF's multi-turn agent: a .py file defining AgentInstance (and optionally AgentExecutor) on the base "
+        "classes of rlhf_core.agent; its episodes replace sampling and their rewards replace the reward model. "
+        "max_new_tokens is then each episode's budget after the prompt, feedback included.", role="path"))
     label_key: str | None = Field(None, description="Key of each prompt's label (e.g. the answer), passed to the "
                                                     "reward function as `labels`.")
     prompt_split: str = Field("train", description="Split of prompt_data when it is a hub dataset name.")
@@ -84,6 +88,8 @@ class PPOConfig(StageConfig):
     vllm_tensor_parallel_size: int = Field(1, ge=1, description="Tensor parallel size of each vLLM engine "
                                                                       "(1: engines are colocated one per rank).")
     vllm_gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="GPU memory fraction vLLM may take.")
+    enable_prefix_caching: bool = Field(False, description="vLLM's prefix caching (with vllm_num_engines): a "
+                                                          "multi-turn agent's every turn repeats the episode so far.")
     vllm_enable_sleep: bool = Field(False, description="Let vLLM release GPU memory while the models train.")
     save_path: str = Field("./out/ppo", **operational("Where the final policy is exported (an adapter if LoRA).",
                                                        role="output"))
@@ -98,6 +104,8 @@ class PPOConfig(StageConfig):
                              "and dynamic_filtering_reward_range LOW HIGH with LOW < HIGH")
         if self.reward_fn is not None and self.remote_rm_url is not None:
             raise ValueError("reward_fn and remote_rm_url both replace the reward model: give one of them")
+        if self.agent_func_path is not None and (self.reward_fn or self.remote_rm_url):
+            raise ValueError("agent_func_path's environment rewards each episode: drop reward_fn and remote_rm_url")
         if self.advantage_estimator in ("rloo", "reinforce_baseline", "group_norm", "dr_grpo") and self.n_samples_per_prompt < 2:
             raise ValueError(f"{self.advantage_estimator} compares samples of one prompt: set n_samples_per_prompt >= 2")
         if self.vllm_num_engines and self.vllm_tensor_parallel_size != 1:
@@ -114,7 +122,7 @@ class PPOConfig(StageConfig):
         updates = {}
         if self.pretrain is None:
             updates["pretrain"] = earlier.output("sft")
-        if self.reward_pretrain is None and self.reward_fn is None and self.remote_rm_url is None:
+        if self.reward_pretrain is None and not (self.reward_fn or self.remote_rm_url or self.agent_func_path):
             updates["reward_pretrain"] = earlier.output("rm")
         reward_model = updates.get("reward_pretrain", self.reward_pretrain)
         if reward_model is not None and earlier.ran("prm") and reward_model == earlier.output("prm"):

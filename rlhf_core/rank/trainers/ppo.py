@@ -29,6 +29,9 @@ OpenRLHF's reward options, as built here:
   still depends on the number of ranks: the sampling seed of each rank's share (seed, step, rank), its
   update shuffle, and each micro-batch's token-mean loss, so `num_workers` changes a PPO run's samples.
 - With ZeRO-3, generation and scoring with a trained model run inside `GatheredParameters`.
+- `--agent_func_path`: the rollout is the agent's episodes (`rlhf_core.rank.agent_rollout`): each sample is
+  [prompt | actions and environment feedback], its mask 1 on the actions only, its reward the environment's.
+  The episodes are seeded by (seed, step, sample index), not by rank, and run on the rank's copy of the actor.
 - `--init_kl_coef 0`: no reference model is loaded (as OpenRLHF), and the KL is 0. If moreover each
   rollout makes one optimizer step (one epoch, `rollout_batch_size * n_samples_per_prompt ==
   train_batch_size`), the policy cannot move between sampling and update, so the update's own log-probs,
@@ -41,16 +44,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from rlhf_core.rank import ppo_math
+from rlhf_core.rank.agent_rollout import (AgentRollout, Episode, TransformersEngine, VLLMEngine, load_agent_executor,
+                                          prompt_texts)
 from rlhf_core.config import RunConfig
 from rlhf_core.stages.ppo import PPOConfig
-from rlhf_core.rank.data import Record, read_records
 from rlhf_core.rank.determinism import derive_seed, generator, step_sample_indices
 from rlhf_core.errors import UserError
 from rlhf_core.rank.models import load_causal_lm, load_scalar_model, load_tokenizer, sequence_scores, token_values
@@ -58,43 +60,10 @@ from rlhf_core.rank.rewards import (RewardBatch, check_reward_setup, mean_extra_
                                reward_inputs)
 from rlhf_core.rank.rollout import (collate_sequences, generate, on_device, require_vllm, response_logits,
                                response_logprobs)
-from rlhf_core.rank.samples import Renderer, tokenize_prompts
+from rlhf_core.rank.prompts import PromptItem, load_prompts
 from rlhf_core.rank.trainers.base import DeepSpeedTrainer, gathered
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PromptItem:
-    text: Any  # the prompt field as written in the data: a string, or a list of {role, content} messages
-    ids: list[int]  # the tokens the model sees (template or BOS, truncated from the left)
-    label: Any  # the --label_key value; "" without --label_key, as OpenRLHF
-    bos_added: bool = False  # ids[0] is a BOS added here, not written by the chat template
-
-
-def record_label(url: str, record: Record, label_key: str | None) -> Any:
-    if label_key is None:
-        return ""
-    if label_key not in record.fields:
-        raise UserError(f"{record.where(url)}: no key {label_key!r} (choose the key with --label_key).")
-    return record.fields[label_key]
-
-
-def load_prompts(run: RunConfig, tokenizer, eval_data: bool = False) -> list[PromptItem]:
-    """The prompts (or with `eval_data`, the evaluation prompts) with their labels."""
-    cfg = run.ppo
-    if eval_data:
-        url = cfg.eval_dataset
-        records = read_records(url, run.storage_options, split=cfg.eval_split, flag="--eval_dataset")
-    else:
-        url = cfg.prompt_data
-        records = read_records(url, run.storage_options, cfg.max_samples, split=cfg.prompt_split,
-                               probs=cfg.dataset_probs, seed=run.seed, flag="--prompt_data")
-    renderer = Renderer(tokenizer, url, cfg.apply_chat_template, cfg.input_template)
-    tokenized = tokenize_prompts(renderer, records, cfg.input_key, cfg.prompt_max_len)
-    assert len(tokenized) == len(records), "tokenize_prompts must keep one prompt per record"
-    return [PromptItem(prompt.value, prompt.ids, record_label(url, record, cfg.label_key), prompt.bos_added)
-            for prompt, record in zip(tokenized, records)]
 
 
 def optimizer_steps_per_ppo_step(cfg: PPOConfig) -> int:
@@ -106,6 +75,16 @@ def all_ranks_sum(totals: torch.Tensor) -> torch.Tensor:
     totals = totals.to(torch.float64).clone()
     dist.all_reduce(totals)
     return totals
+
+
+def episode_rewards(episodes: list[Episode]) -> RewardBatch:
+    """The agent's rewards and scores, and its extra_logs as per-sample lists (a key an episode lacks is left out
+    of that key's mean)."""
+    logs: dict[str, list[float]] = {}
+    for episode in episodes:
+        for key, value in episode.extra_logs.items():
+            logs.setdefault(key, []).append(value)
+    return RewardBatch([e.reward for e in episodes], [e.score for e in episodes], logs)
 
 
 def pad_rows(rows: list[torch.Tensor]) -> torch.Tensor:
@@ -125,6 +104,8 @@ class PPOTrainer(DeepSpeedTrainer):
         if run.ppo.eval_dataset:  # its keys and labels are checked here, not at the first evaluation
             load_prompts(run, tokenizer, eval_data=True)
         check_reward_setup(run.ppo, tokenizer, prompts[0])
+        if run.ppo.agent_func_path:
+            load_agent_executor(run.ppo.agent_func_path)
         return len(prompts)
 
     @staticmethod
@@ -163,8 +144,12 @@ class PPOTrainer(DeepSpeedTrainer):
                                        **loading)
             self.critic = self.build_engine("critic_model", critic, cfg.critic_learning_rate, num_optimizer_steps)
         self.reward_fn = reward_function(cfg.reward_fn, cfg.remote_rm_url)
+        self.agent = None  # with --agent_func_path, the environment rewards its episodes
+        if cfg.agent_func_path:
+            self.agent = AgentRollout(cfg.agent_func_path, self.tokenizer, cfg.prompt_max_len + cfg.max_new_tokens,
+                                      cfg.top_p)
         self.reward_model, self.reward_normalization = None, None
-        if self.reward_fn is None:
+        if self.reward_fn is None and self.agent is None:
             self.reward_model = load_scalar_model(cfg.reward_pretrain, self.tokenizer.pad_token_id,
                                                   flag="--reward_pretrain", **loading)
             self.reward_model = self.reward_model.eval().requires_grad_(False).to(**placement)
@@ -248,18 +233,20 @@ class PPOTrainer(DeepSpeedTrainer):
         cfg = self.cfg
         torch.manual_seed(derive_seed(self.run.seed, self.stage, self.step, self.rank, "rollout"))
         items = [item for item in self.rank_prompts() for _ in range(cfg.n_samples_per_prompt)]
-        prompts = [item.ids for item in items]
+        first = self.rank * len(items)  # the global index of this rank's first sample: its episodes' seeds
+        seeds = [derive_seed(self.run.seed, self.stage, self.step, "episode", first + i) for i in range(len(items))]
         self.actor.eval()
-        responses = self.sample(prompts, cfg.temperature, use_vllm=True)
+        prompts, responses, action_masks, episodes = self.roll_out(items, seeds, cfg.temperature, use_vllm=True)
         rows: dict[str, list] = {"old_logprobs": [], "ref_logprobs": [], "values": []}
         with self.whole(self.actor), self.whole(self.critic):
             for start in range(0, len(prompts), cfg.micro_rollout_batch_size):
                 part = slice(start, start + cfg.micro_rollout_batch_size)
                 self.score_micro_batch(prompts[part], responses[part], rows)
-        rewarded = self.rewards(items, responses)
+        rewarded = self.rewards(items, responses) if episodes is None else episode_rewards(episodes)
         lengths = [len(response) for response in responses]
         experience = {"prompts": prompts, "responses": responses, "rewards": torch.tensor(rewarded.rewards),
-                      "mask": pad_rows([torch.ones(n) for n in lengths]), "extra_logs": rewarded.extra_logs,
+                      "mask": pad_rows([torch.tensor(mask, dtype=torch.float32) for mask in action_masks]),
+                      "extra_logs": rewarded.extra_logs,
                       "keep": torch.ones(len(items))}
         if cfg.dynamic_filtering:
             experience["keep"] = ppo_math.group_filter(torch.tensor(rewarded.scores), cfg.n_samples_per_prompt,
@@ -271,6 +258,26 @@ class PPOTrainer(DeepSpeedTrainer):
             experience["kl"] = ppo_math.kl_estimate(experience["old_logprobs"], experience["ref_logprobs"],
                                                     cfg.kl_estimator) * experience["mask"]
         return experience
+
+    def roll_out(self, items: list[PromptItem], seeds: list[int], temperature: float, use_vllm: bool):
+        """(prompts, responses, action masks, episodes) of `items`: sampled responses (every token the model's,
+        episodes None), or with --agent_func_path the agent's episodes, each seeded with its seed."""
+        if self.agent is None:
+            responses = self.sample([item.ids for item in items], temperature, use_vllm)
+            return [item.ids for item in items], responses, [[1] * len(r) for r in responses], None
+        eos_token_id = self.tokenizer.eos_token_id
+        with self.whole(self.actor):
+            if self.vllm is not None and use_vllm:
+                with self.vllm.serving(self.actor.module):
+                    engine = VLLMEngine(self.vllm, self.tokenizer, eos_token_id)
+                    episodes = self.agreed(lambda: self.agent.run(engine, prompt_texts(self.tokenizer, items),
+                                                                  seeds, temperature))
+            else:
+                engine = TransformersEngine(self.actor.module, self.tokenizer, eos_token_id)
+                episodes = self.agreed(lambda: self.agent.run(engine, prompt_texts(self.tokenizer, items), seeds,
+                                                              temperature))
+        return ([e.prompt for e in episodes], [e.response for e in episodes], [e.action_mask for e in episodes],
+                episodes)
 
     def sample(self, prompts: list[list[int]], temperature: float, use_vllm: bool) -> list[list[int]]:
         cfg, eos_token_id = self.cfg, self.tokenizer.eos_token_id
@@ -299,13 +306,20 @@ class PPOTrainer(DeepSpeedTrainer):
     def rewards(self, items: list[PromptItem], responses: list[list[int]]) -> RewardBatch:
         """Rewards of this rank's samples. A reward function's mistake on any rank stops every rank with the
         same sentence (a rank left behind would wait in the next collective forever)."""
-        problem, result = "", RewardBatch([], [])
+        def score() -> RewardBatch:
+            if self.reward_fn is not None:
+                return self.reward_fn(reward_inputs(self.tokenizer, items, responses)) if items else RewardBatch([], [])
+            scores = self.reward_model_scores([item.ids for item in items], responses)
+            return RewardBatch(scores, list(scores))
+
+        return self.agreed(score)
+
+    def agreed(self, work):
+        """`work()`'s result; a UserError on any rank (the user's reward function or agent) stops every rank
+        with the same sentence (a rank left behind would wait in the next collective forever)."""
+        problem, result = "", None
         try:
-            if self.reward_fn is not None and items:
-                result = self.reward_fn(reward_inputs(self.tokenizer, items, responses))
-            elif self.reward_fn is None:
-                scores = self.reward_model_scores([item.ids for item in items], responses)
-                result = RewardBatch(scores, list(scores))
+            result = work()
         except UserError as error:
             problem = str(error)
         problems: list[str] = [""] * self.world_size
@@ -403,9 +417,14 @@ class PPOTrainer(DeepSpeedTrainer):
                  for _ in range(cfg.eval_n_samples_per_prompt)]
         self.actor.eval()
         # Every rank samples, even with no prompt left to it: with ZeRO-3 the gather is a collective.
+        per_prompt = cfg.eval_n_samples_per_prompt  # seeded by (the prompt's place in the eval data, the sample)
+        seeds = [derive_seed(self.run.seed, self.stage, self.step, "eval-episode",
+                             self.rank + index // per_prompt * self.world_size, index % per_prompt)
+                 for index in range(len(items))]
         with self.autocast():  # the same precision as the training rollouts
-            responses = self.sample([item.ids for item in items], cfg.eval_temperature, use_vllm=False)
-        return self.mean_over_ranks(self.rewards(items, responses).rewards)
+            _, responses, _, episodes = self.roll_out(items, seeds, cfg.eval_temperature, use_vllm=False)
+        rewarded = self.rewards(items, responses) if episodes is None else episode_rewards(episodes)
+        return self.mean_over_ranks(rewarded.rewards)
 
     def sum_over_ranks(self, value: float) -> float:
         total = torch.tensor([float(value)], dtype=torch.float64)
