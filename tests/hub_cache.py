@@ -200,6 +200,8 @@ OPENRLHF_REWARD_MODELS = ("OpenRLHF/Llama-3-8b-rm-mixture", "OpenRLHF/Llama-3-8b
 OPENRLHF_SFT_DATA = "Open-Orca/OpenOrca"
 OPENRLHF_PREFERENCE_DATA = "OpenRLHF/preference_dataset_mixture2_and_safe_pku"
 OPENRLHF_PROMPT_DATA = "OpenRLHF/prompt-collection-v0.1"
+OPENRLHF_AGENT_MODEL = "Qwen/Qwen3-1.7B"  # the multi-turn agent script's
+OPENRLHF_AGENT_DATA = "OpenRLHF/gem_guess_game"
 
 
 def build_openrlhf_hub(home: Path, seed: int = 0, num_rows: int = 64) -> dict[str, Path]:
@@ -207,7 +209,8 @@ def build_openrlhf_hub(home: Path, seed: int = 0, num_rows: int = 64) -> dict[st
     the base model with a Llama-3 base tokenizer, the SFT model and the reward models with a Llama-3 instruct
     tokenizer (its chat template writes BOS itself), Open-Orca rows (`question`/`response` strings), preference
     conversations (`chosen`/`rejected` message lists, no prompt column) and prompts (`context_messages` message
-    lists, with a `label`). Returns each repo id's snapshot folder."""
+    lists, with a `label`); for the multi-turn agent script, a tiny Qwen3 with a ChatML tokenizer and its prompts
+    (`query` strings with a `label`). Returns each repo id's snapshot folder."""
     base, instruct = build_tokenizer(LLAMA3_BASE), build_tokenizer(LLAMA3_INSTRUCT)
     data = chat_data(seed, num_rows)
     snapshots = {
@@ -219,4 +222,11 @@ def build_openrlhf_hub(home: Path, seed: int = 0, num_rows: int = 64) -> dict[st
     }
     for offset, repo_id in enumerate(OPENRLHF_REWARD_MODELS, start=1):
         snapshots[repo_id] = save_model(home, repo_id, tiny_llama_reward_model(instruct, seed + offset), instruct)
+    from tests.families import FAMILIES, tiny_model  # families builds on this module's tokenizers
+
+    qwen3 = FAMILIES["qwen3"]
+    chatml = build_tokenizer(qwen3.tokenizer)
+    snapshots[OPENRLHF_AGENT_MODEL] = save_model(home, OPENRLHF_AGENT_MODEL, tiny_model(qwen3, chatml, seed), chatml)
+    snapshots[OPENRLHF_AGENT_DATA] = save_dataset(home, OPENRLHF_AGENT_DATA, {"train": [
+        {"query": row["context_messages"][-1]["content"], "label": row["label"]} for row in data.prompts]})
     return snapshots

@@ -6,7 +6,8 @@ continuations joined, the `read -r -d '' training_commands <<EOF ... EOF` body s
 on whitespace) into the line that runs `$training_commands`, or the single command line otherwise (quoted as
 bash quotes, via shlex). The command splits into the launcher (everything up to the `openrlhf.cli.*` module:
 `deepspeed --module`, `ray job submit ... -- python3 -m`, `python3 -m`) and the module's arguments, grouped into
-`(flag, values)` options in order.
+`(flag, values)` options in order. Variables the script sets before its command (`NUM_GPUS=${1:-8}`, `export
+NAME=value`) are expanded in it as bash would with no arguments given (`$((NUM_GPUS))` -> 8).
 
 `edit_command` applies one script's `ScriptEdits`: a new launcher and new values for named flags. Flags are named
 by their OpenRLHF 0.9 spelling; a 0.11 script's dotted spelling is looked up in
@@ -26,6 +27,7 @@ from pathlib import Path
 DATA_DIR = Path(__file__).resolve().parents[1] / "data" / "openrlhf"
 RELEASES = ("v0.9.10", "v0.11.0")
 DOTTED_RELEASES = ("v0.11.0",)  # releases whose flags are dotted (0.10 on); v0.9.0 and v0.9.10 are flat
+ASSIGNMENT = re.compile(r"^(?:export\s+)?([A-Za-z_]\w*)=(\S*)$")
 HEREDOC_START = re.compile(r"^read\s+-r\s+-d\s+''\s+(\w+)\s+<<\s*(\w+)\s*$")
 
 
@@ -74,9 +76,16 @@ def _command_words(text: str) -> list[str]:
             return [*words[:at], *body, *words[at + 1:]]
     commands = [line.strip() for line in lines
                 if line.strip() and not line.strip().startswith("#") and line.strip() != "set -x"]
+    variables = {}  # `NUM_GPUS=${1:-8}`, `export NAME=value`: the script run without arguments
+    for line in [line for line in commands if ASSIGNMENT.match(line)]:
+        name, value = ASSIGNMENT.match(line).groups()
+        default = re.fullmatch(r"\$\{\d+:-([^}]*)\}", value)
+        variables[name] = default.group(1) if default else shlex.split(value)[0]
+        commands.remove(line)
     if len(commands) != 1:
         raise ValueError(f"expected one command in the script, found {len(commands)}: {commands}")
-    return shlex.split(commands[0], comments=True)
+    expanded = re.sub(r"\$\(\((\w+)\)\)|\$\{(\w+)\}", lambda m: variables[m.group(1) or m.group(2)], commands[0])
+    return shlex.split(expanded, comments=True)
 
 
 def parse_command(words: list[str]) -> Command:

@@ -8,7 +8,10 @@ The scripts, byte-identical copies in tests/data/openrlhf/{release}/ (SOURCE.md 
 - `train_ppo_ray_hybrid_engine.sh` (v0.9.10; actor, critic, reward model, no micro batch sizes) and
   `train_dapo_ray_hybrid_engine.sh` (v0.11.0: group_norm with dynamic filtering, 8 samples per prompt). The
   v0.9.10 DAPO script names `--vllm_enable_is_correction`, a flag OpenRLHF 0.9.10 does not have: its own parser
-  exits 2 on it, and so does ours (`test_v0910_dapo_script_is_refused_as_openrlhf_refuses_it`).
+  exits 2 on it, and so does ours (`test_v0910_dapo_script_is_refused_as_openrlhf_refuses_it`);
+- `train_reinforce_baseline_ray_agent_multiturn.sh` from v0.9.0, the seed guide's multi-turn agent script
+  (`ray job submit`, `NUM_GPUS=${1:-8}` expanded as bash expands it), its `--agent_func_path` pointed at OpenRLHF's
+  v0.9.0 `examples/python/agent_func.py` with the one import line a user changes (`rlhf_core.agent`).
 
 The names the scripts give (`meta-llama/Meta-Llama-3-8B`, `Open-Orca/OpenOrca` with `question`/`response`,
 `OpenRLHF/Llama-3-8b-sft-mixture`, `OpenRLHF/Llama-3-8b-rm-mixture`, `OpenRLHF/Llama-3-8b-rm-700k`,
@@ -79,9 +82,11 @@ ALLOWED_EDITS = {
     "micro_train_batch_size": "size", "max_samples": "size", "rollout_batch_size": "size",
     "micro_rollout_batch_size": "size",
     "actor_num_gpus_per_node": "GPU count", "vllm_num_engines": "engine count (no GPU here)",
+    "ref_num_gpus_per_node": "GPU count", "num_episodes": "size (the agent script's 1000000 passes: until stopped)",
     "save_path": "path", "ckpt_path": "path", "remote_rm_url": "path (the reward_func.py file)",
+    "agent_func_path": "path (OpenRLHF's agent_func.py, its import line changed: gem's is not installable here)",
 }
-PATH_FLAGS = ("save_path", "ckpt_path", "remote_rm_url")
+PATH_FLAGS = ("save_path", "ckpt_path", "remote_rm_url", "agent_func_path")
 
 
 @dataclass(frozen=True)
@@ -132,6 +137,10 @@ SCRIPTS = [
     Script("v0.11.0", "train_dapo_ray_hybrid_engine.sh", "ppo", {  # 2 prompts x 8 samples: one step
         "actor_num_gpus_per_node": "1", "vllm_num_engines": "0", "train_batch_size": "16",
         "rollout_batch_size": "2", "max_samples": "2", "max_len": "64"}),
+    Script("v0.9.0", "train_reinforce_baseline_ray_agent_multiturn.sh", "ppo", {  # 2 prompts x 16 episodes, 2 steps
+        "ref_num_gpus_per_node": "1", "actor_num_gpus_per_node": "1", "vllm_num_engines": "0",
+        "train_batch_size": "32", "rollout_batch_size": "2", "max_samples": "4", "num_episodes": "1",
+        "prompt_max_len": "48", "generate_max_len": "32"}),
 ]
 HUB_FLAGS = ("pretrain", "reward_pretrain", "dataset", "prompt_data")  # names the checkpoint must keep as written
 
@@ -173,7 +182,8 @@ def script_edits(script: Script, original: Command, root: Path, dashboard: str) 
     """The launcher, the script's sizes, and its paths moved under `root/{script.id}/`."""
     working_dir = root / f"openrlhf-{script.id}"
     paths = {"save_path": str(root / script.id / "out"), "ckpt_path": str(root / script.id / "ckpt"),
-             "remote_rm_url": str(working_dir / "examples" / "python" / "reward_func.py")}
+             "remote_rm_url": str(working_dir / "examples" / "python" / "reward_func.py"),
+             "agent_func_path": str(working_dir / "examples" / "python" / "agent_func.py")}
     values = {flag: (value,) for flag, value in script.sizes.items()}
     values.update({flag: (paths[flag],) for flag in PATH_FLAGS if script.spelled(flag) in original.flags})
     return ScriptEdits(script.cli, launcher_for(script, original.launcher, dashboard, working_dir), values)
@@ -205,13 +215,16 @@ def reward_func(queries, prompts, labels, **kwargs):
 
 
 def openrlhf_working_dir(root: Path, script: Script) -> None:
-    """A working_dir laid out as the scripts' /openrlhf: the script itself and examples/python/reward_func.py.
+    """A working_dir laid out as the scripts' /openrlhf: the script itself, examples/python/reward_func.py, and
+    OpenRLHF's v0.9.0 examples/python/agent_func.py with its one import line changed to this package's.
     (Each script's copy differs, so Ray unpacks each into a folder of its own.)"""
     scripts, python = root / "examples" / "scripts", root / "examples" / "python"
     scripts.mkdir(parents=True)
     python.mkdir(parents=True)
     shutil.copyfile(DATA_DIR / script.release / script.name, scripts / script.name)
     (python / "reward_func.py").write_text(REWARD_FUNC)
+    agent = (DATA_DIR / "v0.9.0" / "agent_func.py").read_text()
+    (python / "agent_func.py").write_text(agent.replace("from openrlhf.utils.agent import", "from rlhf_core.agent import"))
 
 
 def _git_blob_id(data: bytes) -> str:
@@ -253,7 +266,8 @@ def test_edits_touch_only_allowed_flags(tmp_path):
                 assert edited.value(spelled) == original.value(spelled), (script.id, flag)
     plain = {script.name for script in SCRIPTS if script.spelled("apply_chat_template")
              not in parse_script(DATA_DIR / script.release / script.name).flags}
-    assert plain == {"train_sft.sh"}, plain  # every other script keeps --apply_chat_template, and runs with it
+    # every other script keeps --apply_chat_template, and runs with it (the agent script's prompts are plain text)
+    assert plain == {"train_sft.sh", "train_reinforce_baseline_ray_agent_multiturn.sh"}, plain
 
 
 def test_v0910_dapo_script_is_refused_as_openrlhf_refuses_it(tmp_path, rlhf_env):

@@ -106,6 +106,9 @@ class PPOTrainer(DeepSpeedTrainer):
         check_reward_setup(run.ppo, tokenizer, prompts[0])
         if run.ppo.agent_func_path:
             load_agent_executor(run.ppo.agent_func_path)
+            if run.ppo.normalize_reward:
+                logger.warning("--normalize_reward has no effect with --agent_func_path: as in OpenRLHF, only "
+                               "reward-model scores are normalized; the environment's rewards are used as they are.")
         return len(prompts)
 
     @staticmethod
