@@ -7,10 +7,14 @@ it), so run k dies at the k-th point it reaches and run k+1 resumes from what ru
 two chains run side by side, their jobs on one long-lived Ray cluster (`ray start --head`), as on a
 real cluster where the job dies and Ray stays; the kill tests of test_kill_resume, test_chunk_retry
 and test_pipeline_stages kill jobs that own a local Ray instead.
+
+The stages added after SFT (DPO, PRM) each run a shorter chain (STAGE_FAULT_POINTS) on a local folder, side by
+side, against an uninterrupted run of their own.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -68,7 +72,8 @@ def run_job(run: RunConfig, env: dict[str, str]) -> subprocess.CompletedProcess:
 
 
 def committed_steps(run: RunConfig) -> list[int]:
-    return [info.step for info in CheckpointStore(run.stage_url("sft")).list(verify=True) if info.is_committed]
+    (stage,) = run.stages  # one training stage per chain
+    return [info.step for info in CheckpointStore(run.stage_url(stage)).list(verify=True) if info.is_committed]
 
 
 def run_chain(run: RunConfig, env: dict[str, str], faults_dir: Path, points: list[str],
@@ -177,3 +182,60 @@ def cut_and_check(run: RunConfig, disk) -> None:
     assert listed == committed_steps(run), f"listed as committed but not verifying: {listed}"
     latest = store.latest_name()
     assert latest is None or int(latest.removeprefix("step_")) in listed, (latest, listed)
+
+
+# A shorter chain for each stage added after SFT (save_steps 4, 12 steps, max_ckpt_num 2), in the order reached:
+# the crash points of a commit are the store's and the rank's, shared by every stage, so each stage's chain needs
+# only to show that its own state (DPO's frozen reference, PRM's placeholder labels) resumes through them.
+STAGE_FAULT_POINTS = ["train_step@2", "between_uploads@4", "before_latest@4", "train_step@6", "mid_upload@8",
+                      "during_removal@4"]
+
+
+def stage_run(stage: str, toy: dict[str, str], data_dir: Path, root: Path) -> RunConfig:
+    """12 steps of `stage` from the toy model on one rank, in chunks of 4."""
+    from rlhf_core.stages.dpo import DPOConfig
+    from rlhf_core.stages.prm import PRMConfig
+    from tests.integration.test_prm import PLACEHOLDER, step_labelled_rows
+
+    common = {"pretrain": toy["model"], "max_epochs": 1, "save_steps": 4, "save_path": str(root / "model")}
+    if stage == "dpo":
+        config = DPOConfig(dataset=toy["prefs"], prompt_key="prompt", eval_holdout=0.0, max_len=64, max_samples=96,
+                           train_batch_size=8, micro_train_batch_size=4, learning_rate=5e-4, beta=0.1, **common)
+    else:
+        rows = data_dir / "steps.jsonl"
+        if not rows.exists():
+            rows.write_text("".join(json.dumps(row) + "\n" for row in step_labelled_rows(192, 0)))
+        config = PRMConfig(dataset=str(rows), input_key="input", label_key="value", placeholder_token=PLACEHOLDER,
+                           reward_tokens=["1", "0"], max_len=32, train_batch_size=16, micro_train_batch_size=8,
+                           learning_rate=2e-3, **common)
+    return RunConfig(stages=[stage], ckpt_path=str(root / "ckpt"), load_checkpoint=True, max_ckpt_num=2, seed=7,
+                     **{stage: config})
+
+
+def test_the_dpo_and_prm_stages_survive_a_fault_chain(toy_assets, rlhf_env, tmp_path, ray_cluster):
+    """DPO and PRM each through STAGE_FAULT_POINTS on a local folder, side by side on one Ray cluster: no commit
+    lost, and the final weights equal an uninterrupted run's."""
+    rlhf_env = {**rlhf_env, "RAY_ADDRESS": ray_cluster}
+    stages = ("dpo", "prm")
+    references = {stage: stage_run(stage, toy_assets, tmp_path, tmp_path / f"{stage}-reference") for stage in stages}
+    with ThreadPoolExecutor(2) as pool:
+        done = dict(zip(stages, pool.map(lambda stage: run_job(references[stage], rlhf_env), stages)))
+    for stage, job in done.items():
+        assert job.returncode == 0, f"{stage} reference:\n{job.stderr[-3000:]}"
+    failures = {}
+    with ThreadPoolExecutor(2) as pool:
+        futures = {}
+        for stage in stages:
+            run = stage_run(stage, toy_assets, tmp_path, tmp_path / f"{stage}-chain")
+            faults_dir = tmp_path / f"faults-{stage}"
+            faults_dir.mkdir()
+            weights = read_weights(references[stage].stage_config(stage).save_path)
+            futures[stage] = pool.submit(check_chain, run, rlhf_env, faults_dir, STAGE_FAULT_POINTS, weights,
+                                         run.stage_config(stage).save_path)
+        for stage, future in futures.items():
+            try:
+                future.result()
+            except AssertionError as error:
+                failures[stage] = error
+    assert not failures, "\n\n".join(f"[{stage}] {error}" for stage, error in failures.items())
+
