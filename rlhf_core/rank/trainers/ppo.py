@@ -268,17 +268,12 @@ class PPOTrainer(DeepSpeedTrainer):
         if self.agent is None:
             responses = self.sample([item.ids for item in items], temperature, use_vllm)
             return [item.ids for item in items], responses, [[1] * len(r) for r in responses], None
-        eos_token_id = self.tokenizer.eos_token_id
-        with self.whole(self.actor):
-            if self.vllm is not None and use_vllm:
-                with self.vllm.serving(self.actor.module):
-                    engine = VLLMEngine(self.vllm, self.tokenizer, eos_token_id)
-                    episodes = self.agreed(lambda: self.agent.run(engine, prompt_texts(self.tokenizer, items),
-                                                                  seeds, temperature))
-            else:
-                engine = TransformersEngine(self.actor.module, self.tokenizer, eos_token_id)
-                episodes = self.agreed(lambda: self.agent.run(engine, prompt_texts(self.tokenizer, items), seeds,
-                                                              temperature))
+        eos_token_id, on_vllm = self.tokenizer.eos_token_id, self.vllm is not None and use_vllm
+        with self.whole(self.actor), self.vllm.serving(self.actor.module) if on_vllm else contextlib.nullcontext():
+            engine = (VLLMEngine(self.vllm, self.tokenizer, eos_token_id) if on_vllm
+                      else TransformersEngine(self.actor.module, self.tokenizer, eos_token_id))
+            episodes = self.agreed(lambda: self.agent.run(engine, prompt_texts(self.tokenizer, items), seeds,
+                                                          temperature))
         return ([e.prompt for e in episodes], [e.response for e in episodes], [e.action_mask for e in episodes],
                 episodes)
 
