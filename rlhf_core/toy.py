@@ -120,12 +120,30 @@ def make_datasets(seed: int, num_sft: int = 256, num_prefs: int = 256, num_promp
     return {"sft": sft, "prefs": prefs, "prompts": prompts, "eval_prompts": eval_prompts}
 
 
+STEP_PLACEHOLDER, STEP_GOOD, STEP_BAD = "user", "1", "0"  # the PRM's tokens (Math-Shepherd's: ки, +, -)
+
+
+def step_labelled_rows(num_rows: int, seed: int) -> list[dict]:
+    """PRM data in Math-Shepherd's shape: `sort : 3 1 2 = 1 user 5 user 3 user` with `value` labels 1 0 1, each
+    step labelled by whether its digit is the sorted list's digit there; 40% of the steps hold a random digit."""
+    rng, rows = random.Random(seed), []
+    for _ in range(num_rows):
+        digits = [rng.randrange(10) for _ in range(rng.randint(3, 5))]
+        right = sorted(digits)
+        answer = [(d + rng.randint(1, 9)) % 10 if rng.random() < 0.4 else d for d in right]
+        labels = [STEP_GOOD if given == expected else STEP_BAD for given, expected in zip(answer, right)]
+        text = f"sort : {' '.join(map(str, digits))} = " + " ".join(f"{d} {STEP_PLACEHOLDER}" for d in answer)
+        rows.append({"input": text, "value": labels})
+    return rows
+
+
 def _write_jsonl(path: Path, records: list[dict]) -> None:
     path.write_text("".join(json.dumps(record) + "\n" for record in records))
 
 
 def init_toy(directory: str, seed: int = 0) -> dict[str, str]:
-    """Write model/ (HF model + tokenizer), sft.jsonl, prefs.jsonl, prompts.jsonl and eval_prompts.jsonl."""
+    """Write model/ (HF model + tokenizer), sft.jsonl, prefs.jsonl, prompts.jsonl, eval_prompts.jsonl and
+    steps.jsonl (step-labelled answers for a process reward model)."""
     root = Path(directory)
     if root.exists() and not root.is_dir():
         raise UserError(f"{directory} is a file; give a folder for the toy model and data (rlhf toy init DIR).")
@@ -138,7 +156,8 @@ def init_toy(directory: str, seed: int = 0) -> dict[str, str]:
     model.save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
     paths = {"model": str(root / "model")}
-    for name, records in make_datasets(seed).items():
+    datasets = {**make_datasets(seed), "steps": step_labelled_rows(256, seed)}  # steps: for rlhf/prm
+    for name, records in datasets.items():
         _write_jsonl(root / f"{name}.jsonl", records)
         paths[name] = str(root / f"{name}.jsonl")
     return paths

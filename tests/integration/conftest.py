@@ -282,6 +282,23 @@ def kill_once_committed(command: list[str], env: dict[str, str], paused_step: in
         paused.wait()
 
 
+def fault_driver_job(run, env: dict[str, str], timeout: float = 900) -> subprocess.CompletedProcess:
+    """`run` (a RunConfig) trained and exported by tests/integration/fault_driver.py in a process of its own."""
+    return subprocess.run([sys.executable, "-m", "tests.integration.fault_driver", run.model_dump_json()], env=env,
+                          capture_output=True, text=True, timeout=timeout, cwd=PROJECT_DIR, check=False)
+
+
+def finished_copy(killed, root: Path, num_workers: int, env: dict[str, str]):
+    """A killed one-stage run's checkpoints copied under `root` and finished there on `num_workers` ranks."""
+    (stage,) = killed.stages
+    shutil.copytree(Path(killed.ckpt_path), root / "ckpt")
+    settings = killed.stage_config(stage).model_copy(update={"save_path": str(root / "out")})
+    run = killed.model_copy(update={"ckpt_path": str(root / "ckpt"), "num_workers": num_workers, stage: settings})
+    done = fault_driver_job(run, env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run
+
+
 def kill_fault_driver_once_committed(run_json: str, env: dict[str, str], paused_step: int, faults_dir: Path,
                                      committed_step_dir: Path) -> None:
     """`kill_once_committed` for tests.integration.fault_driver running `run_json`."""

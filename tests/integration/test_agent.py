@@ -8,8 +8,6 @@ local Ray)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,7 @@ from rlhf_core.config import RunConfig
 from rlhf_core.driver.plan import resolve_paths
 from rlhf_core.stages.ppo import PPOConfig
 from rlhf_core.stages.sft import SFTConfig
-from tests.integration.conftest import kill_fault_driver_once_committed
+from tests.integration.conftest import fault_driver_job, kill_fault_driver_once_committed
 
 pytestmark = pytest.mark.slow
 
@@ -27,10 +25,6 @@ PROJECT_DIR = Path(__file__).resolve().parents[2]
 AGENT = PROJECT_DIR / "tests" / "data" / "agents" / "sort_twice.py"
 NUM_STEPS, SAVE_STEPS, KILLED_AT = 24, 8, 10  # paused inside step 10, after step 8 committed
 
-
-def job(run: RunConfig, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tests.integration.fault_driver", run.model_dump_json()],
-                          env=env, capture_output=True, text=True, timeout=900, cwd=PROJECT_DIR, check=False)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +34,7 @@ def sft_model(toy_assets, rlhf_env, tmp_path_factory) -> str:
                     output_key="response", max_len=64, train_batch_size=16, micro_train_batch_size=8, max_epochs=6,
                     learning_rate=3e-3, lr_warmup_ratio=0.05, save_steps=-1, save_path=str(root / "sft"))
     run = resolve_paths(RunConfig(stages=["sft"], ckpt_path=str(root / "ckpt"), load_checkpoint=True, sft=sft))
-    done = job(run, rlhf_env)
+    done = fault_driver_job(run, rlhf_env)
     assert done.returncode == 0, done.stderr[-3000:]
     return sft.save_path
 
@@ -63,7 +57,7 @@ def chunk_metrics(run: RunConfig, step: int) -> dict:
 def test_the_second_turns_reward_rises_and_a_killed_run_resumes_bit_exactly(toy_assets, sft_model, rlhf_env,
                                                                              tmp_path):
     reference = agent_run(toy_assets, sft_model, tmp_path / "reference")
-    done = job(reference, rlhf_env)
+    done = fault_driver_job(reference, rlhf_env)
     assert done.returncode == 0, done.stderr[-3000:]
     chunks = [chunk_metrics(reference, step) for step in range(SAVE_STEPS, NUM_STEPS + 1, SAVE_STEPS)]
     print("chunk mean rewards:", [round(chunk["mean_reward"], 3) for chunk in chunks],
@@ -76,7 +70,7 @@ def test_the_second_turns_reward_rises_and_a_killed_run_resumes_bit_exactly(toy_
     killed = agent_run(toy_assets, sft_model, tmp_path / "killed")
     kill_fault_driver_once_committed(killed.model_dump_json(), rlhf_env, KILLED_AT, tmp_path / "faults",
                                      Path(killed.stage_url("ppo")) / f"step_{SAVE_STEPS}")
-    resumed = job(killed, rlhf_env)
+    resumed = fault_driver_job(killed, rlhf_env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     expected = load_file(str(Path(reference.ppo.save_path) / "model.safetensors"))
     actual = load_file(str(Path(killed.ppo.save_path) / "model.safetensors"))

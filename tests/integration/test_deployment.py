@@ -6,6 +6,8 @@ and deployments made by the CLI from this repository's prefect.yaml (`deployed`,
 a local Ray cluster and DeepSpeed, on the toy model with chunks of a few steps.
 
 - `rlhf/sft` then `rlhf/ppo`: checkpoints and exported models land where the config says.
+- `rlhf/prm`: its parameters are prefect.yaml's; on step-labelled toy rows it commits a checkpoint per chunk
+  and exports the model.
 - `rlhf/full` (sft -> rm -> ppo -> merge -> export, tiny): one subflow run per stage; through the API,
   each training stage's progress artifact at 100, a chunk table row per chunk, the checkpoint links,
   the curve embedded as a PNG data URI (also saved in the run folder); the `rlhf.checkpoint.committed`
@@ -35,6 +37,7 @@ import yaml
 from safetensors.torch import load_file
 
 from tests.integration.conftest import PREFECT, PROJECT_DIR, BackgroundProcess, PrefectServer
+from rlhf_core.toy import step_labelled_rows
 
 pytestmark = pytest.mark.slow
 
@@ -159,7 +162,8 @@ def test_sft_then_ppo_deployments_run_on_a_process_worker(deployed, tmp_path):
     assert spec["entrypoint"] == "flows/pipeline.py:rlhf"
     with SyncPrefectClient(deployed.server.api_url) as client:
         deployment = client.read_deployment_by_name("rlhf/sft")
-        assert {d.name for d in client.read_deployments()} >= {"sft", "rm", "dpo", "ppo", "full", "ppo-nightly"}
+        assert {d.name for d in client.read_deployments()} >= {"sft", "rm", "dpo", "prm", "ppo", "full",
+                                                             "ppo-nightly"}
     assert deployment.work_pool_name == deployed.pool
     assert deployment.entrypoint == "flows/pipeline.py:rlhf"
     assert [next(iter(step)) for step in deployment.pull_steps] == ["prefect.deployments.steps.set_working_directory"]
@@ -210,6 +214,33 @@ def test_dpo_deployment_and_a_full_run_that_takes_dpo(deployed, tmp_path):
     dpo_steps = sorted(p.parent.name for p in (tmp_path / "ckpt" / "deploy-sft-dpo" / "dpo").glob("step_*/MANIFEST.json"))
     assert dpo_steps, "DPO committed no checkpoint in the full run"
     assert (out / "merged" / "model.safetensors").is_file()
+
+
+def test_prm_deployment_trains_a_process_reward_model(deployed, tmp_path):
+    """`rlhf/prm`, deployed with its parameters from prefect.yaml, trains PRM from the toy model on step-labelled
+    rows (prefect.yaml's prm section with the data, the model and the sizes overridden): it commits a checkpoint
+    per chunk and exports the model."""
+    from prefect.client.orchestration import SyncPrefectClient
+
+    spec = deployment_spec("prm")
+    with SyncPrefectClient(deployed.server.api_url) as client:
+        deployment = client.read_deployment_by_name("rlhf/prm")
+    assert deployment.parameters["config"] == spec["parameters"]["config"]
+    assert deployment.parameters["config"]["stages"] == ["prm"]
+    assert deployment.work_pool_name == deployed.pool and set(deployment.tags) == {"rlhf", "prm"}
+
+    data = tmp_path / "steps.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in step_labelled_rows(32, seed=0)))
+    prm = {**spec["parameters"]["config"]["prm"], "pretrain": deployed.toy["model"], "dataset": str(data),
+           "train_batch_size": 8, "micro_train_batch_size": 8, "max_epochs": 1, "save_steps": 2,
+           "save_path": str(tmp_path / "out" / "prm")}  # its input_key, label_key and tokens: prefect.yaml's
+    config = {"run_name": "deploy-prm", "stages": ["prm"], "ckpt_path": str(tmp_path / "ckpt"),
+              "load_checkpoint": True, "seed": 42, "prm": prm}
+    deployed.run_to_completion("rlhf/prm", config)
+    stage_dir = tmp_path / "ckpt" / "deploy-prm" / "prm"
+    assert sorted(p.parent.name for p in stage_dir.glob("step_*/MANIFEST.json")) == ["step_2", "step_4"]
+    assert (stage_dir / "latest").read_text().strip() == "step_4"
+    assert (tmp_path / "out" / "prm" / "model.safetensors").is_file()
 
 
 # --------------------------------------------------------------------------- rlhf/full as an operator sees it

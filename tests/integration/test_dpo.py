@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,11 +19,11 @@ from rlhf_core.config import RunConfig
 from rlhf_core.driver.plan import resolve_paths
 from rlhf_core.stages.dpo import DPOConfig
 from tests.conftest import run_rlhf
-from tests.integration.conftest import kill_fault_driver_once_committed
+from tests.integration.conftest import (fault_driver_job, finished_copy,
+                                        kill_fault_driver_once_committed)
 
 pytestmark = pytest.mark.slow
 
-PROJECT_DIR = Path(__file__).resolve().parents[2]
 KILLED_AT = 19  # paused inside step 19, after step 16 committed (chunks end at 16, 32, 48)
 
 
@@ -39,10 +36,6 @@ def dpo_run(toy: dict[str, str], root: Path, num_workers: int = 2, **settings) -
     return resolve_paths(RunConfig(stages=["dpo"], ckpt_path=str(root / "ckpt"), load_checkpoint=True,
                                    max_ckpt_num=0, num_workers=num_workers, seed=11, dpo=dpo))
 
-
-def job(run: RunConfig, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tests.integration.fault_driver", run.model_dump_json()],
-                          env=env, capture_output=True, text=True, timeout=900, cwd=PROJECT_DIR, check=False)
 
 
 def checkpoint_metrics(run: RunConfig, step: int) -> dict:
@@ -57,7 +50,7 @@ def exported(run: RunConfig) -> dict:
 def reference(toy_assets, rlhf_env, tmp_path_factory) -> RunConfig:
     """The uninterrupted 2-rank run."""
     run = dpo_run(toy_assets, tmp_path_factory.mktemp("dpo-reference"))
-    done = job(run, rlhf_env)
+    done = fault_driver_job(run, rlhf_env)
     assert done.returncode == 0, done.stderr[-3000:]
     return run
 
@@ -73,15 +66,6 @@ def killed(toy_assets, rlhf_env, tmp_path_factory) -> RunConfig:
     return run
 
 
-def resumed_copy(killed: RunConfig, root: Path, num_workers: int, env: dict[str, str]) -> RunConfig:
-    """The killed run's checkpoints copied under `root` and finished there on `num_workers` ranks."""
-    shutil.copytree(Path(killed.ckpt_path), root / "ckpt")
-    run = killed.model_copy(update={"ckpt_path": str(root / "ckpt"), "num_workers": num_workers,
-                                    "dpo": killed.dpo.model_copy(update={"save_path": str(root / "out")})})
-    done = job(run, env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return run
-
 
 def test_dpo_learns_the_toys_preferences(reference):
     """At the start the policy is its reference: every implicit reward is 0 and the loss is log 2. By the end the
@@ -94,7 +78,7 @@ def test_dpo_learns_the_toys_preferences(reference):
 
 
 def test_a_killed_dpo_run_resumes_bit_exactly(killed, reference, rlhf_env, tmp_path):
-    expected, actual = exported(reference), exported(resumed_copy(killed, tmp_path, 2, rlhf_env))
+    expected, actual = exported(reference), exported(finished_copy(killed, tmp_path, 2, rlhf_env))
     assert expected.keys() == actual.keys()
     for name, tensor in expected.items():
         assert actual[name].equal(tensor), f"{name} differs from the uninterrupted run"
@@ -103,7 +87,7 @@ def test_a_killed_dpo_run_resumes_bit_exactly(killed, reference, rlhf_env, tmp_p
 def test_a_two_rank_dpo_checkpoint_finishes_on_one_rank(killed, reference, rlhf_env, tmp_path):
     """The 2-rank step-16 checkpoint finished by 1 rank through the universal format: equal within float rounding
     (the reduction order changes with the world size)."""
-    one_rank = resumed_copy(killed, tmp_path, 1, rlhf_env)
+    one_rank = finished_copy(killed, tmp_path, 1, rlhf_env)
     expected, actual = exported(reference), exported(one_rank)
     for name, tensor in expected.items():
         difference = (actual[name] - tensor).abs().max().item()
@@ -128,7 +112,7 @@ def test_resuming_with_another_beta_is_refused_in_one_sentence(reference, toy_as
 def test_lora_with_packed_samples_exports_an_adapter(toy_assets, rlhf_env, tmp_path):
     run = dpo_run(toy_assets, tmp_path, num_workers=1, lora_rank=8, lora_alpha=16, packing_samples=True,
                   max_samples=64, max_epochs=1, save_steps=-1)
-    done = job(run, rlhf_env)
+    done = fault_driver_job(run, rlhf_env)
     assert done.returncode == 0, done.stderr[-3000:]
     out = Path(run.dpo.save_path)
     assert (out / "adapter_config.json").exists() and (out / "adapter_model.safetensors").exists()

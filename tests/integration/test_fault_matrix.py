@@ -195,7 +195,7 @@ def stage_run(stage: str, toy: dict[str, str], data_dir: Path, root: Path) -> Ru
     """12 steps of `stage` from the toy model on one rank, in chunks of 4."""
     from rlhf_core.stages.dpo import DPOConfig
     from rlhf_core.stages.prm import PRMConfig
-    from tests.integration.test_prm import PLACEHOLDER, step_labelled_rows
+    from rlhf_core.toy import STEP_PLACEHOLDER, step_labelled_rows
 
     common = {"pretrain": toy["model"], "max_epochs": 1, "save_steps": 4, "save_path": str(root / "model")}
     if stage == "dpo":
@@ -205,7 +205,7 @@ def stage_run(stage: str, toy: dict[str, str], data_dir: Path, root: Path) -> Ru
         rows = data_dir / "steps.jsonl"
         if not rows.exists():
             rows.write_text("".join(json.dumps(row) + "\n" for row in step_labelled_rows(192, 0)))
-        config = PRMConfig(dataset=str(rows), input_key="input", label_key="value", placeholder_token=PLACEHOLDER,
+        config = PRMConfig(dataset=str(rows), input_key="input", label_key="value", placeholder_token=STEP_PLACEHOLDER,
                            reward_tokens=["1", "0"], max_len=32, train_batch_size=16, micro_train_batch_size=8,
                            learning_rate=2e-3, **common)
     return RunConfig(stages=[stage], ckpt_path=str(root / "ckpt"), load_checkpoint=True, max_ckpt_num=2, seed=7,
