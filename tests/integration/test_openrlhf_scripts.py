@@ -279,7 +279,8 @@ def test_v0910_dapo_script_is_refused_as_openrlhf_refuses_it(tmp_path, rlhf_env)
     names = {name for option in flags for name in (option["flag"], *option["aliases"])}
     assert "vllm_enable_is_correction" not in names and "enable_vllm_is_correction" in names
     assert not any(name.startswith("vllm_enable_is_correction") for name in names)
-    script = Script("v0.9.10", "train_dapo_ray_hybrid_engine.sh", "ppo", SCRIPTS[-1].sizes)
+    dapo_sizes = next(s.sizes for s in SCRIPTS if s.release == "v0.11.0" and s.name == "train_dapo_ray_hybrid_engine.sh")
+    script = Script("v0.9.10", "train_dapo_ray_hybrid_engine.sh", "ppo", dapo_sizes)
     original = parse_script(DATA_DIR / script.release / script.name)
     assert "vllm_enable_is_correction" in original.flags
     command = edit_command(original, script_edits(script, original, tmp_path, ""), script.release)
