@@ -258,20 +258,34 @@ def whole_run(workdir: str, toy: dict[str, str], model_dir: str, num_steps: int,
     """Section `wholerun`: the same SFT run (seed, data, steps) as one chunk and with a checkpoint every
     `save_steps`, `repeat` pairs in ABBA order (so a drift of the machine's load hits both alike); see the
     module docstring. Medians over the pairs."""
+    from rlhf_core.rank.worker import WRITER_SCHEDULING_ENV
+
     pairs = []
     for index in range(repeat):
-        order = ("single", "chunked") if index % 2 == 0 else ("chunked", "single")
+        # "equal writer": the chunked run with the rank's writer sharing the cores as an equal of the training
+        # threads (RLHF_WRITER_SCHEDULING=normal), against the default, where it takes only CPU time training
+        # leaves unused (SCHED_IDLE).
+        order = ("single", "chunked", "equal writer") if index % 2 == 0 else ("equal writer", "chunked", "single")
         runs = {}
         for name in order:
             every = -1 if name == "single" else save_steps  # -1: one chunk, whatever the rounded step count
-            cfg = ours.stage_config("sft", toy, model_dir, os.path.join(workdir, f"wholerun-{name}-{index}-out"),
+            label = name.replace(" ", "-")
+            cfg = ours.stage_config("sft", toy, model_dir, os.path.join(workdir, f"wholerun-{label}-{index}-out"),
                                     num_steps, every)
-            run = ours.stage_run(workdir, f"wholerun-{name}-{index}", "sft", cfg, max_ckpt_num=0)
-            runs[name] = {**_flow_costs(run), "sizes": checkpoint_sizes(run)}
-        pairs.append(_pair_costs(runs["single"], runs["chunked"], save_steps))
+            run = ours.stage_run(workdir, f"wholerun-{label}-{index}", "sft", cfg, max_ckpt_num=0)
+            if name == "equal writer":
+                os.environ[WRITER_SCHEDULING_ENV] = "normal"  # forwarded to the ranks (engine.forwarded_environment)
+            try:
+                runs[name] = {**_flow_costs(run), "sizes": checkpoint_sizes(run)}
+            finally:
+                os.environ.pop(WRITER_SCHEDULING_ENV, None)
+        pairs.append({**_pair_costs(runs["single"], runs["chunked"], save_steps),
+                      "equal_writer": _pair_costs(runs["single"], runs["equal writer"], save_steps)})
     return {"pairs": pairs, **{key: statistics.median(pair[key] for pair in pairs)
                                for key in ("extra_per_checkpoint", "chunk_train", "extra_cpu_per_checkpoint",
                                            "chunk_train_cpu")},
+            "equal_writer_extra_per_checkpoint": statistics.median(pair["equal_writer"]["extra_per_checkpoint"]
+                                                                   for pair in pairs),
             "breakdown": {key: statistics.median(pair["breakdown"][key] for pair in pairs)
                           for key in pairs[0]["breakdown"]}}
 

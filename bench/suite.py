@@ -260,6 +260,8 @@ def section_wholerun(args, assets, env, results: dict) -> list[Row]:
     num_steps = costs["pairs"][0]["chunked"]["chunks"][-1]["step"]  # whole epochs: may exceed --wholerun_steps
     for pair in costs["pairs"]:
         single, chunked = pair["single"], pair["chunked"]
+        print(f"  wholerun: the writer sharing the cores as an equal: {pair['equal_writer']['chunked']['wall']:.1f} s, "
+              f"extra per checkpoint {pair['equal_writer']['extra_per_checkpoint']:.2f} s", flush=True)
         print(f"  wholerun: {num_steps} steps; one chunk {single['wall']:.1f} s, a checkpoint every "
               f"{args.wholerun_save_steps} steps ({len(chunked['chunks'])} checkpoints of {size / 1e6:.0f} MB) "
               f"{chunked['wall']:.1f} s (from the first training call to the flow's end); extra per checkpoint "
@@ -280,6 +282,8 @@ def section_wholerun(args, assets, env, results: dict) -> list[Row]:
             # Wall time moves with whatever else shares the machine; CPU seconds less so.
             Row("  the same in CPU-seconds of the ranks and the driver", costs["chunk_train_cpu"],
                 costs["extra_cpu_per_checkpoint"], "s", "<=", 0.02, as_percent=True),
+            Row("  the same with the writer sharing the cores as an equal (RLHF_WRITER_SCHEDULING=normal)",
+                costs["chunk_train"], costs["equal_writer_extra_per_checkpoint"], "s", "<=", None, as_percent=True),
             # One run, no subtraction of two: the stall and the steps' slowdown beside the writer, per checkpoint.
             Row("  inside the chunked run: stall + step loop's slowdown beside the writer / chunk's training",
                 costs["chunk_train"], parts["in_run_stall"] + parts["in_run_writer_slowdown"], "s", "<=", None,

@@ -2,8 +2,9 @@
 trainer of one stage, trains to the step the driver names (timing each step, and noting which ran beside a
 checkpoint write), and does the rank's checkpoint I/O: a snapshot into memory at a chunk boundary, its upload
 into the store's uncommitted step from a second actor thread ("io") while the first trains on, and on load the
-files this rank reads, verified against the manifest. A third thread ("control") takes a stop request while the
-first is busy. The driver side, placing and driving a group of these, is `rlhf_core.driver.engine`.
+files this rank reads, verified against the manifest. The "io" thread runs under SCHED_IDLE: the commit takes the
+CPU time training leaves, instead of slowing the step loop (`yield_cpu_to_training`). A third thread ("control")
+takes a stop request while the first is busy. The driver side, placing and driving a group of these, is `rlhf_core.driver.engine`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,25 @@ from rlhf_core.config import RunConfig
 logger = logging.getLogger(__name__)
 # DeepSpeed's per-rank shard files: ZeRO optimizer partitions (and ZeRO-3 weight partitions).
 _RANK_SHARD = re.compile(r"(?:^|/)(?:bf16_)?zero_pp_rank_(\d+)_")
+
+
+# The writer's scheduling: "idle" (default) lets it run only on CPU time the training threads leave unused (Linux
+# SCHED_IDLE); "normal" shares the cores with them as an equal. `make bench --only wholerun` compares the two.
+WRITER_SCHEDULING_ENV = "RLHF_WRITER_SCHEDULING"
+
+
+def yield_cpu_to_training() -> bool:
+    """Put the calling thread (the actor's "io" thread, and so every thread it starts: they inherit it) under
+    SCHED_IDLE, below the training threads' priority whatever their nice value (Ray runs workers at nice 15,
+    where nice 19 would still take about a third of a shared core). The commit then waits for CPU the step
+    loop leaves unused, rather than slowing the step loop; on a host with cores to spare it changes nothing.
+    Returns whether it did (not on other systems, or with RLHF_WRITER_SCHEDULING=normal)."""
+    if os.environ.get(WRITER_SCHEDULING_ENV, "idle") != "idle" or not hasattr(os, "SCHED_IDLE"):
+        return False
+    import threading
+
+    os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+    return True
 
 
 def _free_port() -> int:
@@ -178,6 +198,7 @@ class TrainWorker:
         from rlhf_core.storage.checkpoint import CheckpointStore
         from rlhf_core.rank.snapshot import write_state
 
+        yield_cpu_to_training()  # a syscall each time: the group's thread may not be the same one every call
         kept = self._kept_in_memory.pop(folder, {})
         streams = [(path, functools.partial(write_state, state)) for path, state in kept.items()]
         self._num_writes_in_flight += 1
