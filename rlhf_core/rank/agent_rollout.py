@@ -97,13 +97,14 @@ class TransformersEngine:
 
     def __init__(self, model, tokenizer, stop_token_id: int):
         self.model, self.tokenizer, self.stop_token_id = model, tokenizer, stop_token_id
-        self.prompts: dict[str, list[int]] = {}  # this episode's prompt text -> the tokens the model sees
+        self.prompt: tuple[str, list[int]] = ("", [])  # this episode's prompt text and the tokens the model sees
 
     def begin_episode(self, prompt_text: str, prompt_ids: list[int], seed: int) -> None:
-        self.prompts = {prompt_text: prompt_ids}
+        self.prompt = (prompt_text, prompt_ids)
 
     def prompt_tokens(self, text: str) -> list[int] | None:
-        return self.prompts.get(text)
+        """The tokens of the episode's prompt when `text` is it (the environment kept the prompt), else None."""
+        return self.prompt[1] if text == self.prompt[0] else None
 
     def sample(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
         return generate(self.model, [prompt_ids], self.tokenizer.pad_token_id, self.stop_token_id, params.max_tokens,
@@ -187,5 +188,4 @@ class AgentRollout:
 def prompt_texts(tokenizer, items: list) -> list[tuple[str, list[int], Any]]:
     """(text, tokens, label) of PPO's prompt items: the text as the model sees it (template applied, without the
     BOS added here), as OpenRLHF hands its agent the prompt."""
-    return [(tokenizer.decode(item.ids[item.bos_added:], skip_special_tokens=False), item.ids, item.label)
-            for item in items]
+    return [(tokenizer.decode(item.written_ids, skip_special_tokens=False), item.ids, item.label) for item in items]

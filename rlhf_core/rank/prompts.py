@@ -18,6 +18,12 @@ class PromptItem:
     label: Any  # the --label_key value; "" without --label_key, as OpenRLHF
     bos_added: bool = False  # ids[0] is a BOS added here, not written by the chat template
 
+    @property
+    def written_ids(self) -> list[int]:
+        """The tokens the text or chat template wrote, without the BOS added here: what OpenRLHF decodes as the
+        prompt (its reward function's `prompts`, its agent's observation)."""
+        return self.ids[self.bos_added:]
+
 
 def record_label(url: str, record: Record, label_key: str | None) -> Any:
     if label_key is None:

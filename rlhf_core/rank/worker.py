@@ -4,7 +4,8 @@ checkpoint write), and does the rank's checkpoint I/O: a snapshot into memory at
 into the store's uncommitted step from a second actor thread ("io") while the first trains on, and on load the
 files this rank reads, verified against the manifest. The "io" thread runs under SCHED_IDLE: the commit takes the
 CPU time training leaves, instead of slowing the step loop (`yield_cpu_to_training`). A third thread ("control")
-takes a stop request while the first is busy. The driver side, placing and driving a group of these, is `rlhf_core.driver.engine`.
+takes a stop request while the first is busy. The driver side, placing and driving a group of these, is
+`rlhf_core.driver.engine`.
 """
 
 from __future__ import annotations

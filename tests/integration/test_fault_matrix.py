@@ -114,6 +114,18 @@ def check_chain(run, env, faults_dir, points, reference_weights, weights_url, af
         assert actual[name].equal(tensor), f"{name} differs from the uninterrupted run"
 
 
+def failed_chains(futures: dict) -> dict:
+    """Each chain's AssertionError, by its name, after waiting for every chain (one failing must not hide another's
+    result)."""
+    failures = {}
+    for name, future in futures.items():
+        try:
+            future.result()
+        except AssertionError as error:
+            failures[name] = error
+    return failures
+
+
 @pytest.fixture
 def ray_cluster(rlhf_env, tmp_path) -> str:
     """A long-lived Ray head for the chains' jobs; its address."""
@@ -161,12 +173,7 @@ def test_fault_matrix_on_s3_and_on_a_local_folder_with_power_cuts(toy_assets, rl
             faults_dir.mkdir()
             futures[backend] = pool.submit(check_chain, run, env, faults_dir, FAULT_POINTS, reference_sft_weights,
                                            weights_url, after_death)
-        failures = {}
-        for backend, future in futures.items():
-            try:
-                future.result()
-            except AssertionError as error:
-                failures[backend] = error
+        failures = failed_chains(futures)
     assert not failures, "\n\n".join(f"[{backend}] {error}" for backend, error in failures.items())
 
 
@@ -222,7 +229,6 @@ def test_the_dpo_and_prm_stages_survive_a_fault_chain(toy_assets, rlhf_env, tmp_
         done = dict(zip(stages, pool.map(lambda stage: run_job(references[stage], rlhf_env), stages)))
     for stage, job in done.items():
         assert job.returncode == 0, f"{stage} reference:\n{job.stderr[-3000:]}"
-    failures = {}
     with ThreadPoolExecutor(2) as pool:
         futures = {}
         for stage in stages:
@@ -232,10 +238,6 @@ def test_the_dpo_and_prm_stages_survive_a_fault_chain(toy_assets, rlhf_env, tmp_
             weights = read_weights(references[stage].stage_config(stage).save_path)
             futures[stage] = pool.submit(check_chain, run, rlhf_env, faults_dir, STAGE_FAULT_POINTS, weights,
                                          run.stage_config(stage).save_path)
-        for stage, future in futures.items():
-            try:
-                future.result()
-            except AssertionError as error:
-                failures[stage] = error
+        failures = failed_chains(futures)
     assert not failures, "\n\n".join(f"[{stage}] {error}" for stage, error in failures.items())
 

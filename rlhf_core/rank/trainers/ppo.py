@@ -245,7 +245,7 @@ class PPOTrainer(DeepSpeedTrainer):
             for start in range(0, len(prompts), cfg.micro_rollout_batch_size):
                 part = slice(start, start + cfg.micro_rollout_batch_size)
                 self.score_micro_batch(prompts[part], responses[part], rows)
-        rewarded = self.rewards(items, responses) if episodes is None else episode_rewards(episodes)
+        rewarded = self.rollout_rewards(items, responses, episodes)
         lengths = [len(response) for response in responses]
         experience = {"prompts": prompts, "responses": responses, "rewards": torch.tensor(rewarded.rewards),
                       "mask": pad_rows([torch.tensor(mask, dtype=torch.float32) for mask in action_masks]),
@@ -299,6 +299,11 @@ class PPOTrainer(DeepSpeedTrainer):
         if self.critic is not None:
             values = token_values(self.critic.module, batch["input_ids"], batch["attention_mask"])
             rows["values"] += list(values[:, batch["prompt_len"] - 1 : -1].float().cpu())
+
+    def rollout_rewards(self, items: list[PromptItem], responses: list[list[int]],
+                        episodes: list[Episode] | None) -> RewardBatch:
+        """The rewards of a rollout (`roll_out`): the agent's episodes', else the reward model's or function's."""
+        return self.rewards(items, responses) if episodes is None else episode_rewards(episodes)
 
     @torch.no_grad()
     def rewards(self, items: list[PromptItem], responses: list[list[int]]) -> RewardBatch:
@@ -421,8 +426,7 @@ class PPOTrainer(DeepSpeedTrainer):
                  for index in range(len(items))]
         with self.autocast():  # the same precision as the training rollouts
             _, responses, _, episodes = self.roll_out(items, seeds, cfg.eval_temperature, use_vllm=False)
-        rewarded = self.rewards(items, responses) if episodes is None else episode_rewards(episodes)
-        return self.mean_over_ranks(rewarded.rewards)
+        return self.mean_over_ranks(self.rollout_rewards(items, responses, episodes).rewards)
 
     def sum_over_ranks(self, value: float) -> float:
         total = torch.tensor([float(value)], dtype=torch.float64)
