@@ -286,9 +286,9 @@ def forwarded_environment() -> dict[str, str]:
     """The driver's variables the ranks need and would not have: workers of an existing cluster inherit
     the cluster's environment, not the driver's. The ranks read and write the store themselves, so the
     standard AWS_* variables (credentials, endpoint, region) travel with them, as the test fault hooks
-    (RLHF_FAULT_*) and the writer's scheduling (RLHF_WRITER_SCHEDULING) do. Ray keeps a runtime env in its GCS,
-    visible on its dashboard: give the nodes their own credentials (an instance role) and leave them out of the
-    driver's environment where that matters."""
+    (RLHF_FAULT_*) and the writer's settings (RLHF_WRITER_SCHEDULING, RLHF_WRITER_DIRECT_IO) do. Ray keeps a
+    runtime env in its GCS, visible on its dashboard: give the nodes their own credentials (an instance role) and
+    leave them out of the driver's environment where that matters."""
     forwarded = ("RLHF_FAULT_", "RLHF_WRITER_", "AWS_")
     return {name: value for name, value in os.environ.items() if name.startswith(forwarded)}
 

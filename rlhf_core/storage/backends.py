@@ -6,7 +6,7 @@ each backend supplies what "committed" and "durable" mean on its medium:
 |---|---|---|
 | uncommitted step | a hidden staging folder, made durably | `step_N` itself |
 | commit marker | the staging folder renamed to `step_N` (after fsyncs) | the manifest's PUT |
-| a file written | fsync'd by its writer; the disk starts on it while it is written | durable when the PUT returns |
+| a file written | around the page cache (O_DIRECT) where allowed, fsync'd by its writer | durable when the PUT returns |
 | a file replaced | temp + fsync + rename + fsync of the folder | one PUT |
 | move aside | `os.rename` | copy file by file, then delete |
 | removal | manifest first, its folder fsync'd; then the tree, its parent fsync'd | manifest first, then the rest |
@@ -26,7 +26,7 @@ from typing import Any, BinaryIO, Iterator, Protocol
 
 from fsspec.implementations.local import LocalFileSystem
 
-from rlhf_core.storage import durable
+from rlhf_core.storage import direct_io, durable
 from rlhf_core.faults import fault_point
 from rlhf_core.storage.manifest import MANIFEST_NAME, digest_of_local_file, digest_of_stream, parse_step_dir_name
 
@@ -80,15 +80,21 @@ class LocalBackend:
 
     @contextlib.contextmanager
     def open_new(self, path: str) -> Iterator[BinaryIO]:
-        """A new file; the disk starts writing each window while the rest is still being serialized, so the
-        closing `sync` waits for little."""
+        """A new file written around the page cache (`direct_io`); where the filesystem refuses that, through
+        it, the disk starting on each window while the rest is still being serialized. Either way the closing
+        `sync` waits for little."""
         self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+        direct = direct_io.open_direct(path)
+        if direct is not None:
+            with contextlib.closing(direct):
+                yield direct
+            return
         with self.fs.open(path, "wb") as handle:
             yield durable.WritebackAhead(handle)
 
     def sync(self, handle: BinaryIO) -> None:
         handle.flush()
-        os.fsync(handle.target.fileno())
+        os.fsync(handle.fileno())
 
     def write_new(self, path: str, data: bytes) -> None:
         with self.open_new(path) as handle:

@@ -124,3 +124,6 @@ class WritebackAhead:
 
     def flush(self) -> None:
         self.target.flush()
+
+    def fileno(self) -> int:
+        return self.target.fileno()

@@ -16,7 +16,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from rlhf_core.storage.checkpoint import CheckpointStore, format_listing, to_json
 from rlhf_core.storage.manifest import LATEST_NAME, MANIFEST_NAME, METADATA_NAME, Manifest
-from rlhf_core.storage import durable
+from rlhf_core.storage import direct_io, durable
 from rlhf_core.errors import CorruptCheckpoint, UserError
 
 SHARD_BYTES = 4096
@@ -104,6 +104,18 @@ def record_writes(store: CheckpointStore, monkeypatch: pytest.MonkeyPatch, on_wr
         return original_replace(path, data)
 
     monkeypatch.setattr(durable, "replace_durably", replace_durably)
+    original_open_direct = direct_io.open_direct
+
+    def open_direct(path):  # a local store writes its files around the page cache, not through fs.open
+        if on_write:
+            on_write(path)
+        written_paths.append(path)
+        writer = original_open_direct(path)
+        if writer is None:  # refused here: the backend opens it through fs.open, which records it
+            written_paths.pop()
+        return writer
+
+    monkeypatch.setattr(direct_io, "open_direct", open_direct)
 
     def put_file(local_path, path, *args, **kwargs):
         if on_write:

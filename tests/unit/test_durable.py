@@ -1,5 +1,6 @@
-"""rlhf_core.storage.durable's writeback ahead: the disk is asked to write each window of a checkpoint file as soon as the
-window is in the page cache, so the closing fsync finds little left to write."""
+"""rlhf_core.storage.durable's writeback ahead: where a checkpoint file goes through the page cache (O_DIRECT off or
+refused, `direct_io`), the disk is asked to write each window of it as soon as the window is in the page cache, so
+the closing fsync finds little left to write."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_core.storage import durable
+from rlhf_core.storage import direct_io, durable
 from rlhf_core.storage.checkpoint import CheckpointStore
 
 WINDOW = 1 << 20
@@ -66,7 +67,9 @@ def test_the_real_call_is_accepted_on_this_filesystem(tmp_path: Path):
     assert (tmp_path / "state.pt").read_bytes() == data
 
 
-def test_a_local_commit_writes_its_files_ahead_and_an_object_store_does_not(tmp_path: Path, requests, monkeypatch):
+def test_a_local_commit_through_the_page_cache_writes_its_files_ahead_and_an_object_store_does_not(
+        tmp_path: Path, requests, monkeypatch):
+    monkeypatch.setenv(direct_io.DIRECT_IO_ENV, "0")  # the path where O_DIRECT is off or refused
     monkeypatch.setattr(durable, "WRITEBACK_WINDOW_BYTES", WINDOW)
     source = tmp_path / "ckpt"
     source.mkdir()

@@ -89,7 +89,7 @@ def test_a_full_store_is_a_user_error_that_is_never_retried():
 
 def test_a_write_that_fails_in_a_way_that_passes_is_a_transient_store_error(tmp_path, monkeypatch):
     """EIO from a flaky NFS server (or a 5xx after s3fs's own retries) mid-write: retried, nothing committed."""
-    from rlhf_core.storage import durable
+    from rlhf_core.storage import direct_io, durable
     from rlhf_core.storage.checkpoint import CheckpointStore
 
     def flaky_write(self, block):
@@ -100,6 +100,7 @@ def test_a_write_that_fails_in_a_way_that_passes_is_a_transient_store_error(tmp_
     (source / "model_states.pt").write_bytes(b"x" * 4096)
     store = CheckpointStore(str(tmp_path / "store" / "rlhf" / "sft"))
     monkeypatch.setattr(durable.WritebackAhead, "write", flaky_write)
+    monkeypatch.setattr(direct_io.DirectWriter, "write", flaky_write)
     with pytest.raises(TransientStoreError, match=r"--ckpt_path .*/store/rlhf/sft: a write failed \(OSError") as caught:
         store.commit(2, str(source), {"global_step": 2})
     assert is_retryable(caught.value) and isinstance(caught.value.__cause__, OSError)
