@@ -4,7 +4,8 @@ checkpointing costs a whole run.
 - `checkpoint_costs` (section `ckpt`): chunks of one step on the ~100M model through `ensure_checkpoint`,
   read from its own timers (`ChunkResult.seconds`). After the first (cold) chunk the chunks cycle through
   `schedule()`, side by side in one run: each manifest checksum, and the default one with `os.fsync` a
-  no-op in the driver and in the rank (what the durable calls cost), each committed with nothing training
+  no-op in the driver and in the rank (what the durable calls cost), and the default written through the page
+  cache instead of around it (O_DIRECT off), each committed with nothing training
   beside it (`train_ahead=False`, as the copies run); and the default as users get it, committed while the
   next chunk's step trains beside it. Then the references
   (`reference_io`): a durable copy of the committed step (`cp -r` + fsync of every file and folder), and
@@ -31,10 +32,9 @@ import reference_io
 from table import extra_per_checkpoint
 
 NO_FSYNC = "no fsync"
-NO_WRITEBACK = "no writeback ahead"  # the default checksum, the disk's write left to the closing fsync
+PAGE_CACHE = "page cache"  # the default checksum, written through the page cache (O_DIRECT off) with writeback ahead
 BESIDE = " beside training"  # suffix of the variant committed while the next chunk trains (the users' path)
 _REAL_FSYNC = os.fsync  # this module is imported before any variant patches it, in the driver and each rank
-_REAL_SYNC_FILE_RANGE = None  # rlhf_core.storage.durable's, kept by the first _set_writeback in each process
 
 
 def variants() -> tuple[str, ...]:
@@ -51,7 +51,7 @@ def variants() -> tuple[str, ...]:
         return True
 
     others = [name for name in CHECKSUMS if name != DEFAULT_CHECKSUM and installed(name)]
-    return (NO_FSYNC, NO_WRITEBACK, *others, DEFAULT_CHECKSUM)
+    return (NO_FSYNC, PAGE_CACHE, *others, DEFAULT_CHECKSUM)
 
 
 def schedule() -> list[tuple[str, bool]]:
@@ -65,14 +65,15 @@ def _set_fsync(_worker, enabled: bool) -> None:
     os.fsync = _REAL_FSYNC if enabled else (lambda fd: None)
 
 
-def _set_writeback(_worker, enabled: bool) -> None:
-    """In a rank or the driver: `durable.WritebackAhead` on (as shipped) or off (each file's bytes reach the
-    disk only in its closing fsync, as before it)."""
-    global _REAL_SYNC_FILE_RANGE
-    from rlhf_core.storage import durable
+def _set_direct_io(_worker, enabled: bool) -> None:
+    """In a rank or the driver: checkpoint files written around the page cache (O_DIRECT, as shipped) or through
+    it (`RLHF_WRITER_DIRECT_IO=0`: 256 KiB writes, each 32 MiB handed to the disk ahead of the fsync)."""
+    from rlhf_core.storage.direct_io import DIRECT_IO_ENV
 
-    _REAL_SYNC_FILE_RANGE = _REAL_SYNC_FILE_RANGE or durable._sync_file_range
-    durable._sync_file_range = _REAL_SYNC_FILE_RANGE if enabled else None
+    if enabled:
+        os.environ.pop(DIRECT_IO_ENV, None)
+    else:
+        os.environ[DIRECT_IO_ENV] = "0"
 
 
 @contextlib.contextmanager
@@ -84,9 +85,9 @@ def checkpoint_variant(variant: str | None, group):
     from rlhf_core.storage import manifest  # where the store reads its default checksum
 
     previous = manifest.DEFAULT_CHECKSUM
-    if variant not in (None, NO_FSYNC, NO_WRITEBACK):
+    if variant not in (None, NO_FSYNC, PAGE_CACHE):
         manifest.DEFAULT_CHECKSUM = variant
-    switch = {NO_FSYNC: _set_fsync, NO_WRITEBACK: _set_writeback}.get(variant) if group is not None else None
+    switch = {NO_FSYNC: _set_fsync, PAGE_CACHE: _set_direct_io}.get(variant) if group is not None else None
     if switch is not None:
         switch(None, False)
         ray.get([worker.__ray_call__.remote(switch, False) for worker in group.workers])
@@ -176,7 +177,7 @@ def checkpoint_costs(run, repeat: int) -> dict:
         cp_durable = reference_io.timed_copies(reference_io.durable_copy, default_dir, target, repeat)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    algorithms = [variant for variant in variants() if variant not in (NO_FSYNC, NO_WRITEBACK)]  # each alone
+    algorithms = [variant for variant in variants() if variant not in (NO_FSYNC, PAGE_CACHE)]  # each alone
     hashes = {algorithm: {"all": reference_io.hash_seconds(default_dir, paths, algorithm, repeat),
                           "read": reference_io.hash_seconds(default_dir, read_paths, algorithm, repeat)}
               for algorithm in algorithms}

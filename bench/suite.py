@@ -63,7 +63,7 @@ def parse_args() -> argparse.Namespace:
                         help="Repeats of each start-up (both sides) and of each copy/load in the ckpt section.")
     parser.add_argument("--ckpt_chunks", type=int, default=19,
                         help="Chunks of one step in the ckpt section: the first is cold, the rest cycle through "
-                             "the variants (no fsync, no writeback ahead, each installed checksum, the default "
+                             "the variants (no fsync, through the page cache, each installed checksum, the default "
                              "beside training: 6 with blake3 installed); 19 gives each of 6 three.")
     parser.add_argument("--wholerun_steps", type=int, default=160,
                         help="SFT steps of each whole run (one with a checkpoint every --wholerun_save_steps, one as "
@@ -234,8 +234,8 @@ def ckpt_rows(costs: dict) -> list[Row]:
                   "s", "<=", None) for algorithm in others],
             Row("  fsync's share: save-to-commit / same with os.fsync a no-op",
                 variants[ckpt_costs.NO_FSYNC]["save_to_commit"], variants[default]["save_to_commit"], "s", "<=", None),
-            Row("  writeback ahead: save-to-commit / same with the disk's write left to the closing fsync",
-                variants[ckpt_costs.NO_WRITEBACK]["save_to_commit"], variants[default]["save_to_commit"], "s", "<=",
+            Row("  O_DIRECT: save-to-commit / same written through the page cache (RLHF_WRITER_DIRECT_IO=0)",
+                variants[ckpt_costs.PAGE_CACHE]["save_to_commit"], variants[default]["save_to_commit"], "s", "<=",
                 None),
             Row("  cp -r into the page cache / durable copy (the old reference)", durable, costs["cp_page"], "s", "<=",
                 None),
