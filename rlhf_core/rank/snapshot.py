@@ -1,12 +1,15 @@
 """The in-memory snapshot of a rank's share of a checkpoint, so training goes on while it is written.
 
-At a chunk boundary each rank saves its share of the checkpoint. DeepSpeed's state files are not
-written then: a checkpoint engine (`tensors_kept_in_memory`) keeps each state dict DeepSpeed hands it as
-a clone of its tensors, which costs one in-memory copy. The rest (the Hugging Face copy, small files)
-goes into a folder in memory: `/dev/shm` (tmpfs) when it has room, else the temporary folder (the page
-cache absorbs it until it is written back). The rank's background writer then serializes the kept
-state dicts straight into the store and streams the folder's files there, hashing as it writes
-(`rlhf_core.storage.checkpoint.CheckpointStore.upload_tree`), and removes the folder.
+At a chunk boundary each rank saves its share of the checkpoint. Its large files are not written then:
+a checkpoint engine (`tensors_kept_in_memory`) keeps each state dict DeepSpeed hands it as a clone of its
+tensors, and the Hugging Face copy's safetensors files are kept the same way (transformers'
+`save_pretrained` hands its shards to `safe_save_file`, which the context replaces), each costing one
+in-memory copy. The rest (config, tokenizer, small files) goes into a folder in memory: `/dev/shm`
+(tmpfs) when it has room, else the temporary folder. The rank's background writer then serializes the
+kept state straight into the store (`write_state`: `torch.save`, or the safetensors format) and streams
+the folder's files there, hashing as it writes (`rlhf_core.storage.checkpoint.CheckpointStore.upload_tree`),
+and removes the folder. Keeping the HF copy in memory too spares the stall its serialization into tmpfs,
+whose fresh pages a VM that hands freed memory to its host faults back in one by one.
 
 A rank killed mid-write leaves its folder behind, and tmpfs holds it in RAM until reboot, so every
 new snapshot first removes the folders of processes that no longer exist (the folder's name carries its
@@ -18,9 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import os
 import shutil
+import struct
 import tempfile
+from dataclasses import dataclass
 from typing import Any, BinaryIO, Iterable, Iterator
 
 from rlhf_core.processes import process_exists
@@ -87,28 +93,46 @@ def tensors_kept_in_memory(engines: Iterable[Any], folder: str, reuse: dict[str,
     buffers of `reuse` (the last snapshot's, once written) where shapes match, so a snapshot after the first
     costs no page faults. Yields the dict that fills up: path relative to `folder` -> state dict (see
     `write_state`)."""
+    import transformers.modeling_utils
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
     kept: dict[str, Any] = {}
     reuse = reuse or {}
 
+    def relative(path: str) -> str:
+        return os.path.relpath(path, folder).replace(os.sep, "/")
+
     class KeepInMemory(TorchCheckpointEngine):
         def save(self, state_dict: Any, path: str) -> None:
-            relative_path = os.path.relpath(path, folder).replace(os.sep, "/")
-            kept[relative_path] = copy_into(reuse.get(relative_path), state_dict)
+            kept[relative(path)] = copy_into(reuse.get(relative(path)), state_dict)
 
         def preserves_storage_sharing(self) -> bool:
             return False  # save() copies every tensor, so DeepSpeed need not clone them first
 
+    def keep_safetensors(tensors: dict, filename: str, metadata: dict | None = None) -> None:
+        previous = reuse.get(relative(filename))
+        previous_tensors = previous.tensors if isinstance(previous, SafetensorsFile) else None
+        kept[relative(filename)] = SafetensorsFile(copy_into(previous_tensors, tensors), metadata)
+
     engines = list(engines)
     originals = [engine.checkpoint_engine for engine in engines]
+    original_save_file = transformers.modeling_utils.safe_save_file
     try:
         for engine in engines:
             engine.checkpoint_engine = KeepInMemory()
+        transformers.modeling_utils.safe_save_file = keep_safetensors
         yield kept
     finally:
+        transformers.modeling_utils.safe_save_file = original_save_file
         for engine, original in zip(engines, originals):
             engine.checkpoint_engine = original
+
+
+@dataclass
+class SafetensorsFile:
+    """A safetensors file kept in memory: its tensors (CPU copies) and its header's metadata."""
+    tensors: dict[str, Any]
+    metadata: dict[str, str] | None
 
 
 def copy_into(previous: Any, item: Any) -> Any:
@@ -132,8 +156,53 @@ def copy_into(previous: Any, item: Any) -> Any:
 
 
 def write_state(state: Any, target: BinaryIO) -> None:
-    """Serialize a kept state dict into `target` (a file object), as DeepSpeed would have into a file."""
+    """Serialize a kept state into `target` (a file object), as DeepSpeed or transformers would have into a file."""
     import torch
 
+    if isinstance(state, SafetensorsFile):
+        write_safetensors(state, target)
+        return
     with without_zip_crc32():
         torch.save(state, target)
+
+
+def write_safetensors(kept: SafetensorsFile, target: BinaryIO) -> None:
+    """`kept` in the safetensors format, streamed from the tensors' own memory (safetensors' Python API builds
+    the whole file as one `bytes` first, or wants a path). The same bytes as `safetensors.torch.save`: an
+    8-byte little-endian header length, the JSON header (metadata first, then each tensor's dtype, shape and
+    byte range) padded with spaces to 8 bytes, then the tensors back to back, larger elements first, by name."""
+    from safetensors.torch import save
+
+    tensors, dtype_names = kept.tensors, _safetensors_dtypes()
+    if any(tensor.dtype not in dtype_names for tensor in tensors.values()):
+        target.write(save(tensors, kept.metadata))  # a dtype named below only by safetensors itself
+        return
+    names = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
+    header: dict[str, Any] = {"__metadata__": kept.metadata} if kept.metadata else {}
+    offset = 0
+    for name in names:
+        num_bytes = tensors[name].numel() * tensors[name].element_size()
+        header[name] = {"dtype": dtype_names[tensors[name].dtype], "shape": list(tensors[name].shape),
+                        "data_offsets": [offset, offset + num_bytes]}
+        offset += num_bytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    target.write(struct.pack("<Q", len(encoded)) + encoded)
+    for name in names:
+        if tensors[name].numel():
+            target.write(_raw_bytes(tensors[name]))
+
+
+def _raw_bytes(tensor: Any) -> memoryview:
+    """The tensor's bytes as they lie in memory (little-endian on every host torch ships for), without a copy."""
+    import torch
+
+    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data
+
+
+def _safetensors_dtypes() -> dict[Any, str]:
+    import torch
+
+    return {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+            torch.bool: "BOOL"}

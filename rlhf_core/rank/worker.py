@@ -34,6 +34,7 @@ _RANK_SHARD = re.compile(r"(?:^|/)(?:bf16_)?zero_pp_rank_(\d+)_")
 # The writer's scheduling: "idle" (default) lets it run only on CPU time the training threads leave unused (Linux
 # SCHED_IDLE); "normal" shares the cores with them as an equal. `make bench --only wholerun` compares the two.
 WRITER_SCHEDULING_ENV = "RLHF_WRITER_SCHEDULING"
+SNAPSHOT_FILES_BYTES = 64 << 20  # a snapshot folder's config and tokenizer files, with room to spare
 
 
 def yield_cpu_to_training() -> bool:
@@ -214,10 +215,12 @@ class TrainWorker:
         return entries, timings
 
     def _expected_folder_bytes(self) -> int:
-        """About what the snapshot's folder holds: the HF copy of each model's weights (DeepSpeed's state
-        stays in memory, `tensors_kept_in_memory`)."""
-        return sum(parameter.numel() * parameter.element_size()
-                   for engine in self.trainer.engines.values() for parameter in engine.module.parameters())
+        """About what the snapshot's folder holds: config and tokenizer files, and a LoRA model's adapter (peft
+        writes its own files). DeepSpeed's state and the HF copy's weights stay in memory (`tensors_kept_in_memory`)."""
+        adapter_bytes = sum(parameter.numel() * parameter.element_size()
+                            for engine in self.trainer.engines.values() if hasattr(engine.module, "peft_config")
+                            for parameter in engine.module.parameters() if parameter.requires_grad)
+        return SNAPSHOT_FILES_BYTES + adapter_bytes
 
     def load_from_store(self, store_url: str, storage_options: dict, step: int, universal: bool,
                         weights_only: bool) -> int:

@@ -93,3 +93,44 @@ def test_kept_state_is_a_copy_written_later_as_torch_saved_and_its_buffers_serve
     second = take_snapshot(reuse=first)
     assert second["actor/ds/mp_rank_00.pt"]["module"]["w"] is buffer
     assert torch.equal(written(second)["module"]["w"], torch.arange(102, 106, dtype=torch.float32))
+
+
+def test_the_hf_copy_is_kept_in_memory_and_written_byte_for_byte_as_save_pretrained_writes_it(tmp_path):
+    """transformers' save_pretrained inside the snapshot leaves its weights in memory (its config in the folder);
+    the writer's safetensors bytes are those save_pretrained writes itself, for fp32 and bf16 models, a later
+    change to the model does not reach the kept copy, and the next snapshot reuses its buffers."""
+    import io
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64)).to(dtype)
+        model.save_pretrained(tmp_path / f"plain-{dtype}", safe_serialization=True)
+        folder = tmp_path / f"snapshot-{dtype}"
+        with snapshot.tensors_kept_in_memory([], str(folder)) as kept:
+            model.save_pretrained(folder / "actor" / "hf", safe_serialization=True)
+        assert list(kept) == ["actor/hf/model.safetensors"]
+        assert (folder / "actor" / "hf" / "config.json").exists()
+        assert not (folder / "actor" / "hf" / "model.safetensors").exists()
+        with torch.no_grad():
+            next(model.parameters()).add_(1.0)  # training goes on after the snapshot
+        buffer = io.BytesIO()
+        snapshot.write_state(kept["actor/hf/model.safetensors"], buffer)
+        assert buffer.getvalue() == (tmp_path / f"plain-{dtype}" / "model.safetensors").read_bytes()
+        with snapshot.tensors_kept_in_memory([], str(folder), reuse=kept) as again:
+            model.save_pretrained(folder / "actor" / "hf", safe_serialization=True)
+        first, second = (state["actor/hf/model.safetensors"].tensors for state in (kept, again))
+        assert all(first[name] is second[name] for name in first), "the next snapshot copies into the same buffers"
+
+
+def test_a_dtype_only_safetensors_names_is_written_by_safetensors_itself():
+    import io
+
+    from safetensors.torch import load
+
+    tensors = {"scale": torch.ones(4, dtype=torch.float8_e4m3fn), "weight": torch.randn(3, 3)}
+    buffer = io.BytesIO()
+    snapshot.write_state(snapshot.SafetensorsFile(tensors, {"format": "pt"}), buffer)
+    loaded = load(buffer.getvalue())
+    assert loaded["weight"].equal(tensors["weight"]) and loaded["scale"].float().equal(tensors["scale"].float())
