@@ -6,7 +6,7 @@ each backend supplies what "committed" and "durable" mean on its medium:
 |---|---|---|
 | uncommitted step | a hidden staging folder, made durably | `step_N` itself |
 | commit marker | the staging folder renamed to `step_N` (after fsyncs) | the manifest's PUT |
-| a file written | around the page cache (O_DIRECT) where allowed, fsync'd by its writer | durable when the PUT returns |
+| a file written | O_DIRECT where the filesystem allows it, fsync'd by its writer | durable when the PUT returns |
 | a file replaced | temp + fsync + rename + fsync of the folder | one PUT |
 | move aside | `os.rename` | copy file by file, then delete |
 | removal | manifest first, its folder fsync'd; then the tree, its parent fsync'd | manifest first, then the rest |
