@@ -13,8 +13,13 @@ whose fresh pages a VM that hands freed memory to its host faults back in one by
 
 A rank killed mid-write leaves its folder behind, and tmpfs holds it in RAM until reboot, so every
 new snapshot first removes the folders of processes that no longer exist (the folder's name carries its
-owner's pid). torch's zip writer computes a CRC32 per tensor record by default; the manifest's sha256
+owner's pid). torch's zip writer computes a CRC32 per tensor record by default; the manifest's checksum
 already covers every byte, so snapshots are written without it (torch reads them as usual).
+
+Kept tensors of `IN_PLACE_MIN_BYTES` or more start on a page (an mmap each), and the files put each tensor's
+bytes at a page-aligned offset (torch.save's `storage_alignment`; the safetensors header padded with spaces), so
+the O_DIRECT writer (`rlhf_core.storage.direct_io`) writes them from where they lie instead of copying them into
+its buffers first.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
+import math
+import mmap
 import os
 import shutil
 import struct
@@ -30,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, Iterable, Iterator
 
 from rlhf_core.processes import process_exists
+from rlhf_core.storage.direct_io import ALIGNMENT, IN_PLACE_MIN_BYTES
 
 SHM_ROOT = "/dev/shm"
 PREFIX = "rlhf-snapshot-"
@@ -70,19 +78,21 @@ def remove_stale_snapshots() -> list[str]:
 
 
 @contextlib.contextmanager
-def without_zip_crc32():
-    """torch.save without its per-record CRC32 (the manifest's sha256 checks every byte instead)."""
+def torch_save_options():
+    """torch.save without its per-record CRC32 (the manifest's checksum covers every byte instead), and with each
+    tensor's bytes at a page-aligned place in the file (`ALIGNMENT`, where torch's default is 64), so the O_DIRECT
+    writer writes them from where they lie. torch.load reads either; a file grows by under 4 KiB per tensor."""
     try:
         from torch.utils.serialization import config
-    except ImportError:  # torch < 2.6 has no switch
+    except ImportError:  # torch < 2.6 has neither switch
         yield
         return
-    previous = config.save.compute_crc32
-    config.save.compute_crc32 = False
+    previous = config.save.compute_crc32, config.save.storage_alignment
+    config.save.compute_crc32, config.save.storage_alignment = False, ALIGNMENT
     try:
         yield
     finally:
-        config.save.compute_crc32 = previous
+        config.save.compute_crc32, config.save.storage_alignment = previous
 
 
 @contextlib.contextmanager
@@ -111,8 +121,7 @@ def tensors_kept_in_memory(engines: Iterable[Any], folder: str, reuse: dict[str,
 
     def keep_safetensors(tensors: dict, filename: str, metadata: dict | None = None) -> None:
         previous = reuse.get(relative(filename))
-        previous_tensors = previous.tensors if isinstance(previous, SafetensorsFile) else None
-        kept[relative(filename)] = SafetensorsFile(copy_into(previous_tensors, tensors), metadata)
+        kept[relative(filename)] = safetensors_in_memory(tensors, metadata, previous)
 
     engines = list(engines)
     originals = [engine.checkpoint_engine for engine in engines]
@@ -130,21 +139,57 @@ def tensors_kept_in_memory(engines: Iterable[Any], folder: str, reuse: dict[str,
 
 @dataclass
 class SafetensorsFile:
-    """A safetensors file kept in memory: its tensors (CPU copies) and its header's metadata."""
+    """A safetensors file kept in memory: its tensors (CPU copies) and its header's metadata. `data`, when set, is
+    the file's data section, one page-aligned buffer the tensors are views of, in the file's order."""
     tensors: dict[str, Any]
     metadata: dict[str, str] | None
+    data: Any = None
+
+
+def safetensors_in_memory(tensors: dict[str, Any], metadata: dict[str, str] | None, previous: Any) -> SafetensorsFile:
+    """`tensors` copied into one page-aligned buffer laid out as the file's data section (`previous`'s buffer when
+    its layout is the same), so the writer writes the whole section from memory in one go."""
+    import torch
+
+    if any(tensor.dtype not in _safetensors_dtypes() for tensor in tensors.values()):
+        previous_tensors = previous.tensors if isinstance(previous, SafetensorsFile) else None
+        return SafetensorsFile(copy_into(previous_tensors, tensors), metadata)
+    layout = [(name, tensors[name].dtype, tuple(tensors[name].shape)) for name in _file_order(tensors)]
+    if isinstance(previous, SafetensorsFile) and previous.data is not None and \
+            [(name, view.dtype, tuple(view.shape)) for name, view in previous.tensors.items()] == layout:
+        data = previous.data
+    else:
+        data = page_aligned_empty((sum(_num_bytes(tensors[name]) for name, _, _ in layout),), torch.uint8)
+    views, offset = {}, 0
+    for name, dtype, shape in layout:  # larger elements first: each view's offset is a multiple of its element size
+        num_bytes = _num_bytes(tensors[name])
+        views[name] = data[offset:offset + num_bytes].view(dtype).view(shape).copy_(tensors[name].detach())
+        offset += num_bytes
+    return SafetensorsFile(views, metadata, data)
+
+
+def page_aligned_empty(shape: tuple[int, ...], dtype: Any) -> Any:
+    """A new CPU tensor whose memory starts on a page (an anonymous mmap of its own) when it is large enough for
+    the O_DIRECT writer to write it from where it lies (`rlhf_core.storage.direct_io`); torch's allocator aligns
+    to 64 bytes only."""
+    import torch
+
+    num_bytes = math.prod(shape) * dtype.itemsize
+    if num_bytes < IN_PLACE_MIN_BYTES:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, num_bytes), dtype=dtype).view(shape)
 
 
 def copy_into(previous: Any, item: Any) -> Any:
-    """`item` with every tensor copied to CPU memory of its own: into the same-shaped tensor at the same place
-    in `previous` when there is one, else a new one."""
+    """`item` with every tensor copied to CPU memory of its own (`page_aligned_empty`): into the same-shaped tensor
+    at the same place in `previous` when there is one, else a new one."""
     import torch
 
     if torch.is_tensor(item):
         item = item.detach()
         if torch.is_tensor(previous) and previous.shape == item.shape and previous.dtype == item.dtype:
             return previous.copy_(item)
-        return item.clone() if item.device.type == "cpu" else item.to("cpu")
+        return page_aligned_empty(tuple(item.shape), item.dtype).copy_(item)
     if isinstance(item, dict):
         previous = previous if isinstance(previous, dict) else {}
         return type(item)({key: copy_into(previous.get(key), value) for key, value in item.items()})
@@ -162,42 +207,41 @@ def write_state(state: Any, target: BinaryIO) -> None:
     if isinstance(state, SafetensorsFile):
         write_safetensors(state, target)
         return
-    with without_zip_crc32():
+    with torch_save_options():
         torch.save(state, target)
 
 
 def write_safetensors(kept: SafetensorsFile, target: BinaryIO) -> None:
-    """`kept` in the safetensors format, streamed from the tensors' own memory (safetensors' Python API builds
-    the whole file as one `bytes` first, or wants a path). The same bytes as `safetensors.torch.save`: an
-    8-byte little-endian header length, the JSON header (metadata first, then each tensor's dtype, shape and
-    byte range) padded with spaces to 8 bytes, then the tensors back to back, larger elements first, by name."""
+    """`kept` in the safetensors format (safetensors' Python API builds the whole file as one `bytes` first, or
+    wants a path): an 8-byte little-endian header length, the JSON header (metadata first, then each tensor's
+    dtype, shape and byte range) padded with spaces, then the tensors back to back, larger elements first, by
+    name. Where this departs from `safetensors.torch.save`: the header is padded to end on `ALIGNMENT` (the format
+    allows any padding of spaces) rather than on 8 bytes, so the data section, written from `kept.data` in one
+    piece, lands aligned for O_DIRECT. The tensors and metadata read back the same."""
     from safetensors.torch import save
 
-    tensors, dtype_names = kept.tensors, _safetensors_dtypes()
-    if any(tensor.dtype not in dtype_names for tensor in tensors.values()):
-        target.write(save(tensors, kept.metadata))  # a dtype named below only by safetensors itself
+    if kept.data is None:  # a dtype named below only by safetensors itself
+        target.write(save(kept.tensors, kept.metadata))
         return
-    names = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
     header: dict[str, Any] = {"__metadata__": kept.metadata} if kept.metadata else {}
     offset = 0
-    for name in names:
-        num_bytes = tensors[name].numel() * tensors[name].element_size()
-        header[name] = {"dtype": dtype_names[tensors[name].dtype], "shape": list(tensors[name].shape),
-                        "data_offsets": [offset, offset + num_bytes]}
-        offset += num_bytes
+    for name, tensor in kept.tensors.items():
+        header[name] = {"dtype": _safetensors_dtypes()[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + _num_bytes(tensor)]}
+        offset += _num_bytes(tensor)
     encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)
+    encoded += b" " * (-(8 + len(encoded)) % ALIGNMENT)
     target.write(struct.pack("<Q", len(encoded)) + encoded)
-    for name in names:
-        if tensors[name].numel():
-            target.write(_raw_bytes(tensors[name]))
+    if offset:
+        target.write(kept.data.numpy().data)
 
 
-def _raw_bytes(tensor: Any) -> memoryview:
-    """The tensor's bytes as they lie in memory (little-endian on every host torch ships for), without a copy."""
-    import torch
+def _file_order(tensors: dict[str, Any]) -> list[str]:
+    return sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
 
-    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data
+
+def _num_bytes(tensor: Any) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def _safetensors_dtypes() -> dict[Any, str]:

@@ -28,7 +28,8 @@ from fsspec.implementations.local import LocalFileSystem
 
 from rlhf_core.storage import direct_io, durable
 from rlhf_core.faults import fault_point
-from rlhf_core.storage.manifest import MANIFEST_NAME, digest_of_local_file, digest_of_stream, parse_step_dir_name
+from rlhf_core.storage.manifest import (MANIFEST_NAME, TRANSFER_BLOCK_BYTES, digest_of_local_file, digest_of_stream,
+                                        parse_step_dir_name)
 
 
 class StoreBackend(Protocol):
@@ -146,7 +147,7 @@ class ObjectStoreBackend:
     @contextlib.contextmanager
     def open_new(self, path: str) -> Iterator[BinaryIO]:
         with self.fs.open(path, "wb") as handle:
-            yield handle
+            yield _InPieces(handle)
 
     def sync(self, handle: BinaryIO) -> None:
         pass  # durable once the upload returns, at the close
@@ -182,6 +183,24 @@ class ObjectStoreBackend:
 
     def is_file(self, path: str) -> bool:
         return False  # a key and a prefix may share a name; only a listing tells
+
+
+class _InPieces:
+    """Passes a large block to fsspec's buffered file in pieces: its buffer copies what it is given and uploads
+    a part once it holds a block, so a whole tensor written at once (several GB for a large model's optimizer
+    state) would first sit in the buffer in full."""
+
+    def __init__(self, target: BinaryIO):
+        self.target = target
+
+    def write(self, block) -> int:
+        view = memoryview(block).cast("B")
+        for start in range(0, len(view), TRANSFER_BLOCK_BYTES):
+            self.target.write(view[start:start + TRANSFER_BLOCK_BYTES])
+        return len(view)
+
+    def flush(self) -> None:
+        self.target.flush()
 
 
 def backend_for(fs: Any) -> StoreBackend:

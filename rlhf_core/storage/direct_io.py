@@ -13,6 +13,9 @@ How: bytes are gathered into one of two page-aligned buffers (`mmap`) of `BUFFER
 the file from a second thread (`os.write` releases the GIL) while the other fills, so the disk works while the
 caller serializes. The file then holds whole buffers at aligned offsets; what is left at `flush` is written
 aligned as far as it goes and the last partial block through the page cache (O_DIRECT cleared), so any size works.
+A large block that lies page-aligned in memory and lands at an aligned place in the file (a snapshot's tensors:
+`rlhf_core.rank.snapshot` allocates them so, and lays its files out so) is written from where it lies, not copied
+into a buffer first: for a checkpoint's tensors that copy was most of the writer's CPU time besides the checksum.
 Where the filesystem refuses O_DIRECT, at the open (EINVAL) or at the first write, the file is written through
 the page cache instead, with nothing lost. `RLHF_WRITER_DIRECT_IO=0` turns it off (forwarded to the ranks with
 the other `RLHF_WRITER_` settings): e.g. on an NFS mount whose server prefers the client's write coalescing.
@@ -31,6 +34,8 @@ DIRECT_IO_ENV = "RLHF_WRITER_DIRECT_IO"
 # requests; small enough that two per open file cost little memory.
 BUFFER_BYTES = 8 << 20
 ALIGNMENT = 4096  # the largest logical block size in common use; O_DIRECT needs offset, length, address aligned
+# Smaller blocks are copied into the buffer: a write of its own would cost more than the copy it saves.
+IN_PLACE_MIN_BYTES = 1 << 20
 
 
 def direct_io_enabled() -> bool:
@@ -67,6 +72,25 @@ class DirectWriter:
 
     def write(self, block) -> int:
         view = memoryview(block).cast("B")
+        if len(view) >= IN_PLACE_MIN_BYTES and self._num_filled % ALIGNMENT == 0 and address_of(view) % ALIGNMENT == 0:
+            self._write_in_place(view)
+        else:
+            self._copy_in(view)
+        return len(view)
+
+    def _write_in_place(self, view: memoryview) -> None:
+        """`view`'s aligned part written to the file from the caller's memory, after what the buffer holds (an
+        aligned length, so the file's end stays aligned), and only its tail (under one block) copied in."""
+        self._wait()
+        if self._num_filled:
+            pending = memoryview(self._buffers[self._current])[:self._num_filled]
+            self._num_filled = 0
+            self._guarded(self._write_all, pending)
+        num_aligned = len(view) // ALIGNMENT * ALIGNMENT
+        self._guarded(self._write_all, view[:num_aligned])
+        self._copy_in(view[num_aligned:])
+
+    def _copy_in(self, view: memoryview) -> None:
         if not self._buffers:
             self._buffers = [mmap.mmap(-1, self._buffer_bytes) for _ in range(2)]
         start = 0
@@ -77,7 +101,6 @@ class DirectWriter:
             start += num_taken
             if self._num_filled == self._buffer_bytes:
                 self._hand_off()
-        return len(view)
 
     def flush(self) -> None:
         """Every byte written so far into the file (not to the disk: that is the caller's fsync)."""
@@ -136,3 +159,10 @@ class DirectWriter:
             flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
             fcntl.fcntl(self._fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
             self._direct = False
+
+
+def address_of(view: memoryview) -> int:
+    """Where `view`'s bytes start in memory (read-only views too, which ctypes cannot take)."""
+    import numpy
+
+    return numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data if len(view) else 0

@@ -100,7 +100,17 @@ class WritebackAhead:
     for the last window. Without it a checkpoint's bytes stay dirty in the page cache (a 1.6 GB checkpoint is
     under the kernel's background-writeback threshold on most machines) and the whole write to disk happens
     inside the fsync, after serialization. It starts writeback only; durability still comes from the fsync.
-    Where the call is missing or refused (not Linux, a filesystem without it) it does nothing."""
+    Where the call is missing or refused (not Linux, a filesystem without it) it does nothing.
+
+    Large blocks are passed on in pieces of `_PIECE_BYTES`: on a VM whose kernel reports free memory to its host
+    (Firecracker's page_reporting), MiB-sized write()s soon after memory was freed measured about 9x slower (1.2 GB:
+    2.4-3.1 s in 4 MiB writes, 0.28 s in 64 KiB writes; cp's splice 0.30 s), likely because they take large
+    page-cache folios from memory the host took back. But 64 KiB pieces made the fsync after them slower: a 1.2 GB
+    torch.save made durable (write + fsync, 3 runs each, 4 s after the last file's pages were freed) took 3.0-3.6 s
+    in 64 KiB pieces, 2.7-2.85 s in 256 KiB, 2.7 s in 1 MiB, against 3.1-3.4 s for `cp` + fsync of the same bytes.
+    256 KiB was best or level in every case measured."""
+
+    _PIECE_BYTES = 256 << 10
 
     def __init__(self, target: BinaryIO, window_bytes: int | None = None):
         self.target, self.window_bytes = target, window_bytes or WRITEBACK_WINDOW_BYTES
@@ -108,11 +118,12 @@ class WritebackAhead:
         self._enabled = _sync_file_range is not None
 
     def write(self, block) -> int:
-        num_bytes = self.target.write(block)
-        self._written += num_bytes
-        if self._enabled and self._written - self._requested >= self.window_bytes:
-            self._request_writeback()
-        return num_bytes
+        view = memoryview(block).cast("B")
+        for start in range(0, len(view), self._PIECE_BYTES):
+            self._written += self.target.write(view[start:start + self._PIECE_BYTES])
+            if self._enabled and self._written - self._requested >= self.window_bytes:
+                self._request_writeback()
+        return len(view)
 
     def _request_writeback(self) -> None:
         self.target.flush()  # Python's buffer into the page cache first, or the range is not dirty yet

@@ -276,15 +276,6 @@ class HashingWriter:
     mid-transfer."""
 
     _PARALLEL_BYTES = 1 << 20  # smaller writes are hashed inline (a thread hand-off costs more)
-    # Passed on in pieces this large: on a VM whose kernel reports free memory to its host (Firecracker's
-    # page_reporting), MiB-sized write()s soon after memory was freed measured about 9x slower (1.2 GB:
-    # 2.4-3.1 s in 4 MiB writes, 0.28 s in 64 KiB writes; cp's splice 0.30 s), likely because they take
-    # large page-cache folios from memory the host took back. But 64 KiB pieces made the fsync after them
-    # slower: a 1.2 GB torch.save made durable (write + fsync, 3 runs each, 4 s after the last file's pages
-    # were freed, 32 MiB writeback ahead) took 3.0-3.6 s in 64 KiB pieces, 2.7-2.85 s in 256 KiB, 2.7 s in
-    # 1 MiB, against 3.1-3.4 s for `cp` + fsync of the same bytes; without writeback ahead, 1 MiB pieces were
-    # the slowest (3.5-4.5 s). 256 KiB is best or level in every case measured.
-    _PIECE_BYTES = 256 << 10
 
     def __init__(self, target: BinaryIO, after_first_block: Callable[[], None] | None = None,
                  checksum: str = DEFAULT_CHECKSUM):
@@ -298,7 +289,7 @@ class HashingWriter:
         if num_bytes >= self._PARALLEL_BYTES:
             self._hasher = self._hasher or ThreadPoolExecutor(1, thread_name_prefix="checksum")
             hashed = self._hasher.submit(self._digest.update, block)
-            self._write_in_pieces(block, num_bytes)
+            self.target.write(block)
             waited = time.perf_counter()
             hashed.result()
             self.hash_wait_seconds += time.perf_counter() - waited
@@ -312,11 +303,6 @@ class HashingWriter:
         if first and self.after_first_block is not None:
             self.after_first_block()
         return num_bytes
-
-    def _write_in_pieces(self, block, num_bytes: int) -> None:
-        view = memoryview(block).cast("B")
-        for start in range(0, num_bytes, self._PIECE_BYTES):
-            self.target.write(view[start:start + self._PIECE_BYTES])
 
     def flush(self) -> None:
         self.target.flush()

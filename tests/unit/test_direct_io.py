@@ -122,3 +122,53 @@ def test_a_disk_that_fills_mid_file_is_a_full_store_and_leaves_no_file_open(tmp_
         store.commit(2, str(source), {"global_step": 2})
     assert set(os.listdir("/proc/self/fd")) <= open_fds
     assert not [info for info in store.list() if info.is_committed]
+
+
+def _page_aligned(data: bytes) -> memoryview:
+    import mmap
+
+    buffer = mmap.mmap(-1, len(data))
+    buffer[:] = data
+    return memoryview(buffer)
+
+
+def test_a_page_aligned_block_at_an_aligned_place_is_written_from_where_it_lies(tmp_path: Path, writes, monkeypatch):
+    """A snapshot's tensor (page-aligned memory) that lands at an aligned offset goes to the file without a copy:
+    what the buffer held first, then the block's aligned part from the caller's memory; its tail is buffered."""
+    monkeypatch.setattr(direct_io, "IN_PLACE_MIN_BYTES", 16 << 10)
+    header, block = os.urandom(8192), _page_aligned(os.urandom(3 * BUFFER + 12345))
+    seen_addresses: list[int] = []
+    real_write = os.write
+    monkeypatch.setattr(os, "write", lambda fd, data: seen_addresses.append(direct_io.address_of(memoryview(data)))
+                        or real_write(fd, data))
+    writer = direct_io.open_direct(str(tmp_path / "state.pt"))
+    writer._buffer_bytes = BUFFER
+    try:
+        writer.write(header)
+        writer.write(block)
+        writer.flush()
+    finally:
+        writer.close()
+    aligned_part = 3 * BUFFER + 12288
+    assert writes == [(0, 8192, True), (8192, aligned_part, True), (8192 + aligned_part, 57, False)]
+    assert seen_addresses[1] == direct_io.address_of(block), "the block's bytes went from where they lie"
+    assert (tmp_path / "state.pt").read_bytes() == header + bytes(block)
+
+
+@pytest.mark.parametrize("case", ["unaligned memory", "unaligned place in the file", "small"])
+def test_a_block_not_aligned_in_memory_or_in_the_file_is_copied_into_the_buffer(tmp_path: Path, monkeypatch, case: str):
+    monkeypatch.setattr(direct_io, "IN_PLACE_MIN_BYTES", 16 << 10)
+    monkeypatch.setattr(direct_io.DirectWriter, "_write_in_place", lambda *args: pytest.fail("written in place"))
+    data = os.urandom(2 * BUFFER + 100)
+    block = {"unaligned memory": _page_aligned(b"x" * 8 + data)[8:], "unaligned place in the file": _page_aligned(data),
+             "small": _page_aligned(data[:(16 << 10) - 1])}[case]
+    header = b"h" * (100 if case == "unaligned place in the file" else 4096)
+    writer = direct_io.open_direct(str(tmp_path / "state.pt"))
+    writer._buffer_bytes = BUFFER
+    try:
+        writer.write(header)
+        writer.write(block)
+        writer.flush()
+    finally:
+        writer.close()
+    assert (tmp_path / "state.pt").read_bytes() == header + bytes(block)

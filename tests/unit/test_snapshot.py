@@ -49,15 +49,36 @@ def test_a_dead_process_snapshot_is_removed_and_a_live_one_kept(tmp_path, monkey
     assert not dead.exists() and alive.exists() and unrelated.exists()
 
 
-def test_without_zip_crc32_writes_files_torch_loads_back(tmp_path):
+def test_torch_save_options_drop_the_crc32_and_align_each_tensor_to_a_page_in_the_file(tmp_path):
+    import zipfile
+
     from torch.utils.serialization import config
 
-    tensors = {"weight": torch.randn(64, 64)}
-    with snapshot.without_zip_crc32():
+    tensors = {"weight": torch.randn(64, 64), "bias": torch.randn(7), "step": torch.tensor(3)}
+    with snapshot.torch_save_options():
         assert config.save.compute_crc32 is False
         torch.save(tensors, tmp_path / "state.pt")
-    assert config.save.compute_crc32 is True
-    assert torch.load(tmp_path / "state.pt")["weight"].equal(tensors["weight"])
+    assert config.save.compute_crc32 is True and config.save.storage_alignment == 64, "torch's own defaults come back"
+    loaded = torch.load(tmp_path / "state.pt")
+    assert all(loaded[name].equal(tensor) for name, tensor in tensors.items())
+    with zipfile.ZipFile(tmp_path / "state.pt") as archive:
+        records = [record for record in archive.infolist() if "/data/" in record.filename]
+        assert len(records) == 3
+        for record in records:  # where the record's bytes start: after its local header and extra field
+            with archive.open(record) as opened:
+                start = opened._fileobj.tell()
+            assert start % 4096 == 0, f"{record.filename} starts at {start}"
+
+
+def test_large_kept_tensors_start_on_a_page_so_the_writer_writes_them_where_they_lie():
+    from rlhf_core.storage.direct_io import IN_PLACE_MIN_BYTES, address_of
+
+    large = snapshot.copy_into(None, {"w": torch.randn(IN_PLACE_MIN_BYTES // 4 + 3), "b": torch.randn(5)})
+    assert large["w"].data_ptr() % 4096 == 0 and address_of(large["w"].numpy().data) == large["w"].data_ptr()
+    bf16 = snapshot.page_aligned_empty((IN_PLACE_MIN_BYTES, 2), torch.bfloat16)
+    assert bf16.data_ptr() % 4096 == 0 and bf16.shape == (IN_PLACE_MIN_BYTES, 2) and bf16.dtype == torch.bfloat16
+    bf16.fill_(1.5)  # the mmap stays alive with the tensor alone holding it
+    assert bf16.float().sum().item() == 1.5 * 2 * IN_PLACE_MIN_BYTES
 
 
 def test_kept_state_is_a_copy_written_later_as_torch_saved_and_its_buffers_serve_the_next(tmp_path):
@@ -95,14 +116,20 @@ def test_kept_state_is_a_copy_written_later_as_torch_saved_and_its_buffers_serve
     assert torch.equal(written(second)["module"]["w"], torch.arange(102, 106, dtype=torch.float32))
 
 
-def test_the_hf_copy_is_kept_in_memory_and_written_byte_for_byte_as_save_pretrained_writes_it(tmp_path):
-    """transformers' save_pretrained inside the snapshot leaves its weights in memory (its config in the folder);
-    the writer's safetensors bytes are those save_pretrained writes itself, for fp32 and bf16 models, a later
-    change to the model does not reach the kept copy, and the next snapshot reuses its buffers."""
+def test_the_hf_copy_is_kept_in_memory_and_written_as_save_pretrained_writes_it_but_for_the_header_padding(tmp_path,
+                                                                                                        monkeypatch):
+    """transformers' save_pretrained inside the snapshot leaves its weights in memory (its config in the folder).
+    The writer's safetensors file is the one save_pretrained writes, for fp32 and bf16 models with tied weights,
+    but for the header's padding of spaces, which ends it on a page (so the data section goes out from memory, one
+    write); safetensors and transformers read it back the same. A later change to the model does not reach the kept
+    copy, and the next snapshot reuses its buffer."""
     import io
+    import struct
 
+    from safetensors import safe_open
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    monkeypatch.setattr(snapshot, "IN_PLACE_MIN_BYTES", 1)  # this tiny model's buffer starts on a page too
     for dtype in (torch.float32, torch.bfloat16):
         torch.manual_seed(0)
         model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64)).to(dtype)
@@ -117,11 +144,23 @@ def test_the_hf_copy_is_kept_in_memory_and_written_byte_for_byte_as_save_pretrai
             next(model.parameters()).add_(1.0)  # training goes on after the snapshot
         buffer = io.BytesIO()
         snapshot.write_state(kept["actor/hf/model.safetensors"], buffer)
-        assert buffer.getvalue() == (tmp_path / f"plain-{dtype}" / "model.safetensors").read_bytes()
+        ours, theirs = buffer.getvalue(), (tmp_path / f"plain-{dtype}" / "model.safetensors").read_bytes()
+        (our_length,), (their_length,) = struct.unpack("<Q", ours[:8]), struct.unpack("<Q", theirs[:8])
+        assert (8 + our_length) % 4096 == 0
+        assert ours[8:8 + our_length].rstrip(b" ") == theirs[8:8 + their_length].rstrip(b" ")
+        assert ours[8 + our_length:] == theirs[8 + their_length:], "the data section, byte for byte"
+        (folder / "actor" / "hf" / "model.safetensors").write_bytes(ours)
+        with safe_open(folder / "actor" / "hf" / "model.safetensors", "pt") as opened:
+            assert opened.metadata() == {"format": "pt"}
+            assert len(opened.keys()) == len(kept["actor/hf/model.safetensors"].tensors)
+        reloaded = GPT2LMHeadModel.from_pretrained(folder / "actor" / "hf", torch_dtype=dtype)
+        original = GPT2LMHeadModel.from_pretrained(tmp_path / f"plain-{dtype}", torch_dtype=dtype)
+        assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), original.state_dict().values()))
         with snapshot.tensors_kept_in_memory([], str(folder), reuse=kept) as again:
             model.save_pretrained(folder / "actor" / "hf", safe_serialization=True)
-        first, second = (state["actor/hf/model.safetensors"].tensors for state in (kept, again))
-        assert all(first[name] is second[name] for name in first), "the next snapshot copies into the same buffers"
+        first, second = (state["actor/hf/model.safetensors"] for state in (kept, again))
+        assert second.data is first.data, "the next snapshot copies into the same buffer"
+        assert second.data.data_ptr() % 4096 == 0
 
 
 def test_a_dtype_only_safetensors_names_is_written_by_safetensors_itself():

@@ -55,3 +55,22 @@ def test_nothing_else_tells_a_local_url_by_hand():
              for path in (ROOT / package).rglob("*.py") if path.name != "urls.py"
              for number, line in enumerate(path.read_text().splitlines(), 1) if hand_written.search(line)]
     assert found == []
+
+
+def test_an_object_store_file_is_handed_a_large_block_in_pieces(monkeypatch):
+    """fsspec's buffered files copy what they are given and upload a part once they hold a block: a whole
+    tensor passed at once would sit in that buffer in full first."""
+    from fsspec.implementations.memory import MemoryFile
+
+    from rlhf_core.storage.manifest import TRANSFER_BLOCK_BYTES
+
+    sizes: list[int] = []
+    real_write = MemoryFile.write
+    monkeypatch.setattr(MemoryFile, "write", lambda self, data: sizes.append(memoryview(data).nbytes)
+                        or real_write(self, data))
+    fs = MemoryFileSystem()
+    data = bytes(range(256)) * ((2 * TRANSFER_BLOCK_BYTES + 4097) // 256)
+    with ObjectStoreBackend(fs).open_new("/bucket/run/step_1/optim_states.pt") as handle:
+        assert handle.write(data) == len(data)
+    assert max(sizes) == TRANSFER_BLOCK_BYTES and sum(sizes) == len(data)
+    assert fs.cat_file("/bucket/run/step_1/optim_states.pt") == data
