@@ -224,9 +224,9 @@ def write_safetensors(kept: SafetensorsFile, target: BinaryIO) -> None:
         target.write(save(kept.tensors, kept.metadata))
         return
     header: dict[str, Any] = {"__metadata__": kept.metadata} if kept.metadata else {}
-    offset = 0
+    offset, dtype_names = 0, _safetensors_dtypes()
     for name, tensor in kept.tensors.items():
-        header[name] = {"dtype": _safetensors_dtypes()[tensor.dtype], "shape": list(tensor.shape),
+        header[name] = {"dtype": dtype_names[tensor.dtype], "shape": list(tensor.shape),
                         "data_offsets": [offset, offset + _num_bytes(tensor)]}
         offset += _num_bytes(tensor)
     encoded = json.dumps(header, separators=(",", ":")).encode()
