@@ -194,10 +194,11 @@ class _InPieces:
         self.target = target
 
     def write(self, block) -> int:
-        view = memoryview(block).cast("B")
-        for start in range(0, len(view), TRANSFER_BLOCK_BYTES):
-            self.target.write(view[start:start + TRANSFER_BLOCK_BYTES])
-        return len(view)
+        num_bytes = 0
+        for piece in durable.pieces_of(block, TRANSFER_BLOCK_BYTES):
+            num_bytes += len(piece)
+            self.target.write(piece)
+        return num_bytes
 
     def flush(self) -> None:
         self.target.flush()

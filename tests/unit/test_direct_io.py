@@ -34,12 +34,16 @@ def writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, bool]]:
 
 
 def _write(path: Path, data: bytes, piece: int) -> None:
+    _write_blocks(path, [data[start:start + piece] for start in range(0, len(data), piece)])
+
+
+def _write_blocks(path: Path, blocks: list) -> None:
     writer = direct_io.open_direct(str(path))
     assert writer is not None, f"O_DIRECT was refused on {path}"
     writer._buffer_bytes = BUFFER
     try:
-        for start in range(0, len(data), piece):
-            writer.write(data[start:start + piece])
+        for block in blocks:
+            writer.write(block)
         writer.flush()
         os.fsync(writer.fileno())
     finally:
@@ -141,14 +145,7 @@ def test_a_page_aligned_block_at_an_aligned_place_is_written_from_where_it_lies(
     real_write = os.write
     monkeypatch.setattr(os, "write", lambda fd, data: seen_addresses.append(direct_io.address_of(memoryview(data)))
                         or real_write(fd, data))
-    writer = direct_io.open_direct(str(tmp_path / "state.pt"))
-    writer._buffer_bytes = BUFFER
-    try:
-        writer.write(header)
-        writer.write(block)
-        writer.flush()
-    finally:
-        writer.close()
+    _write_blocks(tmp_path / "state.pt", [header, block])
     aligned_part = 3 * BUFFER + 12288
     assert writes == [(0, 8192, True), (8192, aligned_part, True), (8192 + aligned_part, 57, False)]
     assert seen_addresses[1] == direct_io.address_of(block), "the block's bytes went from where they lie"
@@ -163,12 +160,5 @@ def test_a_block_not_aligned_in_memory_or_in_the_file_is_copied_into_the_buffer(
     block = {"unaligned memory": _page_aligned(b"x" * 8 + data)[8:], "unaligned place in the file": _page_aligned(data),
              "small": _page_aligned(data[:(16 << 10) - 1])}[case]
     header = b"h" * (100 if case == "unaligned place in the file" else 4096)
-    writer = direct_io.open_direct(str(tmp_path / "state.pt"))
-    writer._buffer_bytes = BUFFER
-    try:
-        writer.write(header)
-        writer.write(block)
-        writer.flush()
-    finally:
-        writer.close()
+    _write_blocks(tmp_path / "state.pt", [header, block])
     assert (tmp_path / "state.pt").read_bytes() == header + bytes(block)
