@@ -78,21 +78,45 @@ def remove_stale_snapshots() -> list[str]:
 
 
 @contextlib.contextmanager
-def torch_save_options():
-    """torch.save without its per-record CRC32 (the manifest's checksum covers every byte instead), and with each
-    tensor's bytes at a page-aligned place in the file (`ALIGNMENT`, where torch's default is 64), so the O_DIRECT
-    writer writes them from where they lie. torch.load reads either; a file grows by under 4 KiB per tensor."""
+def torch_save_options(page_aligned: bool = True):
+    """torch.save without its per-record CRC32 (the manifest's checksum covers every byte instead), and, when
+    `page_aligned`, with each tensor's bytes at a page-aligned place in the file (`ALIGNMENT`, where torch's default
+    is 64), so the O_DIRECT writer writes them from where they lie. torch.load reads either."""
     try:
         from torch.utils.serialization import config
     except ImportError:  # torch < 2.6 has neither switch
         yield
         return
     previous = config.save.compute_crc32, config.save.storage_alignment
-    config.save.compute_crc32, config.save.storage_alignment = False, ALIGNMENT
+    config.save.compute_crc32 = False
+    if page_aligned:
+        config.save.storage_alignment = ALIGNMENT
     try:
         yield
     finally:
         config.save.compute_crc32, config.save.storage_alignment = previous
+
+
+def pays_to_align(state: Any) -> bool:
+    """Whether putting each of `state`'s tensors on a page in its file pays: it holds a tensor the writer can
+    write from where it lies (`IN_PLACE_MIN_BYTES` or more), and the padding (under `ALIGNMENT` per tensor) adds at
+    most 1% to the file. A small model's state would otherwise grow by half or more (100 tensors of a few KiB each
+    padded to 4 KiB), which is also what the checkpoint-size alert looks for."""
+    sizes = [_num_bytes(tensor) for tensor in _tensors_in(state)]
+    return bool(sizes) and max(sizes) >= IN_PLACE_MIN_BYTES and len(sizes) * ALIGNMENT <= sum(sizes) // 100
+
+
+def _tensors_in(item: Any) -> Iterator[Any]:
+    import torch
+
+    if torch.is_tensor(item):
+        yield item
+    elif isinstance(item, dict):
+        for value in item.values():
+            yield from _tensors_in(value)
+    elif isinstance(item, (list, tuple)):
+        for value in item:
+            yield from _tensors_in(value)
 
 
 @contextlib.contextmanager
@@ -207,7 +231,7 @@ def write_state(state: Any, target: BinaryIO) -> None:
     if isinstance(state, SafetensorsFile):
         write_safetensors(state, target)
         return
-    with torch_save_options():
+    with torch_save_options(page_aligned=pays_to_align(state)):
         torch.save(state, target)
 
 
@@ -215,9 +239,10 @@ def write_safetensors(kept: SafetensorsFile, target: BinaryIO) -> None:
     """`kept` in the safetensors format (safetensors' Python API builds the whole file as one `bytes` first, or
     wants a path): an 8-byte little-endian header length, the JSON header (metadata first, then each tensor's
     dtype, shape and byte range) padded with spaces, then the tensors back to back, larger elements first, by
-    name. Where this departs from `safetensors.torch.save`: the header is padded to end on `ALIGNMENT` (the format
-    allows any padding of spaces) rather than on 8 bytes, so the data section, written from `kept.data` in one
-    piece, lands aligned for O_DIRECT. The tensors and metadata read back the same."""
+    name. Where this departs from `safetensors.torch.save`: when the data section is large enough to be written
+    from where it lies (`IN_PLACE_MIN_BYTES`), the header is padded to end on `ALIGNMENT` (the format allows any
+    padding of spaces) rather than on 8 bytes, so the data section, written from `kept.data` in one piece, lands
+    aligned for O_DIRECT. The tensors and metadata read back the same."""
     from safetensors.torch import save
 
     if kept.data is None:  # a dtype named below only by safetensors itself
@@ -230,7 +255,8 @@ def write_safetensors(kept: SafetensorsFile, target: BinaryIO) -> None:
                         "data_offsets": [offset, offset + _num_bytes(tensor)]}
         offset += _num_bytes(tensor)
     encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-(8 + len(encoded)) % ALIGNMENT)
+    page_aligned = offset >= IN_PLACE_MIN_BYTES  # a small file is written through the writer's buffers anyway
+    encoded += b" " * (-(8 + len(encoded)) % (ALIGNMENT if page_aligned else 8))
     target.write(struct.pack("<Q", len(encoded)) + encoded)
     if offset:
         target.write(kept.data.numpy().data)

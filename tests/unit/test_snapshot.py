@@ -70,6 +70,28 @@ def test_torch_save_options_drop_the_crc32_and_align_each_tensor_to_a_page_in_th
             assert start % 4096 == 0, f"{record.filename} starts at {start}"
 
 
+def test_a_small_state_is_written_unpadded_and_a_large_one_page_aligned_at_under_one_percent():
+    """Page alignment pays only where the writer writes a tensor from where it lies; a small model's state padded to
+    pages would grow by half (and trip the checkpoint-size alert), so it keeps torch's own 64-byte alignment."""
+    import io
+
+    from rlhf_core.storage.direct_io import IN_PLACE_MIN_BYTES
+
+    def saved_bytes(state, write) -> int:
+        buffer = io.BytesIO()
+        write(state, buffer)
+        return len(buffer.getvalue())
+
+    small = {f"layer{i}": torch.randn(16, 16) for i in range(100)}  # ~100 KiB in 100 tensors
+    plain = saved_bytes(small, torch.save)
+    assert not snapshot.pays_to_align(small)
+    assert saved_bytes(small, snapshot.write_state) <= plain * 1.01
+    large = dict(list(small.items())[:20]) | {"embedding": torch.randn(IN_PLACE_MIN_BYTES * 10 // 4)}  # padding < 1%
+    assert snapshot.pays_to_align(large)
+    assert saved_bytes(large, torch.save) < saved_bytes(large, snapshot.write_state) <= saved_bytes(large, torch.save) * 1.01
+    assert not snapshot.pays_to_align({"step": 3}) and not snapshot.pays_to_align({"w": torch.randn(IN_PLACE_MIN_BYTES // 4)} | small)
+
+
 def test_large_kept_tensors_start_on_a_page_so_the_writer_writes_them_where_they_lie():
     from rlhf_core.storage.direct_io import IN_PLACE_MIN_BYTES, address_of
 
