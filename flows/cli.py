@@ -201,6 +201,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     # starts a second one (see flows.pipeline._start_ephemeral_server_in_background).
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
     args = build_parser().parse_args(argv)
+    code = _handle(args)
+    if argv is None:  # a real command leaves without Ray's exit waits and the interpreter's teardown (~2 s)
+        from rlhf_core.driver.process_exit import exit_now
+
+        exit_now(code)
+    return code
+
+
+def _handle(args: argparse.Namespace) -> int:
     try:
         return args.handler(args) or 0
     except StoppedBySignal as stopped:
