@@ -244,6 +244,7 @@ def _stopped(run: RunConfig, stage: str, total_steps: int, result: ChunkResult |
              num_trained: int, reason: str, logger) -> dict:
     """The summary of a stage stopped by a run budget at a chunk boundary (not exported)."""
     step = result.step if result is not None else 0
+    report.refresh()
     logger.info("%s: stopped at step %d/%d because %s; the next run of %s continues from there.",
                 stage, step, total_steps, reason, run.run_name)
     return {"status": STOPPED_BY_BUDGET, "final_step": step, "total_steps": total_steps,
