@@ -8,12 +8,12 @@ around each step of the exit, 2 loaded cores):
 - the interpreter's own teardown (module and C++ destructors: torch, Ray's core worker, gRPC) ran 1.2 s with no
   Python frame on the stack.
 
-`exit_now` does what the exit needs and skips the rest: it stops the local Ray cluster this process started
-(the monitor first, with SIGKILL: it only watches a cluster that is going away), runs every atexit handler
-(Prefect's server stop and log and event drains, logging's flush, Ray's shutdown, now a no-op), joins the
-threads Python would join, flushes stdout and stderr, and `os._exit`s with the command's code. Nothing durable
-waits on the skipped teardown: checkpoints, manifests, `latest` and the ledger are fsync'd and closed when
-written (rlhf_core.storage.durable).
+`exit_now` does what the exit needs, in the interpreter's order, and skips the rest: threading's exit callbacks
+(Prefect's log and event drains) and the join of non-daemon threads; the local Ray cluster this process started
+stopped (the monitor first, with SIGKILL: it only watches a cluster that is going away); every atexit handler
+(Prefect's server stop, logging's flush, Ray's shutdown, now a no-op); stdout and stderr flushed; then
+`os._exit` with the command's code. Nothing durable waits on the skipped teardown: checkpoints, manifests,
+`latest` and the ledger are fsync'd and closed when written (rlhf_core.storage.durable).
 """
 
 from __future__ import annotations
@@ -27,10 +27,8 @@ from typing import NoReturn
 
 def exit_now(code: int) -> NoReturn:
     """End this process with `code` once its atexit handlers and non-daemon threads are done."""
+    _finish_threads()
     _stop_local_ray()
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -38,6 +36,19 @@ def exit_now(code: int) -> NoReturn:
         except (OSError, ValueError):  # a closed pipe or stream: nothing more can reach it
             pass
     os._exit(code)
+
+
+def _finish_threads() -> None:
+    """What the interpreter does first at exit: threading's own exit callbacks (Prefect drains its log and event
+    queues to the API there, which must happen before its server is stopped by an atexit handler), then a join
+    of the non-daemon threads."""
+    shutdown = getattr(threading, "_shutdown", None)  # private, but it is the interpreter's own first step
+    if shutdown is not None and threading.current_thread() is threading.main_thread():
+        shutdown()
+        return
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
 
 
 def _stop_local_ray() -> None:

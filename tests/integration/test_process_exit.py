@@ -25,7 +25,10 @@ CHILD = textwrap.dedent("""
         ray.init(include_dashboard=False, num_cpus=1)
         node = ray._private.worker._global_node
         pids = {name: [info.process.pid for info in infos] for name, infos in node.all_processes.items()}
-    atexit.register(lambda: open(f"{folder}/atexit", "w").write("ran"))
+    # Prefect drains its log queue to the API in threading's exit callbacks, before the atexit handler that stops
+    # its server: the order the interpreter keeps.
+    threading._register_atexit(lambda: open(f"{folder}/drained", "w").write("before the server stopped"))
+    atexit.register(lambda: open(f"{folder}/atexit", "w").write(open(f"{folder}/drained").read()))
 
     def finish_late():
         time.sleep(3)
@@ -46,7 +49,7 @@ def test_exit_now_keeps_the_code_atexit_threads_and_output_and_leaves_no_ray_pro
     assert done.returncode == 3, done.stderr[-3000:]
     first_line, _, rest = done.stdout.partition("\n")
     assert rest == "last words, no newline"
-    assert (tmp_path / "atexit").read_text() == "ran" and (tmp_path / "thread").read_text() == "joined"
+    assert (tmp_path / "atexit").read_text() == "before the server stopped" and (tmp_path / "thread").read_text() == "joined"
     pids = json.loads(first_line)
     assert {"raylet", "gcs_server", "monitor"} <= set(pids) or with_ray == "no ray", pids
     left = {name: pid for name, group in pids.items() for pid in group if process_exists(pid)}
