@@ -16,9 +16,9 @@ per key (not one per chunk) and the key's latest version is always the current o
 the console line follow every chunk; the other views are refreshed at most every `REFRESH_S` seconds and when
 the stage ends: drawing the curve and sending the views cost the driver about 0.1 CPU-seconds a chunk and
 Prefect's server 0.025 (a toy run of 32 one-step chunks: 10.8 -> 7.5 CPU-seconds in `rlhf`, 3.45 -> 2.64 in the
-server), taken from the cores the ranks train on while they train ahead (bench/README.md, "The whole run"). Everything is
-emitted from the flow body, never from the chunk task: a cached task body does not run,
-and a rerun must show its finished chunks too. Artifact keys take lowercase letters, digits and dashes.
+server), taken from the cores the ranks train on while they train ahead (bench/README.md, "The driver's
+per-chunk report"). Everything is emitted from the flow body, never from the chunk task: a cached task body
+does not run, and a rerun must show its finished chunks too. Artifact keys take lowercase letters, digits and dashes.
 """
 
 from __future__ import annotations

@@ -49,7 +49,8 @@ def test_exit_now_keeps_the_code_atexit_threads_and_output_and_leaves_no_ray_pro
     assert done.returncode == 3, done.stderr[-3000:]
     first_line, _, rest = done.stdout.partition("\n")
     assert rest == "last words, no newline"
-    assert (tmp_path / "atexit").read_text() == "before the server stopped" and (tmp_path / "thread").read_text() == "joined"
+    assert (tmp_path / "atexit").read_text() == "before the server stopped"
+    assert (tmp_path / "thread").read_text() == "joined"
     pids = json.loads(first_line)
     assert {"raylet", "gcs_server", "monitor"} <= set(pids) or with_ray == "no ray", pids
     left = {name: pid for name, group in pids.items() for pid in group if process_exists(pid)}
