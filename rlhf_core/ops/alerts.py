@@ -234,8 +234,13 @@ def non_finite_metrics(metrics: Mapping[str, Any]) -> list[str]:
 
 def non_finite_parameters(module_or_named_tensors, limit: int = NUM_PARAMETERS_NAMED) -> list[str]:
     """The names of the first `limit` parameters holding NaN or Inf, from a torch module or (name, tensor)
-    pairs (a mapping too). One `isfinite().all()` per tensor. Under ZeRO-3 each rank checks its own
-    partition (`ds_tensor`), so the caller combines the ranks' answers."""
+    pairs (a mapping too). Under ZeRO-3 each rank checks its own partition (`ds_tensor`), so the caller
+    combines the ranks' answers.
+
+    Each tensor is summed in fp32 first: a NaN or an Inf anywhere makes the sum non-finite, and one read of the
+    tensor costs a tenth of `isfinite().all()`, which writes a mask as large as the tensor (3.6 against 38 ms
+    for a 23.6M model's weights on 2 cores). The ranks wait for this check at every chunk boundary. Only a
+    non-finite sum, which finite values that overflow can also give, is confirmed with `isfinite`."""
     import torch
 
     if isinstance(module_or_named_tensors, torch.nn.Module):
@@ -248,11 +253,17 @@ def non_finite_parameters(module_or_named_tensors, limit: int = NUM_PARAMETERS_N
     with torch.no_grad():
         for name, tensor in named:
             data = getattr(tensor, "ds_tensor", tensor)
-            if data.is_floating_point() and data.numel() and not bool(torch.isfinite(data).all()):
+            if data.is_floating_point() and data.numel() and not _all_finite(data):
                 found.append(name)
                 if len(found) >= limit:
                     break
     return found
+
+
+def _all_finite(tensor) -> bool:
+    import torch
+
+    return bool(torch.isfinite(tensor.sum(dtype=torch.float32))) or bool(torch.isfinite(tensor).all())
 
 
 class NonFiniteTraining(RLHFError, RuntimeError):

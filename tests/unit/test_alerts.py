@@ -305,6 +305,16 @@ def test_non_finite_parameters_from_a_module_a_mapping_and_zero3_partitions():
     assert non_finite_parameters([("w", partitioned)]) == ["w"]
 
 
+def test_non_finite_parameters_are_told_apart_from_finite_values_whose_sum_overflows():
+    # The check sums each tensor first; a sum that overflows must not pass for a NaN or an Inf.
+    huge = torch.full((4,), torch.finfo(torch.float32).max)
+    half = torch.full((8,), 60000.0, dtype=torch.float16)  # sums past fp16's range
+    assert non_finite_parameters({"huge": huge, "half": half, "bf16": torch.full((4,), torch.finfo(torch.bfloat16).max, dtype=torch.bfloat16)}) == []
+    both_infinities = torch.tensor([math.inf, -math.inf, 1.0])  # sums to NaN
+    assert non_finite_parameters({"w": both_infinities, "h": torch.tensor([1.0, math.nan], dtype=torch.float16),
+                                  "b": torch.tensor([-math.inf], dtype=torch.bfloat16)}) == ["w", "h", "b"]
+
+
 def test_non_finite_training_says_what_where_and_what_to_do_and_survives_pickling():
     error = NonFiniteTraining("sft", 12, metrics=["loss", "mean_loss"], parameters=["lm_head.weight"])
     message = str(error)
