@@ -255,10 +255,11 @@ def checkpoint_sizes(run) -> list[int]:
 
 
 def whole_run(workdir: str, toy: dict[str, str], model_dir: str, num_steps: int, save_steps: int,
-              repeat: int = 1) -> dict:
+              repeat: int = 1, equal_writer: bool = True) -> dict:
     """Section `wholerun`: the same SFT run (seed, data, steps) as one chunk and with a checkpoint every
     `save_steps`, `repeat` pairs in ABBA order (so a drift of the machine's load hits both alike); see the
-    module docstring. Medians over the pairs."""
+    module docstring. Medians over the pairs. Without `equal_writer` no pair runs the third variant, so the
+    same time buys half as many pairs again."""
     from rlhf_core.rank.worker import WRITER_SCHEDULING_ENV
 
     pairs = []
@@ -267,6 +268,7 @@ def whole_run(workdir: str, toy: dict[str, str], model_dir: str, num_steps: int,
         # threads (RLHF_WRITER_SCHEDULING=normal), against the default, where it takes only CPU time training
         # leaves unused (SCHED_IDLE).
         order = ("single", "chunked", "equal writer") if index % 2 == 0 else ("equal writer", "chunked", "single")
+        order = order if equal_writer else tuple(name for name in order if name != "equal writer")
         runs = {}
         for name in order:
             every = -1 if name == "single" else save_steps  # -1: one chunk, whatever the rounded step count
@@ -281,12 +283,13 @@ def whole_run(workdir: str, toy: dict[str, str], model_dir: str, num_steps: int,
             finally:
                 os.environ.pop(WRITER_SCHEDULING_ENV, None)
         pairs.append({**_pair_costs(runs["single"], runs["chunked"], save_steps),
-                      "equal_writer": _pair_costs(runs["single"], runs["equal writer"], save_steps)})
+                      **({"equal_writer": _pair_costs(runs["single"], runs["equal writer"], save_steps)}
+                         if equal_writer else {})})
     return {"pairs": pairs, **{key: statistics.median(pair[key] for pair in pairs)
                                for key in ("extra_per_checkpoint", "chunk_train", "extra_cpu_per_checkpoint",
                                            "chunk_train_cpu")},
             "equal_writer_extra_per_checkpoint": statistics.median(pair["equal_writer"]["extra_per_checkpoint"]
-                                                                   for pair in pairs),
+                                                                   for pair in pairs) if equal_writer else None,
             "breakdown": {key: statistics.median(pair["breakdown"][key] for pair in pairs)
                           for key in pairs[0]["breakdown"]}}
 
