@@ -237,15 +237,63 @@ def recorded_cpu():
         WorkerGroup.train_until, WorkerGroup.shutdown = train_until, shutdown
 
 
+@contextlib.contextmanager
+def recorded_steps():
+    """Wrap `WorkerGroup._collect` and `.train_ahead`: rank 0's time of every step, in order, and for each
+    `train_ahead` the seconds the ranks sat idle before it (from the end of the training collected last, i.e.
+    the chunk's end: the checks, the metadata and the snapshot)."""
+    from rlhf_core.driver.engine import WorkerGroup
+
+    recorded: dict[str, list[float]] = {"steps": [], "idle": []}
+    collected_at: list[float] = []
+    collect, train_ahead = WorkerGroup._collect, WorkerGroup.train_ahead
+
+    def recorded_collect(self, trainings):
+        num_before = len(self._step_times)
+        try:
+            return collect(self, trainings)
+        finally:
+            recorded["steps"] += [seconds for seconds, _ in self._step_times[num_before:]]
+            collected_at[:] = [time.perf_counter()]
+
+    def recorded_train_ahead(self, target_step):
+        if collected_at:
+            recorded["idle"].append(time.perf_counter() - collected_at[0])
+        return train_ahead(self, target_step)
+
+    WorkerGroup._collect, WorkerGroup.train_ahead = recorded_collect, recorded_train_ahead
+    try:
+        yield recorded
+    finally:
+        WorkerGroup._collect, WorkerGroup.train_ahead = collect, train_ahead
+
+
+BOUNDARY_STEPS = 8  # steps after a boundary counted in `boundary_cost`: the writer and the commit end within them
+
+
+def boundary_cost(steps: list[float], idle: list[float], save_steps: int) -> float | None:
+    """Inside one run, per chunk boundary that has `BOUNDARY_STEPS` steps after it: the ranks' idle time before
+    they trained ahead, plus those steps' time beyond the run's median step (the steps near no boundary). A
+    single-chunk run at the same positions gives the measure's own bias (about 0)."""
+    boundaries = [step for step in range(save_steps, len(steps) - BOUNDARY_STEPS + 1, save_steps)]
+    if not boundaries:
+        return None
+    near = {boundary + offset for boundary in boundaries for offset in range(BOUNDARY_STEPS)}
+    median = statistics.median(seconds for index, seconds in enumerate(steps) if index not in near)
+    excess = [sum(steps[boundary + offset] - median for offset in range(BOUNDARY_STEPS)) for boundary in boundaries]
+    idle_seconds = statistics.mean(idle[:len(boundaries)]) if idle else 0.0
+    return statistics.mean(excess) + idle_seconds
+
+
 def _flow_costs(run) -> dict:
     """One `rlhf` flow over `run`: wall from the start of its first training call (so Ray's and the group's
     start-up, which the two runs may pay unequally, stay out) to its end, the CPU seconds of the ranks and
-    the driver over the same span, and its chunk rows."""
-    with recorded_cpu() as spent:
+    the driver over the same span, its chunk rows, and rank 0's step times and idle spells (`recorded_steps`)."""
+    with recorded_cpu() as spent, recorded_steps() as recorded:
         flow = ours.chunk_boundaries(run)
     first_training = flow["spans"][0][0] if flow["spans"] else flow["started"]
     return {"wall": flow["started"] + flow["wall"] - first_training, "cpu": sum(spent), "chunks": flow["chunks"],
-            "flow_wall": flow["wall"]}
+            "flow_wall": flow["wall"], **recorded}
 
 
 def checkpoint_sizes(run) -> list[int]:
@@ -290,6 +338,8 @@ def whole_run(workdir: str, toy: dict[str, str], model_dir: str, num_steps: int,
                                            "chunk_train_cpu")},
             "equal_writer_extra_per_checkpoint": statistics.median(pair["equal_writer"]["extra_per_checkpoint"]
                                                                    for pair in pairs) if equal_writer else None,
+            **{key: statistics.median(pair[key] for pair in pairs) if all(pair[key] is not None for pair in pairs)
+               else None for key in ("boundary", "boundary_single")},
             "breakdown": {key: statistics.median(pair["breakdown"][key] for pair in pairs)
                           for key in pairs[0]["breakdown"]}}
 
@@ -309,7 +359,9 @@ def _pair_costs(single: dict, chunked: dict, save_steps: int) -> dict:
                                                              len(single["chunks"])),
             # The single run's CPU per step (its one checkpoint and the export included: a slight overestimate).
             "chunk_train_cpu": single["cpu"] * save_steps / num_steps,
-            "chunk_train": statistics.median(full), "breakdown": breakdown(single, chunked, extra_checkpoints)}
+            "chunk_train": statistics.median(full), "breakdown": breakdown(single, chunked, extra_checkpoints),
+            "boundary": boundary_cost(chunked["steps"], chunked["idle"], save_steps),
+            "boundary_single": boundary_cost(single["steps"], [], save_steps)}
 
 
 def breakdown(single: dict, chunked: dict, extra_checkpoints: int) -> dict:

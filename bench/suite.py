@@ -276,6 +276,12 @@ def section_wholerun(args, assets, env, results: dict) -> list[Row]:
     print(f"  wholerun: extra per checkpoint over {len(extras)} pairs, sorted: "
           f"{', '.join(f'{extra:+.2f}' for extra in extras)} s (median {costs['extra_per_checkpoint']:+.2f} s)",
           flush=True)
+    if costs["boundary"] is not None:
+        chunked_costs = ", ".join(f"{pair['boundary']:.2f}" for pair in costs["pairs"])
+        single_costs = ", ".join(f"{pair['boundary_single']:+.2f}" for pair in costs["pairs"])
+        print(f"  wholerun, inside each run: per chunk boundary, the ranks idle before training ahead plus the "
+              f"{ckpt_costs.BOUNDARY_STEPS} steps after it beyond the median step: {chunked_costs} s (chunked runs), "
+              f"{single_costs} s at the same steps of the single-chunk runs (the measure's bias)", flush=True)
     print(f"    per extra checkpoint: stall (snapshot) {parts['stall']:.2f} s, ranks' step loop slower beside the "
           f"writer {parts['slower_steps']:.2f} s, the rest (Prefect task, planning, waiting for the commit) "
           f"{parts['rest']:.2f} s; each commit ran {parts['commit_beside_training']:.2f} s beside training",
@@ -293,6 +299,10 @@ def section_wholerun(args, assets, env, results: dict) -> list[Row]:
             *([Row("  the same with the writer sharing the cores as an equal (RLHF_WRITER_SCHEDULING=normal)",
                    costs["chunk_train"], costs["equal_writer_extra_per_checkpoint"], "s", "<=", None, as_percent=True)]
               if costs["equal_writer_extra_per_checkpoint"] is not None else []),
+            # One run, no subtraction of two: a boundary's cost to the ranks (idle, then slower) against their median.
+            *([Row(f"  inside the chunked run: ranks idle at a boundary + its {ckpt_costs.BOUNDARY_STEPS} steps beyond "
+                   "the median step / chunk's training", costs["chunk_train"], costs["boundary"], "s", "<=", None,
+                   as_percent=True)] if costs["boundary"] is not None else []),
             # One run, no subtraction of two: the stall and the steps' slowdown beside the writer, per checkpoint.
             Row("  inside the chunked run: stall + step loop's slowdown beside the writer / chunk's training",
                 costs["chunk_train"], parts["in_run_stall"] + parts["in_run_writer_slowdown"], "s", "<=", None,
