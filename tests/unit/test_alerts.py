@@ -309,7 +309,8 @@ def test_non_finite_parameters_are_told_apart_from_finite_values_whose_sum_overf
     # The check sums each tensor first; a sum that overflows must not pass for a NaN or an Inf.
     huge = torch.full((4,), torch.finfo(torch.float32).max)
     half = torch.full((8,), 60000.0, dtype=torch.float16)  # sums past fp16's range
-    assert non_finite_parameters({"huge": huge, "half": half, "bf16": torch.full((4,), torch.finfo(torch.bfloat16).max, dtype=torch.bfloat16)}) == []
+    bf16 = torch.full((4,), torch.finfo(torch.bfloat16).max, dtype=torch.bfloat16)
+    assert non_finite_parameters({"huge": huge, "half": half, "bf16": bf16}) == []
     both_infinities = torch.tensor([math.inf, -math.inf, 1.0])  # sums to NaN
     assert non_finite_parameters({"w": both_infinities, "h": torch.tensor([1.0, math.nan], dtype=torch.float16),
                                   "b": torch.tensor([-math.inf], dtype=torch.bfloat16)}) == ["w", "h", "b"]
