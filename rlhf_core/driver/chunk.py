@@ -338,29 +338,38 @@ def _commit_chunk(run: RunConfig, stage: str, plan: StagePlan, store: Checkpoint
                   infos: list[CheckpointInfo], start_step: int, step_metrics: list[dict], trackers,
                   train_ahead: bool) -> tuple:
     """Check and commit the step the group reached (the chunk's target, or an emergency step), then log its
-    alerts; returns (info, alerts, summary, commit seconds, when training ahead began or None)."""
+    alerts; returns (info, alerts, summary, commit seconds, when training ahead began or None). The ranks stand
+    idle only for their snapshot (which checks the weights first): they train ahead before the driver prepares the
+    commit, and a full disk found then stops the run with them (`_require_room` still comes before any write)."""
     step = group.step
     summary = chunk_summary(step_metrics)
-    _refuse_non_finite(run, stage, step, step_metrics, group)
+    started = time.perf_counter()
+    folders, bad_parameters = group.snapshot()
+    _refuse_non_finite(run, stage, step, step_metrics, bad_parameters)
+    ahead = _ahead_target(run, stage, plan, step) if train_ahead and not run.sync_checkpoint else None
+    if ahead is not None:
+        group.train_ahead(ahead)
+    snapshotted = time.perf_counter()
     metadata = _metadata(run, stage, plan, step, summary, trackers, group.world_size, _WarmGroup.world_size_changes,
                          group.zero_stage)
     metadata |= _alert_inputs(store, group, start_step, step, summary)
-    ahead = _ahead_target(run, stage, plan, step) if train_ahead else None
     _require_room(run, stage, store, metadata, infos)
-    info, commit_seconds, ahead_since = _commit(run, stage, store, group, step, metadata, ahead)
+    info, commit_seconds = _commit(run, stage, store, group, step, metadata, folders)
+    stall = (time.perf_counter() if run.sync_checkpoint else snapshotted) - started
+    commit_seconds = {"stall": stall, "commit": time.perf_counter() - snapshotted, **commit_seconds}
     alerts = commit_alerts(run.run_name, stage, step, metadata, info.size_bytes,
                            [known.size_bytes for known in infos if known.is_committed and known.step < step],
                            has_ds_state=not run.stage_config(stage).disable_ds_ckpt,
                            window=run.alert_reward_window, min_delta=run.alert_reward_min_delta,
                            tolerance=run.alert_size_tolerance, jump=run.alert_size_jump)
     AlertLog(run.run_url(), run.storage_options).append(*alerts)
-    return info, alerts, summary, commit_seconds, ahead_since
+    return info, alerts, summary, commit_seconds, (snapshotted if ahead is not None else None)
 
 
-def _refuse_non_finite(run: RunConfig, stage: str, step: int, step_metrics: list[dict], group: WorkerGroup) -> None:
+def _refuse_non_finite(run: RunConfig, stage: str, step: int, step_metrics: list[dict],
+                       bad_parameters: list[str]) -> None:
     """NaN or Inf in a loss or a weight: log the alert and fail the chunk before anything is committed."""
     bad_metrics = sorted({name for metrics in step_metrics for name in non_finite_metrics(metrics)})
-    bad_parameters = group.non_finite_parameters()
     if bad_metrics or bad_parameters:
         error = NonFiniteTraining(stage, step, bad_metrics, bad_parameters)
         AlertLog(run.run_url(), run.storage_options).append(error.to_alert(run.run_name))
@@ -400,24 +409,16 @@ def _require_room(run: RunConfig, stage: str, store: CheckpointStore, metadata: 
 
 
 def _commit(run: RunConfig, stage: str, store: CheckpointStore, group: WorkerGroup, step: int, metadata: dict,
-            ahead_to: int | None) -> tuple[CheckpointInfo, dict[str, float], float | None]:
-    """Every rank snapshots its share into memory and uploads it into the uncommitted step; the driver
-    commits them under the run lease. Unless --sync_checkpoint, the ranks train on to `ahead_to`
-    meanwhile (collected by the next chunk), so training waits only for the snapshot. The chunk returns
-    after its commit: a chunk the flow (and Prefect's cache) calls done is always committed. Also returns when
-    the ranks began to train ahead (`time.perf_counter()`), or None."""
+            folders: list[str]) -> tuple[CheckpointInfo, dict[str, float]]:
+    """Every rank uploads its snapshot (`folders`) into the uncommitted step; the driver commits them under the
+    run lease. The chunk returns after its commit: a chunk the flow (and Prefect's cache) calls done is always
+    committed. Also returns rank 0's writer timers."""
     pending = store.prepare_step(step)
     if isinstance(pending, CheckpointInfo):
-        return pending, {}, None
-    started = time.perf_counter()
+        group.drop_snapshots(folders)
+        return pending, {}
     try:
-        folders = group.snapshot()
-        snapshotted = time.perf_counter()
         writes = group.start_write(folders, run.stage_url(stage), run.storage_options, pending)
-        ahead_since = None
-        if ahead_to is not None and not run.sync_checkpoint:
-            group.train_ahead(ahead_to)
-            ahead_since = snapshotted
         entries = group.finish_write(writes)
         with run_lease(run) as lease:
             info = store.finish_commit(pending, entries, metadata, fence=lease)
@@ -429,10 +430,7 @@ def _commit(run: RunConfig, stage: str, store: CheckpointStore, group: WorkerGro
         with contextlib.suppress(OSError):
             store.discard(pending)  # else the next run sets it aside as a leftover
         raise
-    committed = time.perf_counter()
-    stall = (committed if run.sync_checkpoint else snapshotted) - started
-    writer = {f"writer_{name}": seconds for name, seconds in group.write_seconds.items()}  # rank 0's thread-seconds
-    return info, {"stall": stall, "commit": committed - snapshotted, **writer}, ahead_since
+    return info, {f"writer_{name}": seconds for name, seconds in group.write_seconds.items()}
 
 
 @contextlib.contextmanager

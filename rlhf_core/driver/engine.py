@@ -70,7 +70,7 @@ class WorkerGroup:
         if forwarded:
             options["runtime_env"] = {"env_vars": forwarded}
         # A second thread per actor ("io") uploads the last snapshot while the default one trains on.
-        # A third ("control") takes a stop request while the first is busy training.
+        # A third ("control") takes a stop request, or the models' sizes, while the first is busy training.
         remote_worker = ray.remote(concurrency_groups={"io": 1, "control": 1})(TrainWorker)
         self.workers = [remote_worker.options(scheduling_strategy=strategy, **options).remote(rank, self.world_size)
                         for rank, strategy in enumerate(strategies)]
@@ -161,9 +161,16 @@ class WorkerGroup:
         self._step_loop_seconds, self._step_times = 0.0, []
         return seconds
 
-    def snapshot(self) -> list[str]:
-        """Every rank's share of the current step, saved into memory on its node (one folder per rank)."""
-        return self._gather([worker.snapshot.remote() for worker in self.workers])
+    def snapshot(self) -> tuple[list[str], list[str]]:
+        """Every rank's share of the current step, saved into memory on its node (one folder per rank), and the
+        parameters holding NaN or Inf (the first few by name): when there are any, nothing was saved."""
+        shares = self._gather([worker.snapshot.remote() for worker in self.workers])
+        non_finite = sorted({name for _, names in shares for name in names})[:5]
+        return ([] if non_finite else [folder for folder, _ in shares]), non_finite
+
+    def drop_snapshots(self, folders: list[str]) -> None:
+        """Forget snapshots that will not be written (their step was committed already)."""
+        self._gather([worker.drop_snapshot.remote(folder) for worker, folder in zip(self.workers, folders)])
 
     def start_write(self, folders: list[str], store_url: str, storage_options: dict, pending) -> list:
         """Start every rank's upload of its snapshot into `pending`; `finish_write` waits for them."""
@@ -191,10 +198,6 @@ class WorkerGroup:
         if self._model_sizes is None:
             self._model_sizes = self._gather(self.workers[0].model_sizes.remote())
         return self._model_sizes
-
-    def non_finite_parameters(self) -> list[str]:
-        shares = self._gather([worker.non_finite_parameters.remote() for worker in self.workers])
-        return sorted({name for share in shares for name in share})[:5]
 
     def shutdown(self) -> None:
         """Kill the ranks and free their placement. After a stop signal, waits at most STOP_SHUTDOWN_S for that:

@@ -164,6 +164,7 @@ class TrainWorker:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
+    @ray.method(concurrency_group="control")  # asked while the ranks train ahead: shapes and dtypes only
     def model_sizes(self) -> dict:
         from rlhf_core.ops.commit_alerts import model_size_report
 
@@ -176,11 +177,16 @@ class TrainWorker:
         return [f"{name}:{parameter}" for name, engine in self.trainer.engines.items()
                 for parameter in non_finite_parameters(engine.module)]
 
-    def snapshot(self) -> str:
+    def snapshot(self) -> tuple[str | None, list[str]]:
         """Save this rank's share of the current step into a folder in memory (`rlhf_core.rank.snapshot`) and
-        return it; training may go on while `write_snapshot` uploads it."""
+        return it, with no parameters named; training may go on while `write_snapshot` uploads it. A step whose
+        weights hold NaN or Inf is not saved: None, and the parameters (`non_finite_parameters`). One call for
+        both, since the ranks stand idle until training ahead starts."""
         from rlhf_core.rank.snapshot import snapshot_folder, tensors_kept_in_memory
 
+        non_finite = self.non_finite_parameters()
+        if non_finite:
+            return None, non_finite
         folder = snapshot_folder(self.rank, self._expected_folder_bytes())
         try:
             # Only a snapshot whose write has finished lends its buffers (popped: never two at once).
@@ -191,7 +197,13 @@ class TrainWorker:
             shutil.rmtree(folder, ignore_errors=True)
             raise
         self._kept_in_memory[folder] = kept
-        return folder
+        return folder, []
+
+    @ray.method(concurrency_group="io")
+    def drop_snapshot(self, folder: str) -> None:
+        """Forget a snapshot that will not be written (its step was already committed); its buffers serve the next."""
+        self._written_state = self._kept_in_memory.pop(folder, {}) or self._written_state
+        shutil.rmtree(folder, ignore_errors=True)
 
     @ray.method(concurrency_group="io")
     def write_snapshot(self, folder: str, store_url: str, storage_options: dict, pending) -> list:
