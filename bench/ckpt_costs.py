@@ -268,6 +268,40 @@ def recorded_steps():
         WorkerGroup._collect, WorkerGroup.train_ahead = collect, train_ahead
 
 
+@contextlib.contextmanager
+def durable_floor(boundaries: set[int], folder: str):
+    """Every worker group's ranks make a durable copy of their state's bytes at `boundaries`, into `folder`
+    (`durable_floor`); yields a dict that gets rank 0's report (bytes, copy and write seconds) at shutdown."""
+    import ray
+    import ray.cloudpickle
+
+    import durable_floor as floor
+    from rlhf_core.driver.engine import WorkerGroup
+
+    ray.cloudpickle.register_pickle_by_value(floor)  # the ranks cannot import the bench folder
+    report: dict = {}
+    installed: set[int] = set()
+    train_until, shutdown = WorkerGroup.train_until, WorkerGroup.shutdown
+
+    def floored_train_until(self, target_step):
+        if id(self) not in installed:
+            installed.add(id(self))
+            ray.get([worker.__ray_call__.remote(floor.install, boundaries, folder) for worker in self.workers])
+        return train_until(self, target_step)
+
+    def floored_shutdown(self):
+        if id(self) in installed and self.workers:
+            report.update(ray.get(self.workers[0].__ray_call__.remote(floor.report)))
+        return shutdown(self)
+
+    WorkerGroup.train_until, WorkerGroup.shutdown = floored_train_until, floored_shutdown
+    try:
+        yield report
+    finally:
+        WorkerGroup.train_until, WorkerGroup.shutdown = train_until, shutdown
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 BOUNDARY_STEPS = 8  # steps after a boundary counted in `boundary_cost`: the writer and the commit end within them
 
 
@@ -303,36 +337,27 @@ def checkpoint_sizes(run) -> list[int]:
 
 
 def whole_run(workdir: str, toy: dict[str, str], model_dir: str, num_steps: int, save_steps: int,
-              repeat: int = 1, equal_writer: bool = True) -> dict:
+              repeat: int = 1, equal_writer: bool = True, floor: bool = True) -> dict:
     """Section `wholerun`: the same SFT run (seed, data, steps) as one chunk and with a checkpoint every
     `save_steps`, `repeat` pairs in ABBA order (so a drift of the machine's load hits both alike); see the
-    module docstring. Medians over the pairs. Without `equal_writer` no pair runs the third variant, so the
-    same time buys half as many pairs again."""
-    from rlhf_core.rank.worker import WRITER_SCHEDULING_ENV
-
+    module docstring. Medians over the pairs. Without `equal_writer` no pair runs that third variant, so the
+    same time buys half as many pairs again. With `floor`, each pair also runs the single chunk with a durable
+    copy of the same bytes at every boundary (`durable_floor`): the floor under the chunked run's in-run cost."""
     pairs = []
     for index in range(repeat):
         # "equal writer": the chunked run with the rank's writer sharing the cores as an equal of the training
         # threads (RLHF_WRITER_SCHEDULING=normal), against the default, where it takes only CPU time training
         # leaves unused (SCHED_IDLE).
-        order = ("single", "chunked", "equal writer") if index % 2 == 0 else ("equal writer", "chunked", "single")
-        order = order if equal_writer else tuple(name for name in order if name != "equal writer")
-        runs = {}
-        for name in order:
-            every = -1 if name == "single" else save_steps  # -1: one chunk, whatever the rounded step count
-            label = name.replace(" ", "-")
-            cfg = ours.stage_config("sft", toy, model_dir, os.path.join(workdir, f"wholerun-{label}-{index}-out"),
-                                    num_steps, every)
-            run = ours.stage_run(workdir, f"wholerun-{label}-{index}", "sft", cfg, max_ckpt_num=0)
-            if name == "equal writer":
-                os.environ[WRITER_SCHEDULING_ENV] = "normal"  # forwarded to the ranks (engine.forwarded_environment)
-            try:
-                runs[name] = {**_flow_costs(run), "sizes": checkpoint_sizes(run)}
-            finally:
-                os.environ.pop(WRITER_SCHEDULING_ENV, None)
+        order = [name for name in ("single", "chunked", "floor", "equal writer")
+                 if (name != "equal writer" or equal_writer) and (name != "floor" or floor)]
+        runs = {name: _whole_run_variant(workdir, toy, model_dir, num_steps, save_steps, name, index)
+                for name in (order if index % 2 == 0 else order[::-1])}
         pairs.append({**_pair_costs(runs["single"], runs["chunked"], save_steps),
                       **({"equal_writer": _pair_costs(runs["single"], runs["equal writer"], save_steps)}
-                         if equal_writer else {})})
+                         if equal_writer else {}),
+                      **({"floor": {**runs["floor"]["floor"],
+                                    "boundary": boundary_cost(runs["floor"]["steps"], [], save_steps)}}
+                         if floor else {})})
     return {"pairs": pairs, **{key: statistics.median(pair[key] for pair in pairs)
                                for key in ("extra_per_checkpoint", "chunk_train", "extra_cpu_per_checkpoint",
                                            "chunk_train_cpu")},
@@ -340,8 +365,32 @@ def whole_run(workdir: str, toy: dict[str, str], model_dir: str, num_steps: int,
                                                                    for pair in pairs) if equal_writer else None,
             **{key: statistics.median(pair[key] for pair in pairs) if all(pair[key] is not None for pair in pairs)
                else None for key in ("boundary", "boundary_single")},
+            "floor_boundary": statistics.median(pair["floor"]["boundary"] for pair in pairs) if floor else None,
             "breakdown": {key: statistics.median(pair["breakdown"][key] for pair in pairs)
                           for key in pairs[0]["breakdown"]}}
+
+
+def _whole_run_variant(workdir: str, toy: dict[str, str], model_dir: str, num_steps: int, save_steps: int,
+                       name: str, index: int) -> dict:
+    """One run of a `whole_run` pair: "single" (one chunk), "chunked" (a checkpoint every `save_steps`), "equal
+    writer" (chunked, the writer not yielding its CPU) or "floor" (one chunk, a durable copy at each boundary)."""
+    from rlhf_core.rank.worker import WRITER_SCHEDULING_ENV
+
+    every = -1 if name in ("single", "floor") else save_steps  # -1: one chunk, whatever the rounded step count
+    label = name.replace(" ", "-")
+    cfg = ours.stage_config("sft", toy, model_dir, os.path.join(workdir, f"wholerun-{label}-{index}-out"),
+                            num_steps, every)
+    run = ours.stage_run(workdir, f"wholerun-{label}-{index}", "sft", cfg, max_ckpt_num=0)
+    if name == "equal writer":
+        os.environ[WRITER_SCHEDULING_ENV] = "normal"  # forwarded to the ranks (engine.forwarded_environment)
+    floor = (durable_floor(set(range(save_steps, num_steps, save_steps)), os.path.join(workdir, f"floor-{index}"))
+             if name == "floor" else contextlib.nullcontext({}))
+    try:
+        with floor as report:
+            costs = _flow_costs(run)
+    finally:
+        os.environ.pop(WRITER_SCHEDULING_ENV, None)
+    return {**costs, "sizes": checkpoint_sizes(run), **({"floor": report} if name == "floor" else {})}
 
 
 def _pair_costs(single: dict, chunked: dict, save_steps: int) -> dict:

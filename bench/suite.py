@@ -74,6 +74,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--wholerun_no_equal_writer", action="store_true",
                         help="Skip each pair's third run (the writer sharing the cores as an equal): more pairs in "
                              "the same time, when the median pair is what you need.")
+    parser.add_argument("--wholerun_no_floor", action="store_true",
+                        help="Skip each pair's floor run (one chunk with a durable copy of the same bytes at every "
+                             "boundary, the least any checkpoint costs).")
     parser.add_argument("--wholerun_full", action="store_true",
                         help=f"The issue's whole-run measure: {WHOLERUN_FULL_STEPS} steps "
                              "(overrides --wholerun_steps).")
@@ -257,7 +260,8 @@ def ckpt_rows(costs: dict) -> list[Row]:
 
 def section_wholerun(args, assets, env, results: dict) -> list[Row]:
     costs = ckpt_costs.whole_run(assets["work"], assets["toy"], assets["m23"], args.wholerun_steps,
-                                 args.wholerun_save_steps, args.wholerun_repeat, not args.wholerun_no_equal_writer)
+                                 args.wholerun_save_steps, args.wholerun_repeat, not args.wholerun_no_equal_writer,
+                                 not args.wholerun_no_floor)
     results["wholerun"] = costs
     parts, size = costs["breakdown"], max(costs["pairs"][0]["chunked"]["sizes"], default=0)
     num_steps = costs["pairs"][0]["chunked"]["chunks"][-1]["step"]  # whole epochs: may exceed --wholerun_steps
@@ -282,6 +286,15 @@ def section_wholerun(args, assets, env, results: dict) -> list[Row]:
         print(f"  wholerun, inside each run: per chunk boundary, the ranks idle before training ahead plus the "
               f"{ckpt_costs.BOUNDARY_STEPS} steps after it beyond the median step: {chunked_costs} s (chunked runs), "
               f"{single_costs} s at the same steps of the single-chunk runs (the measure's bias)", flush=True)
+    if costs["floor_boundary"] is not None:
+        floors = [pair["floor"] for pair in costs["pairs"]]
+        boundaries = ", ".join(f"{floor['boundary']:.2f}" for floor in floors)
+        print(f"  wholerun, the floor: single-chunk runs whose rank copies the same bytes "
+              f"({floors[0]['bytes'] / 1e6:.0f} MB: the weights twice, Adam's moments) at each boundary "
+              f"(median {_median_after_first(floors, 'copy_s'):.3f} s) and writes them durably "
+              f"(O_DIRECT, fsync) from a SCHED_IDLE thread "
+              f"({_median_after_first(floors, 'write_s'):.2f} s), measured as above: "
+              f"{boundaries} s per boundary", flush=True)
     print(f"    per extra checkpoint: stall (snapshot) {parts['stall']:.2f} s, ranks' step loop slower beside the "
           f"writer {parts['slower_steps']:.2f} s, the rest (Prefect task, planning, waiting for the commit) "
           f"{parts['rest']:.2f} s; each commit ran {parts['commit_beside_training']:.2f} s beside training",
@@ -303,10 +316,21 @@ def section_wholerun(args, assets, env, results: dict) -> list[Row]:
             *([Row(f"  inside the chunked run: ranks idle at a boundary + its {ckpt_costs.BOUNDARY_STEPS} steps beyond "
                    "the median step / chunk's training", costs["chunk_train"], costs["boundary"], "s", "<=", None,
                    as_percent=True)] if costs["boundary"] is not None else []),
+            # The same measure against what a durable copy of the same bytes beside training costs.
+            *([Row("  inside the run: a durable copy of the same bytes at each boundary (the floor) / chunk's "
+                   "training", costs["chunk_train"], costs["floor_boundary"], "s", "<=", None, as_percent=True),
+               Row("  inside the chunked run: ranks idle + steps beyond the median, against the floor's",
+                   costs["floor_boundary"], costs["boundary"], "s", "<=", None)]
+              if costs["floor_boundary"] is not None and costs["boundary"] is not None else []),
             # One run, no subtraction of two: the stall and the steps' slowdown beside the writer, per checkpoint.
             Row("  inside the chunked run: stall + step loop's slowdown beside the writer / chunk's training",
                 costs["chunk_train"], parts["in_run_stall"] + parts["in_run_writer_slowdown"], "s", "<=", None,
                 as_percent=True)]
+
+
+def _median_after_first(floors: list[dict], key: str) -> float:
+    """The median of `key`'s seconds over every floor run, each run's first (cold buffers) left out."""
+    return statistics.median(seconds for floor in floors for seconds in (floor[key][1:] or floor[key]))
 
 
 RUNNERS = {"startup": section_startup, "steps": section_steps, "grpo": section_grpo, "chunk": section_chunk,
