@@ -143,6 +143,8 @@ def cmd_lora_combiner(flags: dict[str, Any]) -> None:
 def checkpoint_adapter(lora_path: str, local_dir: str) -> str | None:
     """The seed's `--lora_path {ckpt_path}/latest` (or `.../step_N`): the policy adapter of that checkpoint,
     verified and downloaded into `local_dir`; None when `lora_path` names no checkpoint."""
+    from rlhf_core.driver.export import hf_files_of
+    from rlhf_core.rank.ds_config import HF_WEIGHTS_DIR
     from rlhf_core.storage.checkpoint import CheckpointStore
     from rlhf_core.storage.manifest import parse_step_dir_name
 
@@ -155,8 +157,8 @@ def checkpoint_adapter(lora_path: str, local_dir: str) -> str | None:
     if not chosen:
         raise UserError(f"--lora_path {lora_path}: {parent} holds no valid checkpoint "
                         f"{'at all' if name == 'latest' else name} (see `rlhf ckpt ls {parent}`).")
-    store.download(chosen[0].step, local_dir)
-    return os.path.join(local_dir, "actor_model", "hf")
+    store.download(chosen[0].step, local_dir, hf_files_of("actor_model"))
+    return os.path.join(local_dir, "actor_model", HF_WEIGHTS_DIR)
 
 
 def _run_pipeline(run: RunConfig) -> None:

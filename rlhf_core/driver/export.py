@@ -17,11 +17,13 @@ import os
 import re
 import tempfile
 import uuid
+from typing import Callable
 
 import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
+from rlhf_core.rank.ds_config import HF_WEIGHTS_DIR
 from rlhf_core.storage.checkpoint import CheckpointStore
 from rlhf_core.storage.manifest import MANIFEST_NAME, manifest_digest
 from rlhf_core.errors import UserError
@@ -68,16 +70,23 @@ def upload_dir(local_dir: str, url: str, storage_options: dict | None = None) ->
 def export_stage_output(store: CheckpointStore, step: int, model_dir_name: str, pretrain: str, save_path: str,
                         storage_options: dict | None = None) -> str:
     """Copy the `hf/` folder of `model_dir_name` at `step`, plus the tokenizer, to `save_path`, with a
-    SOURCE_NAME file naming the checkpoint (a later stage's drift guard compares it on resume)."""
+    SOURCE_NAME file naming the checkpoint (a later stage's drift guard compares it on resume). Only that folder
+    is fetched: DeepSpeed's state beside it is several times its size (weights, fp32 master and moments)."""
     with tempfile.TemporaryDirectory(prefix="rlhf-export-") as local_dir:
-        store.download(step, local_dir)
-        hf_dir = os.path.join(local_dir, model_dir_name, "hf")
+        store.download(step, local_dir, hf_files_of(model_dir_name))
+        hf_dir = os.path.join(local_dir, model_dir_name, HF_WEIGHTS_DIR)
         load_tokenizer(pretrain, storage_options).save_pretrained(hf_dir)
         with open(os.path.join(local_dir, MANIFEST_NAME), "rb") as manifest:
             source = {"checkpoint": store.uri(step), "manifest_digest": manifest_digest(manifest.read())}
         with open(os.path.join(hf_dir, SOURCE_NAME), "w") as handle:
             json.dump(source, handle, indent=1)
         return upload_dir(hf_dir, save_path, storage_options)
+
+
+def hf_files_of(model_dir_name: str) -> Callable[[list[str]], list[str]]:
+    """A `CheckpointStore.fetch` selection: the files of `model_dir_name`'s Hugging Face copy."""
+    prefix = f"{model_dir_name}/{HF_WEIGHTS_DIR}/"
+    return lambda paths: [path for path in paths if path.startswith(prefix)]
 
 
 def _probe_inputs(tokenizer, num_inputs: int = 4) -> torch.Tensor:

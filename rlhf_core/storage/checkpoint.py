@@ -306,9 +306,10 @@ class CheckpointStore:
             removed_names.append(oldest.name)
         return removed_names
 
-    def download(self, step: int, local_dir: str) -> str:
-        """Copy the committed ``step_N`` into ``local_dir``, every file checked against its checksum."""
-        manifest_bytes = self.fetch(step, local_dir)
+    def download(self, step: int, local_dir: str, select: Callable[[list[str]], list[str]] | None = None) -> str:
+        """Copy the committed ``step_N`` (the files ``select`` picks from the manifest's paths, all by default) and
+        its manifest into ``local_dir``, every file checked against its checksum."""
+        manifest_bytes = self.fetch(step, local_dir, select)
         with open(os.path.join(local_dir, MANIFEST_NAME), "wb") as stream:
             stream.write(manifest_bytes)
         return local_dir

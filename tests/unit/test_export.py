@@ -1,10 +1,13 @@
-"""Exports written over an older export in a local folder: each file is replaced, never rewritten in place."""
+"""Exports: one written over an older export in a local folder replaces each file, never rewrites it in place;
+a stage's export fetches its Hugging Face copy alone."""
 
 from __future__ import annotations
 
 import os
 
-from rlhf_core.driver.export import upload_dir
+from rlhf_core.driver.export import export_stage_output, upload_dir
+from rlhf_core.rank.models import SOURCE_NAME
+from rlhf_core.storage.checkpoint import CheckpointStore
 
 
 def test_an_export_over_an_older_one_leaves_its_readers_the_old_bytes(tmp_path):
@@ -21,3 +24,25 @@ def test_an_export_over_an_older_one_leaves_its_readers_the_old_bytes(tmp_path):
         assert reader.read() == b"A" * 4096
     assert (out / "model.safetensors").read_bytes() == b"B" * 100
     assert os.listdir(out) == ["model.safetensors"]  # no temporary file left behind
+
+
+def test_a_stage_export_fetches_the_hf_copy_alone(toy_assets, tmp_path):
+    """The export reads `actor_model/hf/` only: DeepSpeed's state beside it (several times its size for a large
+    model: fp32 master weights and Adam's moments) is never fetched, so a damaged optimizer shard does not stop
+    it and the temporary folder holds the model's size, not the checkpoint's."""
+    checkpoint = tmp_path / "checkpoint"
+    (checkpoint / "actor_model" / "hf").mkdir(parents=True)
+    (checkpoint / "actor_model" / "ds").mkdir()
+    (checkpoint / "actor_model" / "hf" / "model.safetensors").write_bytes(b"weights" * 100)
+    (checkpoint / "actor_model" / "hf" / "config.json").write_text("{}")
+    (checkpoint / "actor_model" / "ds" / "optim_states.pt").write_bytes(b"moments" * 300)
+    store = CheckpointStore(str(tmp_path / "store"))
+    store.commit(7, str(checkpoint), {"step": 7})
+    with open(tmp_path / "store" / "step_7" / "actor_model" / "ds" / "optim_states.pt", "r+b") as shard:
+        shard.write(b"X")  # caught by its checksum, were it read
+
+    out = tmp_path / "out"
+    assert export_stage_output(store, 7, "actor_model", toy_assets["model"], str(out)) == str(out)
+    assert (out / "model.safetensors").read_bytes() == b"weights" * 100
+    assert {"config.json", "tokenizer_config.json", SOURCE_NAME} <= set(os.listdir(out))
+    assert not any("optim" in name for name in os.listdir(out))
