@@ -14,7 +14,8 @@ checkpointing costs a whole run.
   same files.
 - `whole_run` (section `wholerun`): the `rlhf` Prefect flow, SFT on the 23.6M model, once with a
   checkpoint every 50 steps and once as a single chunk, same seed and data; the extra wall time per
-  checkpoint, against the training time of a 50-step chunk.
+  checkpoint, against the training time of a 50-step chunk; and the floor under it, the single chunk with a
+  durable copy of the same bytes at each boundary (`durable_floor`).
 """
 
 from __future__ import annotations
