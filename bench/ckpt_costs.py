@@ -207,35 +207,54 @@ def _process_cpu(_worker=None) -> float:
 
 
 @contextlib.contextmanager
-def recorded_cpu():
-    """Wrap `WorkerGroup.train_until` and `.shutdown`: the CPU seconds every rank and this process used
-    between a group's first training call and its shutdown (the flow's end). It moves less than wall time
-    when other work shares the machine, though heavy contention for the same cores inflates it too."""
-    import ray
-
+def group_hooks(first_training, before_shutdown):
+    """Wrap `WorkerGroup.train_until` and `.shutdown`: `first_training(group)` runs before a group's first training
+    call, `before_shutdown(group)` before that group's ranks are killed (the flow's end)."""
     from rlhf_core.driver.engine import WorkerGroup
+
+    trained: set[int] = set()
+    train_until, shutdown = WorkerGroup.train_until, WorkerGroup.shutdown
+
+    def hooked_train_until(self, target_step):
+        if id(self) not in trained:
+            trained.add(id(self))
+            first_training(self)
+        return train_until(self, target_step)
+
+    def hooked_shutdown(self):
+        if id(self) in trained and self.workers:
+            trained.discard(id(self))
+            before_shutdown(self)
+        return shutdown(self)
+
+    WorkerGroup.train_until, WorkerGroup.shutdown = hooked_train_until, hooked_shutdown
+    try:
+        yield
+    finally:
+        WorkerGroup.train_until, WorkerGroup.shutdown = train_until, shutdown
+
+
+@contextlib.contextmanager
+def recorded_cpu():
+    """The CPU seconds every rank and this process used between a group's first training call and its shutdown
+    (the flow's end). It moves less than wall time when other work shares the machine, though heavy contention
+    for the same cores inflates it too."""
+    import ray
 
     marks: dict[int, float] = {}
     spent: list[float] = []
-    train_until, shutdown = WorkerGroup.train_until, WorkerGroup.shutdown
 
     def cpu(group) -> float:
         return sum(ray.get([worker.__ray_call__.remote(_process_cpu) for worker in group.workers])) + _process_cpu()
 
-    def counted_train_until(self, target_step):
-        marks.setdefault(id(self), cpu(self))
-        return train_until(self, target_step)
+    def mark(group) -> None:
+        marks[id(group)] = cpu(group)
 
-    def counted_shutdown(self):
-        if id(self) in marks and self.workers:
-            spent.append(cpu(self) - marks.pop(id(self)))
-        return shutdown(self)
+    def count(group) -> None:
+        spent.append(cpu(group) - marks.pop(id(group)))
 
-    WorkerGroup.train_until, WorkerGroup.shutdown = counted_train_until, counted_shutdown
-    try:
+    with group_hooks(mark, count):
         yield spent
-    finally:
-        WorkerGroup.train_until, WorkerGroup.shutdown = train_until, shutdown
 
 
 @contextlib.contextmanager
@@ -277,29 +296,20 @@ def durable_floor(boundaries: set[int], folder: str):
     import ray.cloudpickle
 
     import durable_floor as floor
-    from rlhf_core.driver.engine import WorkerGroup
 
     ray.cloudpickle.register_pickle_by_value(floor)  # the ranks cannot import the bench folder
     report: dict = {}
-    installed: set[int] = set()
-    train_until, shutdown = WorkerGroup.train_until, WorkerGroup.shutdown
 
-    def floored_train_until(self, target_step):
-        if id(self) not in installed:
-            installed.add(id(self))
-            ray.get([worker.__ray_call__.remote(floor.install, boundaries, folder) for worker in self.workers])
-        return train_until(self, target_step)
+    def install(group) -> None:
+        ray.get([worker.__ray_call__.remote(floor.install, boundaries, folder) for worker in group.workers])
 
-    def floored_shutdown(self):
-        if id(self) in installed and self.workers:
-            report.update(ray.get(self.workers[0].__ray_call__.remote(floor.report)))
-        return shutdown(self)
+    def collect(group) -> None:
+        report.update(ray.get(group.workers[0].__ray_call__.remote(floor.report)))
 
-    WorkerGroup.train_until, WorkerGroup.shutdown = floored_train_until, floored_shutdown
     try:
-        yield report
+        with group_hooks(install, collect):
+            yield report
     finally:
-        WorkerGroup.train_until, WorkerGroup.shutdown = train_until, shutdown
         shutil.rmtree(folder, ignore_errors=True)
 
 
