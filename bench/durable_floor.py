@@ -18,6 +18,8 @@ import os
 import threading
 import time
 
+from rlhf_core.storage.durable import fsync_dir
+
 PIECE_BYTES = 8 << 20
 PAGE = 4096
 
@@ -45,11 +47,7 @@ def _write_durably(buffers: list[mmap.mmap], path: str, seconds: list[float]) ->
         os.fsync(fd)
     finally:
         os.close(fd)
-    folder = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(folder)
-    finally:
-        os.close(folder)
+    fsync_dir(os.path.dirname(path))
     seconds.append(time.perf_counter() - started)
 
 

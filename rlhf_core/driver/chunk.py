@@ -355,8 +355,9 @@ def _commit_chunk(run: RunConfig, stage: str, plan: StagePlan, store: Checkpoint
     metadata |= _alert_inputs(store, group, start_step, step, summary)
     _require_room(run, stage, store, metadata, infos)
     info, commit_seconds = _commit(run, stage, store, group, step, metadata, folders)
-    stall = (time.perf_counter() if run.sync_checkpoint else snapshotted) - started
-    commit_seconds = {"stall": stall, "commit": time.perf_counter() - snapshotted, **commit_seconds}
+    committed = time.perf_counter()
+    stall = (committed if run.sync_checkpoint else snapshotted) - started
+    commit_seconds = {"stall": stall, "commit": committed - snapshotted, **commit_seconds}
     alerts = commit_alerts(run.run_name, stage, step, metadata, info.size_bytes,
                            [known.size_bytes for known in infos if known.is_committed and known.step < step],
                            has_ds_state=not run.stage_config(stage).disable_ds_ckpt,

@@ -66,7 +66,7 @@ def test_the_ranks_train_ahead_straight_after_their_snapshot_and_the_step_commit
     _, _, store, group = boundary
     assert group.calls == ["snapshot", "train_ahead:10", "prepare_step", "start_write"]
     assert info.step == 5 and [(known.step, known.status) for known in store.list(verify=True)] == [(5, "committed")]
-    assert ahead_since is not None and seconds["stall"] <= seconds["stall"] + seconds["commit"]
+    assert ahead_since is not None and {"stall", "commit"} <= seconds.keys()
 
 
 def test_without_training_ahead_the_ranks_wait_for_the_commit(boundary):
