@@ -10,6 +10,25 @@ from pathlib import Path
 import pytest
 
 RLHF = str(Path(sys.executable).with_name("rlhf"))
+# Under pytest-xdist each worker is a process of its own, named gw0, gw1, ... ("main" without xdist).
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
+
+
+def _private_ray_temp_dir() -> None:
+    """A bare `ray.init()` joins the cluster named in Ray's temp folder (`ray_current_cluster`, written by `ray start`)
+    before it starts one of its own. Each pytest process gets a temp folder of its own (RAY_TMPDIR), so a test's local
+    Ray never joins another xdist worker's test cluster, nor a cluster the developer started on this machine. Short:
+    Ray's unix socket paths live under it and must stay under 108 bytes."""
+    if "RAY_TMPDIR" not in os.environ:
+        import atexit
+        import shutil
+        import tempfile
+
+        os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix=f"rt-{WORKER}-", dir="/tmp")
+        atexit.register(shutil.rmtree, os.environ["RAY_TMPDIR"], ignore_errors=True)
+
+
+_private_ray_temp_dir()
 # What `ray.init` in this process adds to os.environ (RAY_AUTH_MODE=token among them), as the session began.
 RAY_SET_VARIABLES = ("RAY_", "PYTHONBREAKPOINT")
 _SESSION_RAY_ENVIRONMENT = {name: value for name, value in os.environ.items() if name.startswith(RAY_SET_VARIABLES)}
@@ -100,6 +119,36 @@ def run_rlhf(args: list[str], env: dict[str, str], timeout: float = 600) -> subp
     return subprocess.run([RLHF, *args], env=env, capture_output=True, text=True, timeout=timeout)
 
 
+# Integration modules, the heaviest first (module totals of a serial run, tests/README.md). Under pytest-xdist
+# (`make test`: `-n 2 --dist loadgroup`) a free worker takes the next module in this order, so the long ones start
+# first and the short ones and the unit tests fill the gaps at the end. A module missing here runs after these.
+HEAVIEST_MODULES_FIRST = (
+    "test_openrlhf_scripts", "test_model_families", "test_deployment", "test_fault_matrix", "test_agent",
+    "test_ray_cluster", "test_pipeline_stages", "test_stop_signals", "test_prefect_crash_retry", "test_zero3",
+    "test_bad_input", "test_dpo", "test_resume_paths", "test_full_disk", "test_prm", "test_chunk_retry",
+    "test_console", "test_ppo_multirank",
+)
+
+
+def _schedule_for_workers(items: list) -> None:
+    """Each integration module is one xdist group: its module-scoped fixtures (a Prefect server, a Ray head, an HF
+    cache, a reference run) are built once, on the worker that runs it, and its tests keep their order. Modules are
+    ordered heaviest first, then the other integration modules, then the unit tests (each test its own unit of work)."""
+    rank = {name: index for index, name in enumerate(HEAVIEST_MODULES_FIRST)}
+
+    def order(item) -> tuple[int, int]:
+        module = item.path.stem
+        if "integration" not in item.path.parts:
+            return (2, 0)
+        return (0, rank[module]) if module in rank else (1, 0)
+
+    for item in items:
+        if "integration" in item.path.parts:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+    items.sort(key=order)  # stable: within a module, the collection order
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the xdist_group marks added here
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` skip cleanly on machines without CUDA. Tests marked `slow` (real Ray clusters, Prefect
     servers, moto, DeepSpeed processes on a shared 2-core machine) run once more after a failure: a start-up
@@ -115,3 +164,4 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
         elif "slow" in item.keywords:
             item.add_marker(rerun_once)
+    _schedule_for_workers(items)

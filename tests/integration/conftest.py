@@ -344,10 +344,21 @@ def train_sft_args(toy: dict[str, str], ckpt: Path, out: Path) -> list[str]:
 @pytest.fixture(scope="session")
 def reference_sft_weights(toy_assets, rlhf_env, tmp_path_factory) -> dict:
     """The final weights of `train_sft_args` run once, never interrupted (one rank): what every kill
-    test of that run must end with."""
+    test of that run must end with. Once per pytest run, not once per xdist worker: the first worker to need it
+    trains it under a lock in the folder the workers share, and the others read its file (the toy is the same
+    bytes on every worker)."""
+    from filelock import FileLock
+
     from tests.conftest import run_rlhf
 
-    out = tmp_path_factory.mktemp("reference-sft")
-    reference = run_rlhf(train_sft_args(toy_assets, out / "ckpt", out / "model"), rlhf_env)
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    return load_file(str(out / "model" / "model.safetensors"))
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # pytest-N/, above each worker's popen-gwK/
+    out = shared / "reference-sft"
+    weights = out / "model" / "model.safetensors"
+    with FileLock(str(shared / "reference-sft.lock")):
+        if not weights.exists():
+            shutil.rmtree(out, ignore_errors=True)  # a try that failed before the weights were written
+            reference = run_rlhf(train_sft_args(toy_assets, out / "ckpt", out / "model"), rlhf_env)
+            assert reference.returncode == 0, reference.stderr[-3000:]
+    return load_file(str(weights))
