@@ -21,13 +21,13 @@ $(BIN)/rlhf: pyproject.toml
 demo: $(BIN)/rlhf
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/rlhf demo --workdir ./demo
 
-# The suite runs on TEST_WORKERS pytest-xdist workers; each integration module is one group, heaviest first
+# The suite runs on TEST_WORKERS pytest-xdist workers; each test module is one unit of work, heaviest first
 # (tests/conftest.py), and tests/README.md says where the time goes. The last line is the suite's wall time.
 TEST_WORKERS ?= 2
 
 test: $(BIN)/rlhf
 	@started=$$(date +%s); \
-	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadgroup -v -rfEsR --durations=40; status=$$?; \
+	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile -v -rfEsR --durations=40; status=$$?; \
 	seconds=$$(( $$(date +%s) - started )); \
 	echo "make test: pytest took $$((seconds / 60)) min $$((seconds % 60)) s on $(TEST_WORKERS) workers (exit $$status)"; \
 	exit $$status

@@ -120,7 +120,7 @@ def run_rlhf(args: list[str], env: dict[str, str], timeout: float = 600) -> subp
 
 
 # Integration modules, the heaviest first (module totals of a serial run, tests/README.md). Under pytest-xdist
-# (`make test`: `-n 2 --dist loadgroup`) a free worker takes the next module in this order, so the long ones start
+# (`make test`: `-n 2 --dist loadfile`) a free worker takes the next module in this order, so the long ones start
 # first and the short ones and the unit tests fill the gaps at the end. A module missing here runs after these.
 HEAVIEST_MODULES_FIRST = (
     "test_openrlhf_scripts", "test_model_families", "test_deployment", "test_fault_matrix", "test_agent",
@@ -131,9 +131,11 @@ HEAVIEST_MODULES_FIRST = (
 
 
 def _schedule_for_workers(items: list) -> None:
-    """Each integration module is one xdist group: its module-scoped fixtures (a Prefect server, a Ray head, an HF
-    cache, a reference run) are built once, on the worker that runs it, and its tests keep their order. Modules are
-    ordered heaviest first, then the other integration modules, then the unit tests (each test its own unit of work)."""
+    """Under `--dist loadfile` each module is one unit of work: its module-scoped fixtures (a Prefect server, a Ray
+    head, an HF cache, a reference run) are built once, on the worker that runs it, and its tests keep their order.
+    (Not `--dist loadgroup`: pytest-xdist 3.8 marks a group by rewriting `item._nodeid`, which pytest 9 no longer
+    reads, so every test was its own group.) Modules are ordered heaviest first, then the other integration modules,
+    then the unit tests."""
     rank = {name: index for index, name in enumerate(HEAVIEST_MODULES_FIRST)}
 
     def order(item) -> tuple[int, int]:
@@ -142,13 +144,9 @@ def _schedule_for_workers(items: list) -> None:
             return (2, 0)
         return (0, rank[module]) if module in rank else (1, 0)
 
-    for item in items:
-        if "integration" in item.path.parts:
-            item.add_marker(pytest.mark.xdist_group(item.path.stem))
     items.sort(key=order)  # stable: within a module, the collection order
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the xdist_group marks added here
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` skip cleanly on machines without CUDA. Tests marked `slow` (real Ray clusters, Prefect
     servers, moto, DeepSpeed processes on a shared 2-core machine) run once more after a failure: a start-up
