@@ -27,7 +27,7 @@ TEST_WORKERS ?= 2
 
 test: $(BIN)/rlhf
 	@started=$$(date +%s); \
-	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile -v -rfEsR --durations=40; status=$$?; \
+	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -v -rfEsR --durations=40; status=$$?; \
 	seconds=$$(( $$(date +%s) - started )); \
 	echo "make test: pytest took $$((seconds / 60)) min $$((seconds % 60)) s on $(TEST_WORKERS) workers (exit $$status)"; \
 	exit $$status

@@ -135,7 +135,8 @@ def _schedule_for_workers(items: list) -> None:
     head, an HF cache, a reference run) are built once, on the worker that runs it, and its tests keep their order.
     (Not `--dist loadgroup`: pytest-xdist 3.8 marks a group by rewriting `item._nodeid`, which pytest 9 no longer
     reads, so every test was its own group.) Modules are ordered heaviest first, then the other integration modules,
-    then the unit tests."""
+    then the unit tests; `--no-loadscope-reorder` keeps that order (by default xdist puts the modules with the most
+    tests first, which left the one-test heavy modules, the agent and the fault matrix, for the end)."""
     rank = {name: index for index, name in enumerate(HEAVIEST_MODULES_FIRST)}
 
     def order(item) -> tuple[int, int]:

@@ -56,6 +56,9 @@ def chunk_metrics(run: RunConfig, step: int) -> dict:
 
 def test_the_second_turns_reward_rises_and_a_killed_run_resumes_bit_exactly(toy_assets, sft_model, rlhf_env,
                                                                              tmp_path):
+    """Slow (80-90 s in CI, over 120 s on a loaded machine) on purpose: 24 PPO steps of two-turn episodes must show
+    the reward rising, and the kill needs a second, resumed job beside the uninterrupted one; each job pays its own
+    start-up (~30 s: imports, a local Ray, the rank's set-up)."""
     reference = agent_run(toy_assets, sft_model, tmp_path / "reference")
     done = fault_driver_job(reference, rlhf_env)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -144,7 +144,9 @@ def test_fault_matrix_on_s3_and_on_a_local_folder_with_power_cuts(toy_assets, rl
     durable. After each one the newest commit made before it is still there (the store without fsyncs fails
     here: the cut takes every commit), every step listed as committed verifies, and `latest` names one of them.
     POWERCUT_TORN_WRITES=1 runs it with torn writes (a cut keeps the first half of each un-fsync'd write).
-    Without FUSE (.ci/run installs fuse3) the local chain runs on a plain folder, with a warning."""
+    Without FUSE (.ci/run installs fuse3) the local chain runs on a plain folder, with a warning.
+    Slow (115-270 s): 13 jobs per chain, each a process with its own start-up (imports, joining Ray, the rank's
+    set-up), which is most of each job; the two chains share the cores."""
     from tests.powercut_fs import PowerCutMount
 
     assert len(FAULT_POINTS) >= 12
@@ -221,7 +223,8 @@ def stage_run(stage: str, toy: dict[str, str], data_dir: Path, root: Path) -> Ru
 
 def test_the_dpo_and_prm_stages_survive_a_fault_chain(toy_assets, rlhf_env, tmp_path, ray_cluster):
     """DPO and PRM each through STAGE_FAULT_POINTS on a local folder, side by side on one Ray cluster: no commit
-    lost, and the final weights equal an uninterrupted run's."""
+    lost, and the final weights equal an uninterrupted run's. Slow (85-150 s): 2 references and 2 x 7 jobs, each paying
+    its own start-up."""
     rlhf_env = {**rlhf_env, "RAY_ADDRESS": ray_cluster}
     stages = ("dpo", "prm")
     references = {stage: stage_run(stage, toy_assets, tmp_path, tmp_path / f"{stage}-reference") for stage in stages}

@@ -229,6 +229,8 @@ def test_alert_events_fire_their_automations(prefect_server):
 
 def test_killed_worker_run_is_crashed_then_retry_completes_it(prefect_server, background, toy_assets, rlhf_env,
                                                              tmp_path):
+    """Slow (140-340 s) because it waits for Prefect itself: the crash automation's heartbeat window is 90 s,
+    Prefect's minimum, and the run needs a server, a process worker, a killed worker and a second worker."""
     from prefect.client.orchestration import SyncPrefectClient
 
     from rlhf_core.storage.checkpoint import CheckpointStore

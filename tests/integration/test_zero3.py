@@ -68,6 +68,8 @@ def rerun(toy_assets, rlhf_env, killed_ckpt: Path, tmp_path: Path, num_workers: 
 
 def test_zero3_sigkill_mid_chunk_then_rerun_matches_uninterrupted_run(toy_assets, rlhf_env, tmp_path,
                                                                       killed_zero3_ckpt, reference_zero3_weights):
+    """Its 90-135 s are mostly the module's fixtures it is the first to need: an uninterrupted ZeRO-3 run and a
+    killed one (two jobs, each with its own start-up), then the rerun on 2 ranks."""
     actual = rerun(toy_assets, rlhf_env, killed_zero3_ckpt, tmp_path, num_workers=2)
     assert actual.keys() == reference_zero3_weights.keys()
     for name, tensor in reference_zero3_weights.items():
