@@ -349,10 +349,10 @@ def reference_sft_weights(toy_assets, rlhf_env, tmp_path_factory) -> dict:
     bytes on every worker)."""
     from filelock import FileLock
 
-    from tests.conftest import run_rlhf
+    from tests.conftest import WORKER, run_rlhf
 
     shared = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
+    if WORKER != "main":
         shared = shared.parent  # pytest-N/, above each worker's popen-gwK/
     out = shared / "reference-sft"
     weights = out / "model" / "model.safetensors"
