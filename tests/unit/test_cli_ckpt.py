@@ -46,12 +46,16 @@ def test_lora_combiner_takes_a_checkpoints_latest_as_lora_path(tmp_path, toy_ass
     from rlhf_core.rank.models import load_causal_lm
 
     store = CheckpointStore(str(tmp_path / "ckpt" / "run" / "ppo"))
-    for step, scale in ((2, 0.0), (4, 0.5)):
+    # A trained adapter's size: step 4's changes the model, step 2's (zero) does not. An oversized one (every
+    # lora_B 0.5) saturated the toy's attention, and the merge check's own fp32 error then hung on the lora_A draw:
+    # 3 of 18 seeds went over the 1e-4 it allows. Seeded, so the draw no longer depends on the tests run before.
+    torch.manual_seed(2)
+    for step, scale in ((2, 0.0), (4, 0.02)):
         adapted = load_causal_lm(toy_assets["model"], lora_rank=4)
         with torch.no_grad():
             for name, param in adapted.named_parameters():
                 if "lora_B" in name:
-                    param.fill_(scale)  # step 4's adapter changes the model, step 2's does not
+                    param.normal_(0, scale)
         local = tmp_path / f"local_{step}"
         adapted.save_pretrained(str(local / "actor_model" / "hf"))
         store.commit(step, str(local), {"step": step})
