@@ -29,6 +29,18 @@ def _private_ray_temp_dir() -> None:
 
 
 _private_ray_temp_dir()
+
+
+def _share_the_cores() -> None:
+    """Each xdist worker's processes (the test's own, its `rlhf` commands and their ranks, which take the driver's
+    OMP_NUM_THREADS) get an equal share of the cores. By default every torch process takes them all, and two workers
+    training at once spun in OpenMP's barriers against each other: on 2 cores, 5x slower than one thread each."""
+    num_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if num_workers > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // num_workers)))
+
+
+_share_the_cores()
 # What `ray.init` in this process adds to os.environ (RAY_AUTH_MODE=token among them), as the session began.
 RAY_SET_VARIABLES = ("RAY_", "PYTHONBREAKPOINT")
 _SESSION_RAY_ENVIRONMENT = {name: value for name, value in os.environ.items() if name.startswith(RAY_SET_VARIABLES)}

@@ -86,7 +86,8 @@ class WorkerGroup:
             self._check_store_visible(run)
             master_addr, master_port = self._gather(self.workers[0].rendezvous_address.remote())
             node_ids = [location.node_id for location in self.locations]
-            self._gather([worker.join.remote(master_addr, master_port, node_ids.count(location.node_id))
+            num_threads = threads_asked()
+            self._gather([worker.join.remote(master_addr, master_port, node_ids.count(location.node_id), num_threads)
                           for worker, location in zip(self.workers, self.locations)])
         except BaseException:
             self.shutdown()
@@ -294,6 +295,17 @@ def forwarded_environment() -> dict[str, str]:
     leave them out of the driver's environment where that matters."""
     forwarded = ("RLHF_FAULT_", "RLHF_WRITER_", "AWS_")
     return {name: value for name, value in os.environ.items() if name.startswith(forwarded)}
+
+
+def threads_asked() -> int | None:
+    """OMP_NUM_THREADS from the driver's environment, or None. The ranks cannot read it themselves: Ray sets
+    their own to the CPUs they reserved when the cluster's environment has none."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise UserError(f"OMP_NUM_THREADS={value!r}: expected a whole number of threads, 1 or more.")
+    return int(value)
 
 
 def placement_bundle(run: RunConfig) -> dict[str, float]:

@@ -57,6 +57,16 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+def torch_threads(num_threads_asked: int | None, ranks_on_node: int) -> int:
+    """A rank's torch threads: the driver's OMP_NUM_THREADS when set (as under torchrun), else an equal share of
+    the CPUs this process may run on (its affinity, not the host's count). Two processes that each take every
+    core spin in OpenMP's barriers against each other: 5x slower than one thread each, measured on 2 cores."""
+    if num_threads_asked:
+        return num_threads_asked
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, usable // ranks_on_node)
+
+
 @dataclass(frozen=True)
 class RankLocation:
     hostname: str
@@ -92,10 +102,10 @@ class TrainWorker:
     def rendezvous_address(self) -> tuple[str, int]:
         return ray.util.get_node_ip_address(), _free_port()
 
-    def join(self, master_addr: str, master_port: int, ranks_on_node: int) -> None:
+    def join(self, master_addr: str, master_port: int, ranks_on_node: int, num_threads_asked: int | None = None) -> None:
         import torch
 
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_node))
+        torch.set_num_threads(torch_threads(num_threads_asked, ranks_on_node))
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
         # DeepSpeed JIT-builds an op with whichever `ninja` is first on PATH; two ninjas (system and
