@@ -79,8 +79,9 @@ def toy_assets(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def rlhf_env(tmp_path_factory) -> dict[str, str]:
-    """Environment for `rlhf` subprocesses: Prefect's ephemeral server with a private home."""
+def ephemeral_rlhf_env(tmp_path_factory) -> dict[str, str]:
+    """Environment for `rlhf` subprocesses on Prefect's ephemeral server (no PREFECT_API_URL), with a private home.
+    Integration tests take `rlhf_env` (tests/integration/conftest.py): the same, pointed at one server per worker."""
     env = {key: value for key, value in os.environ.items() if not key.startswith(("PREFECT_API", "RLHF_FAULT"))}
     env.update(
         PREFECT_HOME=str(tmp_path_factory.mktemp("prefect-home")),

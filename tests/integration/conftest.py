@@ -231,10 +231,9 @@ def prefect_env(home: Path, api_url: str | None) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="module")
-def prefect_server(tmp_path_factory) -> Iterator[PrefectServer]:
-    """`prefect server start` on a free loopback port with a temp PREFECT_HOME (one per test module)."""
-    home = tmp_path_factory.mktemp("prefect-home")
+@contextmanager
+def running_prefect_server(home: Path) -> Iterator[PrefectServer]:
+    """`prefect server start` on a free loopback port with `home` as its PREFECT_HOME, until the block ends."""
     port = free_port()
     api_url = f"http://127.0.0.1:{port}/api"
     env = prefect_env(home, api_url)
@@ -254,6 +253,35 @@ def prefect_server(tmp_path_factory) -> Iterator[PrefectServer]:
         yield PrefectServer(api_url=api_url, env=env, home=home, process=process)
     finally:
         process.stop()
+
+
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory) -> Iterator[PrefectServer]:
+    """A Prefect server of the module's own: for modules that install automations or work pools, or read runs."""
+    with running_prefect_server(tmp_path_factory.mktemp("prefect-home")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def worker_prefect_server(tmp_path_factory) -> Iterator[PrefectServer]:
+    """One Prefect server per pytest process, behind `rlhf_env`."""
+    with running_prefect_server(tmp_path_factory.mktemp("worker-prefect-home")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def worker_rlhf_env(ephemeral_rlhf_env, worker_prefect_server) -> dict[str, str]:
+    """Environment for `rlhf` subprocesses: this worker's Prefect server. Each `rlhf` command otherwise starts
+    Prefect's ephemeral server: a toy SFT took 31-40 CPU-s that way, 21-29 with a running server (the suite is
+    bound by CPU on 2 cores)."""
+    return {**ephemeral_rlhf_env, "PREFECT_API_URL": worker_prefect_server.api_url}
+
+
+@pytest.fixture(scope="session")
+def rlhf_env(worker_rlhf_env) -> dict[str, str]:
+    """The tests' `rlhf` environment: `worker_rlhf_env`. Modules that test the ephemeral path itself (stop
+    signals, the console, the kill-and-resume) override it with `ephemeral_rlhf_env`."""
+    return worker_rlhf_env
 
 
 def kill_once_committed(command: list[str], env: dict[str, str], paused_step: int, faults_dir: Path,
@@ -342,7 +370,7 @@ def train_sft_args(toy: dict[str, str], ckpt: Path, out: Path) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def reference_sft_weights(toy_assets, rlhf_env, tmp_path_factory) -> dict:
+def reference_sft_weights(toy_assets, worker_rlhf_env, tmp_path_factory) -> dict:
     """The final weights of `train_sft_args` run once, never interrupted (one rank): what every kill
     test of that run must end with. Once per pytest run, not once per xdist worker: the first worker to need it
     trains it under a lock in the folder the workers share, and the others read its file (the toy is the same
@@ -359,6 +387,6 @@ def reference_sft_weights(toy_assets, rlhf_env, tmp_path_factory) -> dict:
     with FileLock(str(shared / "reference-sft.lock")):
         if not weights.exists():
             shutil.rmtree(out, ignore_errors=True)  # a try that failed before the weights were written
-            reference = run_rlhf(train_sft_args(toy_assets, out / "ckpt", out / "model"), rlhf_env)
+            reference = run_rlhf(train_sft_args(toy_assets, out / "ckpt", out / "model"), worker_rlhf_env)
             assert reference.returncode == 0, reference.stderr[-3000:]
     return load_file(str(weights))

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-import sqlite3
 import uuid
-from pathlib import Path
 
 import pytest
 
@@ -90,8 +88,21 @@ def test_a_flat_ppo_reward_warns_per_chunk_and_its_stagnant_alert_reaches_the_co
     assert [(alert.name, alert.step) for alert in alerts] == [(ALERT_REWARD_STAGNANT, 4)]
     line = f"rlhf: warning: {alerts[0].message} ({ALERT_REWARD_STAGNANT})"
     assert console.count(line) == 1, console
-    with sqlite3.connect(Path(rlhf_env["PREFECT_HOME"]) / "prefect.db") as database:  # the flow run's log
-        logged = [message for (message,) in database.execute(
-            "SELECT log.message FROM log JOIN flow_run ON log.flow_run_id = flow_run.id WHERE flow_run.name LIKE ?",
-            (f"{run_name}%",))]
+    logged = flow_run_log(rlhf_env["PREFECT_API_URL"], run_name)
     assert logged.count(line) == 1, logged
+
+
+def flow_run_log(api_url: str, run_name: str) -> list[str]:
+    """What the flow runs named after `run_name` (the run and its stage subflows) logged, read from the server."""
+    from prefect.client.orchestration import SyncPrefectClient
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, LogFilter, LogFilterFlowRunId
+
+    with SyncPrefectClient(api_url) as client:
+        flow_runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=run_name)))
+        log_filter = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run.id for flow_run in flow_runs]))
+        messages: list[str] = []
+        while True:  # the server answers 200 logs at most per request
+            page = client.read_logs(log_filter=log_filter, limit=200, offset=len(messages))
+            messages += [log.message for log in page]
+            if len(page) < 200:
+                return messages

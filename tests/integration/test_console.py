@@ -26,6 +26,12 @@ from tests.integration.conftest import train_sft_args
 
 pytestmark = pytest.mark.slow
 
+
+@pytest.fixture(scope="module")
+def rlhf_env(ephemeral_rlhf_env) -> dict[str, str]:
+    """The console as a user without PREFECT_API_URL sees it: on Prefect's ephemeral server."""
+    return ephemeral_rlhf_env
+
 NOISE = ("(TrainWorker pid=", "Setting accelerator to CPU", "Loading weights", "temporary server")
 
 

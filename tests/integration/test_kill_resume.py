@@ -22,6 +22,12 @@ from tests.integration.conftest import train_sft_args
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(scope="module")
+def rlhf_env(ephemeral_rlhf_env) -> dict[str, str]:
+    """The kill and resume as a user without PREFECT_API_URL runs them: on Prefect's ephemeral server."""
+    return ephemeral_rlhf_env
+
+
 def wait_for(path: Path, process: subprocess.Popen, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():

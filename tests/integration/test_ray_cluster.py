@@ -34,7 +34,7 @@ RUN_TIMEOUT = 600
 
 @pytest.fixture(scope="module")
 def cluster_env(rlhf_env, s3_endpoint) -> dict[str, str]:
-    """The environment of the cluster's nodes and of every `rlhf` run: Prefect's ephemeral server and S3."""
+    """The environment of the cluster's nodes and of every `rlhf` run: this worker's Prefect server and S3."""
     env = {key: value for key, value in rlhf_env.items() if key != "RAY_ADDRESS"}
     return {**env, **s3_environment(s3_endpoint), "RAY_AUTH_MODE": "disabled"}
 

@@ -32,6 +32,12 @@ from tests.integration.conftest import _processes, train_sft_args
 
 pytestmark = pytest.mark.slow
 
+
+@pytest.fixture(scope="module")
+def rlhf_env(ephemeral_rlhf_env) -> dict[str, str]:
+    """Ctrl-C reaches the ephemeral server a terminal shares with the CLI: tested on that path."""
+    return ephemeral_rlhf_env
+
 PAUSED = "train_step@8"
 HANG_GUARD_S = 300  # not a speed check: a run that never exits fails instead of hanging the suite
 
