@@ -102,7 +102,8 @@ class TrainWorker:
     def rendezvous_address(self) -> tuple[str, int]:
         return ray.util.get_node_ip_address(), _free_port()
 
-    def join(self, master_addr: str, master_port: int, ranks_on_node: int, num_threads_asked: int | None = None) -> None:
+    def join(self, master_addr: str, master_port: int, ranks_on_node: int,
+             num_threads_asked: int | None = None) -> None:
         import torch
 
         torch.set_num_threads(torch_threads(num_threads_asked, ranks_on_node))
