@@ -270,11 +270,20 @@ def worker_prefect_server(tmp_path_factory) -> Iterator[PrefectServer]:
 
 
 @pytest.fixture(scope="session")
-def worker_rlhf_env(ephemeral_rlhf_env, worker_prefect_server) -> dict[str, str]:
-    """Environment for `rlhf` subprocesses: this worker's Prefect server. Each `rlhf` command otherwise starts
-    Prefect's ephemeral server: a toy SFT took 31-40 CPU-s that way, 21-29 with a running server (the suite is
-    bound by CPU on 2 cores)."""
-    return {**ephemeral_rlhf_env, "PREFECT_API_URL": worker_prefect_server.api_url}
+def worker_ray_head(ephemeral_rlhf_env, tmp_path_factory) -> Iterator[str]:
+    """One Ray head per pytest process (2 CPUs, as the local cluster a bare `ray.init()` starts here), behind
+    `rlhf_env`: its address."""
+    with ray_head(ephemeral_rlhf_env, tmp_path_factory.mktemp("worker-ray") / "head.log") as address:
+        yield address
+
+
+@pytest.fixture(scope="session")
+def worker_rlhf_env(ephemeral_rlhf_env, worker_prefect_server, worker_ray_head) -> dict[str, str]:
+    """Environment for `rlhf` subprocesses: this worker's Prefect server and Ray head, as a user's commands find
+    theirs (PREFECT_API_URL, RAY_ADDRESS). Each `rlhf` command otherwise starts Prefect's ephemeral server and a
+    local Ray: a toy SFT took 31-40 CPU-s on the ephemeral server, 21-29 with a running one, and a local Ray's
+    start and stop costs another ~6 CPU-s (the suite is bound by CPU on 2 cores)."""
+    return {**ephemeral_rlhf_env, "PREFECT_API_URL": worker_prefect_server.api_url, "RAY_ADDRESS": worker_ray_head}
 
 
 @pytest.fixture(scope="session")
@@ -337,7 +346,7 @@ def kill_fault_driver_once_committed(run_json: str, env: dict[str, str], paused_
 @contextmanager
 def ray_head(env: dict[str, str], log_path: Path) -> Iterator[str]:
     """`ray start --head` on a free loopback port (2 CPUs, no dashboard) in a temp dir of its own, so it never
-    becomes the machine's default cluster; yields its address once `ray status` sees it. Stopped by SIGKILL
+    becomes the machine's default cluster; yields its address once it is up. Stopped by SIGKILL
     after a grace period: after SIGTERM its gcs_server and raylet stay alive."""
     port = free_port()
     address = f"127.0.0.1:{port}"
@@ -348,10 +357,10 @@ def ray_head(env: dict[str, str], log_path: Path) -> Iterator[str]:
                                                 f"--temp-dir={temp_dir}"], env, log_path)
     try:
         deadline = time.monotonic() + 120
-        while "Active:" not in subprocess.run([str(VENV_BIN / "ray"), "status", f"--address={address}"], env=env,
-                                              capture_output=True, text=True).stdout:
+        # `ray start` says so once its head answers; each `ray status` to ask would cost ~1.5 CPU-s.
+        while "Ray runtime started." not in head.log_tail():
             assert head.alive() and time.monotonic() < deadline, f"the Ray head did not start:\n{head.log_tail()}"
-            time.sleep(1)
+            time.sleep(0.2)
         yield address
     finally:
         head.stop(grace=3)
