@@ -119,9 +119,10 @@ class Deployed:
 
 
 @pytest.fixture(scope="module")
-def deployed(prefect_server, tmp_path_factory) -> Iterator[Deployed]:
+def deployed(prefect_server, worker_ray_head, tmp_path_factory) -> Iterator[Deployed]:
     """`prefect work-pool create`, `prefect deploy --all` from the project folder, and `prefect worker start`
-    from another folder: the pull step, not the worker's cwd, finds the code."""
+    from another folder: the pull step, not the worker's cwd, finds the code. The worker's flow runs join this
+    pytest process's Ray head (RAY_ADDRESS in the worker's environment, as on a cluster), not a local Ray each."""
     from rlhf_core.toy import init_toy
 
     pool = deployment_spec("sft")["work_pool"]["name"]
@@ -130,7 +131,8 @@ def deployed(prefect_server, tmp_path_factory) -> Iterator[Deployed]:
     prefect_server.cli("--no-prompt", "deploy", "--all", cwd=PROJECT_DIR, env={"PWD": str(PROJECT_DIR)})
     workdir = tmp_path_factory.mktemp("deployed")
     (workdir / "worker").mkdir()
-    worker_env = {**prefect_server.env, "PREFECT_WORKER_QUERY_SECONDS": "2"}  # pick runs up quickly
+    worker_env = {**prefect_server.env, "PREFECT_WORKER_QUERY_SECONDS": "2",  # pick runs up quickly
+                  "RAY_ADDRESS": worker_ray_head}
     worker = BackgroundProcess.start("prefect-worker", [PREFECT, "worker", "start", "--pool", pool], worker_env,
                                      workdir / "logs" / "prefect-worker.log", cwd=workdir / "worker")
     try:

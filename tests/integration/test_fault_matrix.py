@@ -34,7 +34,6 @@ from rlhf_core.storage.checkpoint import CheckpointStore
 from rlhf_core.config import RunConfig
 from rlhf_core.stages.sft import SFTConfig
 from tests.conftest import make_bucket, s3_environment
-from tests.integration.conftest import ray_head
 
 pytestmark = pytest.mark.slow
 
@@ -126,19 +125,11 @@ def failed_chains(futures: dict) -> dict:
     return failures
 
 
-@pytest.fixture
-def ray_cluster(rlhf_env, tmp_path) -> str:
-    """A long-lived Ray head for the chains' jobs; its address."""
-    with ray_head(rlhf_env, tmp_path / "logs" / "ray-head.log") as address:
-        yield address
-
-
 POWER_CUTS_POSSIBLE = Path("/dev/fuse").exists() and shutil.which("fusermount3") is not None
 
 
 def test_fault_matrix_on_s3_and_on_a_local_folder_with_power_cuts(toy_assets, rlhf_env, tmp_path,
-                                                                  reference_sft_weights, s3_endpoint, monkeypatch,
-                                                                  ray_cluster):
+                                                                  reference_sft_weights, s3_endpoint, monkeypatch):
     """Both chains at all of FAULT_POINTS, side by side. The local chain's store sits on the power-cut filesystem
     (tests/powercut_fs.py): each kill is also a power cut, which drops every write and rename no fsync made
     durable. After each one the newest commit made before it is still there (the store without fsyncs fails
@@ -150,7 +141,6 @@ def test_fault_matrix_on_s3_and_on_a_local_folder_with_power_cuts(toy_assets, rl
     from tests.powercut_fs import PowerCutMount
 
     assert len(FAULT_POINTS) >= 12
-    rlhf_env = {**rlhf_env, "RAY_ADDRESS": ray_cluster}
     bucket = f"rlhf-{uuid.uuid4().hex[:12]}"
     make_bucket(s3_endpoint, bucket)
     for name, value in s3_environment(s3_endpoint).items():
@@ -221,11 +211,10 @@ def stage_run(stage: str, toy: dict[str, str], data_dir: Path, root: Path) -> Ru
                      **{stage: config})
 
 
-def test_the_dpo_and_prm_stages_survive_a_fault_chain(toy_assets, rlhf_env, tmp_path, ray_cluster):
+def test_the_dpo_and_prm_stages_survive_a_fault_chain(toy_assets, rlhf_env, tmp_path):
     """DPO and PRM each through STAGE_FAULT_POINTS on a local folder, side by side on one Ray cluster: no commit
     lost, and the final weights equal an uninterrupted run's. Slow (85-150 s): 2 references and 2 x 7 jobs, each paying
     its own start-up."""
-    rlhf_env = {**rlhf_env, "RAY_ADDRESS": ray_cluster}
     stages = ("dpo", "prm")
     references = {stage: stage_run(stage, toy_assets, tmp_path, tmp_path / f"{stage}-reference") for stage in stages}
     with ThreadPoolExecutor(2) as pool:
