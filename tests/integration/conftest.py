@@ -286,6 +286,13 @@ def worker_rlhf_env(ephemeral_rlhf_env, worker_prefect_server, worker_ray_head) 
     return {**ephemeral_rlhf_env, "PREFECT_API_URL": worker_prefect_server.api_url, "RAY_ADDRESS": worker_ray_head}
 
 
+def on_local_ray(env: dict[str, str]) -> dict[str, str]:
+    """`env` without RAY_ADDRESS: the command starts a local Ray, whose ranks inherit the command's environment.
+    For a test that gives its ranks HF_HOME or PYTHONPATH: a running cluster's workers have the cluster's
+    environment, not the driver's (a real cluster's nodes have their own HF cache and code)."""
+    return {key: value for key, value in env.items() if key != "RAY_ADDRESS"}
+
+
 @pytest.fixture(scope="session")
 def rlhf_env(worker_rlhf_env) -> dict[str, str]:
     """The tests' `rlhf` environment: `worker_rlhf_env`. Modules that test the ephemeral path itself (stop

@@ -2,8 +2,8 @@
 answers the policy's first answer by asking again and rewards only the second, with the gold score. PPO
 (group_norm, 4 episodes per prompt) raises that reward over 24 steps, and a run SIGKILLed mid-stage resumes
 bit-exactly: the episodes replay from their seeds. The policy starts from the toy's SFT output (the demo's SFT
-settings), trained once for the module. Jobs run through tests/integration/fault_driver.py (one process, its own
-local Ray)."""
+settings), trained once for the module. Jobs run through tests/integration/fault_driver.py (one process each,
+joining the worker's Ray head that `rlhf_env` names)."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def test_the_second_turns_reward_rises_and_a_killed_run_resumes_bit_exactly(toy_
                                                                              tmp_path):
     """Slow (80-90 s in CI, over 120 s on a loaded machine) on purpose: 24 PPO steps of two-turn episodes must show
     the reward rising, and the kill needs a second, resumed job beside the uninterrupted one; each job pays its own
-    start-up (~30 s: imports, a local Ray, the rank's set-up)."""
+    start-up (imports, joining Ray, the rank's set-up)."""
     reference = agent_run(toy_assets, sft_model, tmp_path / "reference")
     done = fault_driver_job(reference, rlhf_env)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -22,7 +22,7 @@ import pytest
 from rlhf_core.ops.alerts import ALERT_NON_FINITE, ALERT_REWARD_STAGNANT, AlertLog
 from rlhf_core.storage.checkpoint import CheckpointStore
 from tests.conftest import run_rlhf
-from tests.integration.conftest import train_sft_args
+from tests.integration.conftest import on_local_ray, train_sft_args
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +65,8 @@ def test_a_flat_ppo_reward_warns_per_chunk_and_its_stagnant_alert_reaches_the_co
     (tmp_path / "flat_reward.py").write_text(CONSTANT_REWARD_FUNC)
     calls, ckpt = tmp_path / "calls.jsonl", tmp_path / "ckpt"
     run_name = f"flat-{uuid.uuid4().hex[:8]}"  # its flow runs' names, to find their logs in Prefect's database
-    env = {**rlhf_env, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), rlhf_env.get("PYTHONPATH")])),
+    env = {**on_local_ray(rlhf_env),  # the ranks import flat_reward from PYTHONPATH
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), rlhf_env.get("PYTHONPATH")])),
            "REWARD_CALLS": str(calls)}
     ran = run_rlhf(["train", "ppo", "--run_name", run_name, "--pretrain", toy_assets["model"],
                     "--reward_fn", "flat_reward:reward_func",

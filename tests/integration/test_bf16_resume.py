@@ -2,7 +2,7 @@
 SIGKILLed mid-stage (a fault hook inside training step 5, checkpoints every 2 steps), run again, and ends
 with the same weights, tensor for tensor, as the same job never interrupted.
 
-The jobs are `tests.integration.fault_driver` processes (rlhf_core with its own local Ray and DeepSpeed,
+The jobs are `tests.integration.fault_driver` processes (rlhf_core on the worker's Ray head and DeepSpeed,
 no Prefect), as in the fault matrix. Skipped where the CPU has no native bf16 (there bf16 trains fp32).
 """
 
@@ -40,8 +40,8 @@ def bf16_sft_run(toy: dict[str, str], root: Path) -> RunConfig:
 
 
 def run_job(run: RunConfig, env: dict[str, str], log: Path) -> tuple[int, str]:
-    """(exit status, log tail) of one job, run in a session of its own; whatever it leaves behind (its
-    local Ray) is killed with it. Output goes to a file: a pipe would wait for Ray's processes too."""
+    """(exit status, log tail) of one job, run in a session of its own; whatever it leaves behind (a local
+    Ray, where RAY_ADDRESS is unset) is killed with it. Output goes to a file: a pipe would wait for Ray's processes too."""
     with open(log, "w") as handle:
         job = subprocess.Popen([sys.executable, "-m", "tests.integration.fault_driver", run.model_dump_json()],
                                env=env, stdout=handle, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2],

@@ -1,7 +1,7 @@
 """`--max_chunks_per_run`: the last chunk a run's chunk budget allows commits without training the next chunk
 ahead (its steps would be thrown away when the run stops at that boundary).
 
-Real processes: the CLI, a Prefect server, a local Ray cluster and DeepSpeed. The test fault hook
+Real processes: the CLI, a Prefect server, a Ray head (one per pytest process) and DeepSpeed. The test fault hook
 `train_step@N=sleep:0` with RLHF_FAULT_STATE touches a marker file when a rank is about to train step N.
 """
 

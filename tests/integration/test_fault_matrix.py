@@ -4,9 +4,9 @@ weights equal those of a run never interrupted.
 
 One chain per backend: all fault points are armed at once, each fires once (a marker file remembers
 it), so run k dies at the k-th point it reaches and run k+1 resumes from what run k committed. The
-two chains run side by side, their jobs on one long-lived Ray cluster (`ray start --head`), as on a
-real cluster where the job dies and Ray stays; the kill tests of test_kill_resume, test_chunk_retry
-and test_pipeline_stages kill jobs that own a local Ray instead.
+two chains run side by side, their jobs on one long-lived Ray cluster (the pytest process's `ray start --head`,
+`worker_ray_head`), as on a real cluster where the job dies and Ray stays; test_kill_resume kills a job that
+owns a local Ray instead.
 
 The stages added after SFT (DPO, PRM) each run a shorter chain (STAGE_FAULT_POINTS) on a local folder, side by
 side, against an uninterrupted run of their own.

@@ -15,6 +15,7 @@ import pytest
 from rlhf_core.storage.checkpoint import CheckpointStore
 from rlhf_core.rank.data import read_records
 from tests.conftest import HUB_REVISION as REVISION, hub_snapshot_dir
+from tests.integration.conftest import on_local_ray
 
 RLHF = str(Path(sys.executable).parent / "rlhf")
 
@@ -31,7 +32,8 @@ def test_sft_from_a_hub_model_and_a_hub_dataset(tmp_path, toy_assets, rlhf_env):
     data_dir.mkdir()
     pq.write_table(pa.Table.from_pylist(rows), data_dir / "train-00000-of-00001.parquet")
 
-    env = {**rlhf_env, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    # the ranks resolve the hub ids in HF_HOME too
+    env = {**on_local_ray(rlhf_env), "HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     command = [RLHF, "train", "sft", "--pretrain", "toy-org/toy-base", "--dataset", "toy-org/toy-sft",
                "--input_key", "prompt", "--output_key", "response", "--max_len", "64", "--train_batch_size", "8",
                "--micro_train_batch_size", "8", "--save_steps", "3", "--ckpt_path", str(tmp_path / "ckpt"),

@@ -5,7 +5,7 @@ This holds only if both ranks hold the same KL coefficient: a checkpoint keeps r
 every rank restores it. With the rank-local KL the controller was fed before, rank 1's coefficient drifted
 from rank 0's, so the resumed rank 1 shaped its rewards with another coefficient than the uninterrupted one.
 REINFORCE++ (`reinforce`) whitens its returns, so the all-reduced whitening statistics are on this path too.
-Each run is one process (tests/integration/fault_driver.py) with its own local Ray cluster; a fault hook kills
+Each run is one process (tests/integration/fault_driver.py) joining the worker's Ray head; a fault hook kills
 it (driver and ranks) on its way into step 4, after step 3 is committed.
 
 The toy policy earns no reward at first, so the KL stays 0 for two steps and the ranks' coefficients could only
