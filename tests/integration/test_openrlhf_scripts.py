@@ -32,9 +32,9 @@ edited command has the script's flags, in its order, with only those changed.
 
 SFT, RM and DPO run as `rlhf train ...` subprocesses in a folder of their own (those scripts set no --ckpt_path, so
 checkpoints go to OpenRLHF's default place relative to the working directory, here ./ckpt), and so do the scripts
-that launch `python3 -m openrlhf.cli.train_ppo_ray` directly (their --ckpt_path is a path edit). The `ray job
-submit` scripts are submitted to a `ray start --head` cluster with its dashboard (one per module), as the scripts
-do; `rlhf` is found on the cluster's PATH (the head starts from the venv, as after `source .venv/bin/activate`),
+that launch `python3 -m openrlhf.cli.train_ppo_ray` directly (their --ckpt_path is a path edit); their drivers join
+the module's Ray head through RAY_ADDRESS, as in a shell on a cluster. The `ray job submit` scripts are submitted to
+that `ray start --head` cluster with its dashboard (one per module), as the scripts do; `rlhf` is found on the cluster's PATH (the head starts from the venv, as after `source .venv/bin/activate`),
 and their checkpoints land in Ray's copy of the working_dir (the job's working directory).
 
 Each run must exit 0, leave the final model in --save_path and a committed checkpoint whose metadata names the
@@ -333,9 +333,9 @@ def hub_env(rlhf_env, tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def ray_head(hub_env):
-    """One Ray cluster with a job server for the `ray job submit` scripts. Its environment is what a job's driver
-    gets: the offline Hugging Face cache, WANDB_MODE=offline for --use_wandb; RAY_AUTH_MODE=disabled for a
-    loopback test cluster."""
+    """One Ray cluster with a job server for the `ray job submit` scripts, which the other scripts' drivers join
+    (RAY_ADDRESS). Its environment is what a job's driver and the ranks get: the offline Hugging Face cache,
+    WANDB_MODE=offline for --use_wandb; RAY_AUTH_MODE=disabled for a loopback test cluster."""
     env = {**hub_env, "RAY_AUTH_MODE": "disabled",
            # as `source .venv/bin/activate && ray start --head`: a job's `rlhf` is the cluster's, as in the seed
            "PATH": os.pathsep.join([str(VENV_BIN), hub_env.get("PATH", "")])}
@@ -413,8 +413,9 @@ def run_script(script: Script, root: Path, hub_env: dict[str, str], request
         head, env = request.getfixturevalue("ray_head")
         before = set(head.unpacked_working_dirs())
         edits = script_edits(script, original, root, head.dashboard)
-    else:
-        env, edits = hub_env, script_edits(script, original, root, "")
+    else:  # the driver joins the module's head (RAY_ADDRESS, as a shell on a cluster has it), not a local Ray
+        head, _ = request.getfixturevalue("ray_head")
+        env, edits = {**hub_env, "RAY_ADDRESS": head.address}, script_edits(script, original, root, "")
     command = edit_command(original, edits, script.release)
     started = time.monotonic()
     result = subprocess.run(command.argv(), cwd=workdir, env=env, capture_output=True, text=True,
