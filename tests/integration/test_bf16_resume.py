@@ -41,7 +41,8 @@ def bf16_sft_run(toy: dict[str, str], root: Path) -> RunConfig:
 
 def run_job(run: RunConfig, env: dict[str, str], log: Path) -> tuple[int, str]:
     """(exit status, log tail) of one job, run in a session of its own; whatever it leaves behind (a local
-    Ray, where RAY_ADDRESS is unset) is killed with it. Output goes to a file: a pipe would wait for Ray's processes too."""
+    Ray, where RAY_ADDRESS is unset) is killed with it. Output goes to a file: a pipe would wait for Ray's
+    processes too."""
     with open(log, "w") as handle:
         job = subprocess.Popen([sys.executable, "-m", "tests.integration.fault_driver", run.model_dump_json()],
                                env=env, stdout=handle, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2],

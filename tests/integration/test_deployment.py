@@ -3,7 +3,8 @@
 Real processes all the way: a Prefect server (private PREFECT_HOME, free loopback port), the work pool
 and deployments made by the CLI from this repository's prefect.yaml (`deployed`, once per module), a
 `prefect worker` subprocess that runs the flow from this checkout (pull step `set_working_directory`),
-a Ray head the flow runs join (RAY_ADDRESS, one head per pytest process) and DeepSpeed, on the toy model with chunks of a few steps.
+a Ray head the flow runs join (RAY_ADDRESS, one head per pytest process) and DeepSpeed, on the toy model
+with chunks of a few steps.
 
 - `rlhf/sft` then `rlhf/ppo`: checkpoints and exported models land where the config says.
 - `rlhf/prm`: its parameters are prefect.yaml's; on step-labelled toy rows it commits a checkpoint per chunk
