@@ -2,8 +2,9 @@
 2-rank run resumes bit-exact on 2 ranks and within float rounding on 1 (DeepSpeed's universal checkpoint), a
 resume with another beta is refused in one sentence, and LoRA with packed samples exports an adapter.
 
-The jobs run through tests/integration/fault_driver.py (one process joining the worker's Ray head, no Prefect); the drift
-refusal runs `rlhf train dpo`, the CLI a user types. They share one uninterrupted 2-rank run and one killed one.
+The jobs run through tests/integration/fault_driver.py (one process joining the worker's Ray head, no Prefect);
+the drift refusal runs `rlhf train dpo`, the CLI a user types. They share one uninterrupted 2-rank run and one
+killed one.
 """
 
 from __future__ import annotations

@@ -34,8 +34,9 @@ SFT, RM and DPO run as `rlhf train ...` subprocesses in a folder of their own (t
 checkpoints go to OpenRLHF's default place relative to the working directory, here ./ckpt), and so do the scripts
 that launch `python3 -m openrlhf.cli.train_ppo_ray` directly (their --ckpt_path is a path edit); their drivers join
 the module's Ray head through RAY_ADDRESS, as in a shell on a cluster. The `ray job submit` scripts are submitted to
-that `ray start --head` cluster with its dashboard (one per module), as the scripts do; `rlhf` is found on the cluster's PATH (the head starts from the venv, as after `source .venv/bin/activate`),
-and their checkpoints land in Ray's copy of the working_dir (the job's working directory).
+that `ray start --head` cluster with its dashboard (one per module), as the scripts do; `rlhf` is found on the
+cluster's PATH (the head starts from the venv, as after `source .venv/bin/activate`), and their checkpoints land
+in Ray's copy of the working_dir (the job's working directory).
 
 Each run must exit 0, leave the final model in --save_path and a committed checkpoint whose metadata names the
 models and datasets as the script wrote them (DPO's reference model, which the scripts leave unset, as their
@@ -409,12 +410,11 @@ def run_script(script: Script, root: Path, hub_env: dict[str, str], request
     original = parse_script(DATA_DIR / script.release / script.name)
     ray_job = original.launcher[:3] == ("ray", "job", "submit")
     openrlhf_working_dir(root / f"openrlhf-{script.id}", script)
+    head, head_env = request.getfixturevalue("ray_head")
     if ray_job:
-        head, env = request.getfixturevalue("ray_head")
-        before = set(head.unpacked_working_dirs())
+        env, before = head_env, set(head.unpacked_working_dirs())
         edits = script_edits(script, original, root, head.dashboard)
     else:  # the driver joins the module's head (RAY_ADDRESS, as a shell on a cluster has it), not a local Ray
-        head, _ = request.getfixturevalue("ray_head")
         env, edits = {**hub_env, "RAY_ADDRESS": head.address}, script_edits(script, original, root, "")
     command = edit_command(original, edits, script.release)
     started = time.monotonic()

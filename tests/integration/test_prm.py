@@ -5,8 +5,9 @@ checkpoint), and a resume with another learning rate is refused in one sentence.
 (The 2-layer toy model does not beat the majority label on held-out steps in 48 steps: eval accuracy 0.587 at
 steps 16 and 48 against a 0.592 majority share; this module claims fitting, not generalisation.)
 
-The jobs run through tests/integration/fault_driver.py (one process joining the worker's Ray head, no Prefect); the drift
-refusal runs `rlhf train prm`, the CLI a user types. They share one uninterrupted 2-rank run and one killed one.
+The jobs run through tests/integration/fault_driver.py (one process joining the worker's Ray head, no Prefect);
+the drift refusal runs `rlhf train prm`, the CLI a user types. They share one uninterrupted 2-rank run and one
+killed one.
 """
 
 from __future__ import annotations
