@@ -28,7 +28,7 @@ from rlhf_core.errors import is_retryable
 from rlhf_core.driver.export import export_final, merge_lora
 from rlhf_core.driver.resume import Lineage
 from rlhf_core.driver.stop import StoppedBySignal
-from rlhf_core.urls import local_path
+from rlhf_core.storage.locate import local_path
 
 
 def chunk_cache_key(run: RunConfig, stage: str, target_step: int, upstream_digest: str, lineage: Lineage) -> str:

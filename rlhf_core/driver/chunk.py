@@ -35,7 +35,7 @@ from rlhf_core.driver.engine import WorkerGroup, group_settings
 from rlhf_core.errors import StoreFull, store_full
 from rlhf_core.faults import fault_point
 from rlhf_core.ops.goodput import GoodputLedger
-from rlhf_core.rank.models import input_model_fingerprints
+from rlhf_core.storage.locate import input_model_fingerprints
 from rlhf_core.driver.plan import StagePlan, plan_stage
 from rlhf_core.storage.lease import RunLease, held_lease
 from rlhf_core.driver.resume import Lineage, StartState, load_start, open_store

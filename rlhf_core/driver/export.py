@@ -28,8 +28,8 @@ from rlhf_core.storage.checkpoint import CheckpointStore
 from rlhf_core.storage.manifest import MANIFEST_NAME, manifest_digest
 from rlhf_core.errors import UserError
 from rlhf_core.storage.writable import probe_writable
-from rlhf_core.rank.models import (SOURCE_NAME, check_model_dir, is_lora_dir, load_causal_lm, load_tokenizer,
-                              local_model_dir)
+from rlhf_core.rank.models import load_causal_lm
+from rlhf_core.storage.locate import SOURCE_NAME, check_model_dir, is_lora_dir, load_tokenizer, local_model_dir
 
 MERGE_TOLERANCE = 1e-4
 

@@ -15,7 +15,7 @@ from rlhf_core.config import RunConfig
 from rlhf_core.stages import STAGES
 from rlhf_core.stages.base import fields_with_role
 from rlhf_core.errors import UserError
-from rlhf_core.storage.hub import is_hub_id
+from rlhf_core.storage.locate import is_hub_id
 from rlhf_core.rank.trainers import trainer_class
 
 

@@ -69,7 +69,7 @@ def checked(run: RunConfig) -> bool:
 
 def check_model(url: str, flag: str, storage_options: dict | None) -> None:
     """A model (or adapter) folder transformers can load, and for an adapter its base too."""
-    from rlhf_core.rank.models import check_model_dir, is_lora_dir, lora_base_dir, local_model_dir
+    from rlhf_core.storage.locate import check_model_dir, is_lora_dir, local_model_dir, lora_base_dir
 
     directory = local_model_dir(url, storage_options, flag=flag)
     check_model_dir(directory, url, flag)
@@ -102,7 +102,7 @@ def check_lora_targets(url: str, target_modules: list[str] | None, storage_optio
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from rlhf_core.rank.lora_targets import refuse_unknown_targets
-    from rlhf_core.rank.models import is_lora_dir, local_model_dir, lora_base_dir
+    from rlhf_core.storage.locate import is_lora_dir, local_model_dir, lora_base_dir
 
     directory = local_model_dir(url, storage_options, flag=flag)
     if is_lora_dir(directory):

@@ -29,7 +29,7 @@ from rlhf_core.config import RunConfig, semantic_fields
 from rlhf_core.stages import TRAINING_STAGES, WORLD_SIZE_DEPENDENT_STAGES
 from rlhf_core.rank.data import dataset_fingerprint
 from rlhf_core.errors import CorruptCheckpoint, UserError
-from rlhf_core.rank.models import input_model_fingerprints
+from rlhf_core.storage.locate import input_model_fingerprints
 
 logger = logging.getLogger(__name__)
 

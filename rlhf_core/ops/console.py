@@ -64,7 +64,7 @@ import re
 import sys
 import threading
 import warnings
-from rlhf_core.urls import local_path
+from rlhf_core.storage.locate import local_path
 from rlhf_core.ops.progress import LiveBar, is_terminal
 from dataclasses import dataclass, field
 from typing import Any

@@ -36,8 +36,7 @@ import fsspec
 import torch
 
 from rlhf_core.errors import UserError
-from rlhf_core.storage.hub import is_hub_id, not_cached, store_unreachable
-from rlhf_core.urls import is_local_url, local_path
+from rlhf_core.storage.locate import is_hub_id, is_local_url, local_path, not_cached, store_unreachable
 
 SPLIT_FLAGS = {"--dataset": "--dataset_split", "--prompt_data": "--prompt_split", "--eval_dataset": "--eval_split"}
 SAVED_DATASET_FILES = ("dataset_dict.json", "state.json")  # what `save_to_disk` writes at the top
@@ -268,7 +267,7 @@ def _load_dataset(path: str, split: str, flag: str, name: str | None = None, dat
 
 def _hub_dataset(name: str, split: str, flag: str, data_dir: str | None = None):
     """A hub dataset from `datasets`' cache (or the hub when online), else from a cached hub snapshot."""
-    from rlhf_core.storage.hub import hub_snapshot
+    from rlhf_core.storage.locate import hub_snapshot
 
     try:
         return _load_dataset(name, split, flag, data_dir=data_dir)

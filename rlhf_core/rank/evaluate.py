@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from rlhf_core.rank.data import read_records
-from rlhf_core.rank.models import load_causal_lm, load_tokenizer
+from rlhf_core.rank.models import load_causal_lm
+from rlhf_core.storage.locate import load_tokenizer
 from rlhf_core.rank.samples import Renderer, tokenize_prompts
 from rlhf_core.toy import gold_score
 

@@ -1,209 +1,27 @@
-"""Model loading: Hugging Face models from local folders, any fsspec URL or hub ids, optionally with LoRA.
+"""Model loading inside a rank: Hugging Face models from any place `rlhf_core.storage.locate` finds them, optionally
+with LoRA.
 
 A folder holding a LoRA adapter (adapter_config.json) is accepted wherever a model is: its base is
 loaded and the adapter merged in memory, so a LoRA stage's output feeds the next stage directly.
 Reward models and critics are `AutoModelForSequenceClassification` with one label: a backbone and a
 linear `score` head, OpenRLHF's layout; `token_values` reads the head at every position for a critic, and
 `sequence_scores` at each sequence's last token for a reward. LoRA targets are checked against the model's
-own layers (rlhf_core.rank.lora_targets).
-
-Hub ids (`OpenRLHF/Llama-3-8b-sft-mixture`) resolve through huggingface_hub (rlhf_core.storage.hub); remote
-folders (s3://...) are copied once into a local cache with the run's storage_options. Before anything
-is loaded, the folder is checked so that a user's mistake names its file and flag: no tokenizer files,
-no or corrupt config.json, a model_type transformers does not know, truncated or corrupt safetensors.
-`attn_implementation` flash_attention_* without flash-attn or CUDA falls back to sdpa with one warning
-(OpenRLHF would fail to load); unknown names are refused.
+own layers (rlhf_core.rank.lora_targets). `attn_implementation` flash_attention_* without flash-attn or CUDA
+falls back to sdpa with one warning (OpenRLHF would fail to load); unknown names are refused.
 """
 
 from __future__ import annotations
 
 import functools
-import glob
-import hashlib
-import json
 import logging
 import os
-import shutil
-import tempfile
-from pathlib import Path
 
-import fsspec
 import torch
 
 from rlhf_core.errors import UserError
-from rlhf_core.storage.hub import hub_model_dir, hub_snapshot, is_hub_id, reaching_store, store_unreachable
-from rlhf_core.urls import local_path
+from rlhf_core.storage.locate import check_model_dir, is_lora_dir, local_model_dir, lora_base_dir
 
 logger = logging.getLogger(__name__)
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                   "spiece.model", "sentencepiece.bpe.model")
-WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
-
-
-def local_model_dir(url: str, storage_options: dict | None = None, *, flag: str = "--pretrain") -> str:
-    """A local folder holding the model at `url` (a folder, a hub id, or a remote URL fetched once into a
-    cache); errors name `flag`, the option the user gave `url` with."""
-    path = local_path(url)
-    if path is not None:
-        if Path(path).is_dir():
-            return str(Path(path).resolve())
-        if Path(path).exists():
-            raise UserError(f"{flag}: {url} is a file, not a model folder.")
-        if is_hub_id(url):  # (a file:// URL never is one)
-            return hub_model_dir(url, flag)
-        raise UserError(f"{flag}: {url} is not a model folder (no such folder).")
-    with reaching_store(flag, url, storage_options):
-        return _fetch_remote(url, storage_options, flag)
-
-
-def _fetch_remote(url: str, storage_options: dict | None, flag: str) -> str:
-    """Copy the remote folder once into a local cache; the copy lands under a temporary name and is
-    renamed, so an interrupted download is never taken for a model."""
-    key = url + json.dumps(storage_options or {}, sort_keys=True, default=str)
-    cache = Path(tempfile.gettempdir()) / "rlhf-model-cache" / hashlib.sha256(key.encode()).hexdigest()[:16]
-    if cache.is_dir():
-        return str(cache)
-    filesystem, remote_path = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    if not filesystem.exists(remote_path):
-        raise UserError(f"{flag}: {url} does not exist.")
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(prefix=cache.name + ".partial-", dir=cache.parent))
-    try:
-        filesystem.get(remote_path.rstrip("/") + "/", str(partial), recursive=True)
-        os.replace(partial, cache)
-    except OSError:
-        if not cache.is_dir():  # another process finished first; any other failure is re-raised
-            raise
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
-    return str(cache)
-
-
-SOURCE_NAME = "rlhf_source.json"  # written by export: the checkpoint a stage's output came from
-
-
-def model_fingerprint(url: str, storage_options: dict | None = None, *, flag: str = "--pretrain") -> str:
-    """Identity of the model at `url`, cheap enough to take at every commit: the manifest digest of the
-    checkpoint it was exported from (our own stage outputs), a hub id's revision, else its file names
-    and sizes; "" when there is nothing there."""
-    path = local_path(url)
-    if path is not None and not os.path.exists(path) and is_hub_id(url):
-        snapshot = hub_snapshot(url, download=False)
-        return f"hub:{url}@{os.path.basename(snapshot)}" if snapshot else ""
-    try:
-        filesystem, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
-        try:
-            source = json.loads(filesystem.cat_file(f"{path.rstrip('/')}/{SOURCE_NAME}"))
-            return f"checkpoint:{source['manifest_digest']}"
-        except (FileNotFoundError, ValueError, KeyError, TypeError):
-            pass
-        listing = sorted((entry["name"].rsplit("/", 1)[-1], entry.get("size"))
-                         for entry in filesystem.ls(path, detail=True) if entry.get("type") == "file")
-    except (FileNotFoundError, NotADirectoryError):  # nothing (or a file) there: the folder check names it
-        return ""
-    except Exception as error:  # noqa: BLE001 - a store's own error types; re-raised unless understood
-        unreachable = store_unreachable(error, flag, url, storage_options)
-        if unreachable is not None:
-            raise unreachable from None
-        raise
-    return "files:" + hashlib.sha256(repr(listing).encode()).hexdigest()
-
-
-def input_model_fingerprints(cfg, storage_options: dict | None = None) -> dict[str, str]:
-    """`model_fingerprint` of each model a stage starts from: its fields with the role "model"."""
-    from rlhf_core.stages.base import fields_with_role
-
-    return {name: model_fingerprint(getattr(cfg, name), storage_options, flag=f"--{name}")
-            for name in fields_with_role(type(cfg), "model") if getattr(cfg, name, None)}
-
-
-def is_lora_dir(directory: str) -> bool:
-    return os.path.exists(os.path.join(directory, "adapter_config.json"))
-
-
-def _read_json(path: str, flag: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as handle:
-            value = json.load(handle)
-    except json.JSONDecodeError as error:
-        raise UserError(f"{flag}: {path} is not valid JSON (line {error.lineno}: {error.msg}).") from None
-    except UnicodeDecodeError as error:
-        raise UserError(f"{flag}: {path} is not UTF-8 text (byte offset {error.start}).") from None
-    if not isinstance(value, dict):
-        raise UserError(f"{flag}: {path} must hold a JSON object, not {type(value).__name__}.")
-    return value
-
-
-def lora_base_dir(directory: str, storage_options: dict | None = None, *, flag: str = "--pretrain") -> str:
-    """The local folder of the base model an adapter folder names (base_model_name_or_path)."""
-    config_path = os.path.join(directory, "adapter_config.json")
-    base = _read_json(config_path, flag).get("base_model_name_or_path")
-    if not base:
-        raise UserError(f"{flag}: {config_path} names no base_model_name_or_path.")
-    return local_model_dir(base, storage_options, flag=f"{flag} (base_model_name_or_path in {config_path})")
-
-
-def check_model_dir(directory: str, url: str, flag: str) -> None:
-    """Refuse a folder transformers would fail on, naming the file: config.json missing, not JSON, or of
-    an unknown model_type; no weights; truncated or corrupt safetensors (a header check, no loading)."""
-    from transformers import __version__ as transformers_version
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-    config_path = os.path.join(directory, "config.json")
-    if is_lora_dir(directory):  # its own file first: a broken adapter_config.json explains what follows
-        _read_json(os.path.join(directory, "adapter_config.json"), flag)
-    elif not os.path.exists(config_path):
-        raise UserError(f"{flag}: {url} has no config.json (nor adapter_config.json); it is not a Hugging Face "
-                        "model folder.")
-    elif (model_type := _read_json(config_path, flag).get("model_type")) not in CONFIG_MAPPING_NAMES:
-        raise UserError(f"{flag}: {config_path} has model_type {model_type!r}, an architecture transformers "
-                        f"{transformers_version} does not know; fix the file or install a transformers that "
-                        "knows it (models with custom code are not supported).")
-    weights = sorted(path for pattern in WEIGHT_PATTERNS for path in glob.glob(os.path.join(directory, pattern)))
-    if not weights:
-        raise UserError(f"{flag}: {url} has no weights (model.safetensors or pytorch_model.bin).")
-    for index_path in glob.glob(os.path.join(directory, "*.index.json")):
-        for shard in sorted(set(_read_json(index_path, flag).get("weight_map", {}).values())):
-            if not os.path.exists(os.path.join(directory, shard)):
-                raise UserError(f"{flag}: {index_path} lists the weight file {shard}, which is missing.")
-    for path in weights:
-        if path.endswith(".safetensors"):
-            _check_safetensors(path, flag)
-
-
-def _check_safetensors(path: str, flag: str) -> None:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(path, framework="pt"):
-            pass
-    except Exception as error:  # noqa: BLE001 - SafetensorError and OSError alike mean a bad file
-        raise UserError(f"{flag}: {path} is truncated or corrupt ({error}); copy the weights again.") from None
-
-
-def load_tokenizer(url: str, storage_options: dict | None = None, *, flag: str = "--pretrain"):
-    """The tokenizer of the model at `url` (an adapter folder without one uses its base's)."""
-    from transformers import AutoTokenizer
-
-    directory = local_model_dir(url, storage_options, flag=flag)
-    if not _has_tokenizer(directory) and is_lora_dir(directory):
-        directory = lora_base_dir(directory, storage_options, flag=flag)
-    if not _has_tokenizer(directory):
-        raise UserError(f"{flag}: {url} has no tokenizer ({', '.join(TOKENIZER_FILES[:3])} ...); copy the "
-                        "tokenizer files of the model there.")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(directory)
-    except Exception as error:  # noqa: BLE001 - transformers raises many types for a bad tokenizer
-        raise UserError(f"{flag}: cannot load the tokenizer in {url} ({type(error).__name__}: {error}).") from None
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
-def _has_tokenizer(directory: str) -> bool:
-    return any(os.path.exists(os.path.join(directory, name)) for name in TOKENIZER_FILES)
-
 
 ATTENTION_FALLBACK = "sdpa"
 

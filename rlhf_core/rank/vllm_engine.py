@@ -26,7 +26,7 @@ import torch
 
 from rlhf_core.stages.ppo import PPOConfig
 from rlhf_core.rank.determinism import derive_seed
-from rlhf_core.rank.models import is_lora_dir, local_model_dir
+from rlhf_core.storage.locate import is_lora_dir, local_model_dir
 
 
 @torch.no_grad()

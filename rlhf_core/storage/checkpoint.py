@@ -60,7 +60,7 @@ from rlhf_core.storage import manifest as _manifest
 from rlhf_core.errors import (CorruptCheckpoint, StoreFull, TransientStoreError, UserError, is_full,
                               is_permanent_os_error, store_full)
 from rlhf_core.faults import fault_point
-from rlhf_core.storage.hub import store_unreachable
+from rlhf_core.storage.locate import is_local_url, store_unreachable
 from rlhf_core.storage.manifest import (_RESERVED_NAMES, ASIDE_DIR_NAME, BYTES_PER_GB, LATEST_NAME, MANIFEST_NAME,
                                 METADATA_NAME, STAGING_PREFIX, STATUS_COMMITTED, STATUS_CORRUPT, STATUS_INCOMPLETE,
                                 TRANSFER_BLOCK_BYTES, TRANSFER_THREADS, CheckpointInfo, Fence, HashingWriter, Manifest,
@@ -68,7 +68,6 @@ from rlhf_core.storage.manifest import (_RESERVED_NAMES, ASIDE_DIR_NAME, BYTES_P
                                 digest_of_local_file, manifest_digest, parse_step_dir_name, require_checksum,
                                 step_dir_name)
 from rlhf_core.storage.backends import backend_for
-from rlhf_core.urls import is_local_url
 
 
 class CheckpointStore:

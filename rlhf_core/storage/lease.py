@@ -56,7 +56,7 @@ from fsspec.implementations.local import LocalFileSystem
 from rlhf_core.storage import durable
 from rlhf_core.errors import LeaseLost, UserError
 from rlhf_core.processes import process_exists
-from rlhf_core.urls import local_path
+from rlhf_core.storage.locate import local_path
 
 LEASE_NAME = "LEASE.json"
 

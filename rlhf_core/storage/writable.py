@@ -13,8 +13,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from rlhf_core.errors import UserError
-from rlhf_core.storage.hub import reaching_store
-from rlhf_core.urls import local_path
+from rlhf_core.storage.locate import local_path, reaching_store
 
 
 def probe_writable(url: str, flag: str, storage_options: dict | None = None) -> None:

@@ -42,7 +42,8 @@ def test_vllm_engine_samples_from_the_actors_current_weights(toy_assets, monkeyp
     import torch
 
     from rlhf_core.stages.ppo import PPOConfig
-    from rlhf_core.rank.models import load_causal_lm, load_tokenizer
+    from rlhf_core.rank.models import load_causal_lm
+    from rlhf_core.storage.locate import load_tokenizer
     from rlhf_core.rank.vllm_engine import VLLMGenerator
 
     for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",

@@ -67,7 +67,7 @@ def test_reward_model_ranks_held_out_pairs_well_above_chance(pipeline):
     from transformers import AutoModelForSequenceClassification
 
     from rlhf_core.rank.data import read_records
-    from rlhf_core.rank.models import load_tokenizer
+    from rlhf_core.storage.locate import load_tokenizer
 
     run = pipeline["run"]
     assert final_metadata(run, "rm")["metrics"]["eval_accuracy"] >= 0.7  # chance is 0.5

@@ -190,7 +190,7 @@ def test_pretrain_mode_and_a_replacement_chat_template(toy_assets, tmp_path):
     """OpenRLHF's --pretrain_mode (every token of input_key a target) and --tokenizer_chat_template."""
     from rlhf_core.config import RunConfig
     from rlhf_core.stages.sft import SFTConfig
-    from rlhf_core.rank.models import load_tokenizer
+    from rlhf_core.storage.locate import load_tokenizer
     from rlhf_core.rank.trainers.sft import load_sft_samples
 
     def samples(**settings):

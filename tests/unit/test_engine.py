@@ -153,7 +153,7 @@ def test_pack_sft_restarts_positions_and_ignores_each_first_token():
 
 def toy_samples(toy_assets, count: int = 6):
     from rlhf_core.rank.data import read_records
-    from rlhf_core.rank.models import load_tokenizer
+    from rlhf_core.storage.locate import load_tokenizer
     from rlhf_core.rank.samples import Renderer, tokenize_sft
 
     tokenizer = load_tokenizer(toy_assets["model"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from rlhf_core.driver.export import export_stage_output, upload_dir
-from rlhf_core.rank.models import SOURCE_NAME
+from rlhf_core.storage.locate import SOURCE_NAME
 from rlhf_core.storage.checkpoint import CheckpointStore
 
 

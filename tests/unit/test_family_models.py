@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_core.rank.models import load_scalar_model, load_tokenizer, sequence_scores, token_values
+from rlhf_core.rank.models import load_scalar_model, sequence_scores, token_values
+from rlhf_core.storage.locate import load_tokenizer
 from tests.families import FAMILIES, tiny_model
 from tests.hub_cache import build_tokenizer
 

@@ -14,7 +14,8 @@ import pytest
 from rlhf_core.rank.data import fingerprint, read_records
 from tests.conftest import HUB_REVISION as REVISION, hub_snapshot_dir
 from rlhf_core.errors import UserError
-from rlhf_core.rank.models import load_causal_lm, load_tokenizer, local_model_dir, model_fingerprint
+from rlhf_core.rank.models import load_causal_lm
+from rlhf_core.storage.locate import load_tokenizer, local_model_dir, model_fingerprint
 
 
 
@@ -129,7 +130,7 @@ def test_saved_dataset_folder_and_dict_split(tmp_path):
 
 
 def test_hub_id_detection():
-    from rlhf_core.storage.hub import is_hub_id
+    from rlhf_core.storage.locate import is_hub_id
 
     assert is_hub_id("Open-Orca/OpenOrca") and is_hub_id("gpt2") and is_hub_id("org/name.v2")
     for path in ("./model", "/abs/model", "s3://bucket/model", "data.jsonl", "a/b/c", "../up", "org/"):

@@ -107,6 +107,6 @@ def test_imports_run_one_way_between_the_packages_of_rlhf_core():
 
 def test_every_module_of_rlhf_core_sits_in_a_known_package():
     top = {path.stem for path in (ROOT / "rlhf_core").glob("*.py")} - {"__init__"}
-    assert top == {"agent", "config", "config_file", "errors", "urls", "faults", "processes", "toy"}, top
+    assert top == {"agent", "config", "config_file", "errors", "faults", "processes", "toy"}, top
     assert {path.name for path in (ROOT / "rlhf_core").iterdir() if path.is_dir() and path.name != "__pycache__"} \
         == set(ALLOWED) - {""}

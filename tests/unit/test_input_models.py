@@ -8,7 +8,7 @@ import os
 
 from rlhf_core.config import RunConfig, semantic_fields
 from rlhf_core.stages.rm import RMConfig
-from rlhf_core.rank.models import SOURCE_NAME, input_model_fingerprints, model_fingerprint
+from rlhf_core.storage.locate import SOURCE_NAME, input_model_fingerprints, model_fingerprint
 from rlhf_core.driver.resume import config_drift
 
 

@@ -10,7 +10,8 @@ import pytest
 from rlhf_core.errors import UserError
 from rlhf_core.driver.export import merge_lora
 from rlhf_core.storage.writable import check_writable
-from rlhf_core.rank.models import load_causal_lm, load_scalar_model, load_tokenizer, local_model_dir
+from rlhf_core.rank.models import load_causal_lm, load_scalar_model
+from rlhf_core.storage.locate import load_tokenizer, local_model_dir
 
 # An endpoint nothing listens on (loopback), asked once: botocore and s3fs would otherwise retry for ~10 s.
 UNREACHABLE = {"endpoint_url": "http://127.0.0.1:9", "config_kwargs": {"retries": {"max_attempts": 1}}}

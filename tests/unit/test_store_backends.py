@@ -12,7 +12,7 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
 from rlhf_core.storage.backends import LocalBackend, ObjectStoreBackend, StoreBackend, backend_for
-from rlhf_core.urls import is_local_url, local_path
+from rlhf_core.storage.locate import is_local_url, local_path
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,7 +52,7 @@ def test_one_function_tells_a_local_url(url, path):
 def test_nothing_else_tells_a_local_url_by_hand():
     hand_written = re.compile(r"in \(None, \"file\"\)|startswith\(\"file://\"\)|split_protocol\([^)]*\)\[0\] is None")
     found = [f"{path.relative_to(ROOT)}:{number}" for package in ("rlhf_core", "flows", "tasks")
-             for path in (ROOT / package).rglob("*.py") if path.name != "urls.py"
+             for path in (ROOT / package).rglob("*.py") if path.name != "locate.py"
              for number, line in enumerate(path.read_text().splitlines(), 1) if hand_written.search(line)]
     assert found == []
 

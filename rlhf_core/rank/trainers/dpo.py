@@ -26,7 +26,8 @@ from rlhf_core.errors import UserError
 from rlhf_core.rank.data import rank_micro_batches
 from rlhf_core.rank.determinism import derive_seed, step_sample_indices
 from rlhf_core.rank.ds_config import warn_once
-from rlhf_core.rank.models import load_causal_lm, load_tokenizer
+from rlhf_core.rank.models import load_causal_lm
+from rlhf_core.storage.locate import load_tokenizer
 from rlhf_core.rank.packing import pack_sft
 from rlhf_core.rank.ppo_math import token_logprobs
 from rlhf_core.rank.samples import IGNORE_INDEX, TokenizedSample, collate_sft

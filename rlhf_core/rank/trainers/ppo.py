@@ -55,7 +55,8 @@ from rlhf_core.config import RunConfig
 from rlhf_core.stages.ppo import PPOConfig
 from rlhf_core.rank.determinism import derive_seed, generator, step_sample_indices
 from rlhf_core.errors import UserError
-from rlhf_core.rank.models import load_causal_lm, load_scalar_model, load_tokenizer, sequence_scores, token_values
+from rlhf_core.rank.models import load_causal_lm, load_scalar_model, sequence_scores, token_values
+from rlhf_core.storage.locate import load_tokenizer
 from rlhf_core.rank.rewards import (RewardBatch, check_reward_setup, mean_extra_logs_over_ranks, reward_function,
                                reward_inputs)
 from rlhf_core.rank.rollout import (collate_sequences, generate, on_device, require_vllm, response_logits,

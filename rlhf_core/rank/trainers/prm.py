@@ -23,7 +23,8 @@ from rlhf_core.config import RunConfig
 from rlhf_core.errors import UserError
 from rlhf_core.rank.data import rank_micro_batches, read_stage_dataset
 from rlhf_core.rank.determinism import derive_seed, step_sample_indices
-from rlhf_core.rank.models import load_causal_lm, load_tokenizer
+from rlhf_core.rank.models import load_causal_lm
+from rlhf_core.storage.locate import load_tokenizer
 from rlhf_core.rank.packing import pack_sequences
 from rlhf_core.rank.samples import IGNORE_INDEX, field_value
 from rlhf_core.rank.trainers.base import DeepSpeedTrainer

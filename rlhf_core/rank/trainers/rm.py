@@ -22,7 +22,8 @@ from rlhf_core.rank.data import rank_micro_batches, read_stage_dataset, split_ho
 from rlhf_core.rank.determinism import derive_seed, step_sample_indices
 from rlhf_core.rank.ds_config import warn_once
 from rlhf_core.errors import UserError
-from rlhf_core.rank.models import load_scalar_model, load_tokenizer, sequence_scores
+from rlhf_core.rank.models import load_scalar_model, sequence_scores
+from rlhf_core.storage.locate import load_tokenizer
 from rlhf_core.rank.packing import pack_sequences, packed_scores
 from rlhf_core.rank.samples import Renderer, TokenizedPair, collate_pairs, tokenize_pairs
 from rlhf_core.rank.trainers.base import DeepSpeedTrainer

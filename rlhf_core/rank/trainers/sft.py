@@ -16,7 +16,8 @@ from rlhf_core.config import RunConfig
 from rlhf_core.rank.data import rank_micro_batches, read_stage_dataset
 from rlhf_core.rank.determinism import derive_seed, step_sample_indices
 from rlhf_core.faults import fault_requested
-from rlhf_core.rank.models import load_causal_lm, load_tokenizer
+from rlhf_core.rank.models import load_causal_lm
+from rlhf_core.storage.locate import load_tokenizer
 from rlhf_core.rank.packing import pack_sft
 from rlhf_core.rank.samples import (IGNORE_INDEX, Renderer, TokenizedSample, collate_sft, tokenize_pretraining,
                                tokenize_sft)
