@@ -144,7 +144,7 @@ def checkpoint_adapter(lora_path: str, local_dir: str) -> str | None:
     """The seed's `--lora_path {ckpt_path}/latest` (or `.../step_N`): the policy adapter of that checkpoint,
     verified and downloaded into `local_dir`; None when `lora_path` names no checkpoint."""
     from rlhf_core.driver.export import hf_files_of
-    from rlhf_core.rank.ds_config import HF_WEIGHTS_DIR
+    from rlhf_core.storage.manifest import HF_WEIGHTS_DIR
     from rlhf_core.storage.checkpoint import CheckpointStore
     from rlhf_core.storage.manifest import parse_step_dir_name
 

@@ -23,9 +23,8 @@ import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from rlhf_core.rank.ds_config import HF_WEIGHTS_DIR
 from rlhf_core.storage.checkpoint import CheckpointStore
-from rlhf_core.storage.manifest import MANIFEST_NAME, manifest_digest
+from rlhf_core.storage.manifest import HF_WEIGHTS_DIR, MANIFEST_NAME, manifest_digest
 from rlhf_core.errors import UserError
 from rlhf_core.storage.writable import probe_writable
 from rlhf_core.rank.models import load_causal_lm

@@ -26,13 +26,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from rlhf_core.errors import UserError
+from rlhf_core.storage.manifest import DEEPSPEED_STATE_DIR, UNIVERSAL_STATE_DIR
 
 logger = logging.getLogger(__name__)
 
-DEEPSPEED_STATE_DIR = "ds"
-UNIVERSAL_STATE_DIR = "ds_universal"
-HF_WEIGHTS_DIR = "hf"
-TRAINER_STATE_NAME = "trainer_state.json"  # step and controller state of a checkpoint without DeepSpeed state
 COSINE_MIN_LR_RATE = 0.1  # cosine_with_min_lr ends at 10% of the peak, as OpenRLHF
 
 

@@ -34,6 +34,11 @@ METADATA_NAME = "training_metadata.json"
 LATEST_NAME = "latest"
 ASIDE_DIR_NAME = ".aside"
 STAGING_PREFIX = ".tmp_"
+# Inside a checkpoint, each model's folder (`actor_model`, `critic_model`, ...) holds:
+DEEPSPEED_STATE_DIR = "ds"  # DeepSpeed's own state (weights, optimizer partitions)
+UNIVERSAL_STATE_DIR = "ds_universal"  # the same, converted to load on another world size
+HF_WEIGHTS_DIR = "hf"  # the model as Hugging Face saves it: what a stage exports as its output
+TRAINER_STATE_NAME = "trainer_state.json"  # step and controller state of a checkpoint without DeepSpeed state
 
 STATUS_COMMITTED = "committed"
 STATUS_INCOMPLETE = "incomplete"

@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 from rlhf_core.config import RunConfig
-from rlhf_core.rank.ds_config import (DEEPSPEED_STATE_DIR, HF_WEIGHTS_DIR, TRAINER_STATE_NAME, UNIVERSAL_STATE_DIR,
-                                 deepspeed_config, lr_scheduler_factory, resolve_precision, warn_once)
+from rlhf_core.rank.ds_config import deepspeed_config, lr_scheduler_factory, resolve_precision, warn_once
 from rlhf_core.faults import fault_point
+from rlhf_core.storage.manifest import DEEPSPEED_STATE_DIR, HF_WEIGHTS_DIR, TRAINER_STATE_NAME, UNIVERSAL_STATE_DIR
 from rlhf_core.storage.safe_load import guard_checkpoint_loads, reading_checkpoint
 
 
