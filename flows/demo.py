@@ -51,7 +51,7 @@ def demo_config(workdir: str, num_workers: int, stages: list[str] | None = None)
 
 def run_demo(workdir: str, num_workers: int = 1) -> None:
     from flows.pipeline import run_pipeline
-    from rlhf_core.rank.evaluate import mean_gold_score
+    from rlhf_core.models.evaluate import mean_gold_score
 
     started = time.perf_counter()
     toy = init_toy(os.path.join(workdir, "toy"))

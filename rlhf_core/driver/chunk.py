@@ -30,7 +30,7 @@ from rlhf_core.storage.checkpoint import CheckpointStore
 from rlhf_core.storage.manifest import CheckpointInfo
 from rlhf_core.config import RunConfig, semantic_fields, semantic_hash
 from rlhf_core.stages import STAGES
-from rlhf_core.rank.data import dataset_fingerprint
+from rlhf_core.data.records import dataset_fingerprint
 from rlhf_core.driver.engine import WorkerGroup, group_settings
 from rlhf_core.errors import StoreFull, store_full
 from rlhf_core.faults import fault_point
@@ -41,7 +41,6 @@ from rlhf_core.storage.lease import RunLease, held_lease
 from rlhf_core.driver.resume import Lineage, StartState, load_start, open_store
 from rlhf_core.ops.trackers import (StageTrackers, close_trackers, open_stage_trackers, require_tracker_packages,
                                 stage_trackers, tracking_enabled)
-from rlhf_core.rank.trainers import trainer_class
 
 CHECKPOINT_FORMAT_VERSION = 1
 
@@ -185,21 +184,21 @@ def _metadata(run: RunConfig, stage: str, plan: StagePlan, step: int, metrics: d
               zero_stage: int) -> dict:
     from importlib.metadata import version  # not the imports: deepspeed's alone costs the driver ~0.6 s
 
-    cfg, trainer = run.stage_config(stage), trainer_class(stage)
+    cfg, facts = run.stage_config(stage), STAGES[stage]
     return {
         "format_version": CHECKPOINT_FORMAT_VERSION,
         "stage": stage,
         "step": step,
         "total_steps": plan.total_steps,
-        "consumed_samples": step * trainer.items_per_step(cfg),
-        "epoch": step // max(plan.total_steps // trainer.num_passes(cfg), 1),
+        "consumed_samples": step * facts.items_per_step(cfg),
+        "epoch": step // max(plan.total_steps // facts.num_passes(cfg), 1),
         "seed": run.seed,
         "world_size": world_size,
         "world_size_changes": world_size_changes,
         "zero_stage": zero_stage,
         "config_hash": semantic_hash(run, stage),
         "config": semantic_fields(cfg),
-        "save_path": getattr(cfg, STAGES[stage].output_field, None),
+        "save_path": getattr(cfg, facts.output_field, None),
         "dataset_fingerprint": dataset_fingerprint(cfg, run.storage_options),
         "input_models": input_model_fingerprints(cfg, run.storage_options),
         "metrics": metrics,

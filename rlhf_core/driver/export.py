@@ -27,7 +27,7 @@ from rlhf_core.storage.checkpoint import CheckpointStore
 from rlhf_core.storage.manifest import HF_WEIGHTS_DIR, MANIFEST_NAME, manifest_digest
 from rlhf_core.errors import UserError
 from rlhf_core.storage.writable import probe_writable
-from rlhf_core.rank.models import load_causal_lm
+from rlhf_core.models.load import load_causal_lm
 from rlhf_core.storage.locate import SOURCE_NAME, check_model_dir, is_lora_dir, load_tokenizer, local_model_dir
 
 MERGE_TOLERANCE = 1e-4

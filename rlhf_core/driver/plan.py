@@ -73,14 +73,14 @@ def _count_items(run: RunConfig, stage: str) -> int:
 
 def plan_stage(run: RunConfig, stage: str) -> StagePlan:
     """Validate the stage's inputs and lay out its chunks; raises UserError before any training."""
-    trainer, cfg = trainer_class(stage), run.stage_config(stage)
-    num_items, per_step = _count_items(run, stage), trainer.items_per_step(cfg)
+    facts, cfg = STAGES[stage], run.stage_config(stage)
+    num_items, per_step = _count_items(run, stage), facts.items_per_step(cfg)
     steps_per_pass = num_items // per_step
     if steps_per_pass == 0:
         data_url = getattr(cfg, "dataset", None) or getattr(cfg, "prompt_data", None)
         raise UserError(
-            f"--{trainer.step_size_flag} {per_step} is larger than the {num_items} usable samples of "
+            f"--{facts.step_size_flag} {per_step} is larger than the {num_items} usable samples of "
             f"{data_url}; lower it or add data."
         )
-    total_steps = steps_per_pass * trainer.num_passes(cfg)
+    total_steps = steps_per_pass * facts.num_passes(cfg)
     return StagePlan(stage, num_items, total_steps, chunk_ends(total_steps, cfg.save_steps))

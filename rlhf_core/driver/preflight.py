@@ -83,8 +83,8 @@ def check_compute_settings(run: RunConfig, stage: str) -> None:
     Ray, whose ranks run here) and an attention kernel transformers does not know."""
     import torch
 
-    from rlhf_core.rank.ds_config import resolve_precision
-    from rlhf_core.rank.models import resolve_attn_implementation
+    from rlhf_core.models.precision import resolve_precision
+    from rlhf_core.models.load import resolve_attn_implementation
 
     cfg = run.stage_config(stage)
     if not (run.ray_address or os.environ.get("RAY_ADDRESS")):
@@ -101,7 +101,7 @@ def check_lora_targets(url: str, target_modules: list[str] | None, storage_optio
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rlhf_core.rank.lora_targets import refuse_unknown_targets
+    from rlhf_core.models.lora_targets import refuse_unknown_targets
     from rlhf_core.storage.locate import is_lora_dir, local_model_dir, lora_base_dir
 
     directory = local_model_dir(url, storage_options, flag=flag)

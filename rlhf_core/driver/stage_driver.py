@@ -10,7 +10,7 @@ from rlhf_core.config import RunConfig
 from rlhf_core.driver.export import export_stage_output
 from rlhf_core.driver.plan import plan_stage
 from rlhf_core.driver.resume import begin_stage, open_store
-from rlhf_core.rank.trainers import trainer_class
+from rlhf_core.stages import STAGES
 
 
 def train_stage(run: RunConfig, stage: str) -> str:
@@ -33,5 +33,5 @@ def export_stage(run: RunConfig, stage: str, final_step: int) -> str:
     if getattr(cfg, "save_value_network", False) and getattr(cfg, "advantage_estimator", None) == "gae":
         export_stage_output(store, final_step, "critic_model", cfg.pretrain, f"{cfg.save_path.rstrip('/')}_critic",
                             run.storage_options)
-    return export_stage_output(store, final_step, trainer_class(stage).export_model_dir, cfg.pretrain,
+    return export_stage_output(store, final_step, STAGES[stage].export_model_dir, cfg.pretrain,
                                cfg.save_path, run.storage_options)

@@ -31,7 +31,7 @@ import torch
 from rlhf_core.agent import (AgentExecutorBase, AgentInstanceBase, CompletionOutput, RequestOutput, SamplingParams,
                              as_float)
 from rlhf_core.errors import UserError
-from rlhf_core.rank.determinism import derive_seed
+from rlhf_core.data.determinism import derive_seed
 from rlhf_core.rank.rollout import generate
 
 MAX_TURNS = 10000  # OpenRLHF's max_steps: the length budget ends an episode first

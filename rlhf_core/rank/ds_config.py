@@ -1,4 +1,4 @@
-"""What the driver and the ranks agree on about DeepSpeed: folder names, the config, the LR schedule, precision.
+"""What the driver and the ranks agree on about DeepSpeed: the config, the ZeRO stage, the LR schedule.
 
 Both sides import this small module (it imports neither Ray nor the trainers), so the rank-side
 trainers no longer import the driver's `engine` and `resume` modules.
@@ -8,77 +8,26 @@ trainers no longer import the driver's `engine` and `resume` modules.
   rule; DeepSpeed's default of 1e5 elements would leave a small model entirely unpartitioned).
 - `lr_scheduler_factory`: OpenRLHF's schedules through `transformers.get_scheduler` (a torch LambdaLR that
   DeepSpeed checkpoints with the engine), warmup `ceil(lr_warmup_ratio x steps)` as OpenRLHF.
-- `resolve_precision`: bf16 on a CPU is autocast around forward passes when the CPU has bf16 (else
-  fp32, one warning); fp16 needs a GPU. `adam_offload` on a CPU is a no-op with one warning: the
-  optimizer states already live in CPU memory, and DeepSpeed's offload would JIT-build DeepSpeedCPUAdam.
+- precision (`rlhf_core.models.precision`) decides bf16/fp16. `adam_offload` on a CPU is a no-op with one
+  warning: the optimizer states already live in CPU memory, and DeepSpeed's offload would JIT-build
+  DeepSpeedCPUAdam.
 - On a CPU the optimizer is torch's AdamW with `fused=True` (torch's own fused CPU kernel, no JIT build):
   the unfused loop made the optimizer the largest cost of a step after the matmuls.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
 from typing import Any, Callable
 
-from rlhf_core.errors import UserError
+from rlhf_core.notices import warn_once
 from rlhf_core.storage.manifest import DEEPSPEED_STATE_DIR, UNIVERSAL_STATE_DIR
 
-logger = logging.getLogger(__name__)
 
 COSINE_MIN_LR_RATE = 0.1  # cosine_with_min_lr ends at 10% of the peak, as OpenRLHF
-
-
-@dataclass(frozen=True)
-class Precision:
-    """How one rank computes: DeepSpeed's own bf16/fp16 (GPU), bf16 autocast (CPU), or plain fp32."""
-
-    deepspeed_bf16: bool = False
-    deepspeed_fp16: bool = False
-    cpu_autocast_bf16: bool = False
-
-
-_warned: set[str] = set()
-
-
-def warn_once(message: str, key: str | None = None) -> None:
-    """One warning line per process for a setting that has no effect (or a reduced one) here; with `key`, one
-    per key (a message naming the first of many rows it applies to)."""
-    if (key or message) not in _warned:
-        _warned.add(key or message)
-        logger.warning(message)
-
-
-def cpu_supports_bf16() -> bool:
-    """oneDNN's own check for native bf16 (avx512_bf16 / AMX); /proc/cpuinfo where torch cannot tell."""
-    import torch
-
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        try:
-            with open("/proc/cpuinfo") as cpuinfo:
-                flags = cpuinfo.read()
-        except OSError:
-            return False
-        return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_precision(param_dtype: str, on_gpu: bool, cpu_bf16: bool | None = None) -> Precision:
-    if on_gpu:
-        return Precision(deepspeed_bf16=param_dtype == "bf16", deepspeed_fp16=param_dtype == "fp16")
-    if param_dtype == "fp16":
-        raise UserError("--param_dtype fp16 needs a GPU (fp16 training on a CPU is not supported); use "
-                        "--param_dtype bf16 or fp32.")
-    if param_dtype == "bf16":
-        if cpu_supports_bf16() if cpu_bf16 is None else cpu_bf16:
-            return Precision(cpu_autocast_bf16=True)
-        warn_once("--param_dtype bf16: this CPU has no native bf16 (avx512_bf16/AMX); training in fp32.")
-    return Precision()
 
 
 def resolve_zero_stage(configured: int | None, num_workers: int, adam_offload: bool, saved: int | None = None) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf_core.rank.samples import IGNORE_INDEX
+from rlhf_core.data.samples import IGNORE_INDEX
 
 
 def pack_sequences(sequences: list[list[int]]) -> dict[str, torch.Tensor]:

@@ -268,7 +268,7 @@ def reward_function(reward_fn: str | None, remote_rm_url: str | None) -> RewardF
 
 
 def reward_inputs(tokenizer, items: Sequence[Any], responses: list[list[int]]) -> RewardInputs:
-    """Every form's arguments for prompt items (`rlhf_core.rank.prompts.PromptItem`) and their sampled
+    """Every form's arguments for prompt items (`rlhf_core.data.prompts.PromptItem`) and their sampled
     responses: OpenRLHF's prompt and query are decoded from the tokens the model saw (without the BOS we add),
     so each query starts with its prompt; our form's prompt is `prompt_text` of the field."""
     prompts = [tokenizer.decode(item.written_ids, skip_special_tokens=False) for item in items]

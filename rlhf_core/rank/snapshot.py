@@ -55,7 +55,7 @@ def snapshot_folder(rank: int, expected_bytes: int) -> str:
         if free_bytes > SHM_HEADROOM * expected_bytes:
             root = SHM_ROOT
         else:
-            from rlhf_core.rank.ds_config import warn_once
+            from rlhf_core.notices import warn_once
             from rlhf_core.errors import human_bytes
 
             warn_once(f"{SHM_ROOT} has {human_bytes(free_bytes)} free, less than {SHM_HEADROOM:g}x the "

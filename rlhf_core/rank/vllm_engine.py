@@ -25,7 +25,7 @@ from typing import Iterator
 import torch
 
 from rlhf_core.stages.ppo import PPOConfig
-from rlhf_core.rank.determinism import derive_seed
+from rlhf_core.data.determinism import derive_seed
 from rlhf_core.storage.locate import is_lora_dir, local_model_dir
 
 

@@ -131,7 +131,7 @@ class TrainWorker:
 
         try:
             trainer_class(stage)
-            from rlhf_core.rank.models import import_model_classes
+            from rlhf_core.models.load import import_model_classes
 
             import_model_classes(run.stage_config(stage).pretrain)
         except Exception:  # noqa: BLE001

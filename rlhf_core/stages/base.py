@@ -60,6 +60,18 @@ class Stage:
     stall_hint: str = "the learning rate or the data"
     is_policy: bool = False  # its output is a policy a merge or an export takes (the last one run)
     world_size_dependent: bool = False  # each rank samples with its own seed: the math depends on the rank count
+    # The planner's facts of a training stage: the config field that says how many items (samples, pairs or
+    # prompts) one step consumes (named when the data cannot fill one step), the one that counts passes over
+    # the data, and the checkpoint folder whose `hf/` is the stage's output.
+    step_size_flag: str = "train_batch_size"
+    passes_field: str = "max_epochs"
+    export_model_dir: str = "actor_model"
+
+    def items_per_step(self, cfg: StageSettings) -> int:
+        return getattr(cfg, self.step_size_flag)
+
+    def num_passes(self, cfg: StageSettings) -> int:
+        return getattr(cfg, self.passes_field)
 
     def trainer_class(self):
         module_name, class_name = self.trainer.split(":")

@@ -147,4 +147,4 @@ STAGE = Stage("ppo", PPOConfig, "train", position=30, description="Settings of t
               trainer="rlhf_core.rank.trainers.ppo:PPOTrainer", openrlhf_module="train_ppo_ray",
               headline_metrics=("eval_reward", "mean_reward", "reward"), higher_is_better=True,
               stall_hint="the learning rate, the KL coefficient or the reward", is_policy=True,
-              world_size_dependent=True)
+              world_size_dependent=True, step_size_flag="rollout_batch_size", passes_field="num_episodes")

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from rlhf_core.storage.checkpoint import CheckpointStore
 from rlhf_core.config import RunConfig
 from rlhf_core.stages.sft import SFTConfig
-from rlhf_core.rank.ds_config import cpu_supports_bf16
+from rlhf_core.models.precision import cpu_supports_bf16
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not cpu_supports_bf16(), reason="this CPU has no native bf16 (avx512_bf16/AMX)")]

@@ -42,7 +42,7 @@ def test_vllm_engine_samples_from_the_actors_current_weights(toy_assets, monkeyp
     import torch
 
     from rlhf_core.stages.ppo import PPOConfig
-    from rlhf_core.rank.models import load_causal_lm
+    from rlhf_core.models.load import load_causal_lm
     from rlhf_core.storage.locate import load_tokenizer
     from rlhf_core.rank.vllm_engine import VLLMGenerator
 

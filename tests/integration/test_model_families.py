@@ -162,7 +162,7 @@ def check_outputs(family: str, config: dict) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rlhf_core.rank.lora_targets import linear_layer_names
+    from rlhf_core.models.lora_targets import linear_layer_names
 
     sft_config = AutoConfig.from_pretrained(config["sft"]["save_path"])
     assert AutoConfig.from_pretrained(config["export"]["save_path"]).model_type == sft_config.model_type

@@ -15,7 +15,7 @@ from rlhf_core.driver.stage_driver import train_stage
 from rlhf_core.driver.plan import plan_stage, resolve_paths
 from rlhf_core.config import RunConfig
 from rlhf_core.stages.ppo import PPOConfig
-from rlhf_core.rank.evaluate import mean_gold_score
+from rlhf_core.models.evaluate import mean_gold_score
 from rlhf_core.toy import prompt_digits
 
 pytestmark = pytest.mark.slow

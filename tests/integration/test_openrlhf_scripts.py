@@ -62,7 +62,7 @@ import pytest
 
 from flows.openrlhf_flags import MAPPED, OPENRLHF_MODULES, flags_for
 from rlhf_core.storage.checkpoint import CheckpointStore
-from rlhf_core.rank.ds_config import cpu_supports_bf16
+from rlhf_core.models.precision import cpu_supports_bf16
 from tests.conftest import HUB_REVISION, RLHF
 from tests.hub_cache import build_openrlhf_hub
 from tests.integration.conftest import VENV_BIN, BackgroundProcess, free_port

@@ -22,7 +22,7 @@ from rlhf_core.driver.stage_driver import export_stage, train_stage
 from rlhf_core.driver.plan import plan_stage, resolve_paths
 from rlhf_core.config import RunConfig
 from rlhf_core.stages.ppo import PPOConfig
-from rlhf_core.rank.evaluate import mean_gold_score
+from rlhf_core.models.evaluate import mean_gold_score
 from rlhf_core.driver.export import export_final, merge_lora
 from rlhf_core.driver.resume import begin_stage
 from rlhf_core.toy import init_toy
@@ -66,7 +66,7 @@ def test_the_demo_configuration_raises_no_alert(pipeline):
 def test_reward_model_ranks_held_out_pairs_well_above_chance(pipeline):
     from transformers import AutoModelForSequenceClassification
 
-    from rlhf_core.rank.data import read_records
+    from rlhf_core.data.records import read_records
     from rlhf_core.storage.locate import load_tokenizer
 
     run = pipeline["run"]

@@ -16,7 +16,7 @@ from rlhf_core.driver.chunk import ensure_checkpoint, release_workers
 from rlhf_core.config import RunConfig
 from rlhf_core.stages.rm import RMConfig
 from rlhf_core.stages.sft import SFTConfig
-from rlhf_core.rank.ds_config import cpu_supports_bf16
+from rlhf_core.models.precision import cpu_supports_bf16
 from rlhf_core.storage.manifest import DEEPSPEED_STATE_DIR, TRAINER_STATE_NAME
 from rlhf_core.errors import UserError
 from rlhf_core.driver.resume import begin_stage

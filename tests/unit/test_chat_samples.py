@@ -15,9 +15,9 @@ import json
 
 import pytest
 
-from rlhf_core.rank.data import Record, read_records
+from rlhf_core.data.records import Record, read_records
 from rlhf_core.errors import UserError
-from rlhf_core.rank.samples import Renderer, tokenize_pairs, tokenize_prompts, tokenize_sft
+from rlhf_core.data.samples import Renderer, tokenize_pairs, tokenize_prompts, tokenize_sft
 from tests.hub_cache import (LLAMA3_BASE, LLAMA3_INSTRUCT, QWEN2_CHATML, SYSTEM, assistant, build_tokenizer,
                              save_dataset, user)
 

@@ -43,7 +43,7 @@ def test_lora_combiner_takes_a_checkpoints_latest_as_lora_path(tmp_path, toy_ass
     """The seed's `lora_combiner --lora_path {ckpt_path}/latest`: the newest committed checkpoint's adapter."""
     import torch
 
-    from rlhf_core.rank.models import load_causal_lm
+    from rlhf_core.models.load import load_causal_lm
 
     store = CheckpointStore(str(tmp_path / "ckpt" / "run" / "ppo"))
     # A trained adapter's size: step 4's changes the model, step 2's (zero) does not. An oversized one (every

@@ -7,11 +7,11 @@ import os
 
 import pytest
 
-from rlhf_core.rank.data import rank_micro_batches, read_records
-from rlhf_core.rank.determinism import step_sample_indices
+from rlhf_core.data.records import rank_micro_batches, read_records
+from rlhf_core.data.determinism import step_sample_indices
 from rlhf_core.errors import UserError
-from rlhf_core.rank.samples import IGNORE_INDEX, Renderer, collate_sft, tokenize_pairs, tokenize_prompts
-from rlhf_core.rank.samples import tokenize_sft as _tokenize_sft
+from rlhf_core.data.samples import IGNORE_INDEX, Renderer, collate_sft, tokenize_pairs, tokenize_prompts
+from rlhf_core.data.samples import tokenize_sft as _tokenize_sft
 from rlhf_core.toy import build_tokenizer
 
 
@@ -101,7 +101,7 @@ def test_data_order_is_the_same_at_any_world_size():
 
 
 def test_dataset_fingerprint_is_hashed_once_per_file_version(tmp_path, monkeypatch):
-    from rlhf_core.rank import data
+    from rlhf_core.data import records as data
 
     path = tmp_path / "d.jsonl"
     path.write_text('{"a": "1"}\n')
@@ -174,7 +174,7 @@ def test_unreachable_s3_dataset_names_flag_url_and_endpoint(monkeypatch):
 
 
 def test_fingerprints_of_folders_and_mixtures(tmp_path):
-    from rlhf_core.rank.data import fingerprint
+    from rlhf_core.data.records import fingerprint
 
     folder = tmp_path / "folder"
     folder.mkdir()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rlhf_core.rank.packing import pack_sft
-from rlhf_core.rank.samples import TokenizedPair, collate_sft
+from rlhf_core.data.samples import TokenizedPair, collate_sft
 from rlhf_core.rank.trainers.dpo import dpo_loss, response_logps, response_samples
 from rlhf_core.rank.trainers.rm import Pair
 

@@ -15,10 +15,11 @@ import torch
 
 from rlhf_core.stages.rm import RMConfig
 from rlhf_core.stages.sft import SFTConfig
-from rlhf_core.rank.samples import TokenizedPair, TokenizedSample, collate_pairs, collate_sft
-from rlhf_core.rank.ds_config import deepspeed_config, lr_scheduler_factory, resolve_precision, resolve_zero_stage
+from rlhf_core.data.samples import TokenizedPair, TokenizedSample, collate_pairs, collate_sft
+from rlhf_core.rank.ds_config import deepspeed_config, lr_scheduler_factory, resolve_zero_stage
+from rlhf_core.models.precision import resolve_precision
 from rlhf_core.errors import CorruptCheckpoint, UnsafeCheckpoint, UserError
-from rlhf_core.rank.models import sequence_scores
+from rlhf_core.models.load import sequence_scores
 from rlhf_core.rank.packing import pack_sequences, pack_sft, packed_scores
 from rlhf_core.rank.trainers.base import DeepSpeedTrainer, continue_schedule
 
@@ -65,7 +66,7 @@ def test_precision_on_gpu_is_deepspeeds_and_on_cpu_never():
 def test_adam_offload_offloads_on_gpu_and_warns_once_on_cpu(caplog):
     on_gpu = deepspeed_config(sft_config(adam_offload=True), 1, on_gpu=True)
     assert on_gpu["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
-    with caplog.at_level(logging.WARNING, logger="rlhf_core.rank.ds_config"):
+    with caplog.at_level(logging.WARNING, logger="rlhf_core"):
         for _ in range(3):
             on_cpu = deepspeed_config(sft_config(adam_offload=True), 1, on_gpu=False)
     assert "offload_optimizer" not in on_cpu["zero_optimization"]
@@ -77,7 +78,7 @@ def test_resolve_precision(caplog):
     with pytest.raises(UserError, match="--param_dtype fp16 needs a GPU"):
         resolve_precision("fp16", on_gpu=False)
     assert resolve_precision("bf16", on_gpu=False, cpu_bf16=True).cpu_autocast_bf16
-    with caplog.at_level(logging.WARNING, logger="rlhf_core.rank.ds_config"):
+    with caplog.at_level(logging.WARNING, logger="rlhf_core"):
         assert resolve_precision("bf16", on_gpu=False, cpu_bf16=False) == resolve_precision("fp32", False)
     assert any("no native bf16" in r.getMessage() for r in caplog.records)
     assert resolve_precision("bf16", on_gpu=True).deepspeed_bf16
@@ -131,7 +132,7 @@ def test_schedule_state_survives_a_weights_only_load_and_continues():
 def test_trainer_base_is_abstract():
     with pytest.raises(TypeError, match="abstract"):
         DeepSpeedTrainer(None, [1], 0, 1)  # type: ignore[arg-type]
-    assert {"count_items", "train_step", "export_model_dir"} <= DeepSpeedTrainer.__abstractmethods__
+    assert {"count_items", "train_step"} <= DeepSpeedTrainer.__abstractmethods__
 
 
 @pytest.mark.parametrize("error", [UserError("bad flag."), UnsafeCheckpoint("bad file."),
@@ -152,9 +153,9 @@ def test_pack_sft_restarts_positions_and_ignores_each_first_token():
 
 
 def toy_samples(toy_assets, count: int = 6):
-    from rlhf_core.rank.data import read_records
+    from rlhf_core.data.records import read_records
     from rlhf_core.storage.locate import load_tokenizer
-    from rlhf_core.rank.samples import Renderer, tokenize_sft
+    from rlhf_core.data.samples import Renderer, tokenize_sft
 
     tokenizer = load_tokenizer(toy_assets["model"])
     records = read_records(toy_assets["sft"], max_samples=count)

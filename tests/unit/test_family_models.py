@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_core.rank.models import load_scalar_model, sequence_scores, token_values
+from rlhf_core.models.load import load_scalar_model, sequence_scores, token_values
 from rlhf_core.storage.locate import load_tokenizer
 from tests.families import FAMILIES, tiny_model
 from tests.hub_cache import build_tokenizer
@@ -64,7 +64,7 @@ def test_generation_stops_at_any_eos_of_the_generation_config(tmp_path):
 
 
 def test_gold_score_of_a_model_whose_tokenizer_has_no_bos(tmp_path):
-    from rlhf_core.rank.evaluate import mean_gold_score
+    from rlhf_core.models.evaluate import mean_gold_score
 
     directory = saved_family("qwen2", tmp_path)
     assert load_tokenizer(directory).bos_token_id is None

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_core.rank.data import fingerprint, read_records
+from rlhf_core.data.records import fingerprint, read_records
 from tests.conftest import HUB_REVISION as REVISION, hub_snapshot_dir
 from rlhf_core.errors import UserError
-from rlhf_core.rank.models import load_causal_lm
+from rlhf_core.models.load import load_causal_lm
 from rlhf_core.storage.locate import load_tokenizer, local_model_dir, model_fingerprint
 
 
@@ -71,7 +71,7 @@ def test_hub_model_in_a_fresh_process_reads_the_environment(hf_home, toy_assets)
     """No patched constants: HF_HOME and HF_HUB_OFFLINE as a user sets them, before anything is imported."""
     snapshot = hub_snapshot_dir(hf_home, "model", "org/toy")
     shutil.copytree(toy_assets["model"], snapshot, dirs_exist_ok=True)
-    code = "from rlhf_core.rank.models import local_model_dir; print(local_model_dir('org/toy'))"
+    code = "from rlhf_core.models.load import local_model_dir; print(local_model_dir('org/toy'))"
     result = subprocess.run([sys.executable, "-c", code], env=dict(os.environ), capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(snapshot)
@@ -155,6 +155,6 @@ def test_mixture_follows_probabilities_and_seed(tmp_path):
     with pytest.raises(UserError, match=r"--dataset_probs '0.7' has 1 weights for 2 comma-separated datasets"):
         read_records(url, probs="0.7")
     with pytest.raises(UserError, match=r"small.jsonl line 3: no key 'response'"):
-        from rlhf_core.rank.samples import require_text
+        from rlhf_core.data.samples import require_text
 
         require_text(url, read_records(url)[42], "response", "--output_key")

@@ -1,7 +1,7 @@
 """The import graph of the packages: no module of rlhf_core reaches itself through imports (function-level
 imports included: hiding a circle inside a function does not remove it), imports run one way between its
-packages (driver -> rank -> ops -> storage -> the shared modules at the top of rlhf_core), and rlhf_core never
-imports the packages above it (flows, tasks)."""
+packages (driver -> rank -> ops and models -> data -> storage -> the shared modules at the top of rlhf_core), and
+rlhf_core never imports the packages above it (flows, tasks)."""
 
 from __future__ import annotations
 
@@ -86,8 +86,9 @@ def test_rlhf_core_never_imports_the_layers_above_it():
 # Each package of rlhf_core and the packages it may import (the shared modules at rlhf_core's top: ""). The stages
 # (their configs and facts) sit beside the shared modules: every layer reads them, and they read only the shared.
 ALLOWED = {"": {"", "stages"}, "stages": {"", "stages"}, "storage": {"", "stages", "storage"},
-           "ops": {"", "stages", "storage", "ops"}, "rank": {"", "stages", "storage", "ops", "rank"},
-           "driver": {"", "stages", "storage", "ops", "rank", "driver"}}
+           "data": {"", "stages", "storage", "data"}, "models": {"", "stages", "storage", "data", "models"},
+           "ops": {"", "stages", "storage", "ops"}, "rank": {"", "stages", "storage", "data", "models", "ops", "rank"},
+           "driver": {"", "stages", "storage", "data", "models", "ops", "rank", "driver"}}
 
 
 def package_of(module: str) -> str | None:
@@ -107,6 +108,6 @@ def test_imports_run_one_way_between_the_packages_of_rlhf_core():
 
 def test_every_module_of_rlhf_core_sits_in_a_known_package():
     top = {path.stem for path in (ROOT / "rlhf_core").glob("*.py")} - {"__init__"}
-    assert top == {"agent", "config", "config_file", "errors", "faults", "processes", "toy"}, top
+    assert top == {"agent", "config", "config_file", "errors", "faults", "notices", "processes", "toy"}, top
     assert {path.name for path in (ROOT / "rlhf_core").iterdir() if path.is_dir() and path.name != "__pycache__"} \
         == set(ALLOWED) - {""}

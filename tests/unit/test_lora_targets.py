@@ -10,7 +10,7 @@ import pytest
 
 from rlhf_core.errors import UserError
 from rlhf_core.driver.preflight import check_lora_targets
-from rlhf_core.rank.models import load_causal_lm, load_scalar_model
+from rlhf_core.models.load import load_causal_lm, load_scalar_model
 from tests.families import FAMILIES, tiny_model
 from tests.hub_cache import build_tokenizer
 

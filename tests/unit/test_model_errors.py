@@ -10,7 +10,7 @@ import pytest
 from rlhf_core.errors import UserError
 from rlhf_core.driver.export import merge_lora
 from rlhf_core.storage.writable import check_writable
-from rlhf_core.rank.models import load_causal_lm, load_scalar_model
+from rlhf_core.models.load import load_causal_lm, load_scalar_model
 from rlhf_core.storage.locate import load_tokenizer, local_model_dir
 
 # An endpoint nothing listens on (loopback), asked once: botocore and s3fs would otherwise retry for ~10 s.
@@ -107,10 +107,10 @@ def test_model_from_s3_uses_the_storage_options(s3_endpoint, toy_assets, monkeyp
 
 
 def test_attention_fallback_warns_once_and_unknown_is_refused(toy_assets, caplog):
-    from rlhf_core.rank import models
+    from rlhf_core.models import load as models
 
     models._warn_attention_fallback.cache_clear()
-    with caplog.at_level(logging.WARNING, logger="rlhf_core.rank.models"):
+    with caplog.at_level(logging.WARNING, logger="rlhf_core.models.load"):
         first = load_causal_lm(toy_assets["model"], attn_implementation="flash_attention_2")
         load_scalar_model(toy_assets["model"], 0, attn_implementation="flash_attention_2")
     assert first.config._attn_implementation == "sdpa"

@@ -327,7 +327,7 @@ def ppo_update_with_entropy_coef(coef):
     (its losses, the gradients it stepped with, the module)."""
     from rlhf_core.config import RunConfig
     from rlhf_core.stages.ppo import PPOConfig
-    from rlhf_core.rank.ds_config import Precision
+    from rlhf_core.models.precision import Precision
     from rlhf_core.toy import build_model, build_tokenizer
     from rlhf_core.rank.trainers.ppo import PPOTrainer
 

@@ -8,8 +8,8 @@ import torch
 from pydantic import ValidationError
 
 from rlhf_core.config import RunConfig
-from rlhf_core.rank.data import Record
-from rlhf_core.rank.samples import IGNORE_INDEX
+from rlhf_core.data.records import Record
+from rlhf_core.data.samples import IGNORE_INDEX
 from rlhf_core.rank.trainers.prm import prm_loss, tokenize_step_labels
 from rlhf_core.stages.prm import PRMConfig
 from rlhf_core.toy import build_tokenizer

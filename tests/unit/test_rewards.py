@@ -209,7 +209,7 @@ def test_an_ambiguous_reward_fn_is_refused_before_training_with_exit_2_and_no_tr
 
 def test_our_form_gets_the_last_user_message_of_a_prompt_given_as_messages(toy_assets):
     from rlhf_core.storage.locate import load_tokenizer
-    from rlhf_core.rank.prompts import PromptItem
+    from rlhf_core.data.prompts import PromptItem
     from rlhf_core.rank.rewards import reward_inputs
 
     tokenizer = load_tokenizer(toy_assets["model"])
@@ -329,7 +329,7 @@ def ppo_run(toy_assets, tmp_path, **settings):
 
 def test_openrlhf_arguments_query_is_prompt_plus_response_with_special_tokens(toy_assets, tmp_path):
     from rlhf_core.storage.locate import load_tokenizer
-    from rlhf_core.rank.prompts import PromptItem
+    from rlhf_core.data.prompts import PromptItem
     from rlhf_core.rank.rewards import reward_inputs
 
     tokenizer = load_tokenizer(toy_assets["model"])
@@ -344,7 +344,7 @@ def test_openrlhf_arguments_query_is_prompt_plus_response_with_special_tokens(to
 
 def test_labels_come_from_label_key_and_a_missing_one_names_the_line(toy_assets, tmp_path):
     from rlhf_core.storage.locate import load_tokenizer
-    from rlhf_core.rank.prompts import load_prompts
+    from rlhf_core.data.prompts import load_prompts
 
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"prompt": "sort : 2 1 =", "answer": "1 2"}\n{"prompt": "sort : 3 1 ="}\n')

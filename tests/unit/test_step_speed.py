@@ -16,8 +16,9 @@ import torch
 from rlhf_core.config import RunConfig
 from rlhf_core.stages.rm import RMConfig
 from rlhf_core.stages.sft import SFTConfig
-from rlhf_core.rank.samples import TokenizedPair, TokenizedSample
-from rlhf_core.rank.ds_config import Precision, deepspeed_config
+from rlhf_core.data.samples import TokenizedPair, TokenizedSample
+from rlhf_core.rank.ds_config import deepspeed_config
+from rlhf_core.models.precision import Precision
 from rlhf_core.toy import build_model, build_tokenizer
 from rlhf_core.rank.trainers.rm import Pair, RewardModelTrainer
 from rlhf_core.rank.trainers.sft import SFTTrainer

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlhf_core.rank.models import load_causal_lm
+from rlhf_core.models.load import load_causal_lm
 from rlhf_core.rank.vllm_engine import inference_weights
 
 

@@ -1,7 +1,8 @@
 """Stage trainers. Each runs inside one DeepSpeed rank and advances its stage one step at a time.
 
-Which trainer a stage uses is declared in `rlhf_core.stages.STAGES`; a trainer class also tells the planner how
-big its stage is: `count_items(run)` (samples, pairs or prompts), `items_per_step(cfg)` and `num_passes(cfg)`.
+Which trainer a stage uses is declared in `rlhf_core.stages.STAGES`, with the planner's facts (items per step,
+passes); a trainer class also tells the planner how many items its data holds: `count_items(run)` (samples, pairs
+or prompts).
 """
 
 from __future__ import annotations

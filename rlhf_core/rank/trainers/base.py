@@ -27,9 +27,12 @@ import torch
 import torch.distributed as dist
 
 from rlhf_core.config import RunConfig
-from rlhf_core.rank.ds_config import deepspeed_config, lr_scheduler_factory, resolve_precision, warn_once
+from rlhf_core.rank.ds_config import deepspeed_config, lr_scheduler_factory
+from rlhf_core.models.precision import resolve_precision
+from rlhf_core.notices import warn_once
 from rlhf_core.faults import fault_point
 from rlhf_core.storage.manifest import DEEPSPEED_STATE_DIR, HF_WEIGHTS_DIR, TRAINER_STATE_NAME, UNIVERSAL_STATE_DIR
+from rlhf_core.stages import STAGES
 from rlhf_core.storage.safe_load import guard_checkpoint_loads, reading_checkpoint
 
 
@@ -39,7 +42,7 @@ def configure_gradient_checkpointing(model, cfg) -> None:
     reentrant variant only back-propagates into checkpointed blocks whose inputs require grad, which
     frozen embeddings (LoRA) do not give, hence enable_input_require_grads."""
     if cfg.gradient_checkpointing and cfg.gradient_checkpointing_use_reentrant:
-        from rlhf_core.rank.models import enable_activation_checkpointing
+        from rlhf_core.models.load import enable_activation_checkpointing
 
         enable_activation_checkpointing(model, use_reentrant=True)
         model.enable_input_require_grads()
@@ -58,12 +61,12 @@ def gathered(engine, modifier_rank: int | None = None):
 class DeepSpeedTrainer(abc.ABC):
     """One rank of a stage: DeepSpeed engines over its trained models, at optimizer step `self.step`.
 
-    A stage declares `count_items(run)` (samples, pairs or prompts, for the planner), `train_step()`
-    (one optimizer step, returning its metrics) and `export_model_dir` (the model folder its export reads).
+    A stage declares `count_items(run)` (samples, pairs or prompts, for the planner) and `train_step()`
+    (one optimizer step, returning its metrics); its facts (the model folder its export reads, items per step)
+    are in its `Stage` (`rlhf_core.stages`).
     """
 
     stage: str = ""
-    step_size_flag = "train_batch_size"  # the flag named when the data cannot fill one step
 
     @staticmethod
     @abc.abstractmethod
@@ -71,22 +74,13 @@ class DeepSpeedTrainer(abc.ABC):
         """Usable items of the stage's data (samples, pairs or prompts)."""
 
     @property
-    @abc.abstractmethod
     def export_model_dir(self) -> str:
         """The checkpoint folder (`actor_model`, `reward_model`) whose `hf/` is the stage's output."""
+        return STAGES[self.stage].export_model_dir
 
     @abc.abstractmethod
     def train_step(self) -> dict[str, float]:
         """One optimizer step (or PPO step); returns its metrics, already averaged over ranks."""
-
-    @staticmethod
-    def items_per_step(cfg) -> int:
-        """Samples (or pairs) one step consumes; PPO counts prompts instead."""
-        return cfg.train_batch_size
-
-    @staticmethod
-    def num_passes(cfg) -> int:
-        return cfg.max_epochs
 
     def __init__(self, run: RunConfig, chunk_ends: list[int], rank: int, world_size: int, load_universal: bool = False):
         """`chunk_ends`: the steps the driver's plan commits at (`StagePlan.targets`), the last the stage's last."""

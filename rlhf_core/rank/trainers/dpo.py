@@ -23,14 +23,14 @@ import torch.nn.functional as F
 
 from rlhf_core.config import RunConfig
 from rlhf_core.errors import UserError
-from rlhf_core.rank.data import rank_micro_batches
-from rlhf_core.rank.determinism import derive_seed, step_sample_indices
-from rlhf_core.rank.ds_config import warn_once
-from rlhf_core.rank.models import load_causal_lm
+from rlhf_core.data.records import rank_micro_batches
+from rlhf_core.data.determinism import derive_seed, step_sample_indices
+from rlhf_core.notices import warn_once
+from rlhf_core.models.load import load_causal_lm
 from rlhf_core.storage.locate import load_tokenizer
 from rlhf_core.rank.packing import pack_sft
 from rlhf_core.rank.ppo_math import token_logprobs
-from rlhf_core.rank.samples import IGNORE_INDEX, TokenizedSample, collate_sft
+from rlhf_core.data.samples import IGNORE_INDEX, TokenizedSample, collate_sft
 from rlhf_core.rank.trainers.base import DeepSpeedTrainer
 from rlhf_core.rank.trainers.rm import Pair, load_pairs
 
@@ -86,7 +86,6 @@ def trainable_pairs(pairs: list[Pair], max_len: int, where: str) -> list[Pair]:
 
 class DPOTrainer(DeepSpeedTrainer):
     stage = "dpo"
-    export_model_dir = "actor_model"
 
     @staticmethod
     def count_items(run: RunConfig) -> int:

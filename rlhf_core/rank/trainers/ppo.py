@@ -53,15 +53,15 @@ from rlhf_core.rank.agent_rollout import (AgentRollout, Episode, TransformersEng
                                           prompt_texts)
 from rlhf_core.config import RunConfig
 from rlhf_core.stages.ppo import PPOConfig
-from rlhf_core.rank.determinism import derive_seed, generator, step_sample_indices
+from rlhf_core.data.determinism import derive_seed, generator, step_sample_indices
 from rlhf_core.errors import UserError
-from rlhf_core.rank.models import load_causal_lm, load_scalar_model, sequence_scores, token_values
+from rlhf_core.models.load import load_causal_lm, load_scalar_model, sequence_scores, token_values
 from rlhf_core.storage.locate import load_tokenizer
 from rlhf_core.rank.rewards import (RewardBatch, check_reward_setup, mean_extra_logs_over_ranks, reward_function,
                                reward_inputs)
 from rlhf_core.rank.rollout import (collate_sequences, generate, on_device, require_vllm, response_logits,
                                response_logprobs)
-from rlhf_core.rank.prompts import PromptItem, load_prompts
+from rlhf_core.data.prompts import PromptItem, load_prompts
 from rlhf_core.rank.trainers.base import DeepSpeedTrainer, gathered
 
 logger = logging.getLogger(__name__)
@@ -94,8 +94,6 @@ def pad_rows(rows: list[torch.Tensor]) -> torch.Tensor:
 
 class PPOTrainer(DeepSpeedTrainer):
     stage = "ppo"
-    export_model_dir = "actor_model"
-    step_size_flag = "rollout_batch_size"
 
     @staticmethod
     def count_items(run: RunConfig) -> int:
@@ -111,14 +109,6 @@ class PPOTrainer(DeepSpeedTrainer):
                 logger.warning("--normalize_reward has no effect with --agent_func_path: as in OpenRLHF, only "
                                "reward-model scores are normalized; the environment's rewards are used as they are.")
         return len(prompts)
-
-    @staticmethod
-    def items_per_step(cfg: PPOConfig) -> int:
-        return cfg.rollout_batch_size
-
-    @staticmethod
-    def num_passes(cfg: PPOConfig) -> int:
-        return cfg.num_episodes
 
     def __init__(self, run: RunConfig, chunk_ends: list[int], rank: int, world_size: int, load_universal: bool = False):
         super().__init__(run, chunk_ends, rank, world_size, load_universal)

@@ -21,12 +21,12 @@ import torch.nn.functional as F
 
 from rlhf_core.config import RunConfig
 from rlhf_core.errors import UserError
-from rlhf_core.rank.data import rank_micro_batches, read_stage_dataset
-from rlhf_core.rank.determinism import derive_seed, step_sample_indices
-from rlhf_core.rank.models import load_causal_lm
+from rlhf_core.data.records import rank_micro_batches, read_stage_dataset
+from rlhf_core.data.determinism import derive_seed, step_sample_indices
+from rlhf_core.models.load import load_causal_lm
 from rlhf_core.storage.locate import load_tokenizer
 from rlhf_core.rank.packing import pack_sequences
-from rlhf_core.rank.samples import IGNORE_INDEX, field_value
+from rlhf_core.data.samples import IGNORE_INDEX, field_value
 from rlhf_core.rank.trainers.base import DeepSpeedTrainer
 
 
@@ -102,7 +102,6 @@ def prm_loss(input_ids: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor
 
 class PRMTrainer(DeepSpeedTrainer):
     stage = "prm"
-    export_model_dir = "actor_model"
 
     @staticmethod
     def load_samples(run: RunConfig, tokenizer, evaluation: bool = False) -> list[StepLabelledSample]:

@@ -18,14 +18,14 @@ import torch
 import torch.nn.functional as F
 
 from rlhf_core.config import RunConfig
-from rlhf_core.rank.data import rank_micro_batches, read_stage_dataset, split_holdout
-from rlhf_core.rank.determinism import derive_seed, step_sample_indices
-from rlhf_core.rank.ds_config import warn_once
+from rlhf_core.data.records import rank_micro_batches, read_stage_dataset, split_holdout
+from rlhf_core.data.determinism import derive_seed, step_sample_indices
+from rlhf_core.notices import warn_once
 from rlhf_core.errors import UserError
-from rlhf_core.rank.models import load_scalar_model, sequence_scores
+from rlhf_core.models.load import load_scalar_model, sequence_scores
 from rlhf_core.storage.locate import load_tokenizer
 from rlhf_core.rank.packing import pack_sequences, packed_scores
-from rlhf_core.rank.samples import Renderer, TokenizedPair, collate_pairs, tokenize_pairs
+from rlhf_core.data.samples import Renderer, TokenizedPair, collate_pairs, tokenize_pairs
 from rlhf_core.rank.trainers.base import DeepSpeedTrainer
 from rlhf_core.stages.base import PreferenceConfig
 
@@ -76,7 +76,6 @@ def pairwise_loss(kind: str, chosen: torch.Tensor, rejected: torch.Tensor, margi
 
 class RewardModelTrainer(DeepSpeedTrainer):
     stage = "rm"
-    export_model_dir = "reward_model"
 
     @staticmethod
     def count_items(run: RunConfig) -> int:

@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from rlhf_core.config import RunConfig
-from rlhf_core.rank.data import rank_micro_batches, read_stage_dataset
-from rlhf_core.rank.determinism import derive_seed, step_sample_indices
+from rlhf_core.data.records import rank_micro_batches, read_stage_dataset
+from rlhf_core.data.determinism import derive_seed, step_sample_indices
 from rlhf_core.faults import fault_requested
-from rlhf_core.rank.models import load_causal_lm
+from rlhf_core.models.load import load_causal_lm
 from rlhf_core.storage.locate import load_tokenizer
 from rlhf_core.rank.packing import pack_sft
-from rlhf_core.rank.samples import (IGNORE_INDEX, Renderer, TokenizedSample, collate_sft, tokenize_pretraining,
+from rlhf_core.data.samples import (IGNORE_INDEX, Renderer, TokenizedSample, collate_sft, tokenize_pretraining,
                                tokenize_sft)
 from rlhf_core.rank.trainers.base import DeepSpeedTrainer
 
@@ -38,7 +38,6 @@ def load_sft_samples(run: RunConfig, tokenizer, evaluation: bool = False) -> lis
 
 class SFTTrainer(DeepSpeedTrainer):
     stage = "sft"
-    export_model_dir = "actor_model"
 
     @staticmethod
     def count_items(run: RunConfig) -> int:

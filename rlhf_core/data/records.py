@@ -18,7 +18,7 @@ whole dict); dataset scripts are not supported.
 
 Every problem a user can fix (missing file or name, bytes that are not UTF-8, bad JSON) stops before
 training with one sentence that names the file and the line (JSONL), item (JSON array) or row (Parquet,
-datasets). How records become tokens is `rlhf_core.rank.samples`.
+datasets). How records become tokens is `rlhf_core.data.samples`.
 """
 
 from __future__ import annotations
@@ -382,7 +382,7 @@ def _file_fingerprint(url: str, storage_options: dict | None, flag: str) -> str:
 
 def split_holdout(items: list, fraction: float, seed: int) -> tuple[list, list]:
     """A fixed (train, held-out) split: the held-out part is drawn by `seed`, the rest keeps its order."""
-    from rlhf_core.rank.determinism import generator
+    from rlhf_core.data.determinism import generator
 
     num_held_out = int(len(items) * fraction)
     held_out = set(torch.randperm(len(items), generator=generator(seed, "holdout")).tolist()[:num_held_out])

@@ -6,7 +6,7 @@ loaded and the adapter merged in memory, so a LoRA stage's output feeds the next
 Reward models and critics are `AutoModelForSequenceClassification` with one label: a backbone and a
 linear `score` head, OpenRLHF's layout; `token_values` reads the head at every position for a critic, and
 `sequence_scores` at each sequence's last token for a reward. LoRA targets are checked against the model's
-own layers (rlhf_core.rank.lora_targets). `attn_implementation` flash_attention_* without flash-attn or CUDA
+own layers (rlhf_core.models.lora_targets). `attn_implementation` flash_attention_* without flash-attn or CUDA
 falls back to sdpa with one warning (OpenRLHF would fail to load); unknown names are refused.
 """
 
@@ -79,7 +79,7 @@ def with_lora(model, lora_rank: int, lora_alpha: int, target_modules: list[str] 
         return model
     from peft import LoraConfig, get_peft_model
 
-    from rlhf_core.rank.lora_targets import refuse_unknown_targets
+    from rlhf_core.models.lora_targets import refuse_unknown_targets
 
     refuse_unknown_targets(model, target_modules, source)
 

@@ -7,8 +7,8 @@ from typing import Any
 
 from rlhf_core.config import RunConfig
 from rlhf_core.errors import UserError
-from rlhf_core.rank.data import Record, read_records
-from rlhf_core.rank.samples import Renderer, tokenize_prompts
+from rlhf_core.data.records import Record, read_records
+from rlhf_core.data.samples import Renderer, tokenize_prompts
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from rlhf_core.rank.data import read_records
-from rlhf_core.rank.models import load_causal_lm
+from rlhf_core.data.records import read_records
+from rlhf_core.models.load import load_causal_lm
 from rlhf_core.storage.locate import load_tokenizer
-from rlhf_core.rank.samples import Renderer, tokenize_prompts
+from rlhf_core.data.samples import Renderer, tokenize_prompts
 from rlhf_core.toy import gold_score
 
 

@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from rlhf_core.rank.data import Record
-from rlhf_core.rank.ds_config import warn_once
+from rlhf_core.data.records import Record
+from rlhf_core.notices import warn_once
 from rlhf_core.errors import UserError
 
 IGNORE_INDEX = -100
