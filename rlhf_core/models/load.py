@@ -1,5 +1,5 @@
-"""Model loading inside a rank: Hugging Face models from any place `rlhf_core.storage.locate` finds them, optionally
-with LoRA.
+"""Model loading, in the ranks and in the driver's LoRA merge and toy evaluation: Hugging Face models from any place
+`rlhf_core.storage.locate` finds them, optionally with LoRA.
 
 A folder holding a LoRA adapter (adapter_config.json) is accepted wherever a model is: its base is
 loaded and the adapter merged in memory, so a LoRA stage's output feeds the next stage directly.
