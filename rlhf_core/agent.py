@@ -30,10 +30,13 @@ Departures from OpenRLHF 0.9.0:
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
+
+from rlhf_core.errors import UserError
 
 
 @dataclass
@@ -140,3 +143,30 @@ class AgentExecutorBase(ABC):
 def as_float(value: Any) -> float:
     """A reward as a float: a number, or a one-element tensor or array (what OpenRLHF's `.item()` takes)."""
     return float(value.item() if hasattr(value, "item") else value)
+
+
+IMPORT_HINT = "from rlhf_core.agent import AgentExecutorBase, AgentInstanceBase"
+
+
+def load_agent_executor(path: str) -> type:
+    """The file's `AgentExecutor`, or the base executor around its `AgentInstance` (OpenRLHF 0.11's files)."""
+    try:
+        spec = importlib.util.spec_from_file_location("rlhf_user_agent_func", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except FileNotFoundError:
+        raise UserError(f"--agent_func_path {path}: no such file (give the .py file that defines AgentInstance).") \
+            from None
+    except ModuleNotFoundError as error:
+        hint = f"; change its import to `{IMPORT_HINT}`" if (error.name or "").startswith("openrlhf") else ""
+        raise UserError(f"--agent_func_path {path}: cannot load it (ModuleNotFoundError: {error}){hint}.") from None
+    except Exception as error:  # a syntax error, or whatever the user's file raises at import
+        raise UserError(f"--agent_func_path {path}: cannot load it ({type(error).__name__}: {error}).") from None
+    executor = getattr(module, "AgentExecutor", None)
+    if isinstance(executor, type) and issubclass(executor, AgentExecutorBase):
+        return executor
+    instance = getattr(module, "AgentInstance", None)
+    if isinstance(instance, type) and issubclass(instance, AgentInstanceBase):
+        return lambda **kwargs: AgentExecutorBase(instance, **kwargs)
+    raise UserError(f"--agent_func_path {path}: the file defines neither AgentExecutor(AgentExecutorBase) nor "
+                    f"AgentInstance(AgentInstanceBase) (import them with `{IMPORT_HINT}`).")

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
+from rlhf_core.agent import load_agent_executor
 from rlhf_core.config import RunConfig
 from rlhf_core.errors import UserError
 from rlhf_core.data.records import Record, read_records
 from rlhf_core.data.samples import Renderer, tokenize_prompts
+from rlhf_core.rewards import check_reward_setup
+from rlhf_core.stages.ppo import require_vllm
+from rlhf_core.storage.locate import load_tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -48,3 +55,21 @@ def load_prompts(run: RunConfig, tokenizer, eval_data: bool = False) -> list[Pro
     assert len(tokenized) == len(records), "tokenize_prompts must keep one prompt per record"
     return [PromptItem(prompt.value, prompt.ids, record_label(url, record, cfg.label_key), prompt.bos_added)
             for prompt, record in zip(tokenized, records)]
+
+
+def count_ppo_prompts(run: RunConfig) -> int:
+    """Usable prompts. Before training it also reads the eval prompts (their keys and labels), scores one prompt
+    with the reward function, loads the agent file, and checks vLLM's needs, so a bad input stops the run here."""
+    cfg = run.ppo
+    require_vllm(cfg.vllm_num_engines)
+    tokenizer = load_tokenizer(cfg.pretrain, run.storage_options)
+    prompts = load_prompts(run, tokenizer)
+    if cfg.eval_dataset:
+        load_prompts(run, tokenizer, eval_data=True)
+    check_reward_setup(cfg, tokenizer, prompts[0])
+    if cfg.agent_func_path:
+        load_agent_executor(cfg.agent_func_path)
+        if cfg.normalize_reward:
+            logger.warning("--normalize_reward has no effect with --agent_func_path: as in OpenRLHF, only "
+                           "reward-model scores are normalized; the environment's rewards are used as they are.")
+    return len(prompts)

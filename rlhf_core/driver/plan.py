@@ -16,7 +16,6 @@ from rlhf_core.stages import STAGES
 from rlhf_core.stages.base import fields_with_role
 from rlhf_core.errors import UserError
 from rlhf_core.storage.locate import is_hub_id
-from rlhf_core.rank.trainers import trainer_class
 
 
 @dataclass(frozen=True)
@@ -67,7 +66,7 @@ def _count_items(run: RunConfig, stage: str) -> int:
     and every chunk ask, so one process counts each (stage, seed, settings) once."""
     key = (stage, run.seed, run.stage_config(stage).model_dump_json())
     if key not in _NUM_ITEMS:
-        _NUM_ITEMS[key] = trainer_class(stage).count_items(run)
+        _NUM_ITEMS[key] = STAGES[stage].num_items(run)
     return _NUM_ITEMS[key]
 
 

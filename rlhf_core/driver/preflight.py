@@ -54,7 +54,7 @@ def preflight(run: RunConfig) -> RunConfig:
             if cfg.lora_rank:
                 check_lora_targets(architecture, cfg.target_modules, run.storage_options)
             if cfg.pretrain not in produced:
-                plan_stage(run, stage)  # the trainer's count_items reads data, eval data and reward function
+                plan_stage(run, stage)  # counting reads data, eval data and reward function
         produced[getattr(cfg, STAGES[stage].output_field)] = architecture
     require_tracker_packages(run)
     RunLease(run.run_url(), run.storage_options).check_available()

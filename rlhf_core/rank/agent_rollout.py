@@ -19,7 +19,6 @@ samples).
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import random
 import sys
 from contextlib import contextmanager
@@ -28,14 +27,12 @@ from typing import Any, Iterator
 
 import torch
 
-from rlhf_core.agent import (AgentExecutorBase, AgentInstanceBase, CompletionOutput, RequestOutput, SamplingParams,
-                             as_float)
+from rlhf_core.agent import CompletionOutput, RequestOutput, SamplingParams, as_float, load_agent_executor
 from rlhf_core.errors import UserError
 from rlhf_core.data.determinism import derive_seed
 from rlhf_core.rank.rollout import generate
 
 MAX_TURNS = 10000  # OpenRLHF's max_steps: the length budget ends an episode first
-IMPORT_HINT = "from rlhf_core.agent import AgentExecutorBase, AgentInstanceBase"
 
 
 @dataclass(frozen=True)
@@ -46,30 +43,6 @@ class Episode:
     reward: float
     score: float
     extra_logs: dict[str, float] = field(default_factory=dict)
-
-
-def load_agent_executor(path: str) -> type:
-    """The file's `AgentExecutor`, or the base executor around its `AgentInstance` (OpenRLHF 0.11's files)."""
-    try:
-        spec = importlib.util.spec_from_file_location("rlhf_user_agent_func", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    except FileNotFoundError:
-        raise UserError(f"--agent_func_path {path}: no such file (give the .py file that defines AgentInstance).") \
-            from None
-    except ModuleNotFoundError as error:
-        hint = f"; change its import to `{IMPORT_HINT}`" if (error.name or "").startswith("openrlhf") else ""
-        raise UserError(f"--agent_func_path {path}: cannot load it (ModuleNotFoundError: {error}){hint}.") from None
-    except Exception as error:  # a syntax error, or whatever the user's file raises at import
-        raise UserError(f"--agent_func_path {path}: cannot load it ({type(error).__name__}: {error}).") from None
-    executor = getattr(module, "AgentExecutor", None)
-    if isinstance(executor, type) and issubclass(executor, AgentExecutorBase):
-        return executor
-    instance = getattr(module, "AgentInstance", None)
-    if isinstance(instance, type) and issubclass(instance, AgentInstanceBase):
-        return lambda **kwargs: AgentExecutorBase(instance, **kwargs)
-    raise UserError(f"--agent_func_path {path}: the file defines neither AgentExecutor(AgentExecutorBase) nor "
-                    f"AgentInstance(AgentInstanceBase) (import them with `{IMPORT_HINT}`).")
 
 
 @contextmanager

@@ -9,11 +9,9 @@ responses. vLLM engines are the optional GPU path (`--vllm_num_engines`, the `[v
 
 from __future__ import annotations
 
-import importlib.util
 
 import torch
 
-from rlhf_core.errors import UserError
 from rlhf_core.rank.ppo_math import token_logprobs
 
 
@@ -78,13 +76,3 @@ def generate(model, prompts: list[list[int]], pad_token_id: int, eos_token_id: i
         cut = next((index + 1 for index, token in enumerate(row) if token in stop), len(row))
         responses.append(row[:cut])
     return responses
-
-
-def require_vllm(num_engines: int) -> None:
-    """vLLM generation needs CUDA and the `[vllm]` extra; say so before any worker starts."""
-    if num_engines == 0:
-        return
-    if not torch.cuda.is_available():
-        raise UserError("--vllm_num_engines needs a GPU; use 0 (transformers generation) on this machine.")
-    if importlib.util.find_spec("vllm") is None:
-        raise UserError("--vllm_num_engines needs vLLM: pip install 'rlhf-pipeline[vllm]'.")

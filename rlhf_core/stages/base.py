@@ -51,6 +51,7 @@ class Stage:
     position: int  # where it runs in a pipeline: stages run in increasing position
     description: str  # the help of its section in a run config (`sft:` in run.yaml)
     trainer: str = ""  # "module:Class" of the rank-side trainer (train stages), imported where ranks run
+    count_items: str = ""  # "module:function" counting the usable items of its data (the planner's), below rank
     output_field: str = "save_path"  # the field naming where the stage's result is written
     openrlhf_module: str = ""  # OpenRLHF's CLI module this stage's flags come from (`openrlhf.cli.NAME`)
     # The metrics its stagnation alert watches, in order of preference (held-out first), whether higher is
@@ -74,8 +75,16 @@ class Stage:
         return getattr(cfg, self.passes_field)
 
     def trainer_class(self):
-        module_name, class_name = self.trainer.split(":")
-        return getattr(importlib.import_module(module_name), class_name)
+        return _named(self.trainer)
+
+    def num_items(self, run) -> int:
+        """Usable items (samples, pairs or prompts) of the stage's data in `run`; reads and tokenizes it all."""
+        return _named(self.count_items)(run)
+
+
+def _named(spec: str):
+    module_name, name = spec.split(":")
+    return getattr(importlib.import_module(module_name), name)
 
 
 class Earlier:

@@ -34,4 +34,5 @@ class DPOConfig(PreferenceConfig):
 
 STAGE = Stage("dpo", DPOConfig, "train", position=15, description="Settings of the DPO stage.",
               trainer="rlhf_core.rank.trainers.dpo:DPOTrainer", openrlhf_module="train_dpo",
-              headline_metrics=("eval_loss", "mean_loss", "loss"), is_policy=True)
+              headline_metrics=("eval_loss", "mean_loss", "loss"), is_policy=True,
+              count_items="rlhf_core.data.pairs:count_dpo_pairs")

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from typing import Literal
 
 from pydantic import Field, model_validator
 
+from rlhf_core.errors import UserError
 from rlhf_core.stages.base import Earlier, Stage, StageConfig, input_location, operational
 
 
@@ -143,8 +145,21 @@ class PPOConfig(StageConfig):
                              f"({num_workers}): each rank hosts its own vLLM engine")
 
 
+
+def require_vllm(num_engines: int) -> None:
+    """vLLM generation needs CUDA and the `[vllm]` extra; say so before any worker starts."""
+    if num_engines == 0:
+        return
+    import torch  # here, not at the top: the stage tables load in every command, torch only where it runs
+
+    if not torch.cuda.is_available():
+        raise UserError("--vllm_num_engines needs a GPU; use 0 (transformers generation) on this machine.")
+    if importlib.util.find_spec("vllm") is None:
+        raise UserError("--vllm_num_engines needs vLLM: pip install 'rlhf-pipeline[vllm]'.")
+
 STAGE = Stage("ppo", PPOConfig, "train", position=30, description="Settings of the PPO stage.",
               trainer="rlhf_core.rank.trainers.ppo:PPOTrainer", openrlhf_module="train_ppo_ray",
               headline_metrics=("eval_reward", "mean_reward", "reward"), higher_is_better=True,
               stall_hint="the learning rate, the KL coefficient or the reward", is_policy=True,
-              world_size_dependent=True, step_size_flag="rollout_batch_size", passes_field="num_episodes")
+              world_size_dependent=True, step_size_flag="rollout_batch_size", passes_field="num_episodes",
+              count_items="rlhf_core.data.prompts:count_ppo_prompts")

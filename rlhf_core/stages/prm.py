@@ -42,4 +42,5 @@ class PRMConfig(StageConfig):
 
 
 STAGE = Stage("prm", PRMConfig, "train", position=25, description="Settings of the process-reward-model stage.",
-              trainer="rlhf_core.rank.trainers.prm:PRMTrainer", openrlhf_module="train_prm")
+              trainer="rlhf_core.rank.trainers.prm:PRMTrainer", openrlhf_module="train_prm",
+              count_items="rlhf_core.data.step_labels:count_step_labelled")

@@ -31,4 +31,5 @@ class RMConfig(PreferenceConfig):
 
 STAGE = Stage("rm", RMConfig, "train", position=20, description="Settings of the reward-model stage.",
               trainer="rlhf_core.rank.trainers.rm:RewardModelTrainer", openrlhf_module="train_rm",
-              export_model_dir="reward_model")
+              export_model_dir="reward_model",
+              count_items="rlhf_core.data.pairs:count_rm_pairs")

@@ -31,4 +31,5 @@ class SFTConfig(StageConfig):
 
 
 STAGE = Stage("sft", SFTConfig, "train", position=10, description="Settings of the SFT stage.",
-              trainer="rlhf_core.rank.trainers.sft:SFTTrainer", openrlhf_module="train_sft", is_policy=True)
+              trainer="rlhf_core.rank.trainers.sft:SFTTrainer", openrlhf_module="train_sft", is_policy=True,
+              count_items="rlhf_core.data.sft:count_sft_samples")

@@ -573,7 +573,7 @@ def reward_fn_attribute_missing(w):
 
 @case
 def reward_fn_not_callable(w):
-    return Bad(w.ppo(reward_fn="rlhf_core.rank.rewards:HTTP_ATTEMPTS"), ["--reward_fn", "HTTP_ATTEMPTS"])
+    return Bad(w.ppo(reward_fn="rlhf_core.rewards:HTTP_ATTEMPTS"), ["--reward_fn", "HTTP_ATTEMPTS"])
 
 
 @case

@@ -119,7 +119,7 @@ def test_the_ranks_evaluate_at_the_chunk_ends_the_plan_hands_them():
 
     class Probe(DeepSpeedTrainer):
         stage = "sft"
-        count_items = train_step = None
+        train_step = None
 
     cfg = SimpleNamespace(param_dtype="fp32", save_steps=5, eval_steps=-1)
     trainer = Probe(SimpleNamespace(stage_config=lambda stage: cfg), [3, 7], rank=0, world_size=1)

@@ -191,7 +191,7 @@ def test_pretrain_mode_and_a_replacement_chat_template(toy_assets, tmp_path):
     from rlhf_core.config import RunConfig
     from rlhf_core.stages.sft import SFTConfig
     from rlhf_core.storage.locate import load_tokenizer
-    from rlhf_core.rank.trainers.sft import load_sft_samples
+    from rlhf_core.data.sft import load_sft_samples
 
     def samples(**settings):
         run = RunConfig(sft=SFTConfig(pretrain=toy_assets["model"], dataset=toy_assets["sft"], input_key="prompt",

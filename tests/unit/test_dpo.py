@@ -11,7 +11,7 @@ import torch
 from rlhf_core.rank.packing import pack_sft
 from rlhf_core.data.samples import TokenizedPair, collate_sft
 from rlhf_core.rank.trainers.dpo import dpo_loss, response_logps, response_samples
-from rlhf_core.rank.trainers.rm import Pair
+from rlhf_core.data.pairs import Pair
 
 POLICY_C, POLICY_R = [-12.5, -30.0, -7.25, -3.0], [-14.0, -29.0, -9.5, -3.0]
 REF_C, REF_R = [-13.0, -28.5, -8.0, -2.5], [-13.5, -29.5, -8.75, -3.5]

@@ -106,8 +106,18 @@ def test_imports_run_one_way_between_the_packages_of_rlhf_core():
     assert against == []
 
 
+def test_only_the_engine_reaches_into_the_ranks():
+    """What runs inside a rank stays behind one door: the driver's engine starts the rank actors; everything else
+    (the planner, preflight, export, the flows) finds what it needs in the layers below both."""
+    reaching = sorted(f"{name} imports {target}" for name, targets in graph().items()
+                      if package_of(name) != "rank" and name != "rlhf_core.driver.engine"
+                      for target in targets if package_of(target) == "rank")
+    assert reaching == []
+
+
 def test_every_module_of_rlhf_core_sits_in_a_known_package():
     top = {path.stem for path in (ROOT / "rlhf_core").glob("*.py")} - {"__init__"}
-    assert top == {"agent", "config", "config_file", "errors", "faults", "notices", "processes", "toy"}, top
+    assert top == {"agent", "config", "config_file", "errors", "faults", "notices", "processes", "rewards",
+                   "toy"}, top
     assert {path.name for path in (ROOT / "rlhf_core").iterdir() if path.is_dir() and path.name != "__pycache__"} \
         == set(ALLOWED) - {""}

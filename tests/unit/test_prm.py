@@ -10,7 +10,8 @@ from pydantic import ValidationError
 from rlhf_core.config import RunConfig
 from rlhf_core.data.records import Record
 from rlhf_core.data.samples import IGNORE_INDEX
-from rlhf_core.rank.trainers.prm import prm_loss, tokenize_step_labels
+from rlhf_core.data.step_labels import tokenize_step_labels
+from rlhf_core.rank.trainers.prm import prm_loss
 from rlhf_core.stages.prm import PRMConfig
 from rlhf_core.toy import build_tokenizer
 

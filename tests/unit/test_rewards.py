@@ -12,9 +12,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from rlhf_core.rank import rewards
+from rlhf_core import rewards
 from rlhf_core.errors import UserError
-from rlhf_core.rank.rewards import RewardInputs, parse_reward_output, reward_function
+from rlhf_core.data.prompts import count_ppo_prompts
+from rlhf_core.rewards import RewardInputs, parse_reward_output, reward_function
 
 INPUTS = RewardInputs(raw_prompts=["sort : 2 1 =", "sort : 3 1 ="], prompts=["sort : 2 1 =", "sort : 3 1 ="],
                       queries=["sort : 2 1 = 1 2 </s>", "sort : 3 1 = 3 1 </s>"], responses=["1 2", "3 1"],
@@ -210,7 +211,7 @@ def test_an_ambiguous_reward_fn_is_refused_before_training_with_exit_2_and_no_tr
 def test_our_form_gets_the_last_user_message_of_a_prompt_given_as_messages(toy_assets):
     from rlhf_core.storage.locate import load_tokenizer
     from rlhf_core.data.prompts import PromptItem
-    from rlhf_core.rank.rewards import reward_inputs
+    from rlhf_core.rewards import reward_inputs
 
     tokenizer = load_tokenizer(toy_assets["model"])
     messages = [{"role": "system", "content": "sort the digits"}, {"role": "user", "content": "sort : 3 1 ="},
@@ -330,7 +331,7 @@ def ppo_run(toy_assets, tmp_path, **settings):
 def test_openrlhf_arguments_query_is_prompt_plus_response_with_special_tokens(toy_assets, tmp_path):
     from rlhf_core.storage.locate import load_tokenizer
     from rlhf_core.data.prompts import PromptItem
-    from rlhf_core.rank.rewards import reward_inputs
+    from rlhf_core.rewards import reward_inputs
 
     tokenizer = load_tokenizer(toy_assets["model"])
     ids = tokenizer("sort : 2 1 =").input_ids
@@ -359,23 +360,19 @@ def test_labels_come_from_label_key_and_a_missing_one_names_the_line(toy_assets,
 
 
 def test_a_broken_reward_function_fails_before_training(toy_assets, tmp_path):
-    from rlhf_core.rank.trainers.ppo import PPOTrainer
-
     calls = tmp_path / "calls.txt"
     path = write_reward_file(tmp_path, f"def reward_func(queries, prompts, labels, **kwargs):\n"
                                        f"    open({str(calls)!r}, 'a').write(repr((queries, prompts, labels)))\n"
                                        f"    return [float('nan')] * len(queries)\n")
     with pytest.raises(UserError, match=r"\(reward_func\) returned rewards\[0\] = nan"):
-        PPOTrainer.count_items(ppo_run(toy_assets, tmp_path, remote_rm_url=path))
+        count_ppo_prompts(ppo_run(toy_assets, tmp_path, remote_rm_url=path))
     queries, prompts, labels = eval(calls.read_text())
     assert len(queries) == 1 and queries[0] == prompts[0] + " </s>" and prompts[0].startswith("sort :")
 
 
 def test_normalize_reward_with_a_reward_function_warns_that_it_does_nothing(toy_assets, tmp_path, caplog):
-    from rlhf_core.rank.trainers.ppo import PPOTrainer
-
     run = ppo_run(toy_assets, tmp_path, reward_fn="rlhf_core.toy:gold_reward", normalize_reward=True)
-    assert PPOTrainer.count_items(run) == 256
+    assert count_ppo_prompts(run) == 256
     assert "--normalize_reward has no effect with a reward function (--reward_fn rlhf_core.toy:gold_reward)" \
         in caplog.text
 

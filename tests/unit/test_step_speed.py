@@ -20,7 +20,8 @@ from rlhf_core.data.samples import TokenizedPair, TokenizedSample
 from rlhf_core.rank.ds_config import deepspeed_config
 from rlhf_core.models.precision import Precision
 from rlhf_core.toy import build_model, build_tokenizer
-from rlhf_core.rank.trainers.rm import Pair, RewardModelTrainer
+from rlhf_core.data.pairs import Pair
+from rlhf_core.rank.trainers.rm import RewardModelTrainer
 from rlhf_core.rank.trainers.sft import SFTTrainer
 
 

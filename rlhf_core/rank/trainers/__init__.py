@@ -1,8 +1,7 @@
 """Stage trainers. Each runs inside one DeepSpeed rank and advances its stage one step at a time.
 
-Which trainer a stage uses is declared in `rlhf_core.stages.STAGES`, with the planner's facts (items per step,
-passes); a trainer class also tells the planner how many items its data holds: `count_items(run)` (samples, pairs
-or prompts).
+Which trainer a stage uses is declared in `rlhf_core.stages.STAGES`, with the planner's facts (how its data is
+counted, items per step, passes).
 """
 
 from __future__ import annotations

@@ -61,17 +61,11 @@ def gathered(engine, modifier_rank: int | None = None):
 class DeepSpeedTrainer(abc.ABC):
     """One rank of a stage: DeepSpeed engines over its trained models, at optimizer step `self.step`.
 
-    A stage declares `count_items(run)` (samples, pairs or prompts, for the planner) and `train_step()`
-    (one optimizer step, returning its metrics); its facts (the model folder its export reads, items per step)
-    are in its `Stage` (`rlhf_core.stages`).
+    A stage's trainer declares `train_step()` (one optimizer step, returning its metrics); its facts (how its data
+    is counted, items per step, the model folder its export reads) are in its `Stage` (`rlhf_core.stages`).
     """
 
     stage: str = ""
-
-    @staticmethod
-    @abc.abstractmethod
-    def count_items(run: RunConfig) -> int:
-        """Usable items of the stage's data (samples, pairs or prompts)."""
 
     @property
     def export_model_dir(self) -> str:

@@ -22,17 +22,15 @@ import torch
 import torch.nn.functional as F
 
 from rlhf_core.config import RunConfig
-from rlhf_core.errors import UserError
+from rlhf_core.data.pairs import Pair, load_pairs, trainable_pairs
 from rlhf_core.data.records import rank_micro_batches
 from rlhf_core.data.determinism import derive_seed, step_sample_indices
-from rlhf_core.notices import warn_once
 from rlhf_core.models.load import load_causal_lm
 from rlhf_core.storage.locate import load_tokenizer
 from rlhf_core.rank.packing import pack_sft
 from rlhf_core.rank.ppo_math import token_logprobs
 from rlhf_core.data.samples import IGNORE_INDEX, TokenizedSample, collate_sft
 from rlhf_core.rank.trainers.base import DeepSpeedTrainer
-from rlhf_core.rank.trainers.rm import Pair, load_pairs
 
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, reference_chosen: torch.Tensor,
@@ -72,26 +70,8 @@ def response_samples(pair: Pair) -> tuple[TokenizedSample, TokenizedSample]:
                  for ids in (tokens.chosen_ids, tokens.rejected_ids))
 
 
-def trainable_pairs(pairs: list[Pair], max_len: int, where: str) -> list[Pair]:
-    """OpenRLHF's filter: a pair whose prompt takes max_len - 2 tokens or more leaves no response to learn."""
-    kept = [pair for pair in pairs if pair.tokens.prompt_len < max_len - 2]
-    if pairs and not kept:
-        raise UserError(f"{where}: every prompt takes --max_len {max_len} - 2 tokens or more, so no response is "
-                        "left to learn from; raise --max_len.")
-    if len(kept) < len(pairs):
-        warn_once(f"{where}: {len(pairs) - len(kept)} of {len(pairs)} pairs dropped: their prompt takes --max_len "
-                  f"{max_len} - 2 tokens or more (as OpenRLHF drops them).")
-    return kept
-
-
 class DPOTrainer(DeepSpeedTrainer):
     stage = "dpo"
-
-    @staticmethod
-    def count_items(run: RunConfig) -> int:
-        cfg = run.dpo
-        pairs, _ = load_pairs(cfg, run, load_tokenizer(cfg.pretrain, run.storage_options))
-        return len(trainable_pairs(pairs, cfg.max_len, "--dataset"))
 
     def __init__(self, run: RunConfig, chunk_ends: list[int], rank: int, world_size: int, load_universal: bool = False):
         super().__init__(run, chunk_ends, rank, world_size, load_universal)

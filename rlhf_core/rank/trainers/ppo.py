@@ -3,7 +3,7 @@
 One PPO step takes `rollout_batch_size` prompts (from the (seed, episode) order; this rank takes its
 contiguous share), samples `n_samples_per_prompt` responses each with the actor, scores them with the
 reward model, `--reward_fn` or OpenRLHF's `--remote_rm_url` (a reward_func file or a reward server,
-see `rlhf_core.rank.rewards`), computes per-token KL to the frozen reference and the advantages of
+see `rlhf_core.rewards`), computes per-token KL to the frozen reference and the advantages of
 `--advantage_estimator`, then runs `max_epochs` passes of clipped-surrogate updates (and clipped value
 updates for gae). Models are colocated on each rank (actor, critic, reference, reward), a departure
 from OpenRLHF's separate actor groups that keeps one readable path; fine for toy and small models.
@@ -49,18 +49,17 @@ import torch
 import torch.distributed as dist
 
 from rlhf_core.rank import ppo_math
-from rlhf_core.rank.agent_rollout import (AgentRollout, Episode, TransformersEngine, VLLMEngine, load_agent_executor,
-                                          prompt_texts)
+from rlhf_core.rank.agent_rollout import (AgentRollout, Episode, TransformersEngine, VLLMEngine, prompt_texts)
 from rlhf_core.config import RunConfig
 from rlhf_core.stages.ppo import PPOConfig
 from rlhf_core.data.determinism import derive_seed, generator, step_sample_indices
 from rlhf_core.errors import UserError
 from rlhf_core.models.load import load_causal_lm, load_scalar_model, sequence_scores, token_values
 from rlhf_core.storage.locate import load_tokenizer
-from rlhf_core.rank.rewards import (RewardBatch, check_reward_setup, mean_extra_logs_over_ranks, reward_function,
-                               reward_inputs)
-from rlhf_core.rank.rollout import (collate_sequences, generate, on_device, require_vllm, response_logits,
-                               response_logprobs)
+from rlhf_core.rank.collectives import mean_extra_logs_over_ranks
+from rlhf_core.rewards import RewardBatch, reward_function, reward_inputs
+from rlhf_core.rank.rollout import (collate_sequences, generate, on_device, response_logits,
+                                    response_logprobs)
 from rlhf_core.data.prompts import PromptItem, load_prompts
 from rlhf_core.rank.trainers.base import DeepSpeedTrainer, gathered
 
@@ -94,21 +93,6 @@ def pad_rows(rows: list[torch.Tensor]) -> torch.Tensor:
 
 class PPOTrainer(DeepSpeedTrainer):
     stage = "ppo"
-
-    @staticmethod
-    def count_items(run: RunConfig) -> int:
-        require_vllm(run.ppo.vllm_num_engines)
-        tokenizer = load_tokenizer(run.ppo.pretrain, run.storage_options)
-        prompts = load_prompts(run, tokenizer)
-        if run.ppo.eval_dataset:  # its keys and labels are checked here, not at the first evaluation
-            load_prompts(run, tokenizer, eval_data=True)
-        check_reward_setup(run.ppo, tokenizer, prompts[0])
-        if run.ppo.agent_func_path:
-            load_agent_executor(run.ppo.agent_func_path)
-            if run.ppo.normalize_reward:
-                logger.warning("--normalize_reward has no effect with --agent_func_path: as in OpenRLHF, only "
-                               "reward-model scores are normalized; the environment's rewards are used as they are.")
-        return len(prompts)
 
     def __init__(self, run: RunConfig, chunk_ends: list[int], rank: int, world_size: int, load_universal: bool = False):
         super().__init__(run, chunk_ends, rank, world_size, load_universal)

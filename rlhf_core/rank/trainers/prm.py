@@ -14,70 +14,18 @@ end in one row; the placeholders are the same positions, so the loss is the same
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from rlhf_core.config import RunConfig
-from rlhf_core.errors import UserError
-from rlhf_core.data.records import rank_micro_batches, read_stage_dataset
+from rlhf_core.data.records import rank_micro_batches
 from rlhf_core.data.determinism import derive_seed, step_sample_indices
 from rlhf_core.models.load import load_causal_lm
 from rlhf_core.storage.locate import load_tokenizer
 from rlhf_core.rank.packing import pack_sequences
-from rlhf_core.data.samples import IGNORE_INDEX, field_value
+from rlhf_core.data.samples import IGNORE_INDEX
+from rlhf_core.data.step_labels import StepLabelledSample, load_step_labelled, single_token_id
 from rlhf_core.rank.trainers.base import DeepSpeedTrainer
-
-
-@dataclass(frozen=True)
-class StepLabelledSample:
-    input_ids: list[int]
-    labels: list[float]  # per position: the label at a placeholder (a token id, or a soft label), else IGNORE_INDEX
-    soft: bool  # the labels are the first reward token's probability, not token ids
-
-
-def single_token_id(tokenizer, token: str, flag: str) -> int:
-    ids = tokenizer.encode(token, add_special_tokens=False)
-    if len(ids) != 1:
-        raise UserError(f"{flag} {token!r} is {len(ids)} tokens for this tokenizer; it must be one token.")
-    return ids[0]
-
-
-def tokenize_step_labels(url: str, records, tokenizer, cfg) -> list[StepLabelledSample]:
-    """One sample per record: its token ids, and its step labels on its placeholder positions."""
-    placeholder = single_token_id(tokenizer, cfg.placeholder_token, "--placeholder_token")
-    reward_ids = {token: single_token_id(tokenizer, token, "--reward_tokens") for token in cfg.reward_tokens or ()}
-    samples, kinds = [], set()
-    for record in records:
-        text = field_value(url, record, cfg.input_key, "--input_key")
-        values = field_value(url, record, cfg.label_key, "--label_key")
-        if not isinstance(text, str) or not isinstance(values, list) or not values:
-            raise UserError(f"{record.where(url)}: --input_key {cfg.input_key!r} must be a string and --label_key "
-                            f"{cfg.label_key!r} a non-empty list of step labels.")
-        ids = tokenizer(text, add_special_tokens=False, truncation=True, max_length=cfg.max_len).input_ids
-        positions = [index for index, token in enumerate(ids) if token == placeholder]
-        labels = [float(IGNORE_INDEX)] * len(ids)
-        for position, value in zip(positions, values):
-            labels[position] = float(_label_value(url, record, value, cfg, tokenizer, reward_ids))
-        kinds.add(not isinstance(values[0], str))
-        if len(kinds) > 1:
-            raise UserError(f"{record.where(url)}: step labels must all be reward tokens or all numbers in one "
-                            "dataset; this record's differ from the ones before.")
-        samples.append(StepLabelledSample(ids, labels, soft=not isinstance(values[0], str)))
-    return samples
-
-
-def _label_value(url, record, value, cfg, tokenizer, reward_ids: dict[str, int]) -> float:
-    if isinstance(value, str):
-        if reward_ids and value not in reward_ids:
-            raise UserError(f"{record.where(url)}: step label {value!r} is not one of --reward_tokens "
-                            f"{' '.join(cfg.reward_tokens)}.")
-        return reward_ids.get(value) if reward_ids else single_token_id(tokenizer, value, "a step label")
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1 and len(reward_ids) == 2:
-        return value
-    raise UserError(f"{record.where(url)}: step label {value!r} must be a reward token, or a number in [0, 1] with "
-                    "two --reward_tokens (soft labels).")
 
 
 def prm_loss(input_ids: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, placeholder_id: int,
@@ -103,25 +51,12 @@ def prm_loss(input_ids: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor
 class PRMTrainer(DeepSpeedTrainer):
     stage = "prm"
 
-    @staticmethod
-    def load_samples(run: RunConfig, tokenizer, evaluation: bool = False) -> list[StepLabelledSample]:
-        cfg = run.prm
-        url, records = read_stage_dataset(cfg, run.storage_options, run.seed, evaluation)
-        return tokenize_step_labels(url, records, tokenizer, cfg)
-
-    @staticmethod
-    def count_items(run: RunConfig) -> int:
-        tokenizer = load_tokenizer(run.prm.pretrain, run.storage_options)
-        if run.prm.eval_dataset:  # its keys and labels are checked here, before training
-            PRMTrainer.load_samples(run, tokenizer, evaluation=True)
-        return len(PRMTrainer.load_samples(run, tokenizer))
-
     def __init__(self, run: RunConfig, chunk_ends: list[int], rank: int, world_size: int, load_universal: bool = False):
         super().__init__(run, chunk_ends, rank, world_size, load_universal)
         cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.pretrain, run.storage_options)
-        self.samples = self.load_samples(run, self.tokenizer)
-        self.eval_samples = self.load_samples(run, self.tokenizer, evaluation=True) if cfg.eval_dataset else []
+        self.samples = load_step_labelled(run, self.tokenizer)
+        self.eval_samples = load_step_labelled(run, self.tokenizer, evaluation=True) if cfg.eval_dataset else []
         self.placeholder_id = single_token_id(self.tokenizer, cfg.placeholder_token, "--placeholder_token")
         self.reward_ids = ([single_token_id(self.tokenizer, token, "--reward_tokens") for token in cfg.reward_tokens]
                            if cfg.reward_tokens else None)

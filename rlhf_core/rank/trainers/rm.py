@@ -12,61 +12,19 @@ With --packing_samples each micro-batch's chosen and rejected sequences share on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from rlhf_core.config import RunConfig
-from rlhf_core.data.records import rank_micro_batches, read_stage_dataset, split_holdout
+from rlhf_core.data.pairs import Pair, load_pairs
+from rlhf_core.data.records import rank_micro_batches
 from rlhf_core.data.determinism import derive_seed, step_sample_indices
 from rlhf_core.notices import warn_once
-from rlhf_core.errors import UserError
 from rlhf_core.models.load import load_scalar_model, sequence_scores
 from rlhf_core.storage.locate import load_tokenizer
 from rlhf_core.rank.packing import pack_sequences, packed_scores
-from rlhf_core.data.samples import Renderer, TokenizedPair, collate_pairs, tokenize_pairs
+from rlhf_core.data.samples import collate_pairs
 from rlhf_core.rank.trainers.base import DeepSpeedTrainer
-from rlhf_core.stages.base import PreferenceConfig
-
-MARGIN_KEY = "margin"
-
-
-@dataclass(frozen=True)
-class Pair:
-    tokens: TokenizedPair
-    margin: float
-
-
-def read_pairs(cfg: PreferenceConfig, run: RunConfig, tokenizer, evaluation: bool = False) -> list[Pair]:
-    """The training pairs of a preference stage's config (the dataset mixture), or with `evaluation` those of
-    --eval_dataset."""
-    url, records = read_stage_dataset(cfg, run.storage_options, run.seed, evaluation)
-    if cfg.tokenizer_chat_template:
-        tokenizer.chat_template = cfg.tokenizer_chat_template
-    renderer = Renderer(tokenizer, url, cfg.apply_chat_template, cfg.input_template)
-    tokenized = tokenize_pairs(renderer, records, cfg.prompt_key, cfg.chosen_key, cfg.rejected_key, cfg.max_len)
-    margin_loss = getattr(cfg, "margin_loss", False)
-    return [Pair(tokens, pair_margin(url, record, margin_loss)) for tokens, record in zip(tokenized, records)]
-
-
-def pair_margin(url: str, record, required: bool) -> float:
-    if not required:
-        return 0.0
-    value = record.fields.get(MARGIN_KEY)
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise UserError(f"{record.where(url)}: --margin_loss needs a numeric {MARGIN_KEY!r} field in every pair "
-                        f"(got {value!r}); add it or drop --margin_loss.")
-    return float(value)
-
-
-def load_pairs(cfg: PreferenceConfig, run: RunConfig, tokenizer) -> tuple[list[Pair], list[Pair]]:
-    """(train, eval) preference pairs: eval from --eval_dataset, else held out of the training data."""
-    pairs = read_pairs(cfg, run, tokenizer)
-    if cfg.eval_dataset:
-        return pairs, read_pairs(cfg, run, tokenizer, evaluation=True)
-    return split_holdout(pairs, cfg.eval_holdout, run.seed)
-
 
 def pairwise_loss(kind: str, chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor) -> torch.Tensor:
     if kind == "logexploss":
@@ -76,10 +34,6 @@ def pairwise_loss(kind: str, chosen: torch.Tensor, rejected: torch.Tensor, margi
 
 class RewardModelTrainer(DeepSpeedTrainer):
     stage = "rm"
-
-    @staticmethod
-    def count_items(run: RunConfig) -> int:
-        return len(load_pairs(run.rm, run, load_tokenizer(run.rm.pretrain, run.storage_options))[0])
 
     def __init__(self, run: RunConfig, chunk_ends: list[int], rank: int, world_size: int, load_universal: bool = False):
         super().__init__(run, chunk_ends, rank, world_size, load_universal)

@@ -13,38 +13,19 @@ import torch
 import torch.nn.functional as F
 
 from rlhf_core.config import RunConfig
-from rlhf_core.data.records import rank_micro_batches, read_stage_dataset
+from rlhf_core.data.records import rank_micro_batches
+from rlhf_core.data.sft import load_sft_samples
 from rlhf_core.data.determinism import derive_seed, step_sample_indices
 from rlhf_core.faults import fault_requested
 from rlhf_core.models.load import load_causal_lm
 from rlhf_core.storage.locate import load_tokenizer
 from rlhf_core.rank.packing import pack_sft
-from rlhf_core.data.samples import (IGNORE_INDEX, Renderer, TokenizedSample, collate_sft, tokenize_pretraining,
-                               tokenize_sft)
+from rlhf_core.data.samples import IGNORE_INDEX, TokenizedSample, collate_sft
 from rlhf_core.rank.trainers.base import DeepSpeedTrainer
-
-
-def load_sft_samples(run: RunConfig, tokenizer, evaluation: bool = False) -> list[TokenizedSample]:
-    """The training samples (the dataset mixture), or with `evaluation` those of --eval_dataset."""
-    cfg = run.sft
-    url, records = read_stage_dataset(cfg, run.storage_options, run.seed, evaluation)
-    if cfg.pretrain_mode:
-        return tokenize_pretraining(url, records, tokenizer, cfg.input_key, cfg.max_len)
-    if cfg.tokenizer_chat_template:
-        tokenizer.chat_template = cfg.tokenizer_chat_template
-    renderer = Renderer(tokenizer, url, cfg.apply_chat_template, cfg.input_template)
-    return tokenize_sft(renderer, records, cfg.input_key, cfg.output_key, cfg.max_len, cfg.multiturn)
 
 
 class SFTTrainer(DeepSpeedTrainer):
     stage = "sft"
-
-    @staticmethod
-    def count_items(run: RunConfig) -> int:
-        tokenizer = load_tokenizer(run.sft.pretrain, run.storage_options)
-        if run.sft.eval_dataset:  # its keys are checked here, before training, as RM and PPO do
-            load_sft_samples(run, tokenizer, evaluation=True)
-        return len(load_sft_samples(run, tokenizer))
 
     def __init__(self, run: RunConfig, chunk_ends: list[int], rank: int, world_size: int, load_universal: bool = False):
         super().__init__(run, chunk_ends, rank, world_size, load_universal)
