@@ -101,22 +101,21 @@ def checkpoint_variant(variant: str | None, group):
             ray.get([worker.__ray_call__.remote(switch, True) for worker in group.workers])
 
 
-def run_chunks(run) -> tuple[list, dict[str, list]]:
-    """Every chunk of `run`, the first cold and the rest cycling through `schedule()`; all results, and the
-    warm ones by variant (BESIDE appended for those committed beside training)."""
+def run_chunks(runner, run) -> tuple[list, dict[str, list]]:
+    """Every chunk of `run` on `runner` (a StageRunner), the first cold and the rest cycling through `schedule()`;
+    all results, and the warm ones by variant (BESIDE appended for those committed beside training)."""
     from rlhf_core.driver import chunk
-    from rlhf_core.driver.plan import plan_stage
     from rlhf_core.driver.resume import begin_stage
 
-    plan, lineage, cycle = plan_stage(run, "sft"), begin_stage(run, "sft"), schedule()
+    plan, lineage, cycle = runner.plan(run, "sft"), begin_stage(run, "sft"), schedule()
     results, by_variant = [], {}
     for index, target in enumerate(plan.targets):
         variant, ahead = (None, True) if index == 0 else cycle[(index - 1) % len(cycle)]
         # Back-to-back 1.6 GB checkpoints outrun the disk's write-back: each one, like each copy, starts
         # from flushed pages, so none pays for another's (the no-fsync variant's pages included).
         os.sync()
-        with checkpoint_variant(variant, chunk._WarmGroup.group):
-            result = chunk.ensure_checkpoint(run, "sft", target, lineage, train_ahead=ahead)
+        with checkpoint_variant(variant, runner.warm_group):
+            result = chunk.ensure_checkpoint(runner, run, "sft", target, lineage, train_ahead=ahead)
         results.append(result)
         if variant is not None:
             by_variant.setdefault(variant + (BESIDE if ahead else ""), []).append(result)
@@ -157,13 +156,13 @@ def checkpoint_costs(run, repeat: int) -> dict:
     """Section `ckpt`; see the module docstring. `run` keeps at least len(schedule()) checkpoints."""
     import ray
 
-    from rlhf_core.driver import chunk
+    from rlhf_core.driver.runner import StageRunner
     from rlhf_core.rank.worker import files_for_rank
 
-    results, by_variant = run_chunks(run)
-    group = chunk._WarmGroup.group
-    in_memory = ray.get(group.workers[0].__ray_call__.remote(ours.copy_rank_tensors, repeat)) if group else None
-    chunk.release_workers()
+    with StageRunner(run) as runner:
+        results, by_variant = run_chunks(runner, run)
+        group = runner.warm_group
+        in_memory = ray.get(group.workers[0].__ray_call__.remote(ours.copy_rank_tensors, repeat)) if group else None
     step_dirs = {variant: ours.local_path(chunk_results[-1].uri) for variant, chunk_results in by_variant.items()}
     for step_dir in step_dirs.values():
         ours.wait_committed(step_dir)

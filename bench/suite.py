@@ -392,9 +392,6 @@ def main() -> None:
             rows += RUNNERS[section](args, assets, env, results)
             print(f"  ({time.perf_counter() - section_started:.0f} s)", flush=True)
     finally:
-        from rlhf_core.driver.chunk import release_workers
-
-        release_workers()
         if args.keep:
             print(f"work folder kept: {work}")
         else:

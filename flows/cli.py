@@ -161,10 +161,10 @@ def checkpoint_adapter(lora_path: str, local_dir: str) -> str | None:
     return os.path.join(local_dir, "actor_model", HF_WEIGHTS_DIR)
 
 
-def _run_pipeline(run: RunConfig) -> None:
+def _run_pipeline(run: RunConfig, command_started: float | None) -> None:
     from flows.pipeline import run_pipeline
 
-    run_pipeline(run)
+    run_pipeline(run, command_started)
 
 
 def run_quietly(run_url: str, run_name: str, verbose: bool, start: typing.Callable[[], Any],
@@ -191,10 +191,6 @@ def run_quietly(run_url: str, run_name: str, verbose: bool, start: typing.Callab
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    if argv is None:  # a real command (not a test calling main): the ledger's start-up counts from its start
-        from rlhf_core.ops.goodput import mark_command_started
-
-        mark_command_started()
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "rlhf_core")  # fallback and set-aside notices
     # rlhf_core's warnings during preflight come before any flow run: keep them off Prefect's API handler.
@@ -203,6 +199,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # starts a second one (see flows.pipeline._start_ephemeral_server_in_background).
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
     args = build_parser().parse_args(argv)
+    if argv is None:  # a real command (not a test calling main): the ledger's start-up counts from its start
+        from rlhf_core.ops.goodput import process_start_time
+
+        args.command_started = process_start_time()
     code = _handle(args)
     if argv is None:  # a real command leaves without Ray's exit waits and the interpreter's teardown (~2 s)
         from rlhf_core.driver.process_exit import exit_now
@@ -224,7 +224,8 @@ def _handle(args: argparse.Namespace) -> int:
 
 def _own_flags(args: argparse.Namespace, *parser_keys: str) -> dict[str, Any]:
     """The flags a command was given, without the parser's own entries (the command, its handler, ...)."""
-    return {key: value for key, value in vars(args).items() if key not in ("command", "handler", *parser_keys)}
+    return {key: value for key, value in vars(args).items()
+            if key not in ("command", "handler", "command_started", *parser_keys)}
 
 
 def _cmd_toy(args: argparse.Namespace) -> None:
@@ -236,12 +237,14 @@ def _cmd_toy(args: argparse.Namespace) -> None:
 
 def _cmd_train(args: argparse.Namespace) -> None:
     run = run_config_from_flags(args.stage, _own_flags(args, "stage"))
-    run_quietly(run.run_url(), run.run_name, run.verbose, lambda: _run_pipeline(run), run.stop_grace_s)
+    started = getattr(args, "command_started", None)
+    run_quietly(run.run_url(), run.run_name, run.verbose, lambda: _run_pipeline(run, started), run.stop_grace_s)
 
 
 def _cmd_run(args: argparse.Namespace) -> None:
     run = load_run_config(args.config)
-    run_quietly(run.run_url(), run.run_name, run.verbose, lambda: _run_pipeline(run), run.stop_grace_s)
+    started = getattr(args, "command_started", None)
+    run_quietly(run.run_url(), run.run_name, run.verbose, lambda: _run_pipeline(run, started), run.stop_grace_s)
 
 
 def _cmd_lora_combiner(args: argparse.Namespace) -> None:

@@ -2,8 +2,9 @@
 
 Training stages are the subflow `rlhf-stage` (chunk by chunk, then the stage's export); merge and export
 are the subflow `rlhf-output`. The UI shows each stage and its state apart. The parent flow holds the
-run lease around all stages (subflows and their chunk tasks run in this process, where
-`rlhf_core.storage.lease.held_lease` finds it) and owns the rule that a retried flow run always resumes. Each
+run's `StageRunner` (rlhf_core.driver.runner: the warm worker group, trackers, goodput ledger and run lease) and
+hands it to every subflow and chunk task (they run in this process), and owns the rule that a retried flow run
+always resumes. Each
 chunk is the cached task `train_chunk`; a completed chunk is skipped (state `Cached`) on any later run
 of the same run name. Artifacts are emitted from the subflow's body (flows/stage_report.py), because a
 cached task body does not run.
@@ -30,7 +31,7 @@ import time
 from datetime import datetime, timedelta, timezone
 
 import fsspec
-from prefect import flow, get_run_logger, runtime
+from prefect import Flow, flow, get_run_logger, runtime
 from prefect.artifacts import create_link_artifact
 from prefect.events import emit_event
 from prefect.states import Cancelled, State
@@ -38,14 +39,12 @@ from prefect.states import Cancelled, State
 from flows.stage_report import StageReport, artifact_key
 from rlhf_core.driver import preflight, stop
 from rlhf_core.ops.alerts import NonFiniteTraining
-from rlhf_core.driver.chunk import ChunkResult, prestart_workers, release_workers
-from rlhf_core.driver.plan import plan_stage, resolve_paths
-from rlhf_core.storage.manifest import ASIDE_DIR_NAME
+from rlhf_core.driver.chunk import ChunkResult
+from rlhf_core.driver.plan import Checked, resolve_paths
+from rlhf_core.driver.runner import StageRunner
 from rlhf_core.config import RunConfig
 from rlhf_core.stages import STAGES
 from rlhf_core.errors import RLHFError
-from rlhf_core.ops.goodput import GoodputLedger
-from rlhf_core.storage.lease import RunLease
 from rlhf_core.driver.resume import begin_stage, open_store, validate_run_start
 from tasks.chunks import chunk_task_for, export_final_task, export_model, merge_lora_task
 
@@ -102,35 +101,17 @@ def _emit_commit_events(run: RunConfig, result: ChunkResult) -> None:
         _emit_alert(alert)
 
 
-def _aside_entries(run: RunConfig, stage: str) -> set[str]:
-    """Folders under the stage's `.aside/` (bad or leftover step dirs moved there, never deleted)."""
-    store = open_store(run, stage)
-    aside_path = f"{store.root}/{ASIDE_DIR_NAME}"
-    try:
-        store.fs.invalidate_cache(aside_path)  # object stores cache listings
-        return {entry.rstrip("/").rsplit("/", 1)[-1] for entry in store.fs.ls(aside_path, detail=False)}
-    except FileNotFoundError:
-        return set()
-
-
 def _emit_set_aside_events(run: RunConfig, stage: str, before: set[str]) -> set[str]:
-    """`rlhf.checkpoint.set-aside` for each folder that appeared under `.aside/` since `before`; returns the
-    folders now there. rlhf_core sets checkpoints aside deep inside a chunk (a corrupt or leftover step), so
-    the flow finds them by listing, one call per chunk."""
-    now = _aside_entries(run, stage)
-    store = open_store(run, stage)
-    for name in sorted(now - before):
-        path = f"{store.root}/{ASIDE_DIR_NAME}/{name}"
-        try:
-            reason = store.fs.cat_file(f"{path}/REASON.txt").decode().strip()
-        except (FileNotFoundError, UnicodeDecodeError):
-            reason = "leftover uncommitted step"
-        step_text = name.split(".", 1)[0].removeprefix("step_")
-        uri = f"{run.stage_url(stage)}/{ASIDE_DIR_NAME}/{name}"
-        emit_event(event="rlhf.checkpoint.set-aside", resource=_resource(run, stage),
-                   payload={"run": run.run_name, "stage": stage, "step": int(step_text) if step_text.isdigit() else None,
-                            "uri": uri, "size_bytes": _stored_size(run, uri), "reason": reason})
-    return now
+    """`rlhf.checkpoint.set-aside` for each folder that appeared under the store's `.aside/` since `before`;
+    returns the folders now there. rlhf_core sets checkpoints aside deep inside a chunk (a corrupt or leftover
+    step), so the flow finds them by listing, one call per chunk."""
+    entries = open_store(run, stage).aside_entries()
+    for entry in entries:
+        if entry.name not in before:
+            emit_event(event="rlhf.checkpoint.set-aside", resource=_resource(run, stage),
+                       payload={"run": run.run_name, "stage": stage, "step": entry.step, "uri": entry.uri,
+                                "size_bytes": _stored_size(run, entry.uri), "reason": entry.reason})
+    return {entry.name for entry in entries}
 
 
 # --------------------------------------------------------------------------- budgets
@@ -174,23 +155,23 @@ def _committed_steps(run: RunConfig, stage: str) -> set[int]:
 
 
 @flow(name="rlhf-stage", flow_run_name="{run.run_name}-{stage}", log_prints=True)
-def rlhf_stage(run: RunConfig, stage: str, upstream_digest: str = "", chunks_left: int | None = None,
-               stop_at: datetime | None = None, chunks_trained_before: int = 0) -> dict:
-    """One training stage: its chunks in order, then its export. Stops before a chunk that would train once
-    `chunks_left` is 0 or `stop_at` has passed (budgets of the parent flow run, which has trained
-    `chunks_trained_before` chunks in earlier stages; the time budget applies after the first); returns the
-    stage summary."""
+def rlhf_stage(runner: StageRunner, run: RunConfig, stage: str, upstream_digest: str = "",
+               chunks_left: int | None = None, stop_at: datetime | None = None, chunks_trained_before: int = 0) -> dict:
+    """One training stage: its chunks in order (on the parent flow's `runner`), then its export. Stops before a
+    chunk that would train once `chunks_left` is 0 or `stop_at` has passed (budgets of the parent flow run, which
+    has trained `chunks_trained_before` chunks in earlier stages; the time budget applies after the first);
+    returns the stage summary."""
     with stop.obeying_signals(run.stop_grace_s):  # Prefect's subflow engine put its SIGTERM handler back
-        return _train_stage_chunks(run, stage, upstream_digest, chunks_left, stop_at, chunks_trained_before)
+        return _train_stage_chunks(runner, run, stage, upstream_digest, chunks_left, stop_at, chunks_trained_before)
 
 
-def _train_stage_chunks(run: RunConfig, stage: str, upstream_digest: str, chunks_left: int | None,
-                        stop_at: datetime | None, chunks_trained_before: int) -> dict | State:
+def _train_stage_chunks(runner: StageRunner, run: RunConfig, stage: str, upstream_digest: str,
+                        chunks_left: int | None, stop_at: datetime | None, chunks_trained_before: int) -> dict | State:
     """The body of `rlhf_stage`; a Cancelled state when a stop signal ended it (rlhf_core.driver.stop)."""
     logger = get_run_logger()
-    aside = _aside_entries(run, stage)
+    aside = {entry.name for entry in open_store(run, stage).aside_entries()}
     lineage = begin_stage(run, stage)
-    plan = plan_stage(run, stage)
+    plan = runner.plan(run, stage)
     train_chunk = chunk_task_for(run)
     report = StageReport(run, stage, plan, logger)
     result, num_trained, last_chunk_s = None, 0, 0.0
@@ -202,8 +183,8 @@ def _train_stage_chunks(run: RunConfig, stage: str, upstream_digest: str, chunks
         started = time.monotonic()
         last_allowed = _last_chunk_allowed(None if chunks_left is None else chunks_left - num_trained, stop_at,
                                            last_chunk_s)
-        state = train_chunk(run, stage, target, upstream_digest, lineage, train_ahead=not last_allowed, plan=plan,
-                            return_state=True)
+        state = train_chunk(runner, run, stage, target, upstream_digest, lineage, train_ahead=not last_allowed,
+                            plan=plan, return_state=True)
         aside = _emit_set_aside_events(run, stage, aside)
         if state.is_cancelled():  # stopped by a signal, after its emergency checkpoint
             return Cancelled(message=state.message)
@@ -220,7 +201,7 @@ def _train_stage_chunks(run: RunConfig, stage: str, upstream_digest: str, chunks
         report.add_chunk(result, _chunk_status(run, state.name, result))
     if stop.requested():  # the stage's last chunk committed; the next run of the command exports it
         return _cancelled(stage, plan.total_steps, run)
-    save_path = export_model(run, stage, plan.total_steps, plan)
+    save_path = export_model(runner, run, stage, plan.total_steps, plan)
     report.finish(save_path)
     logger.info("%s: exported the final model (step %d) to %s", stage, plan.total_steps, save_path)
     return {"status": COMPLETED, "final_step": plan.total_steps, "checkpoint": result.uri,
@@ -265,14 +246,25 @@ def rlhf_output_stage(run: RunConfig, stage: str) -> dict:
 def rlhf(config: RunConfig) -> dict:
     """Run the requested RLHF stages in order; each stage resumes from its newest valid checkpoint.
     Returns {stage: summary}; a stage stopped by a run budget has status "stopped-by-budget"."""
-    with stop.obeying_signals(config.stop_grace_s):  # in place of Prefect's SIGTERM handler (Crashed)
-        return _run_stages(config)
+    with stop.obeying_signals(config.stop_grace_s), StageRunner(config) as runner:  # in place of Prefect's
+        return _run_stages(config, runner)  # SIGTERM handler (Crashed)
 
 
-def _run_stages(config: RunConfig) -> dict | State:
+def _rlhf_on(runner: StageRunner) -> Flow:
+    """The flow `rlhf` (its name, parameter and body) on a runner its caller created and closes: the CLI's, whose
+    worker group started beside Prefect's server and whose preflight already checked the run."""
+
+    def rlhf_on_runner(config: RunConfig) -> dict:
+        with stop.obeying_signals(config.stop_grace_s):
+            return _run_stages(config, runner)
+
+    return flow(rlhf_on_runner, name=rlhf.name, description=rlhf.description, log_prints=True)
+
+
+def _run_stages(config: RunConfig, runner: StageRunner) -> dict | State:
     """The body of `rlhf`; a Cancelled state when a stop signal ended it (rlhf_core.driver.stop)."""
     logger = get_run_logger()
-    prepared = preflight.checked(config)  # by `run_pipeline` in this process: resolved and validated once there
+    prepared = runner.is_checked(config)  # by `run_pipeline`'s preflight: resolved and validated once there
     run = config if prepared else resolve_paths(config)
     if (runtime.flow_run.run_count or 1) > 1:  # a Prefect retry of this flow run always resumes
         run, prepared = run.model_copy(update={"load_checkpoint": True}), False
@@ -282,11 +274,10 @@ def _run_stages(config: RunConfig) -> dict | State:
     stop_at = (datetime.now(timezone.utc) + timedelta(minutes=run.time_budget_minutes)
                if run.time_budget_minutes else None)
     summary, upstream_digest, num_trained = {}, "", 0
-    ledger = GoodputLedger(run.run_url(), run.storage_options)
-    ledger.attempt_started()  # before the lease: it still names a crashed predecessor's process
-    with RunLease(run.run_url(), run.storage_options):
+    runner.ledger.attempt_started()  # before the lease: it still names a crashed predecessor's process
+    with runner.holding_lease(run):
         try:
-            _prestart_first_training_stage(run)  # a deployment run's; the CLI's run_pipeline started it already
+            _prestart_first_training_stage(runner, run)  # a deployment run's; the CLI's run_pipeline started it
             for stage in run.stages:
                 if stop.requested():  # between stages: the last one finished, the next run starts this one
                     done = [name for name in summary if STAGES[name].kind == "train"]
@@ -298,7 +289,7 @@ def _run_stages(config: RunConfig) -> dict | State:
                     summary[stage] = rlhf_output_stage(run, stage)
                 else:
                     chunks_left = None if run.max_chunks_per_run is None else run.max_chunks_per_run - num_trained
-                    state = rlhf_stage(run, stage, upstream_digest, chunks_left, stop_at, num_trained,
+                    state = rlhf_stage(runner, run, stage, upstream_digest, chunks_left, stop_at, num_trained,
                                        return_state=True)
                     if state.is_cancelled():
                         return Cancelled(message=state.message)
@@ -310,39 +301,38 @@ def _run_stages(config: RunConfig) -> dict | State:
                     break
                 logger.info("%s: output in %s (%s s)", stage, summary[stage]["save_path"], summary[stage]["seconds"])
         finally:
-            release_workers()
-            ledger.attempt_finished()
+            runner.release_workers()
+            runner.ledger.attempt_finished()
     return summary
 
 
-def run_pipeline(run: RunConfig) -> dict:
+def run_pipeline(run: RunConfig, command_started: float | None = None) -> dict:
     """The flow `rlhf` run in this process, after everything that can be checked before Prefect starts has been
-    (rlhf_core.driver.preflight): a user mistake is then one sentence, not a failed flow run's traceback."""
-    resolved = preflight.preflight(run)
-    server_start = _start_ephemeral_server_in_background()
-    try:
-        _prestart_first_training_stage(resolved)  # Ray and the first chunk's ranks start beside Prefect's server
-    finally:
-        if server_start is not None:
-            server_start.join()  # never leave the start half done (an exit would wait on it)
-    try:
-        state = rlhf(config=resolved, return_state=True)
-    finally:
-        release_workers()  # the prestarted group, when no chunk adopted it (all cached, or a refused start)
+    (rlhf_core.driver.preflight): a user mistake is then one sentence, not a failed flow run's traceback.
+    `command_started`: when the command began (the goodput ledger counts its start-up from there)."""
+    checked: Checked = preflight.preflight(run)
+    with StageRunner(checked.run, checked, command_started) as runner:
+        server_start = _start_ephemeral_server_in_background()
+        try:
+            _prestart_first_training_stage(runner, checked.run)  # Ray and the first ranks start beside Prefect
+        finally:
+            if server_start is not None:
+                server_start.join()  # never leave the start half done (an exit would wait on it)
+        state = _rlhf_on(runner)(config=checked.run, return_state=True)
     if state.is_cancelled() and stop.outcome() is not None:
         raise stop.outcome()
     return state.result()
 
 
-def _prestart_first_training_stage(run: RunConfig) -> None:
+def _prestart_first_training_stage(runner: StageRunner, run: RunConfig) -> None:
     """Connect Ray and start the worker group of the first training stage in the background
-    (`rlhf_core.driver.chunk.prestart_workers`), so that the first chunk finds its ranks started and imported."""
+    (`StageRunner.prestart`), so that the first chunk finds its ranks started and imported."""
     from rlhf_core.driver.engine import ensure_ray
 
     training = [stage for stage in run.stages if STAGES[stage].kind == "train"]
     if training:
         ensure_ray(run.ray_address)
-        prestart_workers(run, training[0])
+        runner.prestart(run, training[0])
 
 
 def _start_ephemeral_server_in_background() -> threading.Thread | None:

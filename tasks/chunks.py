@@ -15,13 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from prefect import task
-from prefect.cache_policies import CachePolicy
+from prefect.cache_policies import DEFAULT, CachePolicy
 from prefect.filesystems import RemoteFileSystem
 from prefect.states import Cancelled
 from prefect.transactions import get_transaction
 
 from rlhf_core.driver.chunk import CHECKPOINT_FORMAT_VERSION, ensure_checkpoint
 from rlhf_core.driver.plan import StagePlan
+from rlhf_core.driver.runner import StageRunner
 from rlhf_core.driver.stage_driver import export_stage
 from rlhf_core.config import RunConfig, semantic_hash
 from rlhf_core.errors import is_retryable
@@ -90,14 +91,15 @@ def _retry_if_retryable(task, task_run, state) -> bool:
     result_serializer="json",
     task_run_name="{stage}-to-step-{target_step}",
 )
-def train_chunk(run: RunConfig, stage: str, target_step: int, upstream_digest: str, lineage: Lineage,
-                train_ahead: bool = True, plan: StagePlan | None = None) -> dict:
+def train_chunk(runner: StageRunner, run: RunConfig, stage: str, target_step: int, upstream_digest: str,
+                lineage: Lineage, train_ahead: bool = True, plan: StagePlan | None = None) -> dict:
     """Train `stage` up to `target_step` and commit the checkpoint; returns a ChunkResult dict. Not part of the
-    cache key: `train_ahead` (train the next chunk while this one commits) and `plan` (the stage's, planned once
-    by the flow; a function of the run, which the key holds). Stopped by a signal (after
-    its emergency checkpoint, `rlhf_core.driver.stop`), the task run is Cancelled: never retried, never cached."""
+    cache key: `runner` (the flow's: its warm worker group, trackers, ledger and lease), `train_ahead` (train the
+    next chunk while this one commits) and `plan` (the stage's, planned once by the flow; a function of the run,
+    which the key holds). Stopped by a signal (after its emergency checkpoint, `rlhf_core.driver.stop`), the task
+    run is Cancelled: never retried, never cached."""
     try:
-        return ensure_checkpoint(run, stage, target_step, lineage, train_ahead, plan).to_dict()
+        return ensure_checkpoint(runner, run, stage, target_step, lineage, train_ahead, plan).to_dict()
     except StoppedBySignal as stopped:
         # Prefect keeps the cache key of a failed task unwritten, but writes one (with no result) for a returned
         # Cancelled state, which the next run would take as this chunk done: keep it unwritten here too.
@@ -107,10 +109,12 @@ def train_chunk(run: RunConfig, stage: str, target_step: int, upstream_digest: s
         return Cancelled(message=str(stopped))
 
 
-@task(name="export_model", retries=1, retry_condition_fn=_retry_if_retryable)
-def export_model(run: RunConfig, stage: str, final_step: int, plan: StagePlan | None = None) -> str:
+# Prefect's default policy, less the runner (it holds processes, not inputs).
+@task(name="export_model", retries=1, retry_condition_fn=_retry_if_retryable, cache_policy=DEFAULT - "runner")
+def export_model(runner: StageRunner, run: RunConfig, stage: str, final_step: int,
+                 plan: StagePlan | None = None) -> str:
     """Export the stage's final checkpoint as a Hugging Face model (an adapter if LoRA) to its save_path."""
-    ensure_checkpoint(run, stage, final_step, plan=plan)  # cheap when present; retrains a checkpoint that vanished
+    ensure_checkpoint(runner, run, stage, final_step, plan=plan)  # cheap when present; retrains one that vanished
     return export_stage(run, stage, final_step)
 
 

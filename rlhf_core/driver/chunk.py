@@ -3,23 +3,21 @@
 The checkpoint store is the source of truth. Asking for a target already committed returns it and
 trains nothing; otherwise training starts from the newest good checkpoint at or below the target
 (or from the pretrained model), runs to the target on a Ray worker group, and commits. A group left
-warm by the previous chunk is reused when it holds exactly the state the store would load, so the
-steady state pays neither a download nor a verification. The first chunk of a command can adopt a group
-started ahead (`prestart_workers`) while the driver was still starting Prefect. Each rank uploads its own files and the driver
-commits them under the run lease (`run_lease`: the one this process holds, else one taken for the commit).
+warm by the previous chunk (the `StageRunner`'s, `rlhf_core.driver.runner`) is reused when it holds exactly the
+state the store would load, so the steady state pays neither a download nor a verification. Each rank uploads its
+own files and the driver commits them under the run lease.
 
 With --use_tensorboard / --use_wandb, the driver logs each step's metrics to the stage's trackers
 (`rlhf_core.ops.trackers`) as they come back: the group trains to each multiple of logging_steps in turn
 (one round trip per logged step), and each checkpoint's metadata records the tracker ids, so a
 resumed stage continues the same tracker runs. Trackers close with the stage's last chunk, on a
-failure, and in `release_workers`.
+failure, and with the runner.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -31,16 +29,14 @@ from rlhf_core.storage.manifest import CheckpointInfo
 from rlhf_core.config import RunConfig, semantic_fields, semantic_hash
 from rlhf_core.stages import STAGES
 from rlhf_core.data.records import dataset_fingerprint
-from rlhf_core.driver.engine import WorkerGroup, group_settings
+from rlhf_core.driver.engine import WorkerGroup
+from rlhf_core.driver.runner import StageRunner
 from rlhf_core.errors import StoreFull, store_full
 from rlhf_core.faults import fault_point
-from rlhf_core.ops.goodput import GoodputLedger
 from rlhf_core.storage.locate import input_model_fingerprints
-from rlhf_core.driver.plan import StagePlan, plan_stage
-from rlhf_core.storage.lease import RunLease, held_lease
-from rlhf_core.driver.resume import Lineage, StartState, load_start, open_store
-from rlhf_core.ops.trackers import (StageTrackers, close_trackers, open_stage_trackers, require_tracker_packages,
-                                stage_trackers, tracking_enabled)
+from rlhf_core.driver.plan import StagePlan
+from rlhf_core.driver.resume import Lineage, open_store
+from rlhf_core.ops.trackers import StageTrackers, require_tracker_packages, tracking_enabled
 
 CHECKPOINT_FORMAT_VERSION = 1
 
@@ -62,121 +58,6 @@ class ChunkResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-class _WarmGroup:
-    """The worker group of the last chunk in this process, and the identity of the state it holds."""
-
-    group: WorkerGroup | None = None
-    identity: tuple = ()
-    world_size_changes: list[dict] = []  # of the line of checkpoints the group continues
-
-    @classmethod
-    def release(cls) -> None:
-        if cls.group is not None:
-            cls.group.shutdown()
-        cls.group, cls.identity, cls.world_size_changes = None, (), []
-
-
-class _Prestart:
-    """A worker group being started in a thread (`prestart_workers`), and the settings it was started with."""
-
-    settings: dict = {}
-    thread: threading.Thread | None = None
-    outcome: WorkerGroup | BaseException | None = None
-
-    @classmethod
-    def start(cls, run: RunConfig, stage: str) -> None:
-        def build() -> None:
-            try:
-                group = WorkerGroup(run)
-                group.warm_up(run, stage)
-                cls.outcome = group
-            except BaseException as error:  # noqa: BLE001 - handed to the chunk that adopts the group
-                cls.outcome = error
-
-        cls.settings, cls.outcome = group_settings(run), None
-        cls.thread = threading.Thread(target=build, name="rlhf-prestart-workers", daemon=True)
-        cls.thread.start()
-
-    @classmethod
-    def take(cls, run: RunConfig) -> WorkerGroup | None:
-        """The started group if it suits `run` (raising its start's error, if that failed); None when none
-        was started or it does not suit `run` (then stopped)."""
-        if cls.thread is None:
-            return None
-        cls.thread.join()
-        outcome, suits = cls.outcome, cls.settings == group_settings(run)
-        cls.thread, cls.outcome, cls.settings = None, None, {}
-        if isinstance(outcome, BaseException):
-            if suits:
-                raise outcome
-            return None
-        if not suits:
-            outcome.shutdown()
-            return None
-        return outcome
-
-    @classmethod
-    def discard(cls) -> None:
-        """Stop the started group, if any (waiting for its start to end); a failed start leaves nothing."""
-        if cls.thread is None:
-            return
-        cls.thread.join()
-        if isinstance(cls.outcome, WorkerGroup):
-            cls.outcome.shutdown()
-        cls.thread, cls.outcome, cls.settings = None, None, {}
-
-
-def prestart_workers(run: RunConfig, stage: str) -> None:
-    """Start the worker group of this command's first chunk in a thread: placement, rank processes,
-    DeepSpeed's process group, and the imports of `stage`'s trainer (`WorkerGroup.warm_up`), about 4 s on
-    a CPU, while the caller starts Prefect. The first chunk that needs a new group adopts it, or stops it
-    when the settings differ; `release_workers` stops one never adopted. Ray must be connected. Nothing
-    when a group with the same settings is already starting, or is warm."""
-    settings = group_settings(run)
-    if (_Prestart.thread is not None and _Prestart.settings == settings) or _WarmGroup.group is not None:
-        return
-    _Prestart.discard()
-    _Prestart.start(run, stage)
-
-
-def release_workers() -> None:
-    """Stop the warm worker group and any prestarted one, and close every open tracker (end of a flow, or
-    before a test starts another)."""
-    _Prestart.discard()
-    _WarmGroup.release()
-    close_trackers()
-
-
-def _group_at(run: RunConfig, stage: str, plan: StagePlan, store: CheckpointStore,
-              infos: list[CheckpointInfo], lineage: Lineage) -> tuple[WorkerGroup, StartState | None]:
-    """A worker group holding the state of the newest good checkpoint in `infos` (or the pretrained
-    model), and that checkpoint (None when the warm group of the last chunk already holds it)."""
-    identity = (run.stage_url(stage), semantic_hash(run, stage), run.num_workers, run.stage_config(stage).zero_stage,
-                tuple(plan.targets))
-    warm = _WarmGroup.group
-    if warm is not None and _WarmGroup.identity == identity and infos and infos[-1].is_committed \
-            and warm.step == infos[-1].step:
-        return warm, None
-    _WarmGroup.release()
-    group = _Prestart.take(run) or WorkerGroup(run)
-    group.log_placement()
-    _WarmGroup.group, _WarmGroup.identity = group, identity
-    start = load_start(run, stage, store, infos, lineage, group, plan.targets)
-    _WarmGroup.world_size_changes = _world_size_changes(group, start)
-    return group, start
-
-
-def _world_size_changes(group: WorkerGroup, start: StartState | None) -> list[dict]:
-    """Every change of world size in this stage's line of checkpoints, the one at `start` included."""
-    if start is None:
-        return []
-    changes = list(start.metadata.get("world_size_changes", []))
-    saved = start.metadata.get("world_size", group.world_size)
-    if saved != group.world_size:
-        changes.append({"step": start.info.step, "from": saved, "to": group.world_size})
-    return changes
 
 
 def _metadata(run: RunConfig, stage: str, plan: StagePlan, step: int, metrics: dict,
@@ -215,10 +96,11 @@ def chunk_summary(step_metrics: list[dict[str, float]]) -> dict[str, float]:
     return summary
 
 
-def _saved_tracker_ids(run: RunConfig, stage: str, store: CheckpointStore, start_step: int) -> dict:
+def _saved_tracker_ids(runner: StageRunner, run: RunConfig, stage: str, store: CheckpointStore,
+                       start_step: int) -> dict:
     """The tracker ids to continue: those open for this stage, else those the start checkpoint recorded
     (else the newest committed checkpoint's, when training starts over below all of them)."""
-    trackers = stage_trackers(run, stage)
+    trackers = runner.trackers.get(run, stage)
     if trackers is not None:
         return trackers.tracker_ids()
     committed = [info.step for info in store.list() if info.is_committed]
@@ -226,20 +108,20 @@ def _saved_tracker_ids(run: RunConfig, stage: str, store: CheckpointStore, start
     return store.read_metadata(source).get("trackers", {}) if source else {}
 
 
-def _trackers_at(run: RunConfig, stage: str, store: CheckpointStore, start_step: int,
+def _trackers_at(runner: StageRunner, run: RunConfig, stage: str, store: CheckpointStore, start_step: int,
                  warm: bool) -> StageTrackers | None:
     """The stage's trackers, ready to log the steps after `start_step`; reopened when the group started
     cold, so that TensorBoard hides whatever an earlier attempt logged past `start_step`."""
     if not tracking_enabled(run):
         return None
-    trackers = stage_trackers(run, stage)
+    trackers = runner.trackers.get(run, stage)
     if trackers is not None and warm:
         return trackers
-    return open_stage_trackers(run, stage, _saved_tracker_ids(run, stage, store, start_step), start_step)
+    return runner.trackers.open(run, stage, _saved_tracker_ids(runner, run, stage, store, start_step), start_step)
 
 
-def _train_and_log(group: WorkerGroup, start_step: int, target_step: int, trackers: StageTrackers | None,
-                   logging_steps: int, stage: str, total_steps: int) -> list[dict[str, float]]:
+def train_and_log(group: WorkerGroup, start_step: int, target_step: int, trackers: StageTrackers | None,
+                  logging_steps: int, stage: str, total_steps: int) -> list[dict[str, float]]:
     """Train to `target_step`; with trackers (or a live console bar), stop at each logged step so its metrics
     show while the chunk runs (steps the group already trained ahead come back together)."""
     from rlhf_core.ops import console
@@ -261,85 +143,136 @@ def _train_and_log(group: WorkerGroup, start_step: int, target_step: int, tracke
     return step_metrics
 
 
-def ensure_checkpoint(run: RunConfig, stage: str, target_step: int, lineage: Lineage = Lineage(),
-                      train_ahead: bool = True, plan: StagePlan | None = None) -> ChunkResult:
-    """Make sure a valid checkpoint at `target_step` exists (training only what is missing). With
-    `train_ahead`, the ranks train on towards the next chunk while this one commits. `plan`: the stage's, as the
-    caller planned it once for all its chunks (planned here when not given). After a stop signal
-    (`rlhf_core.driver.stop`) the ranks stop at the next step boundary, that step commits, and StoppedBySignal is
-    raised; one that finds nothing trained since the last commit raises it at once."""
-    started = time.perf_counter()
-    plan = plan or plan_stage(run, stage)
+@dataclass
+class ChunkTiming:
+    """When each phase of a chunk ended (`time.perf_counter()`), and the commit's own timers."""
+
+    started: float = field(default_factory=time.perf_counter)
+    prepared: float = 0.0  # planned, and the store listed
+    loaded: float = 0.0  # a worker group holds the start state
+    trained: float = 0.0  # the ranks reached the step to commit
+    commit_seconds: dict[str, float] = field(default_factory=dict)
+
+    def seconds(self, finished: float) -> dict[str, float]:
+        return {"plan": self.prepared - self.started, "workers_and_load": self.loaded - self.prepared,
+                "train": self.trained - self.loaded, "save_and_commit": finished - self.trained,
+                **self.commit_seconds}
+
+
+@dataclass
+class CommitOutcome:
+    """A chunk's commit: the committed checkpoint, the alerts it raised, the chunk's metrics summary, the commit's
+    timers, and when the ranks began training ahead (None when they did not)."""
+
+    info: CheckpointInfo
+    alerts: list
+    summary: dict[str, float]
+    seconds: dict[str, float]
+    ahead_since: float | None
+
+
+def ensure_checkpoint(runner: StageRunner, run: RunConfig, stage: str, target_step: int,
+                      lineage: Lineage = Lineage(), train_ahead: bool = True,
+                      plan: StagePlan | None = None) -> ChunkResult:
+    """Make sure a valid checkpoint at `target_step` exists (training only what is missing), in five steps: find
+    what is committed, get a worker group holding the start state, train, commit, retain. With `train_ahead`, the
+    ranks train on towards the next chunk while this one commits. `plan`: the stage's (the runner's by default).
+    After a stop signal (`rlhf_core.driver.stop`) the ranks stop at the next step boundary, that step commits, and
+    StoppedBySignal is raised; one that finds nothing trained since the last commit raises it at once."""
+    timing = ChunkTiming()
+    plan = plan or runner.plan(run, stage)
     target_step = min(target_step, plan.total_steps)
     store = open_store(run, stage)
     listing = store.list()
     infos = [info for info in listing if info.step <= target_step]
     newest = max((info.step for info in infos if info.is_committed), default=0)
-    if infos and infos[-1].step == target_step and infos[-1].is_committed:
-        done = infos[-1]
-        stop.record_commit(stage, target_step, run.stage_url(stage))
-        if target_step == plan.total_steps:
-            close_trackers(run, stage)
-        return ChunkResult(stage, target_step, done.uri, done.manifest_digest, 0,
-                           store.read_metadata(target_step).get("metrics", {}), size_bytes=done.size_bytes)
-    later = next((info for info in listing if info.is_committed and info.step > target_step), None)
-    if later is not None:  # retention removed this chunk's checkpoint once a later one committed: its work is in
-        return ChunkResult(stage, target_step, later.uri, later.manifest_digest, 0)  # there; never train it again
-    if stop.requested() and (_WarmGroup.group is None or _WarmGroup.group.training_ahead_to is None):
+    committed = _committed_result(runner, run, stage, plan, store, listing, target_step)
+    if committed is not None:
+        return committed
+    warm_group = runner.warm_group
+    if stop.requested() and (warm_group is None or warm_group.training_ahead_to is None):
         raise stop.stopped(stage, newest, run.stage_url(stage))  # nothing trained since the last commit
-    ledger = GoodputLedger(run.run_url(), run.storage_options)
-    ledger.chunk_started(stage, newest, target_step)
+    runner.ledger.chunk_started(stage, newest, target_step)
     reached = newest
     try:
         require_tracker_packages(run)  # before the workers start, not after a chunk of training
-        prepared = time.perf_counter()
-        warm_group = _WarmGroup.group
-        group, _ = _group_at(run, stage, plan, store, infos, lineage)
+        timing.prepared = time.perf_counter()
+        group, _ = runner.group_at(run, stage, plan, store, infos, lineage)
         start_step = group.step
-        trackers = _trackers_at(run, stage, store, start_step, warm=group is warm_group)
-        loaded = time.perf_counter()
-        step_metrics = _train_and_log(group, start_step, target_step, trackers, run.stage_config(stage).logging_steps,
-                                      stage, plan.total_steps)
-        reached, trained = group.step, time.perf_counter()
-        if reached < target_step and not stop.requested():
-            raise RuntimeError(f"the ranks stopped at step {reached}, short of {target_step}, with no stop requested")
-        if reached == start_step and stop.requested():  # the stop came before the first step
-            raise stop.stopped(stage, start_step, run.stage_url(stage))
-        info, alerts, summary, commit_seconds, ahead_since = _commit_chunk(run, stage, plan, store, group, infos,
-                                                                           start_step, step_metrics, trackers,
-                                                                           train_ahead and not stop.requested())
+        trackers = _trackers_at(runner, run, stage, store, start_step, warm=group is warm_group)
+        timing.loaded = time.perf_counter()
+        step_metrics = train_and_log(group, start_step, target_step, trackers,
+                                     run.stage_config(stage).logging_steps, stage, plan.total_steps)
+        reached, timing.trained = group.step, time.perf_counter()
+        _require_progress(run, stage, start_step, reached, target_step)
+        outcome = commit_chunk(runner, run, stage, plan, store, group, infos, start_step, step_metrics, trackers,
+                                train_ahead and not stop.requested())
     except stop.GraceExpired:
-        close_trackers(run, stage)
-        release_workers()  # kills the ranks: the step in flight, or its half-written checkpoint, is abandoned
+        runner.trackers.close(run, stage)
+        runner.release_workers()  # kills the ranks: the step in flight, or its half-written checkpoint, is abandoned
         raise stop.stopped(stage, newest, run.stage_url(stage), stopped_at=reached, abandoned=True) from None
     except BaseException:
-        close_trackers(run, stage, failed=True)
-        release_workers()  # the group's state is unknown after a failure: never reuse it
+        runner.trackers.close(run, stage, failed=True)
+        runner.release_workers()  # the group's state is unknown after a failure: never reuse it
         raise
+    timing.commit_seconds = outcome.seconds
+    return _retain(runner, run, stage, plan, store, group, start_step, target_step, outcome, timing)
+
+
+def _committed_result(runner: StageRunner, run: RunConfig, stage: str, plan: StagePlan, store: CheckpointStore,
+                      listing: list[CheckpointInfo], target_step: int) -> ChunkResult | None:
+    """The chunk's result when nothing is left to train: its target is committed, or retention removed it once a
+    later checkpoint committed (its work is in there; never train it again)."""
+    at_target = [info for info in listing if info.step <= target_step]
+    if at_target and at_target[-1].step == target_step and at_target[-1].is_committed:
+        done = at_target[-1]
+        stop.record_commit(stage, target_step, run.stage_url(stage))
+        if target_step == plan.total_steps:
+            runner.trackers.close(run, stage)
+        return ChunkResult(stage, target_step, done.uri, done.manifest_digest, 0,
+                           store.read_metadata(target_step).get("metrics", {}), size_bytes=done.size_bytes)
+    later = next((info for info in listing if info.is_committed and info.step > target_step), None)
+    if later is not None:
+        return ChunkResult(stage, target_step, later.uri, later.manifest_digest, 0)
+    return None
+
+
+def _require_progress(run: RunConfig, stage: str, start_step: int, reached: int, target_step: int) -> None:
+    """The ranks stop short of the target only for a stop signal; one before the first step commits nothing."""
+    if reached < target_step and not stop.requested():
+        raise RuntimeError(f"the ranks stopped at step {reached}, short of {target_step}, with no stop requested")
+    if reached == start_step and stop.requested():
+        raise stop.stopped(stage, start_step, run.stage_url(stage))
+
+
+def _retain(runner: StageRunner, run: RunConfig, stage: str, plan: StagePlan, store: CheckpointStore,
+            group: WorkerGroup, start_step: int, target_step: int, outcome: CommitOutcome,
+            timing: ChunkTiming) -> ChunkResult:
+    """After the commit: record it, apply retention, account the chunk's time, and hand the flow its result."""
+    reached = outcome.info.step
     stop.record_commit(stage, reached, run.stage_url(stage))
     if reached == plan.total_steps:
-        close_trackers(run, stage)
+        runner.trackers.close(run, stage)
     fault_point("after_commit", reached)
     store.retain(run.max_ckpt_num, run.max_ckpt_mem)
     finished = time.perf_counter()
-    seconds = {"plan": prepared - started, "workers_and_load": loaded - prepared, "train": trained - loaded,
-               "save_and_commit": finished - trained, **commit_seconds,
-               **group.take_step_loop_seconds()}  # the ranks' own, training ahead included
-    ledger.chunk_committed(stage, reached, seconds, num_steps=reached - start_step,
-                           trained_ahead_s=0.0 if ahead_since is None else finished - ahead_since)
+    seconds = {**timing.seconds(finished), **group.take_step_loop_seconds()}  # the ranks' own, training ahead too
+    runner.ledger.chunk_committed(stage, reached, seconds, num_steps=reached - start_step,
+                                  trained_ahead_s=0.0 if outcome.ahead_since is None else finished - outcome.ahead_since)
     if reached < target_step:  # an emergency checkpoint: the stop is done
         raise stop.stopped(stage, reached, run.stage_url(stage))
-    return ChunkResult(stage, reached, info.uri, info.manifest_digest, reached - start_step, summary, seconds,
-                       group.world_size, [json.loads(alert.to_json()) for alert in alerts], info.size_bytes)
+    return ChunkResult(stage, reached, outcome.info.uri, outcome.info.manifest_digest, reached - start_step,
+                       outcome.summary, seconds, group.world_size,
+                       [json.loads(alert.to_json()) for alert in outcome.alerts], outcome.info.size_bytes)
 
 
-def _commit_chunk(run: RunConfig, stage: str, plan: StagePlan, store: CheckpointStore, group: WorkerGroup,
-                  infos: list[CheckpointInfo], start_step: int, step_metrics: list[dict], trackers,
-                  train_ahead: bool) -> tuple:
+def commit_chunk(runner: StageRunner, run: RunConfig, stage: str, plan: StagePlan, store: CheckpointStore,
+                  group: WorkerGroup, infos: list[CheckpointInfo], start_step: int, step_metrics: list[dict],
+                  trackers: StageTrackers | None, train_ahead: bool) -> CommitOutcome:
     """Check and commit the step the group reached (the chunk's target, or an emergency step), then log its
-    alerts; returns (info, alerts, summary, commit seconds, when training ahead began or None). The ranks stand
-    idle only for their snapshot (which checks the weights first): they train ahead before the driver prepares the
-    commit, and a full disk found then stops the run with them (`_require_room` still comes before any write)."""
+    alerts. The ranks stand idle only for their snapshot (which checks the weights first): they train ahead before
+    the driver prepares the commit, and a full disk found then stops the run with them (`_require_room` still
+    comes before any write)."""
     step = group.step
     summary = chunk_summary(step_metrics)
     started = time.perf_counter()
@@ -349,21 +282,21 @@ def _commit_chunk(run: RunConfig, stage: str, plan: StagePlan, store: Checkpoint
     if ahead is not None:
         group.train_ahead(ahead)
     snapshotted = time.perf_counter()
-    metadata = _metadata(run, stage, plan, step, summary, trackers, group.world_size, _WarmGroup.world_size_changes,
+    metadata = _metadata(run, stage, plan, step, summary, trackers, group.world_size, runner.world_size_changes,
                          group.zero_stage)
     metadata |= _alert_inputs(store, group, start_step, step, summary)
     _require_room(run, stage, store, metadata, infos)
-    info, commit_seconds = _commit(run, stage, store, group, step, metadata, folders)
+    info, writer_seconds = _commit(runner, run, stage, store, group, step, metadata, folders)
     committed = time.perf_counter()
     stall = (committed if run.sync_checkpoint else snapshotted) - started
-    commit_seconds = {"stall": stall, "commit": committed - snapshotted, **commit_seconds}
     alerts = commit_alerts(run.run_name, stage, step, metadata, info.size_bytes,
                            [known.size_bytes for known in infos if known.is_committed and known.step < step],
                            has_ds_state=not run.stage_config(stage).disable_ds_ckpt,
                            window=run.alert_reward_window, min_delta=run.alert_reward_min_delta,
                            tolerance=run.alert_size_tolerance, jump=run.alert_size_jump)
     AlertLog(run.run_url(), run.storage_options).append(*alerts)
-    return info, alerts, summary, commit_seconds, (snapshotted if ahead is not None else None)
+    return CommitOutcome(info, alerts, summary, {"stall": stall, "commit": committed - snapshotted, **writer_seconds},
+                         snapshotted if ahead is not None else None)
 
 
 def _refuse_non_finite(run: RunConfig, stage: str, step: int, step_metrics: list[dict],
@@ -408,8 +341,8 @@ def _require_room(run: RunConfig, stage: str, store: CheckpointStore, metadata: 
         raise store_full(store.url, free_bytes=free_bytes, needed_bytes=max(known))
 
 
-def _commit(run: RunConfig, stage: str, store: CheckpointStore, group: WorkerGroup, step: int, metadata: dict,
-            folders: list[str]) -> tuple[CheckpointInfo, dict[str, float]]:
+def _commit(runner: StageRunner, run: RunConfig, stage: str, store: CheckpointStore, group: WorkerGroup, step: int,
+            metadata: dict, folders: list[str]) -> tuple[CheckpointInfo, dict[str, float]]:
     """Every rank uploads its snapshot (`folders`) into the uncommitted step; the driver commits them under the
     run lease. The chunk returns after its commit: a chunk the flow (and Prefect's cache) calls done is always
     committed. Also returns rank 0's writer timers."""
@@ -420,26 +353,14 @@ def _commit(run: RunConfig, stage: str, store: CheckpointStore, group: WorkerGro
     try:
         writes = group.start_write(folders, run.stage_url(stage), run.storage_options, pending)
         entries = group.finish_write(writes)
-        with run_lease(run) as lease:
+        with runner.commit_fence(run) as lease:
             info = store.finish_commit(pending, entries, metadata, fence=lease)
     except StoreFull:
         store.discard(pending)  # its space back for the next try; the committed steps are untouched
         raise
     except stop.GraceExpired:
-        release_workers()  # no rank writes into it any more
+        runner.release_workers()  # no rank writes into it any more
         with contextlib.suppress(OSError):
             store.discard(pending)  # else the next run sets it aside as a leftover
         raise
     return info, {f"writer_{name}": seconds for name, seconds in group.write_seconds.items()}
-
-
-@contextlib.contextmanager
-def run_lease(run: RunConfig):
-    """The run's lease: the one this process already holds (the flow's, or train_stage's), else one taken
-    for the duration."""
-    held = held_lease(run.run_url())
-    if held is not None:
-        yield held
-        return
-    with RunLease(run.run_url(), run.storage_options) as lease:
-        yield lease

@@ -107,7 +107,7 @@ class WorkerGroup:
 
     def log_placement(self) -> None:
         """Log where the ranks were placed, from the chunk that uses the group (its Prefect run shows the line;
-        the group may have been started before any run, `rlhf_core.driver.chunk.prestart_workers`)."""
+        the group may have been started before any run, `StageRunner.prestart`)."""
         logger.log(*self._placement_line)
 
     def setup(self, run: RunConfig, stage: str, chunk_ends: list[int], load_universal: bool = False,

@@ -1,13 +1,13 @@
 """A training stage laid out before it trains: its paths made absolute (`resolve_paths`) and its chunks
 (`plan_stage`: how many usable samples, how many steps, where each chunk ends). Both are pure functions of the
 run's config and data, so the CLI, preflight, the flow and the chunks agree on them; counting reads and
-tokenizes the data, so each process counts a (stage, seed, settings) once.
+tokenizes the data, so a run plans each stage once (`StageRunner.plan`).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import fsspec
 
@@ -24,6 +24,14 @@ class StagePlan:
     num_samples: int
     total_steps: int
     targets: list[int]  # the step each chunk ends at
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A run preflight resolved and checked (`rlhf_core.driver.preflight`), with the plans it counted."""
+
+    run: RunConfig
+    plans: dict[str, StagePlan] = field(default_factory=dict)
 
 
 def resolve_paths(run: RunConfig) -> RunConfig:
@@ -58,22 +66,11 @@ def chunk_ends(total_steps: int, save_steps: int) -> list[int]:
     return list(range(every, total_steps, every)) + [total_steps]
 
 
-_NUM_ITEMS: dict[tuple, int] = {}
-
-
-def _count_items(run: RunConfig, stage: str) -> int:
-    """Usable samples of a stage. Counting reads and tokenizes the whole dataset, and the CLI, the flow
-    and every chunk ask, so one process counts each (stage, seed, settings) once."""
-    key = (stage, run.seed, run.stage_config(stage).model_dump_json())
-    if key not in _NUM_ITEMS:
-        _NUM_ITEMS[key] = STAGES[stage].num_items(run)
-    return _NUM_ITEMS[key]
-
-
 def plan_stage(run: RunConfig, stage: str) -> StagePlan:
-    """Validate the stage's inputs and lay out its chunks; raises UserError before any training."""
+    """Validate the stage's inputs and lay out its chunks; raises UserError before any training. Reads and
+    tokenizes the whole dataset: ask the run's `StageRunner.plan`, which plans each stage once."""
     facts, cfg = STAGES[stage], run.stage_config(stage)
-    num_items, per_step = _count_items(run, stage), facts.items_per_step(cfg)
+    num_items, per_step = facts.num_items(run), facts.items_per_step(cfg)
     steps_per_pass = num_items // per_step
     if steps_per_pass == 0:
         data_url = getattr(cfg, "dataset", None) or getattr(cfg, "prompt_data", None)

@@ -14,20 +14,16 @@ from __future__ import annotations
 
 import os
 
-
 from rlhf_core.config import RunConfig
+from rlhf_core.driver.plan import Checked
 from rlhf_core.stages import STAGES, TRAINING_STAGES
 from rlhf_core.stages.base import fields_with_role
 from rlhf_core.storage.writable import probe_writable
 
-# The runs (as JSON, paths resolved) this process has resolved and checked: the flow `rlhf` given one of them does
-# neither again. A deployment run's flow, in a process no CLI ran in, does both itself.
-_CHECKED: set[str] = set()
-
-
-def preflight(run: RunConfig) -> RunConfig:
+def preflight(run: RunConfig) -> Checked:
     """Resolve the run's paths (`resolve_paths`) and refuse, before Prefect starts a flow run, a run that would fail
-    on its inputs or outputs; returns the resolved run, which the flow then takes as checked (`checked`)."""
+    on its inputs or outputs; returns the resolved run with the plans counted on the way, which the flow, given
+    them through its `StageRunner`, neither resolves nor checks again (a deployment run's flow does both)."""
     from rlhf_core.driver.plan import plan_stage, resolve_paths
     from rlhf_core.storage.lease import RunLease
     from rlhf_core.driver.resume import validate_run_start
@@ -41,6 +37,7 @@ def preflight(run: RunConfig) -> RunConfig:
     for url, flag in outputs:
         probe_writable(url, flag, run.storage_options)
     produced: dict[str, str] = {}  # an output of an earlier stage -> the model whose architecture it has
+    plans = {}
     for stage in run.stages:
         cfg = run.stage_config(stage)
         for field in fields_with_role(STAGES[stage].config, "model"):
@@ -54,17 +51,11 @@ def preflight(run: RunConfig) -> RunConfig:
             if cfg.lora_rank:
                 check_lora_targets(architecture, cfg.target_modules, run.storage_options)
             if cfg.pretrain not in produced:
-                plan_stage(run, stage)  # counting reads data, eval data and reward function
+                plans[stage] = plan_stage(run, stage)  # counting reads data, eval data and reward function
         produced[getattr(cfg, STAGES[stage].output_field)] = architecture
     require_tracker_packages(run)
     RunLease(run.run_url(), run.storage_options).check_available()
-    _CHECKED.add(run.model_dump_json())
-    return run
-
-
-def checked(run: RunConfig) -> bool:
-    """Whether this process's preflight resolved and checked exactly this run."""
-    return run.model_dump_json() in _CHECKED
+    return Checked(run, plans)
 
 
 def check_model(url: str, flag: str, storage_options: dict | None) -> None:

@@ -5,24 +5,22 @@ model. The flow `rlhf` (flows/pipeline.py) does the same with Prefect's caching 
 
 from __future__ import annotations
 
-from rlhf_core.driver.chunk import ensure_checkpoint, release_workers, run_lease
+from rlhf_core.driver.chunk import ensure_checkpoint
 from rlhf_core.config import RunConfig
 from rlhf_core.driver.export import export_stage_output
-from rlhf_core.driver.plan import plan_stage
 from rlhf_core.driver.resume import begin_stage, open_store
+from rlhf_core.driver.runner import StageRunner
 from rlhf_core.stages import STAGES
 
 
 def train_stage(run: RunConfig, stage: str) -> str:
     """Every chunk of a training stage, then its export, in this process and without Prefect (for
     library use and tests; the flow `rlhf` does the same with caching and retries). Returns save_path."""
-    lineage, plan = begin_stage(run, stage), plan_stage(run, stage)
-    with run_lease(run):
-        try:
-            for target in plan.targets:
-                ensure_checkpoint(run, stage, target, lineage, plan=plan)
-        finally:
-            release_workers()
+    with StageRunner(run) as runner, runner.holding_lease(run):
+        lineage, plan = begin_stage(run, stage), runner.plan(run, stage)
+        for target in plan.targets:
+            ensure_checkpoint(runner, run, stage, target, lineage, plan=plan)
+        runner.release_workers()  # before the export: the ranks' memory back
         return export_stage(run, stage, plan.total_steps)
 
 

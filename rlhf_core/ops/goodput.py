@@ -89,20 +89,12 @@ WALL_CATEGORIES = ("useful_s", "stall_s", "startup_s", "load_s", "plan_s", "lost
 
 logger = logging.getLogger(__name__)
 
-_MUTEX = threading.RLock()
-_ATTEMPT_IDS: dict[str, str] = {}  # run url -> id of this process's attempt
-_command_started: float | None = None
+def process_start_time() -> float:
+    """When this process was created: a command's attempt starts there, so start-up counts the interpreter and
+    the imports too (`GoodputLedger`'s `command_started`)."""
+    import psutil
 
-
-def mark_command_started(when: float | None = None) -> None:
-    """The command's start (default: this process's creation), used as the start of the next attempt this
-    process begins, so start-up counts the interpreter and imports too. The CLI calls it first thing."""
-    global _command_started
-    if when is None:
-        import psutil
-
-        when = psutil.Process().create_time()
-    _command_started = when
+    return psutil.Process().create_time()
 
 
 def _new_stage() -> dict[str, Any]:
@@ -310,7 +302,9 @@ class GoodputLedger:
     """`{run_url}/goodput.json`: the hooks the chunk code and the flow call, and `summary()` for readers."""
 
     def __init__(self, run_url: str, storage_options: Mapping[str, Any] | None = None,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, command_started: float | None = None):
+        """One ledger object is one process's view: the attempt it begins is its own (`command_started`: when the
+        command began, the start of its first attempt; default: when that attempt is begun)."""
         self.run_url = run_url.rstrip("/")
         self.storage_options = dict(storage_options or {})
         self.fs, root = url_to_fs(self.run_url, **self.storage_options)
@@ -318,7 +312,9 @@ class GoodputLedger:
         self.path = posixpath.join(self.root, GOODPUT_FILE_NAME) if self.root else GOODPUT_FILE_NAME
         self.url = f"{self.run_url}/{GOODPUT_FILE_NAME}"
         self.clock = clock
-        self._key = os.path.abspath(self.run_url) if isinstance(self.fs, LocalFileSystem) else self.run_url
+        self._command_started = command_started
+        self._attempt_id = ""  # of the attempt this object began
+        self._mutex = threading.RLock()  # the hooks run from the flow's and the chunks' threads
 
     # ---- reading and writing
 
@@ -347,9 +343,9 @@ class GoodputLedger:
     def _update(self, change: Callable[[dict, dict], None], start_new: bool = False) -> None:
         """Read, apply `change(doc, this process's attempt)`, write; begins an attempt when none runs here
         (`start_new`: always, ending this process's previous one)."""
-        with _MUTEX:
+        with self._mutex:
             doc = self._read_or_restart()
-            attempt = _attempt(doc, _ATTEMPT_IDS.get(self._key, ""))
+            attempt = _attempt(doc, self._attempt_id)
             if start_new and attempt is not None and attempt["state"] == RUNNING:
                 finish_attempt(doc, attempt, self.clock())
             if start_new or attempt is None or attempt["state"] != RUNNING:
@@ -369,12 +365,11 @@ class GoodputLedger:
             return empty_ledger()
 
     def _begin(self, doc: dict) -> dict:
-        global _command_started
         attempt_id = uuid.uuid4().hex[:12]
-        attempt = begin_attempt(doc, attempt_id, self.clock(), _command_started, self._lease_holder(),
+        attempt = begin_attempt(doc, attempt_id, self.clock(), self._command_started, self._lease_holder(),
                                 self._is_committed)
-        _command_started = None  # a second attempt in this process starts when it is asked for
-        _ATTEMPT_IDS[self._key] = attempt_id
+        self._command_started = None  # a second attempt of this object starts when it is asked for
+        self._attempt_id = attempt_id
         return attempt
 
     def _lease(self):
@@ -419,9 +414,9 @@ class GoodputLedger:
 
     @_best_effort
     def attempt_finished(self) -> None:
-        with _MUTEX:
+        with self._mutex:
             doc = self.read()
-            attempt = _attempt(doc, _ATTEMPT_IDS.pop(self._key, ""))
+            attempt, self._attempt_id = _attempt(doc, self._attempt_id), ""
             if attempt is not None and attempt["state"] == RUNNING:
                 finish_attempt(doc, attempt, self.clock())
                 self._write(doc)

@@ -70,16 +70,15 @@ def split_metrics(metrics: dict[str, Any]) -> tuple[dict[str, float], dict[str, 
     return train, evaluation
 
 
-# Last step each wandb run id logged in this process: a chunk retried after a failure re-trains
-# steps that run already shows.
-_WANDB_LAST_STEP: dict[str, int] = {}
-
-
 class StageTrackers:
     """The open trackers of one (run, stage): a TensorBoard SummaryWriter and/or a wandb run."""
 
-    def __init__(self, run: RunConfig, stage: str, saved_ids: dict[str, Any], start_step: int):
+    def __init__(self, run: RunConfig, stage: str, saved_ids: dict[str, Any], start_step: int,
+                 wandb_last_steps: dict[str, int] | None = None):
+        """`wandb_last_steps`: the last step each wandb run id logged in this process (shared by the stage's
+        trackers over its chunks), since a chunk retried after a failure re-trains steps that run already shows."""
         require_tracker_packages(run)
+        self.wandb_last_steps = {} if wandb_last_steps is None else wandb_last_steps
         self.settings = tracker_settings(run)
         self.logging_steps = run.stage_config(stage).logging_steps
         self.tensorboard = self.tensorboard_dir = self.wandb_run = None
@@ -120,7 +119,7 @@ class StageTrackers:
             self.wandb_run.define_metric(f"{section}/global_step")
             self.wandb_run.define_metric(f"{section}/*", step_metric=f"{section}/global_step", step_sync=True)
         logged_before = self.wandb_run.summary.get("train/global_step") if self.wandb_run.resumed else None
-        _WANDB_LAST_STEP[run_id] = max(_WANDB_LAST_STEP.get(run_id, 0), int(logged_before or 0))
+        self.wandb_last_steps[run_id] = max(self.wandb_last_steps.get(run_id, 0), int(logged_before or 0))
 
     def tracker_ids(self) -> dict[str, Any]:
         """What a checkpoint records so that a resumed stage continues the same tracker runs."""
@@ -145,14 +144,14 @@ class StageTrackers:
             for section, values in sections.items():
                 for name, value in values.items():
                     self.tensorboard.add_scalar(f"{section}/{name}", value, step)
-        if self.wandb_run is not None and step > _WANDB_LAST_STEP.get(self.wandb_run.id, 0):
+        if self.wandb_run is not None and step > self.wandb_last_steps.get(self.wandb_run.id, 0):
             payload = {}
             for section, values in sections.items():
                 if values:
                     payload[f"{section}/global_step"] = step
                     payload.update({f"{section}/{name}": value for name, value in values.items()})
             self.wandb_run.log(payload)
-            _WANDB_LAST_STEP[self.wandb_run.id] = step
+            self.wandb_last_steps[self.wandb_run.id] = step
 
     def close(self, failed: bool = False) -> None:
         if self.tensorboard is not None:
@@ -168,30 +167,36 @@ def tracker_settings(run: RunConfig) -> tuple:
             run.wandb_run_name)
 
 
-# The open trackers of this (driver) process, by stage URL: they outlive a chunk, as the warm group.
-_OPEN: dict[str, StageTrackers] = {}
+class OpenTrackers:
+    """The open trackers of a driver's stages, by stage URL: they outlive a chunk, as the warm worker group does.
+    Owned by the stage runner (`rlhf_core.driver.runner`)."""
 
+    def __init__(self) -> None:
+        self._by_stage: dict[str, StageTrackers] = {}
+        self._wandb_last_steps: dict[str, int] = {}
 
-def stage_trackers(run: RunConfig, stage: str) -> StageTrackers | None:
-    """The trackers already open for this stage, if any (with the same settings)."""
-    trackers = _OPEN.get(run.stage_url(stage))
-    if trackers is not None and trackers.settings != tracker_settings(run):
-        close_trackers(run, stage)
-        return None
-    return trackers
+    def __len__(self) -> int:
+        return len(self._by_stage)
 
+    def get(self, run: RunConfig, stage: str) -> StageTrackers | None:
+        """The trackers already open for this stage, if any (with the same settings)."""
+        trackers = self._by_stage.get(run.stage_url(stage))
+        if trackers is not None and trackers.settings != tracker_settings(run):
+            self.close(run, stage)
+            return None
+        return trackers
 
-def open_stage_trackers(run: RunConfig, stage: str, saved_ids: dict[str, Any], start_step: int) -> StageTrackers:
-    """Open (or resume, from a checkpoint's `saved_ids`) the trackers of a stage that trains from start_step."""
-    close_trackers(run, stage)
-    trackers = _OPEN[run.stage_url(stage)] = StageTrackers(run, stage, saved_ids, start_step)
-    return trackers
+    def open(self, run: RunConfig, stage: str, saved_ids: dict[str, Any], start_step: int) -> StageTrackers:
+        """Open (or resume, from a checkpoint's `saved_ids`) the trackers of a stage that trains from start_step."""
+        self.close(run, stage)
+        trackers = StageTrackers(run, stage, saved_ids, start_step, self._wandb_last_steps)
+        self._by_stage[run.stage_url(stage)] = trackers
+        return trackers
 
-
-def close_trackers(run: RunConfig | None = None, stage: str | None = None, failed: bool = False) -> None:
-    """Close the trackers of one stage, or (no arguments) every open one: end of a stage, failure, end of a flow."""
-    urls = [run.stage_url(stage)] if run is not None and stage is not None else list(_OPEN)
-    for url in urls:
-        trackers = _OPEN.pop(url, None)
-        if trackers is not None:
-            trackers.close(failed)
+    def close(self, run: RunConfig | None = None, stage: str | None = None, failed: bool = False) -> None:
+        """Close the trackers of one stage, or (no arguments) every open one: end of a stage, failure, end of a run."""
+        urls = [run.stage_url(stage)] if run is not None and stage is not None else list(self._by_stage)
+        for url in urls:
+            trackers = self._by_stage.pop(url, None)
+            if trackers is not None:
+                trackers.close(failed)

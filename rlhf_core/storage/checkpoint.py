@@ -61,13 +61,27 @@ from rlhf_core.errors import (CorruptCheckpoint, StoreFull, TransientStoreError,
                               is_permanent_os_error, store_full)
 from rlhf_core.faults import fault_point
 from rlhf_core.storage.locate import is_local_url, store_unreachable
-from rlhf_core.storage.manifest import (_RESERVED_NAMES, ASIDE_DIR_NAME, BYTES_PER_GB, LATEST_NAME, MANIFEST_NAME,
+from rlhf_core.storage.manifest import (_RESERVED_NAMES, ASIDE_DIR_NAME, ASIDE_REASON_NAME, BYTES_PER_GB, LATEST_NAME, MANIFEST_NAME,
                                 METADATA_NAME, STAGING_PREFIX, STATUS_COMMITTED, STATUS_CORRUPT, STATUS_INCOMPLETE,
                                 TRANSFER_BLOCK_BYTES, TRANSFER_THREADS, CheckpointInfo, Fence, HashingWriter, Manifest,
                                 ManifestEntry, PendingStep, WriteTimings, _is_count, copy_hashing, digest_of_bytes,
                                 digest_of_local_file, manifest_digest, parse_step_dir_name, require_checksum,
                                 step_dir_name)
 from rlhf_core.storage.backends import backend_for
+
+
+@dataclasses.dataclass(frozen=True)
+class AsideEntry:
+    """A step dir set aside under ``.aside/``: its folder name there, its URL, and why it was moved."""
+
+    name: str
+    uri: str
+    reason: str
+
+    @property
+    def step(self) -> int | None:
+        step_text = self.name.split(".", 1)[0].removeprefix("step_")
+        return int(step_text) if step_text.isdigit() else None
 
 
 class CheckpointStore:
@@ -112,8 +126,24 @@ class CheckpointStore:
     def set_aside(self, info: CheckpointInfo) -> str:
         """Move a bad step dir under ``.aside/`` with a REASON file; returns where it went."""
         aside_path = self._move_aside(info.name)
-        self._write_bytes(f"{aside_path}/REASON.txt", f"{info.status}: {info.reason}\n".encode())
+        self._write_bytes(f"{aside_path}/{ASIDE_REASON_NAME}", f"{info.status}: {info.reason}\n".encode())
         return aside_path
+
+    def aside_entries(self) -> list[AsideEntry]:
+        """The folders under ``.aside/`` (bad or leftover step dirs, never deleted), oldest name first."""
+        aside_path = self._path(ASIDE_DIR_NAME)
+        try:
+            self.fs.invalidate_cache(aside_path)  # object stores cache listings
+            names = sorted(entry.rstrip("/").rsplit("/", 1)[-1] for entry in self.fs.ls(aside_path, detail=False))
+        except FileNotFoundError:
+            return []
+        return [AsideEntry(name, f"{self.url}/{ASIDE_DIR_NAME}/{name}", self._aside_reason(name)) for name in names]
+
+    def _aside_reason(self, name: str) -> str:
+        try:
+            return self.fs.cat_file(self._path(f"{ASIDE_DIR_NAME}/{name}/{ASIDE_REASON_NAME}")).decode().strip()
+        except (FileNotFoundError, UnicodeDecodeError):
+            return "leftover uncommitted step"
 
     def read_json(self, name: str) -> Any:
         """A small JSON file at the store root (not in a step dir), or None if absent or unreadable."""

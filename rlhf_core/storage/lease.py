@@ -32,8 +32,8 @@ The remaining gap: a commit checks the lease and then writes, and these two step
 together, so a holder paused between `assert_held()` and its write can still write once after losing
 the lease. The token recorded with the commit tells which tenure wrote it.
 
-`held_lease(run_url)` finds the lease this process holds for a run (set by `acquire`, cleared by
-`release`), so code deep in a stage can fence its commits without the lease being passed down.
+Whoever takes the lease passes it to the code that commits (the stage runner, `rlhf_core.driver.runner`), which
+fences each commit with it.
 `LeaseLost` is a RuntimeError, not a UserError: nobody mistyped anything, but retrying will not help
 while another run holds the lease.
 """
@@ -56,7 +56,6 @@ from fsspec.implementations.local import LocalFileSystem
 from rlhf_core.storage import durable
 from rlhf_core.errors import LeaseLost, UserError
 from rlhf_core.processes import process_exists
-from rlhf_core.storage.locate import local_path
 
 LEASE_NAME = "LEASE.json"
 
@@ -73,6 +72,11 @@ class Holder:
 
     def describe(self, now: float) -> str:
         return f"pid {self.pid} on {self.host}, last heartbeat {now - self.heartbeat:.0f} s ago"
+
+    @property
+    def held(self) -> bool:
+        """Whether this process took the lease and has not released it (it may still have been lost since)."""
+        return self._thread is not None and self._thread.is_alive() and self._version is not None
 
     @property
     def token(self) -> str:
@@ -230,23 +234,6 @@ def _store_for(fs, path: str, settle_s: float):
     return _SettleStore(fs, path, settle_s)
 
 
-# --------------------------------------------------------------------------- registry
-
-_HELD: dict[str, "RunLease"] = {}
-_HELD_MUTEX = threading.Lock()
-
-
-def _registry_key(run_url: str) -> str:
-    path = local_path(run_url)
-    return os.path.abspath(path) if path is not None else run_url.rstrip("/")
-
-
-def held_lease(run_url: str) -> "RunLease | None":
-    """The lease this process acquired for `run_url` and has not released, or None."""
-    with _HELD_MUTEX:
-        return _HELD.get(_registry_key(run_url))
-
-
 # --------------------------------------------------------------------------- the lease
 
 
@@ -267,6 +254,11 @@ class RunLease:
         self._mutex = threading.Lock()  # one lease operation at a time: renewal, assert_held, release
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    @property
+    def held(self) -> bool:
+        """Whether this process took the lease and has not released it (it may still have been lost since)."""
+        return self._thread is not None and self._thread.is_alive() and self._version is not None
 
     @property
     def token(self) -> str:
@@ -310,8 +302,6 @@ class RunLease:
             if new_version is None:
                 raise UserError(f"{self.url} was taken by another run starting at the same time; try again later.")
             self.holder, self._version, self._lost = record, new_version, None
-        with _HELD_MUTEX:
-            _HELD[_registry_key(self.run_url)] = self
         self._stop.clear()
         self._thread = threading.Thread(target=self._renew, name="rlhf-lease", daemon=True)
         self._thread.start()
@@ -369,9 +359,6 @@ class RunLease:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
-        with _HELD_MUTEX:
-            if _HELD.get(_registry_key(self.run_url)) is self:
-                del _HELD[_registry_key(self.run_url)]
         with self._mutex:
             if self._version is not None and not self._lost:
                 released = replace(self.holder, heartbeat=time.time(), released=True)

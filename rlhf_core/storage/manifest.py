@@ -33,6 +33,7 @@ MANIFEST_NAME = "MANIFEST.json"
 METADATA_NAME = "training_metadata.json"
 LATEST_NAME = "latest"
 ASIDE_DIR_NAME = ".aside"
+ASIDE_REASON_NAME = "REASON.txt"
 STAGING_PREFIX = ".tmp_"
 # Inside a checkpoint, each model's folder (`actor_model`, `critic_model`, ...) holds:
 DEEPSPEED_STATE_DIR = "ds"  # DeepSpeed's own state (weights, optimizer partitions)

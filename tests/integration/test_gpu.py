@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_core.driver.chunk import ensure_checkpoint, release_workers
 from rlhf_core.driver.plan import resolve_paths
 from rlhf_core.config import RunConfig
 from rlhf_core.stages.sft import SFTConfig
+from tests.integration.chunks import train_chunks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -21,8 +21,7 @@ def test_bf16_sft_chunk_trains_and_commits_on_cuda(toy_assets, tmp_path):
     run = resolve_paths(RunConfig(ckpt_path=str(tmp_path), sft=SFTConfig(
         pretrain=toy_assets["model"], dataset=toy_assets["sft"], input_key="prompt", output_key="response",
         max_len=64, train_batch_size=8, micro_train_batch_size=4, learning_rate=1e-3, save_steps=4, bf16=True)))
-    result = ensure_checkpoint(run, "sft", 4)
-    release_workers()
+    [result] = train_chunks(run, "sft", 4)
     assert result.num_steps_trained == 4 and torch.isfinite(torch.tensor(result.metrics["loss"]))
     metadata = json.loads((Path(run.stage_url("sft")) / "step_4" / "training_metadata.json").read_text())
     assert metadata["config"]["bf16"] is True
@@ -77,8 +76,7 @@ def test_ppo_chunk_with_vllm_generation_trains_and_commits(toy_assets, tmp_path)
 
     run = resolve_paths(RunConfig(stages=["ppo"], ckpt_path=str(tmp_path), load_checkpoint=True,
                                   ppo=PPOConfig(**ppo_settings(toy_assets, bf16=True, vllm_enable_sleep=True))))
-    result = ensure_checkpoint(run, "ppo", 2, begin_stage(run, "ppo"))
-    release_workers()
+    [result] = train_chunks(run, "ppo", 2, lineage=begin_stage(run, "ppo"))
     assert result.num_steps_trained == 2
     assert torch.isfinite(torch.tensor(result.metrics["policy_loss"])) and result.metrics["response_length"] > 0
     assert (Path(run.stage_url("ppo")) / "step_2" / "MANIFEST.json").exists()

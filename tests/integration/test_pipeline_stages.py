@@ -17,7 +17,6 @@ import torch
 from safetensors.torch import load_file
 
 from flows.demo import demo_config
-from rlhf_core.driver.chunk import ensure_checkpoint, release_workers
 from rlhf_core.driver.stage_driver import export_stage, train_stage
 from rlhf_core.driver.plan import plan_stage, resolve_paths
 from rlhf_core.config import RunConfig
@@ -27,6 +26,7 @@ from rlhf_core.driver.export import export_final, merge_lora
 from rlhf_core.driver.resume import begin_stage
 from rlhf_core.toy import init_toy
 from tests.integration.conftest import kill_fault_driver_once_committed
+from tests.integration.chunks import train_chunks
 
 pytestmark = pytest.mark.slow
 # PPO's gain over SFT on 64 held-out prompts, seed 0: 0.107 measured (0.590 -> 0.697). Half of it
@@ -129,8 +129,7 @@ def small_ppo(pipeline, ckpt: Path, **settings) -> RunConfig:
 @pytest.mark.parametrize("estimator", ["gae", "reinforce", "rloo", "reinforce_baseline", "group_norm", "dr_grpo"])
 def test_every_advantage_estimator_trains_a_chunk(estimator, pipeline, tmp_path):
     run = small_ppo(pipeline, tmp_path, advantage_estimator=estimator, save_value_network=True)
-    result = ensure_checkpoint(run, "ppo", 2, begin_stage(run, "ppo"))
-    release_workers()
+    [result] = train_chunks(run, "ppo", 2, lineage=begin_stage(run, "ppo"))
     export_stage(run, "ppo", 2)  # --save_value_network: the critic goes to {save_path}_critic, as OpenRLHF
     assert (Path(run.ppo.save_path + "_critic") / "model.safetensors").exists() == (estimator == "gae")
     assert result.num_steps_trained == 2 and all(map(lambda v: v == v, result.metrics.values()))  # no NaN
@@ -147,8 +146,7 @@ def test_without_kl_one_update_per_rollout_skips_the_scoring_pass_and_trains_the
     weights = {}
     for name, kl in (("on_policy", 0.0), ("scored", 1e-30)):
         run = small_ppo(pipeline, tmp_path / name, advantage_estimator="reinforce", init_kl_coef=kl)
-        result = ensure_checkpoint(run, "ppo", 2, begin_stage(run, "ppo"))
-        release_workers()
+        [result] = train_chunks(run, "ppo", 2, lineage=begin_stage(run, "ppo"))
         assert result.num_steps_trained == 2 and (kl > 0 or result.metrics["kl"] == 0)
         weights[name] = load_file(os.path.join(run.stage_url("ppo"), "step_2", "actor_model", "hf", "model.safetensors"))
     assert weights["on_policy"].keys() == weights["scored"].keys()

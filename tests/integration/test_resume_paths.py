@@ -15,11 +15,11 @@ import torch
 from safetensors.torch import load_file
 
 from rlhf_core.storage.manifest import MANIFEST_NAME, Manifest, ManifestEntry, digest_of_local_file
-from rlhf_core.driver.chunk import ensure_checkpoint, release_workers
 from rlhf_core.config import RunConfig
 from rlhf_core.stages.sft import SFTConfig
 from rlhf_core.errors import UnsafeCheckpoint, UserError
 from rlhf_core.driver.resume import Lineage, begin_stage, validate_run_start
+from tests.integration.chunks import train_chunks
 
 pytestmark = pytest.mark.slow
 HF_WEIGHTS = Path("actor_model") / "hf" / "model.safetensors"
@@ -28,15 +28,9 @@ HF_WEIGHTS = Path("actor_model") / "hf" / "model.safetensors"
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
     yield
-    release_workers()
     import ray
 
     ray.shutdown()
-
-
-@pytest.fixture(autouse=True)
-def cold_start():
-    release_workers()  # every test starts from the store, not from a warm group
 
 
 def make_run(toy, ckpt: Path, **overrides) -> RunConfig:
@@ -48,9 +42,8 @@ def make_run(toy, ckpt: Path, **overrides) -> RunConfig:
 
 
 def train(run: RunConfig, *targets: int) -> None:
-    lineage = begin_stage(run, "sft")
-    for target in targets:
-        ensure_checkpoint(run, "sft", target, lineage)
+    """Chunks to each target on one worker group; every call starts from the store, not from a warm group."""
+    train_chunks(run, "sft", *targets, lineage=begin_stage(run, "sft"))
 
 
 def weights(run: RunConfig, step: int) -> dict[str, torch.Tensor]:
@@ -69,7 +62,6 @@ def reference(toy_assets, tmp_path_factory) -> RunConfig:
     """One uninterrupted single-rank run to step 20, every checkpoint kept."""
     run = make_run(toy_assets, tmp_path_factory.mktemp("reference"))
     train(run, 5, 10, 15, 20)
-    release_workers()
     return run
 
 
@@ -106,7 +98,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_previous(kind, toy_assets, refe
     step_10 = Path(run.stage_url("sft")) / "step_10"
     corrupt(step_10, kind)
     with caplog.at_level(logging.WARNING, logger="rlhf_core.driver.resume"):
-        ensure_checkpoint(run, "sft", 15)
+        train_chunks(run, "sft", 15)
     if kind != "dangling_latest":
         assert any("skipping checkpoint step_10" in record.getMessage() for record in caplog.records)
         aside = list((Path(run.stage_url("sft")) / ".aside").glob("step_10.*"))
@@ -127,9 +119,8 @@ def test_changed_batch_size_is_refused_with_a_diff_but_logging_steps_is_not(toy_
 @pytest.mark.parametrize(("first", "second"), [(2, 1), (1, 2)])
 def test_resume_on_another_world_size(first, second, toy_assets, reference, tmp_path):
     train(make_run(toy_assets, tmp_path, num_workers=first), 5, 10)
-    release_workers()
     run = make_run(toy_assets, tmp_path, num_workers=second)
-    result = ensure_checkpoint(run, "sft", 20)
+    [result] = train_chunks(run, "sft", 20)
     assert result.num_steps_trained == 10
     metadata = json.loads((Path(run.stage_url("sft")) / "step_20" / "training_metadata.json").read_text())
     assert metadata["world_size"] == second
@@ -158,7 +149,7 @@ def test_planted_pickle_payload_is_refused_and_not_executed(toy_assets, referenc
                   if e.path.endswith("mp_rank_00_model_states.pt") else e for e in manifest.files)
     (step_dir / MANIFEST_NAME).write_bytes(Manifest(manifest.step, files).to_bytes())
     with pytest.raises(UnsafeCheckpoint, match=r"mp_rank_00_model_states.pt .*it would call posix.system"):
-        ensure_checkpoint(run, "sft", 10)
+        train_chunks(run, "sft", 10)
     assert not marker.exists()
 
 
@@ -181,7 +172,7 @@ def test_load_weights_only_restarts_the_optimizer_but_not_the_schedule(toy_asset
     run = make_run(toy_assets, tmp_path, load_weights_only=True)
     lineage = begin_stage(run, "sft")
     assert lineage.weights_only and lineage.start_step == 5
-    ensure_checkpoint(run, "sft", 10, lineage)
+    train_chunks(run, "sft", 10, lineage=lineage)
     metadata = json.loads((Path(run.stage_url("sft")) / "step_10" / "training_metadata.json").read_text())
     expected = json.loads((Path(reference.stage_url("sft")) / "step_10" / "training_metadata.json").read_text())
     assert metadata["metrics"]["lr"] == pytest.approx(expected["metrics"]["lr"])
@@ -195,6 +186,6 @@ def test_a_chunk_whose_checkpoint_retention_removed_is_never_trained_again(toy_a
     It used to train steps 1-5 again from the pretrained model and commit a stale step_5 beside step_10."""
     run = make_run(toy_assets, tmp_path, max_ckpt_num=1)
     copy_checkpoints(reference, run, 10)
-    result = ensure_checkpoint(run, "sft", 5, begin_stage(run, "sft"))
+    [result] = train_chunks(run, "sft", 5, lineage=begin_stage(run, "sft"))
     assert result.num_steps_trained == 0 and result.uri.rstrip("/").endswith("step_10"), result
     assert sorted(p.name for p in Path(run.stage_url("sft")).glob("step_*")) == ["step_10"]

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from rlhf_core.driver.chunk import ensure_checkpoint, release_workers
 from rlhf_core.config import RunConfig
 from rlhf_core.stages.rm import RMConfig
 from rlhf_core.stages.sft import SFTConfig
@@ -20,6 +19,7 @@ from rlhf_core.models.precision import cpu_supports_bf16
 from rlhf_core.storage.manifest import DEEPSPEED_STATE_DIR, TRAINER_STATE_NAME
 from rlhf_core.errors import UserError
 from rlhf_core.driver.resume import begin_stage
+from tests.integration.chunks import train_chunks
 
 pytestmark = pytest.mark.slow
 
@@ -27,15 +27,9 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
     yield
-    release_workers()
     import ray
 
     ray.shutdown()
-
-
-@pytest.fixture(autouse=True)
-def cold_start():
-    release_workers()
 
 
 def sft_run(toy, ckpt: Path, **sft_overrides) -> RunConfig:
@@ -47,12 +41,7 @@ def sft_run(toy, ckpt: Path, **sft_overrides) -> RunConfig:
 
 def train(run: RunConfig, stage: str, *targets: int, cold: bool = True) -> list:
     """ensure_checkpoint for each target; `cold` restarts the workers between chunks (a resume)."""
-    lineage, results = begin_stage(run, stage), []
-    for target in targets:
-        if cold:
-            release_workers()
-        results.append(ensure_checkpoint(run, stage, target, lineage))
-    return results
+    return train_chunks(run, stage, *targets, lineage=begin_stage(run, stage), cold=cold)
 
 
 def step_dir(run: RunConfig, stage: str, step: int) -> Path:

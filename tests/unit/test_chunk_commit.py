@@ -1,4 +1,4 @@
-"""The commit at a chunk boundary (rlhf_core.driver.chunk._commit_chunk), driven with a stand-in worker group and
+"""The commit at a chunk boundary (rlhf_core.driver.chunk.commit_chunk), driven with a stand-in worker group and
 a real local store: the ranks stand idle only for their snapshot, which refuses non-finite weights first."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import pytest
 
 from rlhf_core.driver import chunk
 from rlhf_core.driver.plan import plan_stage
+from rlhf_core.driver.runner import StageRunner
 from rlhf_core.errors import StoreFull
 from rlhf_core.ops.alerts import NonFiniteTraining
 from rlhf_core.ops.commit_alerts import ModelSize
@@ -58,20 +59,23 @@ def boundary(toy_assets, tmp_path, monkeypatch):
 
 def commit(boundary, train_ahead: bool = True):
     run, plan, store, group = boundary
-    return chunk._commit_chunk(run, "sft", plan, store, group, store.list(), 0, [{"loss": 0.5}], None, train_ahead)
+    with StageRunner(run) as runner:
+        return chunk.commit_chunk(runner, run, "sft", plan, store, group, store.list(), 0, [{"loss": 0.5}], None,
+                                  train_ahead)
 
 
 def test_the_ranks_train_ahead_straight_after_their_snapshot_and_the_step_commits(boundary):
-    info, _, _, seconds, ahead_since = commit(boundary)
+    outcome = commit(boundary)
     _, _, store, group = boundary
     assert group.calls == ["snapshot", "train_ahead:10", "prepare_step", "start_write"]
-    assert info.step == 5 and [(known.step, known.status) for known in store.list(verify=True)] == [(5, "committed")]
-    assert ahead_since is not None and {"stall", "commit"} <= seconds.keys()
+    assert outcome.info.step == 5
+    assert [(known.step, known.status) for known in store.list(verify=True)] == [(5, "committed")]
+    assert outcome.ahead_since is not None and {"stall", "commit"} <= outcome.seconds.keys()
 
 
 def test_without_training_ahead_the_ranks_wait_for_the_commit(boundary):
-    _, _, _, seconds, ahead_since = commit(boundary, train_ahead=False)
-    assert boundary[3].calls == ["snapshot", "prepare_step", "start_write"] and ahead_since is None
+    outcome = commit(boundary, train_ahead=False)
+    assert boundary[3].calls == ["snapshot", "prepare_step", "start_write"] and outcome.ahead_since is None
 
 
 def test_non_finite_weights_fail_the_chunk_before_training_ahead_or_writing(boundary):
@@ -94,6 +98,6 @@ def test_a_step_committed_meanwhile_is_kept_and_the_snapshot_dropped(boundary):
     commit(boundary)
     _, _, store, group = boundary
     group.calls.clear()
-    info, *_ = commit(boundary)
+    outcome = commit(boundary)
     assert group.calls == ["snapshot", "train_ahead:10", "prepare_step", "drop:1"]
-    assert info.step == 5 and [known.step for known in store.list(verify=True)] == [5]
+    assert outcome.info.step == 5 and [known.step for known in store.list(verify=True)] == [5]

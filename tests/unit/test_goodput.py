@@ -243,46 +243,42 @@ def test_ledger_file_is_written_whole_and_read_back_across_ledger_objects(tmp_pa
     ledger.attempt_started()
     ledger.chunk_started("sft", 0, 5)
     clock.advance(6.0)
-    GoodputLedger(url, clock=clock).chunk_committed("sft", 5, {"train": 5.0, "save_and_commit": 1.0})
+    ledger.chunk_committed("sft", 5, {"train": 5.0, "save_and_commit": 1.0})
     ledger.attempt_finished()
     doc = json.loads(ledger.fs.cat_file(ledger.path))
     assert doc["format"] == 1 and doc["attempts"][0]["state"] == FINISHED
-    sft = summarize(ledger.read()).stages[0]
+    sft = summarize(GoodputLedger(url).read()).stages[0]
     assert (sft.chunks, sft.steps, sft.useful_s, sft.stall_s) == (1, 5, 5.0, 1.0)
     if not memory:
         assert sorted(os.listdir(tmp_path / "run")) == ["goodput.json"]  # no temporary file left behind
 
 
-def test_a_second_attempt_in_a_new_process_finds_the_first_crashed(tmp_path, monkeypatch):
-    from rlhf_core.ops import goodput
-
+def test_a_second_attempt_in_a_new_process_finds_the_first_crashed(tmp_path):
     url, clock = str(tmp_path / "run"), Clock()
     GoodputLedger(url, clock=clock).chunk_started("sft", 0, 5)  # begins an attempt without being asked
-    monkeypatch.setattr(goodput, "_ATTEMPT_IDS", {})  # as a new process: no attempt of its own yet
     clock.advance(30.0)
-    GoodputLedger(url, clock=clock).attempt_started()
+    GoodputLedger(url, clock=clock).attempt_started()  # a new process's ledger: no attempt of its own yet
     summary = summarize(GoodputLedger(url).read())
     assert summary.num_crashed == 1 and summary.stages[0].lost_steps == 5 and summary.running
 
 
 def test_a_new_attempt_in_the_same_process_ends_the_previous_one_cleanly(tmp_path):
     url, clock = str(tmp_path / "run"), Clock()
-    GoodputLedger(url, clock=clock).chunk_started("sft", 0, 5)
+    ledger = GoodputLedger(url, clock=clock)
+    ledger.chunk_started("sft", 0, 5)
     clock.advance(2.0)
-    GoodputLedger(url, clock=clock).attempt_started()  # e.g. train_stage for the next stage
+    ledger.attempt_started()  # e.g. train_stage for the next stage
     summary = summarize(GoodputLedger(url).read())
     assert summary.num_attempts == 2 and summary.num_crashed == 0 and summary.stages[0].lost_steps == 5
 
 
-def test_attempt_started_leaves_the_ledger_alone_while_another_live_run_holds_the_lease(tmp_path, monkeypatch):
-    from rlhf_core.ops import goodput
+def test_attempt_started_leaves_the_ledger_alone_while_another_live_run_holds_the_lease(tmp_path):
     from rlhf_core.storage.lease import RunLease
 
     url, clock = str(tmp_path / "run"), Clock()
     with RunLease(url):
         GoodputLedger(url, clock=clock).chunk_started("sft", 0, 5)
-        monkeypatch.setattr(goodput, "_ATTEMPT_IDS", {})  # a second process, about to be refused the lease
-        GoodputLedger(url, clock=clock).attempt_started()
+        GoodputLedger(url, clock=clock).attempt_started()  # a second process, about to be refused the lease
         summary = summarize(GoodputLedger(url).read())
         assert summary.num_attempts == 1 and summary.num_crashed == 0 and summary.pending
 

@@ -14,7 +14,7 @@ import pytest
 
 from rlhf_core.errors import UserError
 from rlhf_core.errors import LeaseLost
-from rlhf_core.storage.lease import RunLease, held_lease
+from rlhf_core.storage.lease import RunLease
 from tests.conftest import make_bucket, s3_environment
 
 
@@ -141,7 +141,8 @@ def test_a_stale_lease_is_taken_over_and_its_old_holder_is_fenced(any_run_url):
         assert taker.assert_held() == taker.token
         old.release()  # releases nothing: the lease is not old's any more
         assert taker.read().id == taker.holder.id and not taker.read().released
-    assert held_lease(any_run_url) is None
+        assert taker.held and not old.held
+    assert not taker.held
 
 
 def test_renewal_stops_once_a_compare_and_swap_fails(tmp_path):
@@ -176,9 +177,9 @@ def test_token_changes_with_every_take_and_release_frees_the_lease(any_run_url):
     tokens = []
     for _ in range(2):
         with first:
-            assert held_lease(any_run_url) is first
+            assert first.held
             tokens.append(first.assert_held())
-        assert held_lease(any_run_url) is None
+        assert not first.held
         assert first.read().released
         with pytest.raises(LeaseLost, match="this run does not hold it"):
             first.assert_held()

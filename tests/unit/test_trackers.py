@@ -8,13 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_core.ops import trackers as trackers_module
-from rlhf_core.driver.chunk import _train_and_log
+from rlhf_core.driver.chunk import train_and_log
 from rlhf_core.config import RunConfig
 from rlhf_core.stages.sft import SFTConfig
 from rlhf_core.errors import UserError
-from rlhf_core.ops.trackers import (close_trackers, open_stage_trackers, require_tracker_packages,
-                                split_metrics, stage_trackers)
+from rlhf_core.ops.trackers import OpenTrackers, require_tracker_packages, split_metrics
 
 pytest.importorskip("tensorboard")
 pytest.importorskip("wandb")
@@ -44,6 +42,14 @@ def scalars(log_dir: str, tag: str) -> list[tuple[int, float]]:
     return [(event.step, event.value) for event in accumulator.Scalars(tag)]
 
 
+@pytest.fixture
+def opened():
+    """The stage trackers a driver holds open; all closed at the end of the test."""
+    trackers = OpenTrackers()
+    yield trackers
+    trackers.close()
+
+
 @pytest.fixture(autouse=True)
 def wandb_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -51,7 +57,6 @@ def wandb_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     (tmp_path / "wandb-dir").mkdir()
     yield
-    close_trackers()
     import wandb
 
     wandb.teardown()  # wandb keeps the settings of its first run per process; the next test sets others
@@ -64,11 +69,11 @@ def test_split_metrics_tags_train_and_eval():
     assert evaluation == {"accuracy": 0.75, "loss": 1.0}
 
 
-def test_tensorboard_logs_every_logging_steps_and_every_eval(tmp_path):
+def test_tensorboard_logs_every_logging_steps_and_every_eval(opened, tmp_path):
     run = make_run(tmp_path, logging_steps=3, use_tensorboard=str(tmp_path / "tb"))
-    trackers = open_stage_trackers(run, "sft", {}, start_step=0)
+    trackers = opened.open(run, "sft", {}, start_step=0)
     trackers.log(fake_stream(1, 7, eval_every=2))
-    close_trackers(run, "sft")
+    opened.close(run, "sft")
 
     log_dir = str(tmp_path / "tb" / "exp" / "sft")
     assert trackers.tracker_ids() == {"wandb_run_id": None, "tensorboard_dir": log_dir}
@@ -79,14 +84,14 @@ def test_tensorboard_logs_every_logging_steps_and_every_eval(tmp_path):
                                                  (6, pytest.approx(0.06))]
 
 
-def test_tensorboard_resume_shows_each_step_once_with_the_retrained_values(tmp_path):
+def test_tensorboard_resume_shows_each_step_once_with_the_retrained_values(opened, tmp_path):
     """A run logged to step 6, died, and resumes from its step-5 checkpoint: TensorBoard must show
     steps 1-5 of the first session and 6-10 of the second, each once."""
     run = make_run(tmp_path, use_tensorboard=str(tmp_path / "tb"))
-    open_stage_trackers(run, "sft", {}, start_step=0).log(fake_stream(1, 6))
-    close_trackers(run, "sft", failed=True)
-    open_stage_trackers(run, "sft", {}, start_step=5).log(fake_stream(6, 10, offset=100.0))
-    close_trackers(run, "sft")
+    opened.open(run, "sft", {}, start_step=0).log(fake_stream(1, 6))
+    opened.close(run, "sft", failed=True)
+    opened.open(run, "sft", {}, start_step=5).log(fake_stream(6, 10, offset=100.0))
+    opened.close(run, "sft")
 
     logged = scalars(str(tmp_path / "tb" / "exp" / "sft"), "train/loss")
     assert [step for step, _ in logged] == list(range(1, 11))
@@ -98,18 +103,18 @@ def offline_runs(tmp_path: Path) -> list[Path]:
     return sorted((tmp_path / "wandb-dir" / "wandb").glob("offline-run-*"))
 
 
-def test_wandb_offline_run_resumes_the_same_id(tmp_path):
+def test_wandb_offline_run_resumes_the_same_id(opened, tmp_path):
     run = make_run(tmp_path, use_wandb=True, wandb_project="proj")
-    first = open_stage_trackers(run, "sft", {}, start_step=0)
+    first = opened.open(run, "sft", {}, start_step=0)
     assert first.wandb_run.name == "exp-sft" and first.wandb_run.project == "proj"
     first.log(fake_stream(1, 5))
     saved = first.tracker_ids()
-    close_trackers(run, "sft")
+    opened.close(run, "sft")
 
-    second = open_stage_trackers(run, "sft", saved, start_step=5)
+    second = opened.open(run, "sft", saved, start_step=5)
     assert second.wandb_run.id == saved["wandb_run_id"]
     second.log(fake_stream(6, 8))
-    close_trackers(run, "sft")
+    opened.close(run, "sft")
 
     folders = offline_runs(tmp_path)
     assert len(folders) == 2
@@ -118,16 +123,16 @@ def test_wandb_offline_run_resumes_the_same_id(tmp_path):
         assert (folder / f"run-{saved['wandb_run_id']}.wandb").is_file()
 
 
-def test_wandb_skips_steps_it_already_logged_in_this_process(tmp_path, monkeypatch):
+def test_wandb_skips_steps_it_already_logged_in_this_process(opened, tmp_path, monkeypatch):
     """A chunk retried after a failure re-trains steps the wandb run already shows."""
     run = make_run(tmp_path, use_wandb=True, wandb_run_name="named")
-    first = open_stage_trackers(run, "sft", {}, start_step=0)
+    first = opened.open(run, "sft", {}, start_step=0)
     assert first.wandb_run.name == "named"
     first.log(fake_stream(1, 6, eval_every=3))
     saved = first.tracker_ids()
-    close_trackers(run, "sft", failed=True)
+    opened.close(run, "sft", failed=True)
 
-    retried = open_stage_trackers(run, "sft", saved, start_step=4)
+    retried = opened.open(run, "sft", saved, start_step=4)
     payloads = []
     original_log = retried.wandb_run.log
     monkeypatch.setattr(retried.wandb_run, "log", lambda data, **kw: (payloads.append(data), original_log(data, **kw)))
@@ -136,9 +141,9 @@ def test_wandb_skips_steps_it_already_logged_in_this_process(tmp_path, monkeypat
     assert "eval/accuracy" not in payloads[0]
 
 
-def test_wandb_payload_has_both_step_metrics(tmp_path, monkeypatch):
+def test_wandb_payload_has_both_step_metrics(opened, tmp_path, monkeypatch):
     run = make_run(tmp_path, logging_steps=2, use_wandb=True)
-    trackers = open_stage_trackers(run, "sft", {}, start_step=0)
+    trackers = opened.open(run, "sft", {}, start_step=0)
     payloads = []
     monkeypatch.setattr(trackers.wandb_run, "log", payloads.append)
     trackers.log(fake_stream(1, 4, eval_every=3))
@@ -149,13 +154,13 @@ def test_wandb_payload_has_both_step_metrics(tmp_path, monkeypatch):
     ]
 
 
-def test_wandb_online_without_an_api_key_is_one_user_error(tmp_path, monkeypatch):
+def test_wandb_online_without_an_api_key_is_one_user_error(opened, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "online")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc with a key
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
     with pytest.raises(UserError, match="--use_wandb.*WANDB_API_KEY.*WANDB_MODE=offline"):
-        open_stage_trackers(make_run(tmp_path, use_wandb=True), "sft", {}, start_step=0)
+        opened.open(make_run(tmp_path, use_wandb=True), "sft", {}, start_step=0)
 
 
 @pytest.mark.parametrize(("flag", "package", "settings"), [("--use_tensorboard", "tensorboard", {"use_tensorboard": "tb"}),
@@ -169,17 +174,17 @@ def test_missing_tracker_package_names_flag_and_extra(tmp_path, monkeypatch, fla
     require_tracker_packages(make_run(tmp_path))  # no flag, no package needed
 
 
-def test_open_trackers_are_kept_per_stage_and_closed(tmp_path):
+def test_open_trackers_are_kept_per_stage_and_closed(opened, tmp_path):
     run = make_run(tmp_path, use_tensorboard=str(tmp_path / "tb"))
-    assert stage_trackers(run, "sft") is None
-    trackers = open_stage_trackers(run, "sft", {}, start_step=0)
-    assert stage_trackers(run, "sft") is trackers
+    assert opened.get(run, "sft") is None
+    trackers = opened.open(run, "sft", {}, start_step=0)
+    assert opened.get(run, "sft") is trackers
     # Other tracker settings for the same stage: the open ones are closed, not reused.
-    assert stage_trackers(run.model_copy(update={"use_tensorboard": str(tmp_path / "other")}), "sft") is None
+    assert opened.get(run.model_copy(update={"use_tensorboard": str(tmp_path / "other")}), "sft") is None
     assert trackers.tensorboard is None
-    open_stage_trackers(run, "sft", {}, start_step=0)
-    close_trackers()
-    assert not trackers_module._OPEN
+    opened.open(run, "sft", {}, start_step=0)
+    opened.close()
+    assert len(opened) == 0
 
 
 class FakeGroup:
@@ -197,28 +202,28 @@ class FakeGroup:
         return metrics
 
 
-def test_chunk_trains_to_each_logged_step_so_metrics_stream(tmp_path):
+def test_chunk_trains_to_each_logged_step_so_metrics_stream(opened, tmp_path):
     run = make_run(tmp_path, logging_steps=4, use_tensorboard=str(tmp_path / "tb"))
-    trackers = open_stage_trackers(run, "sft", {}, start_step=5)
+    trackers = opened.open(run, "sft", {}, start_step=5)
     group = FakeGroup(step=5)
-    step_metrics = _train_and_log(group, 5, 15, trackers, 4, "sft", 32)
+    step_metrics = train_and_log(group, 5, 15, trackers, 4, "sft", 32)
     assert group.calls == [8, 12, 15]
     assert [metrics["step"] for metrics in step_metrics] == list(range(6, 16))
-    close_trackers()
+    opened.close()
     assert [step for step, _ in scalars(trackers.tensorboard_dir, "train/loss")] == [8, 12]
 
     untracked = FakeGroup(step=0)
-    assert len(_train_and_log(untracked, 0, 10, None, 1, "sft", 32)) == 10
+    assert len(train_and_log(untracked, 0, 10, None, 1, "sft", 32)) == 10
     assert untracked.calls == [10]  # no trackers: one round trip per chunk, as before
 
 
-def test_a_chunk_trained_ahead_to_its_first_logged_step_collects_it_then_stops_at_the_next(tmp_path):
+def test_a_chunk_trained_ahead_to_its_first_logged_step_collects_it_then_stops_at_the_next(opened, tmp_path):
     run = make_run(tmp_path, logging_steps=2, use_tensorboard=str(tmp_path / "tb"))
-    trackers = open_stage_trackers(run, "sft", {}, start_step=5)
+    trackers = opened.open(run, "sft", {}, start_step=5)
     group = FakeGroup(step=5)
     group.training_ahead_to = 6  # the previous chunk's commit let the ranks train on to step 6
-    step_metrics = _train_and_log(group, 5, 10, trackers, 2, "sft", 32)
+    step_metrics = train_and_log(group, 5, 10, trackers, 2, "sft", 32)
     assert group.calls == [6, 8, 10]
     assert [metrics["step"] for metrics in step_metrics] == list(range(6, 11))
-    close_trackers()
+    opened.close()
     assert [step for step, _ in scalars(trackers.tensorboard_dir, "train/loss")] == [6, 8, 10]
