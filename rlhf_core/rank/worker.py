@@ -168,12 +168,11 @@ class TrainWorker:
         if self.world_size == 1:
             return self._stop_requested
         import torch
-        import torch.distributed as dist
+
+        from rlhf_core.rank.collectives import max_over_ranks
 
         device = f"cuda:{torch.cuda.current_device()}" if self.trainer.on_gpu else "cpu"
-        flag = torch.tensor([int(self._stop_requested)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return max_over_ranks([float(self._stop_requested)], device=device)[0] > 0
 
     @ray.method(concurrency_group="control")  # asked while the ranks train ahead: shapes and dtypes only
     def model_sizes(self) -> dict:

@@ -329,6 +329,7 @@ def ppo_update_with_entropy_coef(coef):
     from rlhf_core.stages.ppo import PPOConfig
     from rlhf_core.models.precision import Precision
     from rlhf_core.toy import build_model, build_tokenizer
+    from rlhf_core.rank.experience import Experience
     from rlhf_core.rank.trainers.ppo import PPOTrainer
 
     run = RunConfig(stages=["ppo"], ppo=PPOConfig(pretrain="m", reward_pretrain="rm", prompt_data="p.jsonl",
@@ -341,9 +342,10 @@ def ppo_update_with_entropy_coef(coef):
     trainer.actor = GradientRecordingEngine(build_model(len(trainer.tokenizer), seed=0))
     trainer.reference, trainer.critic, trainer.scores_old_logprobs = None, None, False
     responses = [[5, 6, 7, 2], [8, 9]]
-    experience = {"prompts": [[1, 4, 5], [1, 6]], "responses": responses,
-                  "advantages": torch.tensor([[1.0, 1.0, 1.0, 1.0], [-1.0, -1.0, 0.0, 0.0]]),
-                  "loss_mask": torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0]])}
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0]])
+    experience = Experience([[1, 4, 5], [1, 6]], responses, rewards=torch.tensor([1.0, -1.0]), mask=mask,
+                            keep=torch.ones(2), kl=torch.zeros_like(mask), extra_logs={}).with_advantages(
+        torch.tensor([[1.0, 1.0, 1.0, 1.0], [-1.0, -1.0, 0.0, 0.0]]), returns=torch.zeros_like(mask), loss_mask=mask)
     losses = trainer.update(experience)
     return losses, trainer.actor.gradients, trainer.actor.module
 

@@ -378,8 +378,8 @@ def test_normalize_reward_with_a_reward_function_warns_that_it_does_nothing(toy_
 
 
 def test_a_rollout_batch_of_equal_rewards_warns_once_per_chunk(caplog):
-    """The check of the global batch (every rank's rewards: the max of max and of -min over ranks, stubbed for
-    one rank here): steps 1-2 form chunk 1 and 3-4 chunk 2 at --save_steps 2."""
+    """The check of the global batch (every rank's rewards: the max of max and of -min over ranks, one rank
+    here): steps 1-2 form chunk 1 and 3-4 chunk 2 at --save_steps 2."""
     from rlhf_core.stages.ppo import PPOConfig
     from rlhf_core.rank.trainers.ppo import PPOTrainer
 
@@ -387,7 +387,6 @@ def test_a_rollout_batch_of_equal_rewards_warns_once_per_chunk(caplog):
     trainer.cfg = PPOConfig(pretrain="m", prompt_data="p.jsonl", save_steps=2, rollout_batch_size=2, train_batch_size=2,
                             micro_train_batch_size=2)
     trainer.rank, trainer.equal_rewards_chunk = 0, None
-    trainer.max_over_ranks = lambda values: values
     warned_at = []
     for step, rewards in enumerate([[0.0, 0.0], [0.0, 0.0], [0.0, 1.0], [0.5, 0.5], [0.5, 0.5]]):
         trainer.step = step

@@ -1,4 +1,5 @@
-"""What every DeepSpeed stage trainer shares: its engines, precision, saving and loading one checkpoint.
+"""What every DeepSpeed stage trainer shares: its engines, precision, the training and evaluation loops of a
+stage that trains one model on items (`train_on`, `evaluate`), saving and loading one checkpoint.
 
 A checkpoint holds one folder per trained model (`actor_model/`, `critic_model/`, `reward_model/`):
 DeepSpeed's own state under `ds/` (weights, optimizer, LR schedule, per rank) and a Hugging Face copy
@@ -27,6 +28,9 @@ import torch
 import torch.distributed as dist
 
 from rlhf_core.config import RunConfig
+from rlhf_core.data.determinism import derive_seed, step_sample_indices
+from rlhf_core.data.records import rank_micro_batches
+from rlhf_core.rank.collectives import mean_over_ranks, sum_over_ranks
 from rlhf_core.rank.ds_config import deepspeed_config, lr_scheduler_factory
 from rlhf_core.models.precision import resolve_precision
 from rlhf_core.notices import warn_once
@@ -62,7 +66,11 @@ class DeepSpeedTrainer(abc.ABC):
     """One rank of a stage: DeepSpeed engines over its trained models, at optimizer step `self.step`.
 
     A stage's trainer declares `train_step()` (one optimizer step, returning its metrics); its facts (how its data
-    is counted, items per step, the model folder its export reads) are in its `Stage` (`rlhf_core.stages`).
+    is counted, items per step, the model folder its export reads) are in its `Stage` (`rlhf_core.stages`). A stage
+    training one engine (`self.engine`) on items steps with `train_on(items)`, giving the loss of a micro-batch
+    (`train_loss`); one evaluating on items (`eval_items`) gives an eval micro-batch's sums (`eval_sums`) and, when
+    they are not plain means, its metrics of their totals (`eval_metrics`). Values are reduced over the ranks with
+    `rlhf_core.rank.collectives`.
     """
 
     stage: str = ""
@@ -204,6 +212,63 @@ class DeepSpeedTrainer(abc.ABC):
         cfg, step = self.cfg, self.step
         return (cfg.eval_steps > 0 and step % cfg.eval_steps == 0) or self.is_chunk_end()
 
+    def train_on(self, items: list) -> dict[str, float]:
+        """One optimizer step of `self.engine` on this step's global batch of `items` (`step_sample_indices`), its
+        dropout seeded by (seed, stage, step, rank): each of this rank's micro-batches goes through `train_loss`.
+        The step's metrics: the loss and `train_loss`'s metrics, each averaged over every rank's micro-batches,
+        the LR, and the evaluation's when due (`evaluation`)."""
+        cfg = self.cfg
+        torch.manual_seed(derive_seed(self.run.seed, self.stage, self.step, self.rank, "dropout"))
+        indices = step_sample_indices(self.step, cfg.train_batch_size, len(items), self.run.seed)
+        self.engine.train()
+        logs: dict[str, list[float]] = {}
+        for micro_batch in rank_micro_batches(indices, self.rank, self.world_size, cfg.micro_train_batch_size):
+            loss, values = self.train_loss([items[i] for i in micro_batch])
+            self.engine.backward(loss)
+            self.engine.step()
+            for name, value in {"loss": loss.item(), **values}.items():
+                logs.setdefault(name, []).append(value)
+        self.step += 1
+        metrics = {"step": self.step, "loss": mean_over_ranks(logs.pop("loss")), "lr": self.engine.get_lr()[0]}
+        metrics.update((name, mean_over_ranks(values)) for name, values in logs.items())
+        return {**metrics, **self.evaluation()}
+
+    def train_loss(self, batch: list) -> tuple[torch.Tensor, dict[str, float]]:
+        """For `train_on`: the loss of one micro-batch of items, and its metrics by name (the same names on
+        every call)."""
+        raise NotImplementedError(f"{type(self).__name__} trains without train_on")
+
+    def eval_items(self) -> list:
+        """What the stage evaluates on; none (the default): no evaluation."""
+        return []
+
+    def evaluation(self) -> dict[str, float]:
+        """The evaluation's metrics when one is due (`is_eval_step`) and the stage has eval items, else none."""
+        return self.evaluate() if self.eval_items() and self.is_eval_step() else {}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """The eval metrics (`eval_metrics`) of the sums `eval_sums` gives for the eval items, over every rank."""
+        for engine in self.engines.values():
+            engine.eval()
+        totals: dict[str, float] = {}
+        for batch, counted in self.eval_micro_batches(self.eval_items()):
+            sums = self.eval_sums(batch)  # every pass runs, counted or not: see eval_micro_batches
+            for name, value in sums.items():
+                totals[name] = totals.get(name, 0.0) + (value if counted else 0.0)
+        return self.eval_metrics(dict(zip(totals, sum_over_ranks(*totals.values()))))
+
+    def eval_sums(self, batch: list) -> dict[str, float]:
+        """One eval micro-batch's sums by name (the same names on every call), the number of what they sum
+        (items, tokens) as "count"."""
+        raise NotImplementedError(f"{type(self).__name__} evaluates without eval_sums")
+
+    def eval_metrics(self, totals: dict[str, float]) -> dict[str, float]:
+        """The metrics of the eval sums (`eval_sums`, summed over every micro-batch of every rank): each sum's
+        mean over the count."""
+        count = max(totals["count"], 1)
+        return {name: total / count for name, total in totals.items() if name != "count"}
+
     def eval_micro_batches(self, items: list) -> list[tuple[list, bool]]:
         """This rank's micro-batches of `items`, as (batch, counted). Every rank runs the same number of
         forward passes (ZeRO-3 gathers parameters collectively): a rank whose share ran out repeats the
@@ -216,16 +281,6 @@ class DeepSpeedTrainer(abc.ABC):
             share = items[start : start + size]
             batches.append((share, True) if share else (items[:1], False))
         return batches
-
-    def mean_over_ranks(self, values: list[float]) -> float:
-        total = torch.tensor([sum(values), len(values)], dtype=torch.float64)
-        dist.all_reduce(total)
-        return (total[0] / total[1]).item()
-
-    def sum_over_ranks(self, *values: float) -> list[float]:
-        total = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(total)
-        return total.tolist()
 
 
 def load_hf_into(engine, hf_dir: str) -> None:

@@ -23,8 +23,7 @@ import torch.nn.functional as F
 
 from rlhf_core.config import RunConfig
 from rlhf_core.data.pairs import Pair, load_pairs, trainable_pairs
-from rlhf_core.data.records import rank_micro_batches
-from rlhf_core.data.determinism import derive_seed, step_sample_indices
+from rlhf_core.data.determinism import derive_seed
 from rlhf_core.models.load import load_causal_lm
 from rlhf_core.storage.locate import load_tokenizer
 from rlhf_core.rank.packing import pack_sft
@@ -126,40 +125,20 @@ class DPOTrainer(DeepSpeedTrainer):
         return loss, chosen_rewards, rejected_rewards, nll
 
     def train_step(self) -> dict[str, float]:
-        torch.manual_seed(derive_seed(self.run.seed, self.stage, self.step, self.rank, "dropout"))
-        indices = step_sample_indices(self.step, self.cfg.train_batch_size, len(self.train_pairs), self.run.seed)
-        self.engine.train()
-        losses, accuracies, chosen, rejected, nlls = [], [], [], [], []
-        for micro_batch in rank_micro_batches(indices, self.rank, self.world_size, self.cfg.micro_train_batch_size):
-            loss, chosen_rewards, rejected_rewards, nll = self.pair_loss([self.train_pairs[i] for i in micro_batch])
-            self.engine.backward(loss)
-            self.engine.step()
-            losses.append(loss.item())
-            accuracies.append((chosen_rewards > rejected_rewards).float().mean().item())
-            chosen.append(chosen_rewards.mean().item())
-            rejected.append(rejected_rewards.mean().item())
-            nlls.append(nll.item())
-        self.step += 1
-        metrics = {"step": self.step, "loss": self.mean_over_ranks(losses), "lr": self.engine.get_lr()[0],
-                   "accuracy": self.mean_over_ranks(accuracies), "chosen_reward": self.mean_over_ranks(chosen),
-                   "rejected_reward": self.mean_over_ranks(rejected)}
-        if self.cfg.nll_loss_coef > 0:
-            metrics["nll_loss"] = self.mean_over_ranks(nlls)
-        if self.eval_pairs and self.is_eval_step():
-            metrics.update(self.evaluate())
-        return metrics
+        return self.train_on(self.train_pairs)
 
-    @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """Loss and accuracy over the eval pairs (each rank scores a share of them)."""
-        self.engine.eval()
-        loss_sum = correct = 0.0
-        num_pairs = 0
-        for share, counted in self.eval_micro_batches(self.eval_pairs):
-            loss, chosen_rewards, rejected_rewards, _ = self.pair_loss(share)
-            if counted:
-                loss_sum += loss.item() * len(share)
-                correct += (chosen_rewards > rejected_rewards).sum().item()
-                num_pairs += len(share)
-        loss_sum, correct, num_pairs = self.sum_over_ranks(loss_sum, correct, num_pairs)
-        return {"eval_loss": loss_sum / max(num_pairs, 1), "eval_accuracy": correct / max(num_pairs, 1)}
+    def train_loss(self, pairs: list[Pair]) -> tuple[torch.Tensor, dict[str, float]]:
+        loss, chosen_rewards, rejected_rewards, nll = self.pair_loss(pairs)
+        metrics = {"accuracy": (chosen_rewards > rejected_rewards).float().mean().item(),
+                   "chosen_reward": chosen_rewards.mean().item(), "rejected_reward": rejected_rewards.mean().item()}
+        if self.cfg.nll_loss_coef > 0:
+            metrics["nll_loss"] = nll.item()
+        return loss, metrics
+
+    def eval_items(self) -> list[Pair]:
+        return self.eval_pairs
+
+    def eval_sums(self, pairs: list[Pair]) -> dict[str, float]:
+        loss, chosen_rewards, rejected_rewards, _ = self.pair_loss(pairs)
+        return {"eval_loss": loss.item() * len(pairs),
+                "eval_accuracy": (chosen_rewards > rejected_rewards).sum().item(), "count": len(pairs)}

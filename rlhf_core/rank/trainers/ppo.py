@@ -46,17 +46,17 @@ import logging
 import math
 
 import torch
-import torch.distributed as dist
 
 from rlhf_core.rank import ppo_math
 from rlhf_core.rank.agent_rollout import (AgentRollout, Episode, TransformersEngine, VLLMEngine, prompt_texts)
 from rlhf_core.config import RunConfig
 from rlhf_core.stages.ppo import PPOConfig
 from rlhf_core.data.determinism import derive_seed, generator, step_sample_indices
-from rlhf_core.errors import UserError
 from rlhf_core.models.load import load_causal_lm, load_scalar_model, sequence_scores, token_values
 from rlhf_core.storage.locate import load_tokenizer
-from rlhf_core.rank.collectives import mean_extra_logs_over_ranks
+from rlhf_core.rank.collectives import (agreed, all_reduce_sum, max_over_ranks, mean_extra_logs_over_ranks,
+                                        mean_over_ranks, sum_over_ranks)
+from rlhf_core.rank.experience import Experience, episode_rewards, pad_rows
 from rlhf_core.rewards import RewardBatch, reward_function, reward_inputs
 from rlhf_core.rank.rollout import (collate_sequences, generate, on_device, response_logits,
                                     response_logprobs)
@@ -70,27 +70,6 @@ def optimizer_steps_per_ppo_step(cfg: PPOConfig) -> int:
     return cfg.rollout_batch_size * cfg.n_samples_per_prompt // cfg.train_batch_size * cfg.max_epochs
 
 
-def all_ranks_sum(totals: torch.Tensor) -> torch.Tensor:
-    """`totals` summed over every rank, in float64 (ppo_math's `reduce`); the same result on every rank."""
-    totals = totals.to(torch.float64).clone()
-    dist.all_reduce(totals)
-    return totals
-
-
-def episode_rewards(episodes: list[Episode]) -> RewardBatch:
-    """The agent's rewards and scores, and its extra_logs as per-sample lists (a key an episode lacks is left out
-    of that key's mean)."""
-    logs: dict[str, list[float]] = {}
-    for episode in episodes:
-        for key, value in episode.extra_logs.items():
-            logs.setdefault(key, []).append(value)
-    return RewardBatch([e.reward for e in episodes], [e.score for e in episodes], logs)
-
-
-def pad_rows(rows: list[torch.Tensor]) -> torch.Tensor:
-    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True) if rows else torch.zeros(0, 0)
-
-
 class PPOTrainer(DeepSpeedTrainer):
     stage = "ppo"
 
@@ -102,8 +81,6 @@ class PPOTrainer(DeepSpeedTrainer):
         self.eval_prompts = load_prompts(run, self.tokenizer, eval_data=True) if cfg.eval_dataset else []
         self.kl = ppo_math.KLController(cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon)
         self.equal_rewards_chunk: int | None = None  # the chunk whose equal rewards were warned about
-        # Whitening and KL statistics over every rank's samples (one process: its own batch is the batch).
-        self.reduce = all_ranks_sum if world_size > 1 else None
         num_optimizer_steps = self.total_steps * optimizer_steps_per_ppo_step(cfg)
         torch.manual_seed(derive_seed(run.seed, self.stage, "init"))
         loading = {"attn_implementation": cfg.attn_implementation, "storage_options": run.storage_options}
@@ -167,35 +144,34 @@ class PPOTrainer(DeepSpeedTrainer):
         cfg = self.cfg
         with self.autocast():  # bf16 autocast on a CPU run with --param_dtype bf16, as SFT and RM
             experience = self.make_experience()
-        self.warn_if_rewards_equal(experience["rewards"])
-        mask = experience["mask"] * experience["keep"][:, None]  # filtered samples leave the update
-        kl_in_reward = torch.zeros_like(experience["kl"]) if cfg.use_kl_loss else experience["kl"]
+        self.warn_if_rewards_equal(experience.rewards)
+        # Whitening and KL statistics are over every rank's samples (all_reduce_sum).
+        mask = experience.mask * experience.keep[:, None]  # filtered samples leave the update
+        kl_in_reward = torch.zeros_like(experience.kl) if cfg.use_kl_loss else experience.kl
         advantages, returns = ppo_math.advantages_and_returns(
-            cfg.advantage_estimator, experience["rewards"], kl_in_reward, mask, experience.get("values"),
+            cfg.advantage_estimator, experience.rewards, kl_in_reward, mask, experience.values,
             self.kl.coef, cfg.gamma, cfg.lambd, cfg.n_samples_per_prompt, tuple(cfg.reward_clip_range),
-            reduce=self.reduce)
-        experience.update(advantages=advantages, returns=returns, loss_mask=mask)
-        kept = self.sum_over_ranks(experience["keep"].sum().item())
+            reduce=all_reduce_sum)
+        experience = experience.with_advantages(advantages, returns, mask)
+        [kept] = sum_over_ranks(experience.keep.sum().item())
         losses = self.update(experience) if kept > 0 else {}
         # The global batch's KL and sample count: every rank's controller takes the same step.
-        observed_kl, num_samples = ppo_math.batch_kl(experience["kl"], experience["mask"], self.reduce)
+        observed_kl, num_samples = ppo_math.batch_kl(experience.kl, experience.mask, all_reduce_sum)
         self.kl.update(observed_kl, num_samples)
         self.step += 1
-        metrics = {**mean_extra_logs_over_ranks(experience["extra_logs"], self.world_size),
-                   "step": self.step, "reward": self.mean_over_ranks(experience["rewards"].tolist()),
+        metrics = {**mean_extra_logs_over_ranks(experience.extra_logs),
+                   "step": self.step, "reward": mean_over_ranks(experience.rewards.tolist()),
                    "kl": observed_kl, "kl_coef": self.kl.coef,
-                   "response_length": self.mean_over_ranks(experience["mask"].sum(-1).tolist()),
-                   "lr": self.actor.get_lr()[0], **{k: self.mean_over_ranks(v) for k, v in losses.items()}}
+                   "response_length": mean_over_ranks(experience.mask.sum(-1).tolist()),
+                   "lr": self.actor.get_lr()[0], **{k: mean_over_ranks(v) for k, v in losses.items()}}
         if cfg.dynamic_filtering:
-            metrics["dynamic_filtering_pass_rate"] = 100 * kept / self.sum_over_ranks(len(experience["keep"]))
-        if self.evaluation_due():
-            metrics["eval_reward"] = self.evaluate()
-        return metrics
+            metrics["dynamic_filtering_pass_rate"] = 100 * kept / sum_over_ranks(len(experience.keep))[0]
+        return {**metrics, **self.evaluation()}
 
     def warn_if_rewards_equal(self, rewards: torch.Tensor) -> None:
         """A rollout batch (every rank's samples) whose rewards are all equal: one warning, at most once per chunk,
         since no response scores better than another (a reward function in the wrong form, a broken one)."""
-        highest, negated_lowest = self.max_over_ranks(
+        highest, negated_lowest = max_over_ranks(
             [rewards.max().item(), -rewards.min().item()] if rewards.numel() else [-math.inf, -math.inf])
         chunk = self.step // self.cfg.save_steps if self.cfg.save_steps > 0 else 0
         if self.rank != 0 or highest != -negated_lowest or chunk == self.equal_rewards_chunk:
@@ -206,7 +182,7 @@ class PPOTrainer(DeepSpeedTrainer):
                        "at most once per chunk).", self.step + 1, highest)
 
     @torch.no_grad()
-    def make_experience(self) -> dict:
+    def make_experience(self) -> Experience:
         """Sample, then score: old and reference log-probs, values, rewards, per-token KL, filtering."""
         cfg = self.cfg
         torch.manual_seed(derive_seed(self.run.seed, self.stage, self.step, self.rank, "rollout"))
@@ -222,20 +198,19 @@ class PPOTrainer(DeepSpeedTrainer):
                 self.score_micro_batch(prompts[part], responses[part], rows)
         rewarded = self.rollout_rewards(items, responses, episodes)
         lengths = [len(response) for response in responses]
-        experience = {"prompts": prompts, "responses": responses, "rewards": torch.tensor(rewarded.rewards),
-                      "mask": pad_rows([torch.tensor(mask, dtype=torch.float32) for mask in action_masks]),
-                      "extra_logs": rewarded.extra_logs,
-                      "keep": torch.ones(len(items))}
+        # A model's rows (None: not scored), cut to each response's length.
+        scored = {name: pad_rows([row[:n] for row, n in zip(model_rows, lengths)]) if model_rows else None
+                  for name, model_rows in rows.items()}
+        mask = pad_rows([torch.tensor(mask, dtype=torch.float32) for mask in action_masks])
+        keep = torch.ones(len(items))
         if cfg.dynamic_filtering:
-            experience["keep"] = ppo_math.group_filter(torch.tensor(rewarded.scores), cfg.n_samples_per_prompt,
-                                                       *cfg.dynamic_filtering_reward_range)
-        for name in (name for name, scored in rows.items() if scored):
-            experience[name] = pad_rows([row[:n] for row, n in zip(rows[name], lengths)])
-        experience["kl"] = torch.zeros_like(experience["mask"])
+            keep = ppo_math.group_filter(torch.tensor(rewarded.scores), cfg.n_samples_per_prompt,
+                                         *cfg.dynamic_filtering_reward_range)
+        kl = torch.zeros_like(mask)
         if self.reference is not None:
-            experience["kl"] = ppo_math.kl_estimate(experience["old_logprobs"], experience["ref_logprobs"],
-                                                    cfg.kl_estimator) * experience["mask"]
-        return experience
+            kl = ppo_math.kl_estimate(scored["old_logprobs"], scored["ref_logprobs"], cfg.kl_estimator) * mask
+        return Experience(prompts, responses, torch.tensor(rewarded.rewards), mask, keep, kl, rewarded.extra_logs,
+                          **scored)
 
     def roll_out(self, items: list[PromptItem], seeds: list[int], temperature: float, use_vllm: bool):
         """(prompts, responses, action masks, episodes) of `items`: sampled responses (every token the model's,
@@ -247,7 +222,7 @@ class PPOTrainer(DeepSpeedTrainer):
         with self.whole(self.actor), self.vllm.serving(self.actor.module) if on_vllm else contextlib.nullcontext():
             engine = (VLLMEngine(self.vllm, self.tokenizer, eos_token_id) if on_vllm
                       else TransformersEngine(self.actor.module, self.tokenizer, eos_token_id))
-            episodes = self.agreed(lambda: self.agent.run(engine, prompt_texts(self.tokenizer, items), seeds,
+            episodes = agreed(lambda: self.agent.run(engine, prompt_texts(self.tokenizer, items), seeds,
                                                           temperature))
         return ([e.prompt for e in episodes], [e.response for e in episodes], [e.action_mask for e in episodes],
                 episodes)
@@ -290,21 +265,7 @@ class PPOTrainer(DeepSpeedTrainer):
             scores = self.reward_model_scores([item.ids for item in items], responses)
             return RewardBatch(scores, list(scores))
 
-        return self.agreed(score)
-
-    def agreed(self, work):
-        """`work()`'s result; a UserError on any rank (the user's reward function or agent) stops every rank
-        with the same sentence (a rank left behind would wait in the next collective forever)."""
-        problem, result = "", None
-        try:
-            result = work()
-        except UserError as error:
-            problem = str(error)
-        problems: list[str] = [""] * self.world_size
-        dist.all_gather_object(problems, problem)
-        if any(problems):
-            raise UserError(next(text for text in problems if text))
-        return result
+        return agreed(score)
 
     def reward_model_scores(self, prompts: list[list[int]], responses: list[list[int]]) -> list[float]:
         scores = []
@@ -318,9 +279,9 @@ class PPOTrainer(DeepSpeedTrainer):
             scores = [(score - mean) / std for score in scores]
         return scores
 
-    def update(self, experience: dict) -> dict[str, list[float]]:
+    def update(self, experience: Experience) -> dict[str, list[float]]:
         """max_epochs passes of micro-batch updates; DeepSpeed steps at each accumulation boundary."""
-        cfg, num_rows = self.cfg, len(experience["prompts"])
+        cfg, num_rows = self.cfg, len(experience.prompts)
         train_actor = self.step >= cfg.freezing_actor_steps  # OpenRLHF: global step (1-based) > N
         losses: dict[str, list[float]] = ({"policy_loss": [], "clip_fraction": []} if train_actor else {}) | (
             {"entropy_loss": []} if train_actor and cfg.entropy_loss_coef is not None else {}) | (
@@ -335,27 +296,28 @@ class PPOTrainer(DeepSpeedTrainer):
                     losses[name].append(value)
         return losses
 
-    def update_micro_batch(self, experience: dict, rows: list[int], train_actor: bool) -> dict[str, float]:
+    def update_micro_batch(self, experience: Experience, rows: list[int], train_actor: bool) -> dict[str, float]:
         cfg = self.cfg
-        batch = collate_sequences([experience["prompts"][i] for i in rows],
-                                  [experience["responses"][i] for i in rows], self.tokenizer.pad_token_id)
+        batch = collate_sequences([experience.prompts[i] for i in rows],
+                                  [experience.responses[i] for i in rows], self.tokenizer.pad_token_id)
         width = batch["action_mask"].shape[1]
 
-        def take(name: str) -> torch.Tensor:
-            return experience[name][rows, :width].to(self.actor.device)
+        def take(tensor: torch.Tensor) -> torch.Tensor:
+            """The micro-batch's rows of a per-token tensor, cut to its responses' width, on the actor's device."""
+            return tensor[rows, :width].to(self.actor.device)
 
-        mask = take("loss_mask")
+        mask = take(experience.loss_mask)
         result = {}
         if train_actor:
             with self.autocast():
                 logprobs, entropy = self.actor_logprobs(batch)
             eps_low, eps_high = cfg.eps_clip_low_high or (cfg.eps_clip, cfg.eps_clip)
-            old_logprobs = take("old_logprobs") if self.scores_old_logprobs else logprobs.detach()
-            loss, clip_fraction = ppo_math.policy_loss(logprobs, old_logprobs, take("advantages"), mask,
+            old_logprobs = take(experience.old_logprobs) if self.scores_old_logprobs else logprobs.detach()
+            loss, clip_fraction = ppo_math.policy_loss(logprobs, old_logprobs, take(experience.advantages), mask,
                                                        eps_low, eps_high)
             if cfg.use_kl_loss and self.reference is not None:  # GRPO style: the KL in the loss, not the reward
                 loss = loss + self.kl.coef * ppo_math.masked_mean(
-                    ppo_math.kl_estimate(logprobs, take("ref_logprobs"), cfg.kl_estimator), mask)
+                    ppo_math.kl_estimate(logprobs, take(experience.ref_logprobs), cfg.kl_estimator), mask)
             result = {"policy_loss": loss.item(), "clip_fraction": clip_fraction.item()}
             if entropy is not None:  # --entropy_loss_coef: 0 measures the entropy, anything else adds the bonus
                 loss, mean_entropy = ppo_math.entropy_bonus(loss, entropy, mask, cfg.entropy_loss_coef)
@@ -366,7 +328,7 @@ class PPOTrainer(DeepSpeedTrainer):
             with self.autocast():
                 values = token_values(self.critic.module, batch["input_ids"], batch["attention_mask"])
             values = values[:, batch["prompt_len"] - 1 : -1].float()
-            critic_loss = ppo_math.value_loss(values, take("values"), take("returns"), mask, cfg.value_clip)
+            critic_loss = ppo_math.value_loss(values, take(experience.values), take(experience.returns), mask, cfg.value_clip)
             self.critic.backward(critic_loss)
             self.critic.step()
             result["critic_loss"] = critic_loss.item()
@@ -382,13 +344,13 @@ class PPOTrainer(DeepSpeedTrainer):
         entropy = ppo_math.token_entropy(logits if coef else logits.detach())
         return ppo_math.token_logprobs(logits, tokens), entropy
 
-    def evaluation_due(self) -> bool:
-        """Every eval_steps steps, and at the last step of each chunk (where a checkpoint is committed)."""
-        return bool(self.cfg.eval_dataset) and self.is_eval_step()
+    def eval_items(self) -> list[PromptItem]:
+        return self.eval_prompts
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean reward of eval_n_samples_per_prompt samples per eval prompt at eval_temperature, all ranks."""
+    def evaluate(self) -> dict[str, float]:
+        """`eval_reward`: the mean reward of eval_n_samples_per_prompt samples per eval prompt at eval_temperature,
+        over every rank (a rollout, not the base's loop over micro-batches)."""
         cfg = self.cfg
         torch.manual_seed(derive_seed(self.run.seed, self.stage, self.step, self.rank, "eval"))
         items = [item for item in self.eval_prompts[self.rank :: self.world_size]
@@ -401,14 +363,4 @@ class PPOTrainer(DeepSpeedTrainer):
                  for index in range(len(items))]
         with self.autocast():  # the same precision as the training rollouts
             _, responses, _, episodes = self.roll_out(items, seeds, cfg.eval_temperature, use_vllm=False)
-        return self.mean_over_ranks(self.rollout_rewards(items, responses, episodes).rewards)
-
-    def sum_over_ranks(self, value: float) -> float:
-        total = torch.tensor([float(value)], dtype=torch.float64)
-        dist.all_reduce(total)
-        return total.item()
-
-    def max_over_ranks(self, values: list[float]) -> list[float]:
-        highest = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(highest, op=dist.ReduceOp.MAX)
-        return highest.tolist()
+        return {"eval_reward": mean_over_ranks(self.rollout_rewards(items, responses, episodes).rewards)}

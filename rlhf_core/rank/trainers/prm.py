@@ -18,8 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from rlhf_core.config import RunConfig
-from rlhf_core.data.records import rank_micro_batches
-from rlhf_core.data.determinism import derive_seed, step_sample_indices
+from rlhf_core.data.determinism import derive_seed
 from rlhf_core.models.load import load_causal_lm
 from rlhf_core.storage.locate import load_tokenizer
 from rlhf_core.rank.packing import pack_sequences
@@ -90,34 +89,17 @@ class PRMTrainer(DeepSpeedTrainer):
         return prm_loss(input_ids, logits, labels, self.placeholder_id, self.reward_ids, samples[0].soft)
 
     def train_step(self) -> dict[str, float]:
-        torch.manual_seed(derive_seed(self.run.seed, self.stage, self.step, self.rank, "dropout"))
-        indices = step_sample_indices(self.step, self.cfg.train_batch_size, len(self.samples), self.run.seed)
-        self.engine.train()
-        losses, accuracies = [], []
-        for micro_batch in rank_micro_batches(indices, self.rank, self.world_size, self.cfg.micro_train_batch_size):
-            loss, accuracy = self.loss([self.samples[i] for i in micro_batch])
-            self.engine.backward(loss)
-            self.engine.step()
-            losses.append(loss.item())
-            accuracies.append(accuracy.item())
-        self.step += 1
-        metrics = {"step": self.step, "loss": self.mean_over_ranks(losses), "lr": self.engine.get_lr()[0],
-                   "accuracy": self.mean_over_ranks(accuracies)}
-        if self.eval_samples and self.is_eval_step():
-            metrics.update(self.evaluate())
-        return metrics
+        return self.train_on(self.samples)
 
-    @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """Loss and accuracy over the eval samples, weighted by sample (each rank scores a share of them)."""
-        self.engine.eval()
-        loss_sum = accuracy_sum = 0.0
-        num_samples = 0
-        for share, counted in self.eval_micro_batches(self.eval_samples):
-            loss, accuracy = self.loss(share)
-            if counted:
-                loss_sum += loss.item() * len(share)
-                accuracy_sum += accuracy.item() * len(share)
-                num_samples += len(share)
-        loss_sum, accuracy_sum, num_samples = self.sum_over_ranks(loss_sum, accuracy_sum, num_samples)
-        return {"eval_loss": loss_sum / max(num_samples, 1), "eval_accuracy": accuracy_sum / max(num_samples, 1)}
+    def train_loss(self, samples: list[StepLabelledSample]) -> tuple[torch.Tensor, dict[str, float]]:
+        loss, accuracy = self.loss(samples)
+        return loss, {"accuracy": accuracy.item()}
+
+    def eval_items(self) -> list[StepLabelledSample]:
+        return self.eval_samples
+
+    def eval_sums(self, samples: list[StepLabelledSample]) -> dict[str, float]:
+        """Loss and accuracy weighted by sample."""
+        loss, accuracy = self.loss(samples)
+        return {"eval_loss": loss.item() * len(samples), "eval_accuracy": accuracy.item() * len(samples),
+                "count": len(samples)}

@@ -17,8 +17,7 @@ import torch.nn.functional as F
 
 from rlhf_core.config import RunConfig
 from rlhf_core.data.pairs import Pair, load_pairs
-from rlhf_core.data.records import rank_micro_batches
-from rlhf_core.data.determinism import derive_seed, step_sample_indices
+from rlhf_core.data.determinism import derive_seed
 from rlhf_core.notices import warn_once
 from rlhf_core.models.load import load_scalar_model, sequence_scores
 from rlhf_core.storage.locate import load_tokenizer
@@ -66,52 +65,33 @@ class RewardModelTrainer(DeepSpeedTrainer):
         return pairwise_loss(self.cfg.loss, chosen, rejected, margins)
 
     def train_step(self) -> dict[str, float]:
-        torch.manual_seed(derive_seed(self.run.seed, self.stage, self.step, self.rank, "dropout"))
-        indices = step_sample_indices(self.step, self.cfg.train_batch_size, len(self.train_pairs), self.run.seed)
-        self.engine.train()
-        losses, accuracies = [], []
-        for micro_batch in rank_micro_batches(indices, self.rank, self.world_size, self.cfg.micro_train_batch_size):
-            pairs = [self.train_pairs[i] for i in micro_batch]
-            chosen, rejected = self.rewards(pairs)
-            loss = self.loss(pairs, chosen, rejected)
-            self.engine.backward(loss)
-            self.engine.step()
-            losses.append(loss.item())
-            accuracies.append((chosen > rejected).float().mean().item())
-        self.step += 1
-        metrics = {"step": self.step, "loss": self.mean_over_ranks(losses), "lr": self.engine.get_lr()[0],
-                   "accuracy": self.mean_over_ranks(accuracies)}
-        if self.is_eval_step():
-            metrics.update(self.evaluate())
-        return metrics
+        return self.train_on(self.train_pairs)
 
-    @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """Accuracy, loss and reward mean/std on the eval pairs (each rank scores a share of them); the
-        mean/std go into the model config, so each checkpoint's hf/config.json carries them."""
-        self.engine.eval()
-        pairs = self.eval_pairs or self.train_pairs
-        correct = loss_sum = reward_sum = reward_square_sum = 0.0
-        num_pairs = 0
-        for share, counted in self.eval_micro_batches(pairs):
-            chosen, rejected = self.rewards(share)
-            if counted:
-                rewards = torch.cat([chosen, rejected]).double()
-                correct += (chosen > rejected).sum().item()
-                loss_sum += self.loss(share, chosen, rejected).item() * len(share)
-                reward_sum += rewards.sum().item()
-                reward_square_sum += rewards.square().sum().item()
-                num_pairs += len(share)
-        correct, loss_sum, reward_sum, reward_square_sum, num_pairs = self.sum_over_ranks(
-            correct, loss_sum, reward_sum, reward_square_sum, num_pairs)
-        num_rewards = 2 * num_pairs
-        mean = reward_sum / num_rewards
-        variance = (reward_square_sum - num_rewards * mean**2) / max(num_rewards - 1, 1)  # unbiased, as torch.std
+    def train_loss(self, pairs: list[Pair]) -> tuple[torch.Tensor, dict[str, float]]:
+        chosen, rejected = self.rewards(pairs)
+        return self.loss(pairs, chosen, rejected), {"accuracy": (chosen > rejected).float().mean().item()}
+
+    def eval_items(self) -> list[Pair]:
+        return self.eval_pairs or self.train_pairs
+
+    def eval_sums(self, pairs: list[Pair]) -> dict[str, float]:
+        chosen, rejected = self.rewards(pairs)
+        rewards = torch.cat([chosen, rejected]).double()
+        return {"correct": (chosen > rejected).sum().item(),
+                "loss": self.loss(pairs, chosen, rejected).item() * len(pairs), "reward": rewards.sum().item(),
+                "reward_square": rewards.square().sum().item(), "count": len(pairs)}
+
+    def eval_metrics(self, totals: dict[str, float]) -> dict[str, float]:
+        """Accuracy and loss on the eval pairs, and the rewards' mean/std (chosen and rejected), which go into the
+        model config, so each checkpoint's hf/config.json carries them."""
+        num_pairs, num_rewards = totals["count"], 2 * totals["count"]
+        mean = totals["reward"] / num_rewards
+        variance = (totals["reward_square"] - num_rewards * mean**2) / max(num_rewards - 1, 1)  # unbiased, as torch.std
         std = max(variance, 0.0) ** 0.5
         config = (self.engine.module.get_base_model() if hasattr(self.engine.module, "get_base_model")
                   else self.engine.module).config
         config.mean, config.std = mean, max(std, 1e-8)
         metrics = {"reward_mean": mean, "reward_std": std}
         if self.eval_pairs:
-            metrics.update(eval_accuracy=correct / num_pairs, eval_loss=loss_sum / num_pairs)
+            metrics.update(eval_accuracy=totals["correct"] / num_pairs, eval_loss=totals["loss"] / num_pairs)
         return metrics

@@ -13,9 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from rlhf_core.config import RunConfig
-from rlhf_core.data.records import rank_micro_batches
 from rlhf_core.data.sft import load_sft_samples
-from rlhf_core.data.determinism import derive_seed, step_sample_indices
+from rlhf_core.data.determinism import derive_seed
 from rlhf_core.faults import fault_requested
 from rlhf_core.models.load import load_causal_lm
 from rlhf_core.storage.locate import load_tokenizer
@@ -47,38 +46,24 @@ class SFTTrainer(DeepSpeedTrainer):
         return {name: tensor.to(self.engine.device) for name, tensor in batch.items()}
 
     def train_step(self) -> dict[str, float]:
-        torch.manual_seed(derive_seed(self.run.seed, self.stage, self.step, self.rank, "dropout"))
-        indices = step_sample_indices(self.step, self.cfg.train_batch_size, len(self.samples), self.run.seed)
-        self.engine.train()
-        losses = []
-        for micro_batch in rank_micro_batches(indices, self.rank, self.world_size, self.cfg.micro_train_batch_size):
-            with self.autocast():
-                loss = self.engine(**self.batch([self.samples[i] for i in micro_batch])).loss
-            if fault_requested("loss", self.step + 1, "nan"):  # test hook: the non-finite alert's case
-                loss = loss * float("nan")
-            self.engine.backward(loss)
-            self.engine.step()
-            losses.append(loss.item())
-        self.step += 1
-        metrics = {"step": self.step, "loss": self.mean_over_ranks(losses), "lr": self.engine.get_lr()[0]}
-        if self.eval_samples and self.is_eval_step():
-            metrics["eval_loss"] = self.eval_loss()
-        return metrics
+        return self.train_on(self.samples)
 
-    @torch.no_grad()
-    def eval_loss(self) -> float:
-        """Mean cross-entropy per response token over the eval set (each rank scores a share of it)."""
-        self.engine.eval()
-        loss_sum, num_tokens = 0.0, 0
-        for samples, counted in self.eval_micro_batches(self.eval_samples):
-            batch = self.batch(samples)
-            labels = batch.pop("labels")
-            with self.autocast():
-                logits = self.engine(**batch).logits
-            token_losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                                           ignore_index=IGNORE_INDEX, reduction="sum")
-            if counted:
-                loss_sum += token_losses.item()
-                num_tokens += int((labels[:, 1:] != IGNORE_INDEX).sum())
-        total_loss, total_tokens = self.sum_over_ranks(loss_sum, num_tokens)
-        return total_loss / max(total_tokens, 1)
+    def train_loss(self, samples: list[TokenizedSample]) -> tuple[torch.Tensor, dict[str, float]]:
+        with self.autocast():
+            loss = self.engine(**self.batch(samples)).loss
+        if fault_requested("loss", self.step + 1, "nan"):  # test hook: the non-finite alert's case
+            loss = loss * float("nan")
+        return loss, {}
+
+    def eval_items(self) -> list[TokenizedSample]:
+        return self.eval_samples
+
+    def eval_sums(self, samples: list[TokenizedSample]) -> dict[str, float]:
+        """The summed cross-entropy of the response tokens, over their count: eval_loss is the mean per token."""
+        batch = self.batch(samples)
+        labels = batch.pop("labels")
+        with self.autocast():
+            logits = self.engine(**batch).logits
+        token_losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                                       ignore_index=IGNORE_INDEX, reduction="sum")
+        return {"eval_loss": token_losses.item(), "count": int((labels[:, 1:] != IGNORE_INDEX).sum())}
