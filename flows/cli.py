@@ -174,7 +174,8 @@ def run_quietly(run_url: str, run_name: str, verbose: bool, start: typing.Callab
     after an emergency checkpoint (rlhf_core.driver.stop) from the first moment on, Prefect's start included."""
     import flows.pipeline  # noqa: F401 - importing prefect sets up its logging; the console's filters go on it
     from rlhf_core.driver import stop
-    from rlhf_core.ops.console import configure_console, discard_log_file, log_file_for, open_log_file, reset_console
+    from rlhf_core.ops.console import configure_console, discard_log_file, open_log_file, reset_console
+    from rlhf_core.ops.run_log import log_file_for
 
     configure_console(log_file_for(run_url, run_name), verbose)
     try:

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any
 
 from rlhf_core.errors import UserError
 from rlhf_core.stages import STAGES
+from rlhf_core.storage.manifest import CheckpointInfo
 
 
 def cmd_goodput(run_url: str, as_json: bool) -> None:
@@ -93,7 +95,7 @@ def _ledger_stages(ledger, required: bool = True) -> list:
 def cmd_ckpt(command: str, path: str, as_json: bool, verify: bool) -> int:
     """`ckpt ls` lists, each checkpoint with its alerts; `ckpt verify` hashes everything and fails when the
     newest step is not valid."""
-    from rlhf_core.storage.checkpoint import CheckpointStore, format_listing, to_json
+    from rlhf_core.storage.checkpoint import CheckpointStore
 
     store = CheckpointStore(path)
     store.require_folder()  # a mistyped path is a mistake (exit 2), not an empty listing
@@ -223,3 +225,23 @@ def _stage_status(stage: str, store) -> str:
     save_path = metadata.get("save_path") or config.get("save_path")
     parts.append(f"output {save_path}" if save_path else f"checkpoint {last.uri}")
     return ", ".join(parts)
+
+
+def format_listing(infos: list[CheckpointInfo]) -> str:
+    """A plain-text table of checkpoints for ``rlhf ckpt ls``."""
+    if not infos:
+        return "no checkpoints"
+    header = ("step", "status", "size", "name", "reason")
+    rows = [
+        (str(info.step), info.status, f"{info.size_bytes / 1e6:.1f} MB", info.name, info.reason)
+        for info in infos
+    ]
+    table = [header, *rows]
+    widths = [max(len(row[column]) for row in table) for column in range(len(header))]
+    lines = ("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in table)
+    return "\n".join(lines)
+
+
+def to_json(infos: list[CheckpointInfo]) -> list[dict[str, Any]]:
+    """Checkpoint infos as plain dicts, for ``--json`` output."""
+    return [dataclasses.asdict(info) for info in infos]

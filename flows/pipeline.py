@@ -140,10 +140,11 @@ def _quiet_console_in_a_deployment_run(run: RunConfig) -> None:
     """The CLI's quiet console for a flow run started from a deployment (in this process of its own, by a
     worker); nothing when the CLI already set it up or the flow runs in a caller's process."""
     from rlhf_core.ops import console
+    from rlhf_core.ops.run_log import log_file_for
 
     if runtime.deployment.id is None or console.configured_log_file() is not None:
         return
-    console.configure_console(console.log_file_for(run.run_url(), run.run_name), run.verbose)
+    console.configure_console(log_file_for(run.run_url(), run.run_name), run.verbose)
     console.open_log_file()  # the run is real: validate_run_start passed
 
 

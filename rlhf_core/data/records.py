@@ -203,9 +203,7 @@ def _parse_jsonl(url: str, text: str) -> list[Record]:
             value = json.loads(line)
         except json.JSONDecodeError as error:
             raise UserError(f"{url} line {line_number}: invalid JSON ({error.msg}).") from None
-        if not isinstance(value, dict):
-            raise UserError(f"{url} line {line_number}: expected a JSON object, got {type(value).__name__}.")
-        records.append(Record(line_number, value))
+        records.append(_object_record(url, value, line_number, "line"))
     return records
 
 
@@ -216,10 +214,14 @@ def _parse_json_array(url: str, text: str) -> list[Record]:
         raise UserError(f"{url} line {error.lineno}: invalid JSON ({error.msg}).") from None
     if not isinstance(value, list):
         raise UserError(f"{url}: a .json dataset must be a list of objects (or one object per line).")
-    for index, item in enumerate(value, start=1):
-        if not isinstance(item, dict):
-            raise UserError(f"{url} item {index}: expected a JSON object, got {type(item).__name__}.")
-    return [Record(index, item, "item") for index, item in enumerate(value, start=1)]
+    return [_object_record(url, item, index, "item") for index, item in enumerate(value, start=1)]
+
+
+def _object_record(url: str, value: object, index: int, unit: str) -> Record:
+    """A record of a JSON dataset, which must be an object (`unit`: "line" of JSON Lines, "item" of an array)."""
+    if not isinstance(value, dict):
+        raise UserError(f"{url} {unit} {index}: expected a JSON object, got {type(value).__name__}.")
+    return Record(index, value, unit)
 
 
 def _read_table(url: str, storage_options: dict | None, kind: str) -> list[Record]:

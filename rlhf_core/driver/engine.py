@@ -1,28 +1,8 @@
-"""DeepSpeed ranks as a Ray actor group, placed on any node of a Ray cluster.
-
-`WorkerGroup(run)` reserves a Ray placement group (`--placement_strategy`, PACK by default) before
-any actor starts, waits `--placement_timeout_s` for it, and starts one `TrainWorker` actor per
-bundle. The ranks join one torch.distributed group (gloo on CPU, nccl on GPU) and each drives a stage
-trainer. The group outlives a chunk: the next chunk reuses it warm when it already holds the state
-the store would give it.
-
-Checkpoint I/O is per rank and asynchronous: at a chunk boundary each rank snapshots its share into
-memory on its own node (`rlhf_core.rank.snapshot`), and its actor's second thread ("io") uploads those files
-straight into the store's uncommitted step folder, hashing as it writes, while the first thread trains
-the next chunk (`train_ahead`); the driver only writes the manifest (`rlhf_core.storage.checkpoint`). On load each rank fetches and
-verifies just the files it reads. So the driver can sit anywhere: on the head, in a `ray job`, or
-off the cluster as a Ray client (`ray://`). A local --ckpt_path must be a folder every node sees;
-a marker file checks that before any training.
-
-When the cluster cannot place the group within the timeout (say a node was lost), `--allow_fewer_workers`
-goes on with as many ranks as fit (and as the batch sizes allow); otherwise the placement fails with
-one sentence naming what is missing. A rank whose node dies mid-chunk fails the chunk with a
-`WorkerLost` naming the node, which Prefect retries.
-
-A named failure raised inside a rank (`rlhf_core.errors`: a bad dataset, reward function or flag, a store
-write that failed) reaches the driver as that same exception with its one-sentence message, not as Ray's
-RayTaskError with a remote traceback.
-The DeepSpeed config lives in `rlhf_core.rank.ds_config`, which the ranks import without this module.
+"""DeepSpeed ranks as a Ray actor group (`WorkerGroup`), placed on any node of a Ray cluster: a placement group
+reserved first, one `TrainWorker` actor per bundle, one torch.distributed group. The group outlives a chunk; each
+rank writes its own checkpoint files in a background thread while the next chunk trains, so the driver can run
+anywhere (head, `ray job`, Ray client). A lost node fails the chunk with `WorkerLost` (retried); a named failure
+in a rank reaches the driver as itself. docs/architecture.md ("Ranks on Ray") has the details.
 """
 
 from __future__ import annotations
@@ -35,20 +15,20 @@ import threading
 import time
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlhf_core.driver import stop
 from rlhf_core.config import RunConfig
 from rlhf_core.rank.ds_config import resolve_zero_stage
-from rlhf_core.errors import PlacementFailed, RLHFError, UserError, WorkerLost
+from rlhf_core.errors import RLHFError, UserError, WorkerLost
 from rlhf_core.ops.goodput import writer_slowdown
 from rlhf_core.rank.worker import RankLocation, TrainWorker
+from rlhf_core.driver.placement import placement_bundle, reserve_placement
 
 logger = logging.getLogger(__name__)
 
 # How long a smaller group (--allow_fewer_workers) may take to place once the full one has timed out.
-SMALLER_GROUP_TIMEOUT_S = 10.0
 # After a rank fails in a collective, how long to wait for Ray to say which peer was lost (it marks a node
 # dead once it misses its heartbeats, ~5-10 s).
 LOSS_DETECTION_TIMEOUT_S = 30.0
@@ -306,83 +286,6 @@ def threads_asked() -> int | None:
     if not value.isdigit() or int(value) < 1:
         raise UserError(f"OMP_NUM_THREADS={value!r}: expected a whole number of threads, 1 or more.")
     return int(value)
-
-
-def placement_bundle(run: RunConfig) -> dict[str, float]:
-    """The resources one rank reserves: --num_cpus_per_worker (default 1, or an equal share of a small
-    cluster's CPUs) and a GPU when the cluster has one per rank."""
-    cluster = ray.cluster_resources()
-    cpus = run.num_cpus_per_worker or min(1.0, max(0.01, cluster.get("CPU", 1) / run.num_workers))
-    bundle = {"CPU": cpus}
-    if cluster.get("GPU", 0) >= run.num_workers:
-        bundle["GPU"] = 1
-    return bundle
-
-
-def reserve_placement(run: RunConfig):
-    """A ready placement group for the ranks, and its size (fewer than num_workers only with
-    --allow_fewer_workers); a sentence naming the missing resources when none can be placed."""
-    bundle = placement_bundle(run)
-    group = _placed(run.num_workers, bundle, run.placement_strategy, run.placement_timeout_s)
-    if group is not None:
-        return group, run.num_workers
-    if run.allow_fewer_workers:
-        for num_ranks in _smaller_world_sizes(run):
-            group = _placed(num_ranks, bundle, run.placement_strategy, SMALLER_GROUP_TIMEOUT_S)
-            if group is not None:
-                return group, num_ranks
-    message = _placement_shortfall(run, bundle)
-    if _cluster_can_hold(run.num_workers, bundle, run.placement_strategy):
-        raise PlacementFailed(message + " The resources exist but stayed in use; the chunk is retried.")
-    raise UserError(message)
-
-
-def _placed(num_ranks: int, bundle: dict, strategy: str, timeout_s: float):
-    group = placement_group([dict(bundle) for _ in range(num_ranks)], strategy=strategy)
-    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
-    if ready:
-        return group
-    remove_placement_group(group)
-    return None
-
-
-def _smaller_world_sizes(run: RunConfig) -> list[int]:
-    """World sizes below num_workers that the batch settings allow, largest first."""
-    from pydantic import ValidationError
-
-    sizes = []
-    for num_ranks in range(run.num_workers - 1, 0, -1):
-        try:
-            RunConfig.model_validate({**run.model_dump(), "num_workers": num_ranks})
-        except ValidationError:
-            continue
-        sizes.append(num_ranks)
-    return sizes
-
-
-def _alive_nodes() -> list[dict]:
-    return [node for node in ray.nodes() if node.get("Alive")]
-
-
-def _cluster_can_hold(num_ranks: int, bundle: dict, strategy: str) -> bool:
-    """Whether the alive nodes' total resources fit the group at all (busy or not)."""
-    fits_per_node = [min(int(node["Resources"].get(name, 0) // amount) for name, amount in bundle.items() if amount)
-                     for node in _alive_nodes()]
-    if strategy == "STRICT_SPREAD":
-        return sum(1 for fits in fits_per_node if fits >= 1) >= num_ranks
-    return sum(fits_per_node) >= num_ranks
-
-
-def _placement_shortfall(run: RunConfig, bundle: dict) -> str:
-    nodes = _alive_nodes()
-    total, free = ray.cluster_resources(), ray.available_resources()
-    wanted = ", ".join(f"{amount:g} {name}" for name, amount in bundle.items())
-    have = "; ".join(f"{name}: {free.get(name, 0):g} free of {total.get(name, 0):g}" for name in bundle)
-    spread = f" on {run.num_workers} different nodes" if run.placement_strategy == "STRICT_SPREAD" else ""
-    return (f"--num_workers {run.num_workers}: Ray could not place {run.num_workers} ranks of {{{wanted}}}{spread} "
-            f"({run.placement_strategy}) within --placement_timeout_s {run.placement_timeout_s:g}; the cluster has "
-            f"{len(nodes)} alive node(s) ({have}). Add nodes or resources, lower --num_workers or "
-            f"--num_cpus_per_worker, or pass --allow_fewer_workers.")
 
 
 def gather(refs):

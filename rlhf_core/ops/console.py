@@ -1,167 +1,28 @@
-"""A quiet console for `rlhf train`, `rlhf run` and `rlhf demo`, with everything kept in a log file.
-
-Without it the console drowns the chunk lines in other programs' output: every line a Ray actor prints
-(`(TrainWorker pid=...)`: DeepSpeed's "Setting accelerator to CPU", op builds, transformers' "Loading
-weights" bars), Ray's own warnings, DeepSpeed's and transformers' loggers in the driver, library
-FutureWarnings, and Prefect's temporary-server and per-task "Finished in state" lines.
-
-`configure_console(log_file, verbose)` (called by the CLI once Prefect has set up its logging) keeps on
-the console: our own lines (the flow run's chunk and stage lines, `rlhf_core` notices), each warning once,
-errors from anyone, and Ray's raylet/autoscaler lines (an OOM kill, a dead node). Everything, shown or not,
-is also written to the log file, with Ray actors' output under the logger name `ray.worker_output`.
-A record of `rlhf_core` whose message is already a console line (`rlhf: warning: ...`: an alert, see
-rlhf_core.ops.alerts) is printed as it is, without the console handler's time and logger name (`_OwnLineFormatter`);
-the same record reaches the flow run's log through Prefect's API handler (PREFECT_LOGGING_EXTRA_LOGGERS).
-With `verbose` (`--verbose`) the console shows everything as before and the file still gets it all.
-
-One progress bar per stage: the flow logs one line per chunk (`sft [#####-----] 4/8 chunks  step 32/64: ...`,
-flows/stage_report.py). When the console is a terminal (and not verbose), that line is drawn as a live bar
-instead (`LiveBar`): rewritten in place with a carriage return at each chunk and at each logged step
-(`show_step`, called by the chunk's training loop), and ended with a newline when the stage's last step is
-reached or before any other line reaches the console, so nothing is written over. Not on a terminal (CI,
-a worker's captured output, a pipe to a file), each chunk line stays a line of its own, as the log file
-keeps it in every case.
-
-Who calls `configure_console`: the CLI (`rlhf train`, `rlhf run`, `rlhf demo`), and the flow `rlhf` itself
-when it runs from a deployment (a worker's flow-run process, flows/pipeline.py), which no CLI sets up.
-
-Where the log file is (`log_file_for`): `{ckpt_path}/{run_name}/logs/driver.log` when the run folder is
-local (beside the checkpoints and `alerts.jsonl`), appended to by each run of that run name. For a run
-folder in an object store (s3://...) a file cannot be appended to as it grows, so the log goes to
-`./rlhf-logs/{run_name}.log` in the current directory instead. The file is opened only once the run is real
-(Ray starts, or the run ends other than by a UserError; records until then are held in memory), so a run
-that preflight refuses writes nothing; its first line on the console says where it is.
-
-How each source is kept off the console (and why this way):
-- Ray actors' stdout/stderr: the driver receives them when `ray.init(log_to_driver=True)`; Ray hands each
-  batch to the handlers of `ray._private.worker.global_worker_stdstream_dispatcher`. `route_ray_worker_output`
-  (called by `rlhf_core.driver.engine.ensure_ray` right after `ray.init`) swaps Ray's printing handler for one that
-  writes to the log file. Should that private hook be missing (another Ray version), or with a Ray client
-  (`ray://`, whose worker output arrives by another path), `ray_init_options` asks for `log_to_driver=False`
-  instead: then the actors' output stays only in Ray's session logs on each node,
-  `/tmp/ray/session_latest/logs/worker-*.out` and `.err` (the driver log names the session folder).
-- Ray's, DeepSpeed's and transformers' loggers in the driver: each has its own console handler and does not
-  propagate. Ray's and transformers' handlers get a filter that lets errors through, and the loggers get the
-  log file as a second handler. DeepSpeed creates its handler at import and warns in the same breath (the
-  accelerator line), so its logger gets, before that import, a logger filter that copies each record to the
-  file and lets only errors on. (`DS_ACCELERATOR=cpu` would silence that warning too, but it must not reach a
-  GPU rank, so the environment is left alone.)
-- Prefect's console handler (on the root logger): a filter drops the temporary-server lines and the task runs'
-  "Finished in state Completed/Cached" lines (the flow's chunk line says the same), and repeats of a warning.
-- Python warnings: `warnings.showwarning` writes each to the file; on the console FutureWarning and
-  DeprecationWarning (library notices meant for developers) are left out and any other warning shows once.
-- transformers' progress bars in the driver (the export's "Writing model shards") are turned off.
-
-Nothing here imports prefect: the filters recognise Prefect's handler as "a stream handler on the root logger".
+"""A quiet console for `rlhf train`, `rlhf run` and `rlhf demo`, with everything kept in the run's log file
+(`rlhf_core.ops.run_log`): our chunk and stage lines, each warning once, errors from anyone and Ray's
+raylet/autoscaler lines stay on the console; Ray actors' output, library loggers, FutureWarnings and Prefect's
+per-task lines go to the file only (`--verbose` shows everything). On a terminal the chunk line is a live bar.
+docs/architecture.md ("The quiet console") says how each source is kept off the console, and why that way.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import re
 import sys
 import threading
 import warnings
-from rlhf_core.storage.locate import local_path
 from rlhf_core.ops.progress import LiveBar, is_terminal
+from rlhf_core.ops.run_log import RunLogHandler
 from dataclasses import dataclass, field
 from typing import Any
 
 WARNING_PREFIX = "rlhf: warning: "  # how rlhf_core's warnings read on the console (ranks' and alerts)
-LOG_DIR_NAME = "logs"
-LOG_FILE_NAME = "driver.log"
-REMOTE_FALLBACK_DIR = "rlhf-logs"
 WORKER_OUTPUT_LOGGER = "ray.worker_output"
 # Libraries whose driver-side logs are for the log file; only their errors reach the console.
 LIBRARY_LOGGERS = ("ray", "DeepSpeed", "transformers")
 _QUIET_WARNING_CATEGORIES = (FutureWarning, DeprecationWarning, PendingDeprecationWarning)
 _PREFECT_NOISE = re.compile(r"^(Starting|Stopping) temporary server on |^Finished in state (Completed|Cached)\(")
-_FILE_FORMAT = "%(asctime)s %(levelname)-7s %(name)s - %(message)s"
-_MAX_HELD_RECORDS = 100_000  # before the file opens (preflight's few records; a bound, not a budget)
-
-
-def log_file_for(run_url: str, run_name: str) -> str:
-    """Where `configure_console` writes for a run: in the run folder when it is local, else ./rlhf-logs."""
-    local = local_path(run_url)
-    if local is None:
-        return os.path.abspath(os.path.join(REMOTE_FALLBACK_DIR, f"{run_name}.log"))
-    return os.path.join(os.path.abspath(local), LOG_DIR_NAME, LOG_FILE_NAME)
-
-
-class _FailSafeFileHandler(logging.FileHandler):
-    """A FileHandler that, when its file cannot be written (a full disk, a lost mount), says so once on the
-    console and stops writing, instead of printing logging's traceback for every record that follows."""
-
-    failed = False
-
-    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
-        error = sys.exc_info()[1]
-        if not isinstance(error, OSError):
-            return super().handleError(record)
-        if not self.failed:
-            self.failed = True
-            warn_log_file_lost(self.baseFilename, error)
-        with contextlib.suppress(OSError):
-            self.close()
-
-
-def warn_log_file_lost(path: str, error: OSError) -> None:
-    print(f"rlhf: warning: cannot write the run's log file {path} ({error.strerror or error}); the console "
-          "keeps logging, the file stops here.", file=sys.__stderr__, flush=True)
-
-
-class _RunLogHandler(logging.Handler):
-    """The log file, opened only once the run is real: records are held in memory until `open()` (Ray starts,
-    or the CLI sees the run end other than by a UserError), so a run refused by preflight writes nothing."""
-
-    def __init__(self, path: str):
-        super().__init__()
-        self.path = path
-        self._held: list[logging.LogRecord] = []
-        self._file: logging.FileHandler | None = None
-
-    @property
-    def is_open(self) -> bool:
-        return self._file is not None
-
-    def open(self) -> bool:
-        """Create the file and write what was held; True when this call opened it."""
-        with self.lock:
-            if self._file is not None:
-                return False
-            try:
-                os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-                self._file = _FailSafeFileHandler(self.path, encoding="utf-8")
-            except OSError as error:  # the run goes on without its file
-                self._file = _FailSafeFileHandler(os.devnull, encoding="utf-8")
-                self._file.failed = True
-                warn_log_file_lost(self.path, error)
-            # Not self.formatter: ray.init(configure_logging=True) sets the format of every handler on the
-            # "ray" logger, this one included.
-            self._file.setFormatter(logging.Formatter(_FILE_FORMAT))
-            for record in self._held:
-                self._file.emit(record)
-            self._held.clear()
-            return True
-
-    def discard(self) -> None:
-        with self.lock:
-            self._held.clear()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if self._file is not None:
-            if not self._file.failed:
-                self._file.emit(record)
-        elif len(self._held) < _MAX_HELD_RECORDS:
-            self._held.append(record)
-
-    def close(self) -> None:
-        with self.lock:
-            if self._file is not None:
-                self._file.close()
-        super().close()
 
 
 @dataclass
@@ -169,7 +30,7 @@ class _Console:
     """What `configure_console` set up in this process (one per process)."""
 
     verbose: bool
-    file_handler: _RunLogHandler
+    file_handler: RunLogHandler
     live_bar: LiveBar | None = None  # on a terminal, unless verbose
     warnings_shown: set = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -301,7 +162,7 @@ def configure_console(log_file: str, verbose: bool = False, live_progress: bool 
     writes to a terminal; never when verbose, where other programs' lines would cut through the bar).
     """
     global _console
-    file_handler = _RunLogHandler(log_file)
+    file_handler = RunLogHandler(log_file)
     if _console is not None:  # configured again in this process (tests): the old file is let go everywhere
         for name in ("", *LIBRARY_LOGGERS):
             logging.getLogger(name).removeHandler(_console.file_handler)

@@ -1,51 +1,8 @@
-"""The goodput ledger of a run (`{ckpt_path}/{run_name}/goodput.json`): where each attempt's wall time went.
-
-Goodput is the share of a run's wall time spent on training steps whose result was committed. The ledger
-follows one run across all its attempts (processes: the first command, a restart after a kill, a Prefect
-retry in a new process) and says where the rest of the time went, per stage and in total:
-
-- useful: the step-loop seconds of every committed chunk: the ranks' own `step_loop` time where the chunk
-  reports it, else `train` (the driver's wait for the steps; shorter than the steps when the ranks trained
-  ahead while the previous checkpoint was written, so it errs low);
-- stall: seconds the step loop waited for a checkpoint (`stall`; with synchronous checkpoints, the whole
-  `save_and_commit`), and the seconds it ran slower beside the background writer (`writer_slowdown`, moved
-  out of useful: its serialisation, hashing and writes take CPU from the ranks). `commit` (the background
-  writer's own time) is shown but overlaps training;
-- start-up: from the command's start (process creation, when the CLI marks it) to the attempt's first chunk,
-  plus each chunk's `workers` seconds (Ray and the worker group starting);
-- load: checkpoint fetch, verify and load (`load`, or `workers_and_load` where they are not told apart);
-- plan: the chunk's own planning (`plan`);
-- lost: chunks that started and never committed (a crash or a failed chunk), from their start to the
-  failure: their steps are trained again. A chunk's start is when the ranks began training it ahead, during
-  the previous chunk's commit (`trained_ahead_s`); training ahead that no chunk took over (a crash right
-  after a commit, a stop at a run budget) is lost too;
-- other: the rest of the wall time (Prefect between chunks, export, teardown), by subtraction;
-- down: time between a crashed attempt's end and the next attempt's start, not part of the wall time
-  (nothing runs; a restart a week later must not count as a week of badput).
-
-How it is recorded: the chunk code calls `chunk_started(stage, from_step, to_step)` before it trains and
-`chunk_committed(stage, step, seconds)` after its commit; the flow calls `attempt_started()` before it takes the
-run lease (it does nothing while another live process holds it) and `attempt_finished()` at its end. Code that
-calls neither (a bare `train_stage`) gets an attempt begun by its first `chunk_started`. Each call attributes
-the wall time since this attempt's previous call to the stage it names, so stage wall times add up to the run's.
-When an attempt starts it closes the previous one: a chunk still pending there either committed (its
-`MANIFEST.json` is in the store: the process died after the commit, before recording it) or is lost. The
-previous attempt's end is estimated from its last ledger write and, when the run lease still names its process,
-the lease's last heartbeat, plus one heartbeat interval (so a crash costs at most `RunLease`'s 10 s heartbeat
-more than it did: the number errs low); without that lease record the end is the new attempt's start (all of the
-gap counts).
-
-Why one small JSON document, rewritten whole: it has a constant size (aggregates per stage, the chunks in
-flight, one record per attempt), so a write costs the same at chunk 10 and at chunk 10,000, and a reader
-needs one GET. A rewrite cannot be torn: on a local disk it is written to a temporary file in the same folder
-and renamed over the old one (`os.replace`, atomic on POSIX), fsync'd on both sides of the rename so a power
-cut keeps the old or the new; on an object store a PUT replaces the whole
-object or nothing. Only the run's lease holder trains, so there is one writer; a lock orders this process's
-own threads (a background checkpoint writer may record its commit while the next chunk starts). Recording is
-best effort: a store error while recording costs a warning, never a chunk.
-
-Reading it (per stage and in total, as text and markdown) and the checkpoint-interval planner are in
-`rlhf_core.ops.goodput_summary`.
+"""The goodput ledger of a run (`{ckpt_path}/{run_name}/goodput.json`): where each attempt's wall time went
+(useful, stall, start-up, load, plan, lost, other; down time between attempts apart), per stage and in total,
+across every attempt of the run. The chunk code and the flow call its hooks; one small JSON document is
+rewritten whole (atomic, durable), and recording is best effort. docs/architecture.md ("Goodput") defines each
+category and why the ledger is kept this way; `rlhf_core.ops.goodput_summary` reads it.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ CHECKSUMS = {"sha256": 64, "xxh3_128": 32, "blake3": 64}
 DEFAULT_CHECKSUM = "xxh3_128"
 LEGACY_CHECKSUM = "sha256"  # what a manifest without a "checksum" field used
 # Files the store writes itself; copies of them in a local checkpoint dir are ignored.
-_RESERVED_NAMES = frozenset({MANIFEST_NAME, METADATA_NAME})
+RESERVED_NAMES = frozenset({MANIFEST_NAME, METADATA_NAME})
 
 
 def step_dir_name(step: int) -> str:
@@ -192,7 +192,7 @@ class Manifest:
             raise ValueError(f"unsupported format_version {version!r}")
         step = document.get("step")
         raw_files = document.get("files")
-        if not _is_count(step) or not isinstance(raw_files, list):
+        if not is_count(step) or not isinstance(raw_files, list):
             raise ValueError("missing step or files")
         checksum = LEGACY_CHECKSUM if version == 1 else require_checksum(document.get("checksum"))
         lease_token = document.get("lease_token", "")
@@ -200,7 +200,7 @@ class Manifest:
                    lease_token=lease_token if isinstance(lease_token, str) else "")
 
 
-def _is_count(value: Any) -> bool:
+def is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
@@ -210,7 +210,7 @@ def _parse_entry(raw: Any, checksum: str) -> ManifestEntry:
     path, size, digest = raw.get("path"), raw.get("size"), raw.get(checksum)
     if not isinstance(path, str) or not _is_contained(path):
         raise ValueError(f"bad file path {path!r}")
-    if not _is_count(size) or not isinstance(digest, str) or len(digest) != CHECKSUMS[checksum] \
+    if not is_count(size) or not isinstance(digest, str) or len(digest) != CHECKSUMS[checksum] \
             or not _HEX_PATTERN.fullmatch(digest):
         raise ValueError(f"bad size or {checksum} for {path}")
     return ManifestEntry(path=path, size=size, digest=digest, checksum=checksum)

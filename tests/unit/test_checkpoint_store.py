@@ -14,7 +14,8 @@ import pytest
 import xxhash
 from fsspec.implementations.local import LocalFileSystem
 
-from rlhf_core.storage.checkpoint import CheckpointStore, format_listing, to_json
+from flows.cli_inspect import format_listing, to_json
+from rlhf_core.storage.checkpoint import CheckpointStore
 from rlhf_core.storage.manifest import LATEST_NAME, MANIFEST_NAME, METADATA_NAME, Manifest
 from rlhf_core.storage import direct_io, durable
 from rlhf_core.errors import CorruptCheckpoint, UserError

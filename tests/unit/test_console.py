@@ -12,6 +12,7 @@ import pytest
 
 from flows.stage_report import progress_line  # imports prefect, which sets up logging: before the fixtures
 from rlhf_core.ops import console
+from rlhf_core.ops.run_log import RunLogHandler, log_file_for
 from rlhf_core.ops.progress import render_live_bar
 
 
@@ -52,10 +53,10 @@ def quiet(tmp_path):
 
 
 def test_log_file_is_in_a_local_run_folder_and_local_for_an_object_store(tmp_path, monkeypatch):
-    assert console.log_file_for(str(tmp_path / "ckpt" / "run1"), "run1") == \
+    assert log_file_for(str(tmp_path / "ckpt" / "run1"), "run1") == \
         str(tmp_path / "ckpt" / "run1" / "logs" / "driver.log")
     monkeypatch.chdir(tmp_path)
-    assert console.log_file_for("s3://bucket/ckpt/run1", "run1") == str(tmp_path / "rlhf-logs" / "run1.log")
+    assert log_file_for("s3://bucket/ckpt/run1", "run1") == str(tmp_path / "rlhf-logs" / "run1.log")
 
 
 def test_library_and_prefect_noise_go_to_the_file_only_and_errors_to_both(quiet):
@@ -267,7 +268,7 @@ def test_a_rank_warning_or_a_python_warning_ends_the_bar_line_first(quiet, monke
 def test_a_log_file_on_a_full_disk_is_one_warning_and_no_traceback(capfd):
     """/dev/full fails every write with ENOSPC, as a log folder on a full disk does: the run's log handler says so
     once and stops writing; logging goes on, and no logging traceback reaches the console."""
-    handler = console._RunLogHandler("/dev/full")
+    handler = RunLogHandler("/dev/full")
     logger = logging.getLogger("rlhf_core.test_full_log")
     logger.addHandler(handler)
     try:

@@ -17,9 +17,10 @@ SAMPLES = {"switch": True, "pair": (0.5, 0.5), "list": ["q_proj"]}
 
 
 def _sources() -> dict[Path, str]:
-    """The code that could read a field: the packages, without the flag table that only names fields."""
+    """The code that could read a field: the packages, without the flag table (its rows and their parts) that only
+    names fields."""
     return {path: path.read_text() for package in ("rlhf_core", "flows", "tasks") for path in (ROOT / package).rglob("*.py")
-            if path.name != "openrlhf_flags.py"}
+            if path.name not in ("openrlhf_flags.py", "flag_table.py")}
 
 
 def fields_set(flag: Flag) -> set[str]:
