@@ -140,6 +140,17 @@ def test_vllm_without_a_gpu_is_refused_before_training(capsys, tmp_path, toy_ass
     assert not any(tmp_path.iterdir())  # refused before anything was written
 
 
+def test_the_typed_run_config_is_generated_from_the_stage_table():
+    """rlhf_core/run_config.py, which editors and mypy read, declares exactly the registry's built-in stages."""
+    from pathlib import Path
+
+    from rlhf_core.config import render_run_config
+
+    generated = Path(__file__).resolve().parents[2] / "rlhf_core" / "run_config.py"
+    assert generated.read_text() == render_run_config(), \
+        "regenerate: python -m rlhf_core.config > rlhf_core/run_config.py"
+
+
 def test_the_stage_table_is_the_one_source_of_stages():
     from flows.cli import STAGE_CONFIGS
     from rlhf_core.stages import STAGES, TRAINING_STAGES
