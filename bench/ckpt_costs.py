@@ -107,7 +107,7 @@ def run_chunks(runner, run) -> tuple[list, dict[str, list]]:
     from rlhf_core.driver import chunk
     from rlhf_core.driver.resume import begin_stage
 
-    plan, lineage, cycle = runner.plan(run, "sft"), begin_stage(run, "sft"), schedule()
+    plan, lineage, cycle = runner.plan("sft"), begin_stage(run, "sft"), schedule()
     results, by_variant = [], {}
     for index, target in enumerate(plan.targets):
         variant, ahead = (None, True) if index == 0 else cycle[(index - 1) % len(cycle)]
@@ -115,7 +115,7 @@ def run_chunks(runner, run) -> tuple[list, dict[str, list]]:
         # from flushed pages, so none pays for another's (the no-fsync variant's pages included).
         os.sync()
         with checkpoint_variant(variant, runner.warm_group):
-            result = chunk.ensure_checkpoint(runner, run, "sft", target, lineage, train_ahead=ahead)
+            result = chunk.ensure_checkpoint(runner, "sft", target, lineage, train_ahead=ahead)
         results.append(result)
         if variant is not None:
             by_variant.setdefault(variant + (BESIDE if ahead else ""), []).append(result)

@@ -155,24 +155,24 @@ def _committed_steps(run: RunConfig, stage: str) -> set[int]:
 # --------------------------------------------------------------------------- flows
 
 
-@flow(name="rlhf-stage", flow_run_name="{run.run_name}-{stage}", log_prints=True)
-def rlhf_stage(runner: StageRunner, run: RunConfig, stage: str, upstream_digest: str = "",
-               chunks_left: int | None = None, stop_at: datetime | None = None, chunks_trained_before: int = 0) -> dict:
-    """One training stage: its chunks in order (on the parent flow's `runner`), then its export. Stops before a
-    chunk that would train once `chunks_left` is 0 or `stop_at` has passed (budgets of the parent flow run, which
-    has trained `chunks_trained_before` chunks in earlier stages; the time budget applies after the first);
-    returns the stage summary."""
-    with stop.obeying_signals(run.stop_grace_s):  # Prefect's subflow engine put its SIGTERM handler back
-        return _train_stage_chunks(runner, run, stage, upstream_digest, chunks_left, stop_at, chunks_trained_before)
+@flow(name="rlhf-stage", flow_run_name="{runner.run.run_name}-{stage}", log_prints=True)
+def rlhf_stage(runner: StageRunner, stage: str, upstream_digest: str = "", chunks_left: int | None = None,
+               stop_at: datetime | None = None, chunks_trained_before: int = 0) -> dict:
+    """One training stage of the parent flow's run (its `runner`): its chunks in order, then its export. Stops
+    before a chunk that would train once `chunks_left` is 0 or `stop_at` has passed (budgets of the parent flow
+    run, which has trained `chunks_trained_before` chunks in earlier stages; the time budget applies after the
+    first); returns the stage summary."""
+    with stop.obeying_signals(runner.run.stop_grace_s):  # Prefect's subflow engine put its SIGTERM handler back
+        return _train_stage_chunks(runner, stage, upstream_digest, chunks_left, stop_at, chunks_trained_before)
 
 
-def _train_stage_chunks(runner: StageRunner, run: RunConfig, stage: str, upstream_digest: str,
-                        chunks_left: int | None, stop_at: datetime | None, chunks_trained_before: int) -> dict | State:
+def _train_stage_chunks(runner: StageRunner, stage: str, upstream_digest: str, chunks_left: int | None,
+                        stop_at: datetime | None, chunks_trained_before: int) -> dict | State:
     """The body of `rlhf_stage`; a Cancelled state when a stop signal ended it (rlhf_core.driver.stop)."""
-    logger = get_run_logger()
+    logger, run = get_run_logger(), runner.run
     aside = {entry.name for entry in open_store(run, stage).aside_entries()}
     lineage = begin_stage(run, stage)
-    plan = runner.plan(run, stage)
+    plan = runner.plan(stage)
     train_chunk = chunk_task_for(run)
     report = StageReport(run, stage, plan, logger)
     result, num_trained, last_chunk_s = None, 0, 0.0
@@ -184,8 +184,8 @@ def _train_stage_chunks(runner: StageRunner, run: RunConfig, stage: str, upstrea
         started = time.monotonic()
         last_allowed = _last_chunk_allowed(None if chunks_left is None else chunks_left - num_trained, stop_at,
                                            last_chunk_s)
-        state = train_chunk(runner, run, stage, target, upstream_digest, lineage, train_ahead=not last_allowed,
-                            plan=plan, return_state=True)
+        state = train_chunk(runner, stage, target, upstream_digest, lineage, train_ahead=not last_allowed, plan=plan,
+                            return_state=True)
         aside = _emit_set_aside_events(run, stage, aside)
         if state.is_cancelled():  # stopped by a signal, after its emergency checkpoint
             return Cancelled(message=state.message)
@@ -202,7 +202,7 @@ def _train_stage_chunks(runner: StageRunner, run: RunConfig, stage: str, upstrea
         report.add_chunk(result, _chunk_status(run, state.name, result))
     if stop.requested():  # the stage's last chunk committed; the next run of the command exports it
         return _cancelled(stage, plan.total_steps, run)
-    save_path = export_model(runner, run, stage, plan.total_steps, plan)
+    save_path = export_model(runner, stage, plan.total_steps, plan)
     report.finish(save_path)
     logger.info("%s: exported the final model (step %d) to %s", stage, plan.total_steps, save_path)
     return {"status": COMPLETED, "final_step": plan.total_steps, "checkpoint": result.uri,
@@ -247,28 +247,31 @@ def rlhf_output_stage(run: RunConfig, stage: str) -> dict:
 def rlhf(config: RunConfig) -> dict:
     """Run the requested RLHF stages in order; each stage resumes from its newest valid checkpoint.
     Returns {stage: summary}; a stage stopped by a run budget has status "stopped-by-budget"."""
-    with stop.obeying_signals(config.stop_grace_s), StageRunner(config) as runner:  # in place of Prefect's
-        return _run_stages(config, runner)  # SIGTERM handler (Crashed)
+    with stop.obeying_signals(config.stop_grace_s), StageRunner(resolve_paths(config)) as runner:  # in place of
+        return _run_stages(runner, prepared=False)  # Prefect's SIGTERM handler (Crashed)
 
 
 def _rlhf_on(runner: StageRunner) -> Flow:
     """The flow `rlhf` (its name, parameter and body) on a runner its caller created and closes: the CLI's, whose
-    worker group started beside Prefect's server and whose preflight already checked the run."""
+    worker group started beside Prefect's server and whose preflight already resolved and checked the run."""
 
     def rlhf_on_runner(config: RunConfig) -> dict:
         with stop.obeying_signals(config.stop_grace_s):
-            return _run_stages(config, runner)
+            prepared = runner.is_checked(config)
+            if not prepared:
+                runner.run = resolve_paths(config)
+            return _run_stages(runner, prepared)
 
     return flow(rlhf_on_runner, name=rlhf.name, description=rlhf.description, log_prints=True)
 
 
-def _run_stages(config: RunConfig, runner: StageRunner) -> dict | State:
-    """The body of `rlhf`; a Cancelled state when a stop signal ended it (rlhf_core.driver.stop)."""
+def _run_stages(runner: StageRunner, prepared: bool) -> dict | State:
+    """The body of `rlhf` over the runner's run (`prepared`: resolved and validated already, by the CLI's
+    preflight); a Cancelled state when a stop signal ended it (rlhf_core.driver.stop)."""
     logger = get_run_logger()
-    prepared = runner.is_checked(config)  # by `run_pipeline`'s preflight: resolved and validated once there
-    run = config if prepared else resolve_paths(config)
     if (runtime.flow_run.run_count or 1) > 1:  # a Prefect retry of this flow run always resumes
-        run, prepared = run.model_copy(update={"load_checkpoint": True}), False
+        runner.run, prepared = runner.run.model_copy(update={"load_checkpoint": True}), False
+    run = runner.run
     if not prepared:
         validate_run_start(run)
     _quiet_console_in_a_deployment_run(run)
@@ -276,9 +279,9 @@ def _run_stages(config: RunConfig, runner: StageRunner) -> dict | State:
                if run.time_budget_minutes else None)
     summary, upstream_digest, num_trained = {}, "", 0
     runner.ledger.attempt_started()  # before the lease: it still names a crashed predecessor's process
-    with runner.holding_lease(run):
+    with runner.holding_lease():
         try:
-            _prestart_first_training_stage(runner, run)  # a deployment run's; the CLI's run_pipeline started it
+            _prestart_first_training_stage(runner)  # a deployment run's; the CLI's run_pipeline started it already
             for stage in run.stages:
                 if stop.requested():  # between stages: the last one finished, the next run starts this one
                     done = [name for name in summary if STAGES[name].kind == "train"]
@@ -290,7 +293,7 @@ def _run_stages(config: RunConfig, runner: StageRunner) -> dict | State:
                     summary[stage] = rlhf_output_stage(run, stage)
                 else:
                     chunks_left = None if run.max_chunks_per_run is None else run.max_chunks_per_run - num_trained
-                    state = rlhf_stage(runner, run, stage, upstream_digest, chunks_left, stop_at, num_trained,
+                    state = rlhf_stage(runner, stage, upstream_digest, chunks_left, stop_at, num_trained,
                                        return_state=True)
                     if state.is_cancelled():
                         return Cancelled(message=state.message)
@@ -315,7 +318,7 @@ def run_pipeline(run: RunConfig, command_started: float | None = None) -> dict:
     with StageRunner(checked.run, checked, command_started) as runner:
         server_start = _start_ephemeral_server_in_background()
         try:
-            _prestart_first_training_stage(runner, checked.run)  # Ray and the first ranks start beside Prefect
+            _prestart_first_training_stage(runner)  # Ray and the first ranks start beside Prefect
         finally:
             if server_start is not None:
                 server_start.join()  # never leave the start half done (an exit would wait on it)
@@ -325,15 +328,15 @@ def run_pipeline(run: RunConfig, command_started: float | None = None) -> dict:
     return state.result()
 
 
-def _prestart_first_training_stage(runner: StageRunner, run: RunConfig) -> None:
+def _prestart_first_training_stage(runner: StageRunner) -> None:
     """Connect Ray and start the worker group of the first training stage in the background
     (`StageRunner.prestart`), so that the first chunk finds its ranks started and imported."""
     from rlhf_core.driver.engine import ensure_ray
 
-    training = [stage for stage in run.stages if STAGES[stage].kind == "train"]
+    training = [stage for stage in runner.run.stages if STAGES[stage].kind == "train"]
     if training:
-        ensure_ray(run.ray_address)
-        runner.prestart(run, training[0])
+        ensure_ray(runner.run.ray_address)
+        runner.prestart(training[0])
 
 
 def _start_ephemeral_server_in_background() -> threading.Thread | None:

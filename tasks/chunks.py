@@ -52,8 +52,8 @@ class ChunkCachePolicy(CachePolicy):
 
     def compute_key(self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any],
                     **kwargs: Any) -> str | None:
-        return chunk_cache_key(inputs["run"], inputs["stage"], inputs["target_step"], inputs["upstream_digest"],
-                               inputs["lineage"])
+        return chunk_cache_key(inputs["runner"].run, inputs["stage"], inputs["target_step"],
+                               inputs["upstream_digest"], inputs["lineage"])
 
 
 def run_result_storage(run: RunConfig) -> Path | str:
@@ -91,15 +91,15 @@ def _retry_if_retryable(task, task_run, state) -> bool:
     result_serializer="json",
     task_run_name="{stage}-to-step-{target_step}",
 )
-def train_chunk(runner: StageRunner, run: RunConfig, stage: str, target_step: int, upstream_digest: str,
-                lineage: Lineage, train_ahead: bool = True, plan: StagePlan | None = None) -> dict:
-    """Train `stage` up to `target_step` and commit the checkpoint; returns a ChunkResult dict. Not part of the
-    cache key: `runner` (the flow's: its warm worker group, trackers, ledger and lease), `train_ahead` (train the
-    next chunk while this one commits) and `plan` (the stage's, planned once by the flow; a function of the run,
-    which the key holds). Stopped by a signal (after its emergency checkpoint, `rlhf_core.driver.stop`), the task
+def train_chunk(runner: StageRunner, stage: str, target_step: int, upstream_digest: str, lineage: Lineage,
+                train_ahead: bool = True, plan: StagePlan | None = None) -> dict:
+    """Train `stage` of the runner's run up to `target_step` and commit the checkpoint; returns a ChunkResult dict.
+    The key holds the run's identity (`chunk_cache_key`), not the runner's processes (its warm worker group,
+    trackers, ledger and lease). Not part of the key either: `train_ahead` (train the next chunk while this one
+    commits) and `plan` (the stage's, planned once by the flow; a function of the run, which the key holds). Stopped by a signal (after its emergency checkpoint, `rlhf_core.driver.stop`), the task
     run is Cancelled: never retried, never cached."""
     try:
-        return ensure_checkpoint(runner, run, stage, target_step, lineage, train_ahead, plan).to_dict()
+        return ensure_checkpoint(runner, stage, target_step, lineage, train_ahead, plan).to_dict()
     except StoppedBySignal as stopped:
         # Prefect keeps the cache key of a failed task unwritten, but writes one (with no result) for a returned
         # Cancelled state, which the next run would take as this chunk done: keep it unwritten here too.
@@ -111,11 +111,10 @@ def train_chunk(runner: StageRunner, run: RunConfig, stage: str, target_step: in
 
 # Prefect's default policy, less the runner (it holds processes, not inputs).
 @task(name="export_model", retries=1, retry_condition_fn=_retry_if_retryable, cache_policy=DEFAULT - "runner")
-def export_model(runner: StageRunner, run: RunConfig, stage: str, final_step: int,
-                 plan: StagePlan | None = None) -> str:
+def export_model(runner: StageRunner, stage: str, final_step: int, plan: StagePlan | None = None) -> str:
     """Export the stage's final checkpoint as a Hugging Face model (an adapter if LoRA) to its save_path."""
-    ensure_checkpoint(runner, run, stage, final_step, plan=plan)  # cheap when present; retrains one that vanished
-    return export_stage(run, stage, final_step)
+    ensure_checkpoint(runner, stage, final_step, plan=plan)  # cheap when present; retrains one that vanished
+    return export_stage(runner.run, stage, final_step)
 
 
 @task(name="merge_lora", retries=1, retry_condition_fn=_retry_if_retryable)

@@ -1,4 +1,4 @@
-"""One chunk of a training stage: `ensure_checkpoint(run, stage, target_step)`.
+"""One chunk of a training stage: `ensure_checkpoint(runner, stage, target_step)`.
 
 The checkpoint store is the source of truth. Asking for a target already committed returns it and
 trains nothing; otherwise training starts from the newest good checkpoint at or below the target
@@ -171,16 +171,16 @@ class CommitOutcome:
     ahead_since: float | None
 
 
-def ensure_checkpoint(runner: StageRunner, run: RunConfig, stage: str, target_step: int,
-                      lineage: Lineage = Lineage(), train_ahead: bool = True,
-                      plan: StagePlan | None = None) -> ChunkResult:
+def ensure_checkpoint(runner: StageRunner, stage: str, target_step: int, lineage: Lineage = Lineage(),
+                      train_ahead: bool = True, plan: StagePlan | None = None) -> ChunkResult:
     """Make sure a valid checkpoint at `target_step` exists (training only what is missing), in five steps: find
     what is committed, get a worker group holding the start state, train, commit, retain. With `train_ahead`, the
     ranks train on towards the next chunk while this one commits. `plan`: the stage's (the runner's by default).
     After a stop signal (`rlhf_core.driver.stop`) the ranks stop at the next step boundary, that step commits, and
-    StoppedBySignal is raised; one that finds nothing trained since the last commit raises it at once."""
-    timing = ChunkTiming()
-    plan = plan or runner.plan(run, stage)
+    StoppedBySignal is raised; one that finds nothing trained since the last commit raises it at once. The run's
+    settings are the runner's."""
+    run, timing = runner.run, ChunkTiming()
+    plan = plan or runner.plan(stage)
     target_step = min(target_step, plan.total_steps)
     store = open_store(run, stage)
     listing = store.list()
@@ -197,7 +197,7 @@ def ensure_checkpoint(runner: StageRunner, run: RunConfig, stage: str, target_st
     try:
         require_tracker_packages(run)  # before the workers start, not after a chunk of training
         timing.prepared = time.perf_counter()
-        group, _ = runner.group_at(run, stage, plan, store, infos, lineage)
+        group, _ = runner.group_at(stage, plan, store, infos, lineage)
         start_step = group.step
         trackers = _trackers_at(runner, run, stage, store, start_step, warm=group is warm_group)
         timing.loaded = time.perf_counter()
@@ -205,8 +205,8 @@ def ensure_checkpoint(runner: StageRunner, run: RunConfig, stage: str, target_st
                                      run.stage_config(stage).logging_steps, stage, plan.total_steps)
         reached, timing.trained = group.step, time.perf_counter()
         _require_progress(run, stage, start_step, reached, target_step)
-        outcome = commit_chunk(runner, run, stage, plan, store, group, infos, start_step, step_metrics, trackers,
-                                train_ahead and not stop.requested())
+        outcome = commit_chunk(runner, stage, plan, store, group, infos, start_step, step_metrics, trackers,
+                               train_ahead and not stop.requested())
     except stop.GraceExpired:
         runner.trackers.close(run, stage)
         runner.release_workers()  # kills the ranks: the step in flight, or its half-written checkpoint, is abandoned
@@ -266,14 +266,14 @@ def _retain(runner: StageRunner, run: RunConfig, stage: str, plan: StagePlan, st
                        [json.loads(alert.to_json()) for alert in outcome.alerts], outcome.info.size_bytes)
 
 
-def commit_chunk(runner: StageRunner, run: RunConfig, stage: str, plan: StagePlan, store: CheckpointStore,
-                  group: WorkerGroup, infos: list[CheckpointInfo], start_step: int, step_metrics: list[dict],
-                  trackers: StageTrackers | None, train_ahead: bool) -> CommitOutcome:
+def commit_chunk(runner: StageRunner, stage: str, plan: StagePlan, store: CheckpointStore, group: WorkerGroup,
+                 infos: list[CheckpointInfo], start_step: int, step_metrics: list[dict],
+                 trackers: StageTrackers | None, train_ahead: bool) -> CommitOutcome:
     """Check and commit the step the group reached (the chunk's target, or an emergency step), then log its
     alerts. The ranks stand idle only for their snapshot (which checks the weights first): they train ahead before
     the driver prepares the commit, and a full disk found then stops the run with them (`_require_room` still
     comes before any write)."""
-    step = group.step
+    run, step = runner.run, group.step
     summary = chunk_summary(step_metrics)
     started = time.perf_counter()
     folders, bad_parameters = group.snapshot()
@@ -353,7 +353,7 @@ def _commit(runner: StageRunner, run: RunConfig, stage: str, store: CheckpointSt
     try:
         writes = group.start_write(folders, run.stage_url(stage), run.storage_options, pending)
         entries = group.finish_write(writes)
-        with runner.commit_fence(run) as lease:
+        with runner.commit_fence() as lease:
             info = store.finish_commit(pending, entries, metadata, fence=lease)
     except StoreFull:
         store.discard(pending)  # its space back for the next try; the committed steps are untouched

@@ -81,11 +81,13 @@ class StageRunner:
 
     # Slots, not a __dict__: a Prefect flow stores its parameters' JSON, and an object it cannot encode it stores
     # as its type name only (the runner is a subflow's and a task's argument; it holds processes, not data).
-    __slots__ = ("checked", "ledger", "trackers", "lease", "_warm", "_prestart", "_plans")
+    __slots__ = ("run", "checked", "ledger", "trackers", "lease", "_warm", "_prestart", "_plans")
 
     def __init__(self, run: RunConfig, checked: Checked | None = None, command_started: float | None = None):
-        """`checked`: the run as preflight resolved and checked it, with its plans; `command_started`: when the
-        command began (its goodput attempt counts the start-up from there)."""
+        """`run`: the run, its paths resolved (`resolve_paths`); every chunk reads it here. `checked`: the run as
+        preflight resolved and checked it, with its plans; `command_started`: when the command began (its goodput
+        attempt counts the start-up from there)."""
+        self.run = run
         self.checked = checked
         self.ledger = GoodputLedger(run.run_url(), run.storage_options, command_started=command_started)
         self.trackers = OpenTrackers()
@@ -111,19 +113,19 @@ class StageRunner:
         """Whether preflight resolved and checked exactly this run (then the flow does neither again)."""
         return self.checked is not None and self.checked.run.model_dump_json() == run.model_dump_json()
 
-    def plan(self, run: RunConfig, stage: str) -> StagePlan:
+    def plan(self, stage: str) -> StagePlan:
         """The stage's plan, counted once per run: counting reads and tokenizes the whole dataset."""
-        key = _plan_key(run, stage)
+        key = _plan_key(self.run, stage)
         if key not in self._plans:
-            self._plans[key] = plan_stage(run, stage)
+            self._plans[key] = plan_stage(self.run, stage)
         return self._plans[key]
 
     # ----------------------------------------------------------------- the lease
 
     @contextlib.contextmanager
-    def holding_lease(self, run: RunConfig) -> Iterator[RunLease]:
+    def holding_lease(self) -> Iterator[RunLease]:
         """Hold the run's lease for the block; commits inside it are fenced with it."""
-        with RunLease(run.run_url(), run.storage_options) as lease:
+        with RunLease(self.run.run_url(), self.run.storage_options) as lease:
             self.lease = lease
             try:
                 yield lease
@@ -131,12 +133,12 @@ class StageRunner:
                 self.lease = None
 
     @contextlib.contextmanager
-    def commit_fence(self, run: RunConfig) -> Iterator[RunLease]:
+    def commit_fence(self) -> Iterator[RunLease]:
         """The lease a commit is fenced with: the one held, else one taken for the commit."""
         if self.lease is not None:
             yield self.lease
             return
-        with RunLease(run.run_url(), run.storage_options) as lease:
+        with RunLease(self.run.run_url(), self.run.storage_options) as lease:
             yield lease
 
     # ----------------------------------------------------------------- the worker group
@@ -155,11 +157,13 @@ class StageRunner:
     def world_size_changes(self) -> list[dict]:
         return self._warm.world_size_changes if self._warm else []
 
-    def prestart(self, run: RunConfig, stage: str) -> Prestart | None:
+    def prestart(self, stage: str, run: RunConfig | None = None) -> Prestart | None:
         """Start the worker group of the first chunk in a thread: placement, rank processes, DeepSpeed's process
         group and the imports of `stage`'s trainer (`WorkerGroup.warm_up`), about 4 s on a CPU, while the caller
         starts Prefect. The first chunk that needs a new group adopts it, or stops it when the settings differ.
-        Ray must be connected. Nothing when a group with the same settings is starting, or one is warm."""
+        Ray must be connected. Nothing when a group with the same settings is starting, or one is warm. `run`:
+        settings to start it with other than the runner's (a test of a group that will not suit)."""
+        run = run or self.run
         if self._warm is not None or (self._prestart is not None and self._prestart.settings == group_settings(run)):
             return self._prestart
         if self._prestart is not None:
@@ -167,10 +171,11 @@ class StageRunner:
         self._prestart = Prestart(run, stage)
         return self._prestart
 
-    def group_at(self, run: RunConfig, stage: str, plan: StagePlan, store: CheckpointStore,
-                 infos: list[CheckpointInfo], lineage: Lineage) -> tuple[WorkerGroup, StartState | None]:
+    def group_at(self, stage: str, plan: StagePlan, store: CheckpointStore, infos: list[CheckpointInfo],
+                 lineage: Lineage) -> tuple[WorkerGroup, StartState | None]:
         """A worker group holding the state of the newest good checkpoint in `infos` (or the pretrained model),
         and that checkpoint (None when the warm group of the last chunk already holds it)."""
+        run = self.run
         identity = (run.stage_url(stage), semantic_hash(run, stage), run.num_workers,
                     run.stage_config(stage).zero_stage, tuple(plan.targets))
         warm = self._warm

@@ -16,10 +16,10 @@ from rlhf_core.stages import STAGES
 def train_stage(run: RunConfig, stage: str) -> str:
     """Every chunk of a training stage, then its export, in this process and without Prefect (for
     library use and tests; the flow `rlhf` does the same with caching and retries). Returns save_path."""
-    with StageRunner(run) as runner, runner.holding_lease(run):
-        lineage, plan = begin_stage(run, stage), runner.plan(run, stage)
+    with StageRunner(run) as runner, runner.holding_lease():
+        lineage, plan = begin_stage(run, stage), runner.plan(stage)
         for target in plan.targets:
-            ensure_checkpoint(runner, run, stage, target, lineage, plan=plan)
+            ensure_checkpoint(runner, stage, target, lineage, plan=plan)
         runner.release_workers()  # before the export: the ranks' memory back
         return export_stage(run, stage, plan.total_steps)
 

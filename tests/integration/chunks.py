@@ -18,5 +18,5 @@ def train_chunks(run: RunConfig, stage: str, *targets: int, lineage: Lineage = L
         for target in targets:
             if cold:
                 runner.release_workers()
-            results.append(ensure_checkpoint(runner, run, stage, target, lineage))
+            results.append(ensure_checkpoint(runner, stage, target, lineage))
     return results

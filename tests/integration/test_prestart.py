@@ -43,9 +43,9 @@ def imported_on_each_rank(group, module: str) -> list[bool]:
 def test_the_first_chunk_trains_on_the_prestarted_group(toy_assets, tmp_path):
     run = make_run(toy_assets, tmp_path / "ckpt")
     with StageRunner(run) as runner:
-        group = runner.prestart(run, "sft").wait()
+        group = runner.prestart("sft").wait()
         assert imported_on_each_rank(group, MODEL_FAMILY_MODULE) == [True]  # warm_up ran before any setup
-        result = ensure_checkpoint(runner, run, "sft", 2, begin_stage(run, "sft"))
+        result = ensure_checkpoint(runner, "sft", 2, begin_stage(run, "sft"))
         assert result.step == 2 and result.num_steps_trained == 2
         assert runner.warm_group is group and runner.prestarted is None
 
@@ -53,9 +53,9 @@ def test_the_first_chunk_trains_on_the_prestarted_group(toy_assets, tmp_path):
 def test_a_prestarted_group_with_other_settings_is_stopped_and_a_new_one_trains(toy_assets, tmp_path):
     run = make_run(toy_assets, tmp_path / "ckpt")
     with StageRunner(run) as runner:
-        stale = runner.prestart(make_run(toy_assets, tmp_path / "ckpt", num_cpus_per_worker=0.5), "sft").wait()
+        stale = runner.prestart("sft", make_run(toy_assets, tmp_path / "ckpt", num_cpus_per_worker=0.5)).wait()
         stale_workers = list(stale.workers)
-        ensure_checkpoint(runner, run, "sft", 2, begin_stage(run, "sft"))
+        ensure_checkpoint(runner, "sft", 2, begin_stage(run, "sft"))
         assert runner.warm_group is not stale and runner.warm_group.step == 2
         with pytest.raises(ray.exceptions.RayActorError):  # stopped by the chunk, not by the runner's close
             ray.get(stale_workers[0].location.remote(), timeout=60)
@@ -64,7 +64,7 @@ def test_a_prestarted_group_with_other_settings_is_stopped_and_a_new_one_trains(
 def test_the_prestart_error_is_the_chunks_error(toy_assets, tmp_path):
     run = make_run(toy_assets, tmp_path / "ckpt", num_cpus_per_worker=64, placement_timeout_s=1)
     with StageRunner(run) as runner:
-        runner.prestart(run, "sft")
+        runner.prestart("sft")
         with pytest.raises(UserError, match="--num_workers 1: Ray could not place 1 ranks"):
-            ensure_checkpoint(runner, run, "sft", 2, begin_stage(run, "sft"))
+            ensure_checkpoint(runner, "sft", 2, begin_stage(run, "sft"))
         assert runner.prestarted is None and runner.warm_group is None

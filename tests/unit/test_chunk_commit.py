@@ -60,7 +60,7 @@ def boundary(toy_assets, tmp_path, monkeypatch):
 def commit(boundary, train_ahead: bool = True):
     run, plan, store, group = boundary
     with StageRunner(run) as runner:
-        return chunk.commit_chunk(runner, run, "sft", plan, store, group, store.list(), 0, [{"loss": 0.5}], None,
+        return chunk.commit_chunk(runner, "sft", plan, store, group, store.list(), 0, [{"loss": 0.5}], None,
                                   train_ahead)
 
 

@@ -24,4 +24,4 @@ def test_preflight_returns_the_resolved_run_and_only_that_run_counts_as_checked(
     assert not runner.is_checked(run)  # unresolved: the flow resolves and validates it itself
     assert not runner.is_checked(resolved.model_copy(update={"load_checkpoint": True}))
     assert not StageRunner(resolved).is_checked(resolved)  # a deployment run's flow checks for itself
-    assert runner.plan(resolved, "sft") is checked.plans["sft"]  # counted once, by preflight
+    assert runner.plan("sft") is checked.plans["sft"]  # counted once, by preflight
