@@ -24,6 +24,7 @@ datasets). How records become tokens is `rlhf_core.data.samples`.
 from __future__ import annotations
 
 import codecs
+import functools
 import hashlib
 import json
 import logging
@@ -319,9 +320,6 @@ def dataset_fingerprint(cfg, storage_options: dict | None = None) -> str:
     return ""
 
 
-_FINGERPRINTS: dict[tuple, str] = {}
-
-
 def _version_of(url: str, storage_options: dict | None, flag: str) -> tuple | None:
     """(url, size, modification stamp or ETag) of a file, or None when the store tells neither."""
     try:
@@ -341,7 +339,7 @@ def fingerprint(url: str, storage_options: dict | None = None, *, split: str = "
     """Identity of the data at `url`, recorded in each checkpoint's metadata: the sha256 of a file (of
     every file of a folder), datasets' own fingerprint of a hub dataset's split, and a hash of the parts'
     fingerprints for a comma-separated mixture. Files are hashed once per process and version (size and
-    mtime or ETag): every commit asks, and a dataset can be large."""
+    mtime or ETag; `_hashed`): every commit asks, and a dataset can be large."""
     sources = [part.strip() for part in url.split(",") if part.strip()]
     if len(sources) > 1:
         parts = "\n".join(fingerprint(source, storage_options, split=split, flag=flag) for source in sources)
@@ -352,10 +350,7 @@ def fingerprint(url: str, storage_options: dict | None = None, *, split: str = "
     protocol, _ = fsspec.core.split_protocol(name)
     path = local_path(name)
     if path is not None and not os.path.exists(path) and is_hub_id(name):
-        key = ("hub", url, split)
-        if key not in _FINGERPRINTS:
-            _FINGERPRINTS[key] = "hub:" + _hub_dataset(name, split, flag, data_dir)._fingerprint
-        return _FINGERPRINTS[key]
+        return _hub_fingerprint(name, split, flag, data_dir)
     try:
         filesystem, fs_path = fsspec.core.url_to_fs(url, **(storage_options or {}))
         if filesystem.isdir(fs_path):
@@ -369,16 +364,27 @@ def fingerprint(url: str, storage_options: dict | None = None, *, split: str = "
     return _file_fingerprint(url, storage_options, flag)
 
 
+@functools.lru_cache(maxsize=64)
+def _hub_fingerprint(name: str, split: str, flag: str, data_dir: str | None) -> str:
+    return "hub:" + _hub_dataset(name, split, flag, data_dir)._fingerprint
+
+
 def _file_fingerprint(url: str, storage_options: dict | None, flag: str) -> str:
     version = _version_of(url, storage_options, flag)
-    if version in _FINGERPRINTS:
-        return _FINGERPRINTS[version]
+    options = json.dumps(storage_options or {}, sort_keys=True, default=str)
+    if version is None:  # the store tells no version: hash it every time
+        return _hashed.__wrapped__(url, options, flag, None)
+    return _hashed(url, options, flag, version)
+
+
+@functools.lru_cache(maxsize=256)
+def _hashed(url: str, storage_options_json: str, flag: str, version: tuple | None) -> str:
+    """The sha256 of the file at `url` as it is at `version` (size and mtime or ETag): a memo of a pure function
+    of the file's version, so each version of a large dataset is read once per process."""
     digest = hashlib.sha256()
-    with _open(url, storage_options, flag=flag) as handle:
+    with _open(url, json.loads(storage_options_json), flag=flag) as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
-    if version is not None:
-        _FINGERPRINTS[version] = digest.hexdigest()
     return digest.hexdigest()
 
 

@@ -115,13 +115,11 @@ def as_messages(url: str, record: Record, key: str, flag: str, role: str) -> lis
 
 
 # --------------------------------------------------------------------------------------------- rendering
-_TEMPLATES_CHECKED: set[str] = set()
 
 
+@functools.cache  # each template is checked (and its \\n warned about) once per process: every sample asks
 def check_input_template(template: str) -> None:
     """A template must hold one '{}' for the prompt and nothing else str.format would read."""
-    if template in _TEMPLATES_CHECKED:
-        return
     if "{}" not in template:
         raise UserError(f"--input_template {template!r} has no '{{}}' where the prompt goes "
                         "(e.g. 'User: {}\\nAssistant: ').")
@@ -132,7 +130,6 @@ def check_input_template(template: str) -> None:
                         "write other braces as '{{' and '}}'.") from None
     if "\\n" in template:  # as OpenRLHF: a shell quoting slip, not an error
         logger.warning("--input_template contains the two characters \\n, not a newline; in bash pass $'...\\n...'.")
-    _TEMPLATES_CHECKED.add(template)
 
 
 @dataclass(frozen=True)

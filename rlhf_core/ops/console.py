@@ -334,7 +334,6 @@ def _cluster_lines(batch: dict) -> list[str]:
 # Each rank prints rlhf_core's own warnings (a flag with no effect here, a fallback) with this prefix
 # (`rank_warnings`), so quiet mode can show them on the console, once each, among the actors' output.
 RANK_WARNING_PREFIX = WARNING_PREFIX
-_rank_warnings_shown: set[str] = set()
 
 
 def rank_warnings() -> None:
@@ -354,8 +353,7 @@ def _print_cluster_lines(batch: dict) -> None:
         lines = _cluster_lines(batch)
     elif source != "raylet":
         for line in lines:
-            if line.startswith(RANK_WARNING_PREFIX) and line not in _rank_warnings_shown:
-                _rank_warnings_shown.add(line)
+            if line.startswith(RANK_WARNING_PREFIX) and _console is not None and _console.first_time(line):
                 end_live_line()
                 sys.stderr.write(line + "\n")
         return
