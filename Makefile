@@ -23,13 +23,17 @@ demo: $(BIN)/rlhf
 
 # The suite runs on TEST_WORKERS pytest-xdist workers; each test module is one unit of work, heaviest first
 # (tests/conftest.py), and tests/README.md says where the time goes. The last line is the suite's wall time.
+# Before the suite, the docs site is built into site/ (mkdocs.yml): a broken link or page fails `make test` too.
 TEST_WORKERS ?= 2
 
 test: $(BIN)/rlhf
 	@started=$$(date +%s); \
+	docs_log=$$(NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site 2>&1) && docs=0 || docs=$$?; \
+	[ $$docs -eq 0 ] || printf '%s\nmake test: mkdocs build --strict failed (exit %s)\n' "$$docs_log" $$docs; \
 	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -v -rfEsR --durations=40; status=$$?; \
 	seconds=$$(( $$(date +%s) - started )); \
 	echo "make test: pytest took $$((seconds / 60)) min $$((seconds % 60)) s on $(TEST_WORKERS) workers (exit $$status)"; \
+	[ $$docs -eq 0 ] || [ $$status -ne 0 ] || status=$$docs; \
 	exit $$status
 
 test-fast: $(BIN)/rlhf
