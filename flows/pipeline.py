@@ -1,24 +1,8 @@
-"""The flow `rlhf`: every requested stage as a subflow run named `{run_name}-{stage}`.
-
-Training stages are the subflow `rlhf-stage` (chunk by chunk, then the stage's export); merge and export
-are the subflow `rlhf-output`. The UI shows each stage and its state apart. The parent flow holds the
-run's `StageRunner` (rlhf_core.driver.runner: the warm worker group, trackers, goodput ledger and run lease) and
-hands it to every subflow and chunk task (they run in this process), and owns the rule that a retried flow run
-always resumes. Each
-chunk is the cached task `train_chunk`; a completed chunk is skipped (state `Cached`) on any later run
-of the same run name. Artifacts are emitted from the subflow's body (flows/stage_report.py), because a
-cached task body does not run.
-
-Run budgets (`max_chunks_per_run`, `time_budget_minutes`) count the chunks this flow run actually trains
-(not Cached ones) across its stages. When one is reached, the run stops at the next chunk boundary that
-would train, leaves that stage unexported, logs where it stopped, and completes: the next run of the same
-run name continues there (a scheduled deployment such as `rlhf/ppo-nightly`). A flow run always trains at
-least one chunk, so a schedule always makes progress.
-
-A deployment run (a worker's flow-run process, which no `rlhf` CLI sets up) gets the CLI's quiet console
-(rlhf_core.ops.console) from the flow itself: the Ray actors' output and the Ray/DeepSpeed/transformers logs go to
-the run folder's `logs/driver.log` instead of the worker's terminal, which keeps the chunk lines, warnings
-once and errors. Prefect's API log handler is not a console handler, so the UI's run logs are unchanged.
+"""The flow `rlhf`: every requested stage as a subflow run named `{run_name}-{stage}` on the run's `StageRunner`
+(training stages: `rlhf-stage`, chunk by chunk as cached, retried tasks, then the export; merge and export:
+`rlhf-output`), within the run's budgets, with the events automations read; and `run_pipeline`, the CLI's
+preflight, prestart and flow. docs/architecture.md ("The flow") says how budgets, retries and deployment runs
+behave.
 """
 
 from __future__ import annotations

@@ -1,24 +1,6 @@
-"""What an operator sees of a stage while it runs: Prefect artifacts, a curve image and a console line.
-
-`StageReport` is fed one `ChunkResult` per chunk by the stage subflow (flows/pipeline.py) and keeps,
-under keys made from the run and stage names:
-
-- `{run}-{stage}-progress`: a progress artifact, chunk by chunk to 100;
-- `{run}-{stage}-chunks`: the chunk table, one row per chunk, growing at each commit;
-- `{run}-{stage}-checkpoints`: markdown with every committed checkpoint URI and the exported model;
-- `{run}-{stage}-curve`: markdown embedding the loss/reward curve as a data URI (the Prefect UI shows
-  it without reaching the store), also saved as `{ckpt_path}/{run_name}/{stage}-curve.png`;
-- `{run}-goodput`: the run's goodput ledger (rlhf_core/ops/goodput.py: useful step time against wall time
-  across restarts, and where the rest went), as `rlhf goodput RUN_URL` prints it, per stage and in total.
-
-Each is created at the stage's first chunk and then updated in place, so a flow run shows one artifact
-per key (not one per chunk) and the key's latest version is always the current one. The progress artifact and
-the console line follow every chunk; the other views are refreshed at most every `REFRESH_S` seconds and when
-the stage ends: drawing the curve and sending the views cost the driver about 0.1 CPU-seconds a chunk and
-Prefect's server 0.025 (a toy run of 32 one-step chunks: 10.8 -> 7.5 CPU-seconds in `rlhf`, 3.45 -> 2.64 in the
-server), taken from the cores the ranks train on while they train ahead (bench/README.md, "The driver's
-per-chunk report"). Everything is emitted from the flow body, never from the chunk task: a cached task body
-does not run, and a rerun must show its finished chunks too. Artifact keys take lowercase letters, digits and dashes.
+"""What an operator sees of a stage while it runs: Prefect artifacts (progress, chunk table, checkpoints, the
+loss/reward curve, goodput), updated in place under keys made from the run and stage names, and a console line
+per chunk. docs/architecture.md ("The stage report") lists the artifacts and what they cost.
 """
 
 from __future__ import annotations
