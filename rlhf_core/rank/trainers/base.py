@@ -37,7 +37,6 @@ from rlhf_core.notices import warn_once
 from rlhf_core.faults import fault_point
 from rlhf_core.storage.manifest import DEEPSPEED_STATE_DIR, HF_WEIGHTS_DIR, TRAINER_STATE_NAME, UNIVERSAL_STATE_DIR
 from rlhf_core.stages import STAGES
-from rlhf_core.storage.locate import load_tokenizer
 from rlhf_core.storage.safe_load import guard_checkpoint_loads, reading_checkpoint
 
 
@@ -95,7 +94,6 @@ class DeepSpeedTrainer(abc.ABC):
         self.precision = resolve_precision(self.cfg.param_dtype, self.on_gpu)
         self.engines: dict[str, Any] = {}
         self.step = 0
-        self.tokenizer = load_tokenizer(self.cfg.pretrain, run.storage_options)  # saved with hf/ (save_hf_ckpt)
 
     def autocast(self):
         """The context for forward passes: bf16 autocast on a CPU run with --param_dtype bf16, else nothing."""

@@ -53,6 +53,7 @@ from rlhf_core.config import RunConfig
 from rlhf_core.stages.ppo import PPOConfig
 from rlhf_core.data.determinism import derive_seed, generator, step_sample_indices
 from rlhf_core.models.load import load_causal_lm, load_scalar_model, sequence_scores, token_values
+from rlhf_core.storage.locate import load_tokenizer
 from rlhf_core.rank.collectives import (agreed, all_reduce_sum, max_over_ranks, mean_extra_logs_over_ranks,
                                         mean_over_ranks, sum_over_ranks)
 from rlhf_core.rank.experience import Experience, episode_rewards, pad_rows
@@ -75,6 +76,7 @@ class PPOTrainer(DeepSpeedTrainer):
     def __init__(self, run: RunConfig, chunk_ends: list[int], rank: int, world_size: int, load_universal: bool = False):
         super().__init__(run, chunk_ends, rank, world_size, load_universal)
         cfg = self.cfg
+        self.tokenizer = load_tokenizer(cfg.pretrain, run.storage_options)
         self.prompts = load_prompts(run, self.tokenizer)
         self.eval_prompts = load_prompts(run, self.tokenizer, eval_data=True) if cfg.eval_dataset else []
         self.kl = ppo_math.KLController(cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon)

@@ -20,6 +20,7 @@ from rlhf_core.data.pairs import Pair, load_pairs
 from rlhf_core.data.determinism import derive_seed
 from rlhf_core.notices import warn_once
 from rlhf_core.models.load import load_scalar_model, sequence_scores
+from rlhf_core.storage.locate import load_tokenizer
 from rlhf_core.rank.packing import pack_sequences, packed_scores
 from rlhf_core.data.samples import collate_pairs
 from rlhf_core.rank.trainers.base import DeepSpeedTrainer
@@ -35,6 +36,7 @@ class RewardModelTrainer(DeepSpeedTrainer):
 
     def __init__(self, run: RunConfig, chunk_ends: list[int], rank: int, world_size: int, load_universal: bool = False):
         super().__init__(run, chunk_ends, rank, world_size, load_universal)
+        self.tokenizer = load_tokenizer(self.cfg.pretrain, run.storage_options)
         self.train_pairs, self.eval_pairs = load_pairs(self.cfg, run, self.tokenizer)
         if self.cfg.margin_loss and self.cfg.loss == "logexploss":
             warn_once("--margin_loss has no effect with --loss logexploss (as in OpenRLHF).")
