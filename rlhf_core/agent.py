@@ -34,7 +34,7 @@ import importlib.util
 import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from rlhf_core.errors import UserError
 
@@ -67,7 +67,7 @@ async def _maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
 
-async def new_instance(cls: type) -> "AgentInstanceBase":
+async def new_instance(cls: type[AgentInstanceBase]) -> AgentInstanceBase:
     """An instance of `cls` whose `__init__` may be async (OpenRLHF 0.9.0's example declares `async def __init__`,
     which Ray's actors allow and plain Python does not)."""
     instance = cls.__new__(cls)
@@ -148,10 +148,13 @@ def as_float(value: Any) -> float:
 IMPORT_HINT = "from rlhf_core.agent import AgentExecutorBase, AgentInstanceBase"
 
 
-def load_agent_executor(path: str) -> type:
-    """The file's `AgentExecutor`, or the base executor around its `AgentInstance` (OpenRLHF 0.11's files)."""
+def load_agent_executor(path: str) -> Callable[..., AgentExecutorBase]:
+    """The file's `AgentExecutor` class, or a function making the base executor around its `AgentInstance`
+    (OpenRLHF 0.11's files)."""
     try:
         spec = importlib.util.spec_from_file_location("rlhf_user_agent_func", path)
+        if spec is None or spec.loader is None:
+            raise ImportError("not a Python source file")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     except FileNotFoundError:

@@ -18,7 +18,7 @@ from rlhf_core.stages import STAGES
 
 def _field_names() -> set[str]:
     """Every setting's name that has an underscore (distinct enough to be spotted inside a message)."""
-    models = (RunConfig, *(stage.config for stage in STAGES.values()))
+    models: tuple[type[BaseModel], ...] = (RunConfig, *(stage.config for stage in STAGES.values()))
     return {name for model in models for name in model.model_fields if "_" in name}
 
 

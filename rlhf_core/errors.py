@@ -91,17 +91,19 @@ class UnsafeCheckpoint(UserError):
 
 
 # OSErrors that the same write, retried, meets again: only a person can free space, lift a quota or
-# remount. Everything else (EIO from a flaky NFS server, a reset connection) may pass on a retry.
-_FULL = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded"}
+# remount. Everything else (EIO from a flaky NFS server, a reset connection) may pass on a retry. Looked up
+# by OSError.errno, which may be None.
+_FULL: dict[int | None, str] = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded"}
 _PERMANENT_ERRNOS = {*_FULL, errno.EROFS, errno.EACCES, errno.EPERM}
 
 
 def is_permanent_os_error(error: BaseException) -> bool:
     """Whether `error` (or an error it was raised from) is an OSError no retry can fix."""
-    while error is not None:
-        if isinstance(error, OSError) and error.errno in _PERMANENT_ERRNOS:
+    current: BaseException | None = error
+    while current is not None:
+        if isinstance(current, OSError) and current.errno in _PERMANENT_ERRNOS:
             return True
-        error = error.__cause__ or error.__context__
+        current = current.__cause__ or current.__context__
     return False
 
 

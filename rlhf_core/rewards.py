@@ -165,6 +165,8 @@ def load_reward_file(path: str) -> Callable:
                         f"http(s):// URL).")
     try:
         spec = importlib.util.spec_from_file_location("rlhf_user_reward_func", path)
+        if spec is None or spec.loader is None:
+            raise ImportError("not a Python source file")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     except Exception as error:  # a syntax error, a missing import, or whatever the file raises

@@ -7,12 +7,15 @@ adds one section per stage. Field names are OpenRLHF's flag names; each field is
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from rlhf_core.errors import UserError
 from rlhf_core.stages import KNOWN_STAGES, STAGES, TRAINING_STAGES
 from rlhf_core.stages.base import Earlier, StageSettings, operational
+
+SectionT = TypeVar("SectionT", bound=StageSettings)
 
 SECRET_OPTION = re.compile(r"secret|token|password|credential|^key$|_key$", re.IGNORECASE)
 # OpenRLHF resumes a given step with --ckpt_path {root}/{run_name}/{stage}/step_N: any training stage's folder.
@@ -180,6 +183,16 @@ class RunSettings(BaseModel):
 
     def stage_config(self, stage: str) -> StageSettings:
         return getattr(self, stage)
+
+    def section(self, stage: str, kind: type[SectionT]) -> SectionT:
+        """The settings of `stage` as `kind`: its own config class (`SFTConfig`), or `StageConfig` where any
+        training stage will do. A clear error when the run has no such section, or it is not a `kind`."""
+        settings = getattr(self, stage, None)
+        if settings is None:
+            raise UserError(f"this run has no settings for stage {stage!r}: add a '{stage}:' section")
+        if not isinstance(settings, kind):
+            raise TypeError(f"stage {stage!r} has {type(settings).__name__} settings, not {kind.__name__}")
+        return settings
 
     def run_url(self) -> str:
         return f"{self.ckpt_path.rstrip('/')}/{self.run_name}"

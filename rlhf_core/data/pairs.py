@@ -11,6 +11,8 @@ from rlhf_core.data.samples import Renderer, TokenizedPair, tokenize_pairs
 from rlhf_core.errors import UserError
 from rlhf_core.notices import warn_once
 from rlhf_core.stages.base import PreferenceConfig
+from rlhf_core.stages.dpo import DPOConfig
+from rlhf_core.stages.rm import RMConfig
 from rlhf_core.storage.locate import load_tokenizer
 
 MARGIN_KEY = "margin"
@@ -66,11 +68,12 @@ def trainable_pairs(pairs: list[Pair], max_len: int, where: str) -> list[Pair]:
 
 def count_rm_pairs(run: RunConfig) -> int:
     """Training pairs of the reward model (after the held-out split)."""
-    return len(load_pairs(run.rm, run, load_tokenizer(run.rm.pretrain, run.storage_options))[0])
+    cfg = run.section("rm", RMConfig)
+    return len(load_pairs(cfg, run, load_tokenizer(cfg.start_model, run.storage_options))[0])
 
 
 def count_dpo_pairs(run: RunConfig) -> int:
     """Training pairs of DPO that leave a response to learn from."""
-    cfg = run.dpo
-    pairs, _ = load_pairs(cfg, run, load_tokenizer(cfg.pretrain, run.storage_options))
+    cfg = run.section("dpo", DPOConfig)
+    pairs, _ = load_pairs(cfg, run, load_tokenizer(cfg.start_model, run.storage_options))
     return len(trainable_pairs(pairs, cfg.max_len, "--dataset"))

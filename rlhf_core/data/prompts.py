@@ -12,7 +12,7 @@ from rlhf_core.errors import UserError
 from rlhf_core.data.records import Record, read_records
 from rlhf_core.data.samples import Renderer, tokenize_prompts
 from rlhf_core.rewards import check_reward_setup
-from rlhf_core.stages.ppo import require_vllm
+from rlhf_core.stages.ppo import PPOConfig, require_vllm
 from rlhf_core.storage.locate import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -42,8 +42,10 @@ def record_label(url: str, record: Record, label_key: str | None) -> Any:
 
 def load_prompts(run: RunConfig, tokenizer, eval_data: bool = False) -> list[PromptItem]:
     """The prompts (or with `eval_data`, the evaluation prompts) with their labels."""
-    cfg = run.ppo
+    cfg = run.section("ppo", PPOConfig)
     if eval_data:
+        if cfg.eval_dataset is None:
+            raise UserError("--eval_dataset: no dataset given.")
         url = cfg.eval_dataset
         records = read_records(url, run.storage_options, split=cfg.eval_split, flag="--eval_dataset")
     else:
@@ -60,9 +62,9 @@ def load_prompts(run: RunConfig, tokenizer, eval_data: bool = False) -> list[Pro
 def count_ppo_prompts(run: RunConfig) -> int:
     """Usable prompts. Before training it also reads the eval prompts (their keys and labels), scores one prompt
     with the reward function, loads the agent file, and checks vLLM's needs, so a bad input stops the run here."""
-    cfg = run.ppo
+    cfg = run.section("ppo", PPOConfig)
     require_vllm(cfg.vllm_num_engines)
-    tokenizer = load_tokenizer(cfg.pretrain, run.storage_options)
+    tokenizer = load_tokenizer(cfg.start_model, run.storage_options)
     prompts = load_prompts(run, tokenizer)
     if cfg.eval_dataset:
         load_prompts(run, tokenizer, eval_data=True)

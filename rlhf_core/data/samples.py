@@ -210,9 +210,9 @@ def sft_texts(renderer: Renderer, record: Record, input_key: str, output_key: st
         prompt = renderer.plain_prompt(require_text(url, record, input_key, "--input_key"))
         return renderer.begin(prompt), require_text(url, record, output_key, "--output_key")
     if output_key is not None:
-        prompt = as_messages(url, record, input_key, "--input_key", "user")
-        return renderer.split(record, prompt, prompt + as_messages(url, record, output_key, "--output_key",
-                                                                   "assistant"))
+        prompt_messages = as_messages(url, record, input_key, "--input_key", "user")
+        return renderer.split(record, prompt_messages, prompt_messages + as_messages(url, record, output_key,
+                                                                                     "--output_key", "assistant"))
     conversation = _conversation(renderer, record, input_key)
     return renderer.split(record, conversation[:-1], conversation)
 
@@ -324,11 +324,11 @@ def pair_texts(renderer: Renderer, record: Record, prompt_key: str | None, chose
     if prompt_key is None:  # each reply is a whole conversation, rendered whole
         chosen = renderer.chat(require_messages(url, record, chosen_key, "--chosen_key"))
         return "", chosen, renderer.chat(require_messages(url, record, rejected_key, "--rejected_key"))
-    prompt = as_messages(url, record, prompt_key, "--prompt_key", "user")
-    prompt_text, chosen = renderer.split(record, prompt, prompt + as_messages(url, record, chosen_key,
-                                                                              "--chosen_key", "assistant"))
-    _, rejected = renderer.split(record, prompt, prompt + as_messages(url, record, rejected_key,
-                                                                      "--rejected_key", "assistant"))
+    prompt_messages = as_messages(url, record, prompt_key, "--prompt_key", "user")
+    prompt_text, chosen = renderer.split(record, prompt_messages, prompt_messages + as_messages(
+        url, record, chosen_key, "--chosen_key", "assistant"))
+    _, rejected = renderer.split(record, prompt_messages, prompt_messages + as_messages(
+        url, record, rejected_key, "--rejected_key", "assistant"))
     return prompt_text, chosen, rejected
 
 

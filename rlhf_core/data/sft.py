@@ -6,12 +6,13 @@ from __future__ import annotations
 from rlhf_core.config import RunConfig
 from rlhf_core.data.records import read_stage_dataset
 from rlhf_core.data.samples import Renderer, TokenizedSample, tokenize_pretraining, tokenize_sft
+from rlhf_core.stages.sft import SFTConfig
 from rlhf_core.storage.locate import load_tokenizer
 
 
 def load_sft_samples(run: RunConfig, tokenizer, evaluation: bool = False) -> list[TokenizedSample]:
     """The training samples (the dataset mixture), or with `evaluation` those of --eval_dataset."""
-    cfg = run.sft
+    cfg = run.section("sft", SFTConfig)
     url, records = read_stage_dataset(cfg, run.storage_options, run.seed, evaluation)
     if cfg.pretrain_mode:
         return tokenize_pretraining(url, records, tokenizer, cfg.input_key, cfg.max_len)
@@ -23,7 +24,8 @@ def load_sft_samples(run: RunConfig, tokenizer, evaluation: bool = False) -> lis
 
 def count_sft_samples(run: RunConfig) -> int:
     """Usable training samples; the eval dataset is read too, so its keys are checked before training."""
-    tokenizer = load_tokenizer(run.sft.pretrain, run.storage_options)
-    if run.sft.eval_dataset:
+    cfg = run.section("sft", SFTConfig)
+    tokenizer = load_tokenizer(cfg.pretrain, run.storage_options)
+    if cfg.eval_dataset:
         load_sft_samples(run, tokenizer, evaluation=True)
     return len(load_sft_samples(run, tokenizer))

@@ -9,6 +9,7 @@ from rlhf_core.config import RunConfig
 from rlhf_core.data.records import read_stage_dataset
 from rlhf_core.data.samples import IGNORE_INDEX, field_value
 from rlhf_core.errors import UserError
+from rlhf_core.stages.prm import PRMConfig
 from rlhf_core.storage.locate import load_tokenizer
 
 
@@ -55,7 +56,7 @@ def _label_value(url, record, value, cfg, tokenizer, reward_ids: dict[str, int])
         if reward_ids and value not in reward_ids:
             raise UserError(f"{record.where(url)}: step label {value!r} is not one of --reward_tokens "
                             f"{' '.join(cfg.reward_tokens)}.")
-        return reward_ids.get(value) if reward_ids else single_token_id(tokenizer, value, "a step label")
+        return reward_ids[value] if reward_ids else single_token_id(tokenizer, value, "a step label")
     if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1 and len(reward_ids) == 2:
         return value
     raise UserError(f"{record.where(url)}: step label {value!r} must be a reward token, or a number in [0, 1] with "
@@ -64,13 +65,15 @@ def _label_value(url, record, value, cfg, tokenizer, reward_ids: dict[str, int])
 
 def load_step_labelled(run: RunConfig, tokenizer, evaluation: bool = False) -> list[StepLabelledSample]:
     """The training samples, or with `evaluation` those of --eval_dataset."""
-    url, records = read_stage_dataset(run.prm, run.storage_options, run.seed, evaluation)
-    return tokenize_step_labels(url, records, tokenizer, run.prm)
+    cfg = run.section("prm", PRMConfig)
+    url, records = read_stage_dataset(cfg, run.storage_options, run.seed, evaluation)
+    return tokenize_step_labels(url, records, tokenizer, cfg)
 
 
 def count_step_labelled(run: RunConfig) -> int:
     """Usable training samples; the eval dataset is read too, so its keys and labels are checked before training."""
-    tokenizer = load_tokenizer(run.prm.pretrain, run.storage_options)
-    if run.prm.eval_dataset:
+    cfg = run.section("prm", PRMConfig)
+    tokenizer = load_tokenizer(cfg.start_model, run.storage_options)
+    if cfg.eval_dataset:
         load_step_labelled(run, tokenizer, evaluation=True)
     return len(load_step_labelled(run, tokenizer))

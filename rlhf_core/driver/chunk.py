@@ -28,6 +28,7 @@ from rlhf_core.storage.checkpoint import CheckpointStore
 from rlhf_core.storage.manifest import CheckpointInfo
 from rlhf_core.config import RunConfig, semantic_fields, semantic_hash
 from rlhf_core.stages import STAGES
+from rlhf_core.stages.base import StageConfig
 from rlhf_core.data.records import dataset_fingerprint
 from rlhf_core.driver.engine import WorkerGroup
 from rlhf_core.driver.runner import StageRunner
@@ -62,10 +63,10 @@ class ChunkResult:
 
 def _metadata(run: RunConfig, stage: str, plan: StagePlan, step: int, metrics: dict,
               trackers: StageTrackers | None, world_size: int, world_size_changes: list[dict],
-              zero_stage: int) -> dict:
+              zero_stage: int | None) -> dict:
     from importlib.metadata import version  # not the imports: deepspeed's alone costs the driver ~0.6 s
 
-    cfg, facts = run.stage_config(stage), STAGES[stage]
+    cfg, facts = run.section(stage, StageConfig), STAGES[stage]
     return {
         "format_version": CHECKPOINT_FORMAT_VERSION,
         "stage": stage,
@@ -202,7 +203,7 @@ def ensure_checkpoint(runner: StageRunner, stage: str, target_step: int, lineage
         trackers = _trackers_at(runner, run, stage, store, start_step, warm=group is warm_group)
         timing.loaded = time.perf_counter()
         step_metrics = train_and_log(group, start_step, target_step, trackers,
-                                     run.stage_config(stage).logging_steps, stage, plan.total_steps)
+                                     run.section(stage, StageConfig).logging_steps, stage, plan.total_steps)
         reached, timing.trained = group.step, time.perf_counter()
         _require_progress(run, stage, start_step, reached, target_step)
         outcome = commit_chunk(runner, stage, plan, store, group, infos, start_step, step_metrics, trackers,
@@ -291,7 +292,7 @@ def commit_chunk(runner: StageRunner, stage: str, plan: StagePlan, store: Checkp
     stall = (committed if run.sync_checkpoint else snapshotted) - started
     alerts = commit_alerts(run.run_name, stage, step, metadata, info.size_bytes,
                            [known.size_bytes for known in infos if known.is_committed and known.step < step],
-                           has_ds_state=not run.stage_config(stage).disable_ds_ckpt,
+                           has_ds_state=not run.section(stage, StageConfig).disable_ds_ckpt,
                            window=run.alert_reward_window, min_delta=run.alert_reward_min_delta,
                            tolerance=run.alert_size_tolerance, jump=run.alert_size_jump)
     AlertLog(run.run_url(), run.storage_options).append(*alerts)
@@ -324,7 +325,7 @@ def _ahead_target(run: RunConfig, stage: str, plan: StagePlan, step: int) -> int
     if not later:
         return None
     if tracking_enabled(run):
-        logging_steps = run.stage_config(stage).logging_steps
+        logging_steps = run.section(stage, StageConfig).logging_steps
         return min(later[0], (step // logging_steps + 1) * logging_steps)
     return later[0]
 
@@ -335,7 +336,7 @@ def _require_room(run: RunConfig, stage: str, store: CheckpointStore, metadata: 
     free_bytes = store.free_bytes()
     if free_bytes is None:
         return
-    predicted = expected_bytes_from_metadata(metadata, has_ds_state=not run.stage_config(stage).disable_ds_ckpt)
+    predicted = expected_bytes_from_metadata(metadata, has_ds_state=not run.section(stage, StageConfig).disable_ds_ckpt)
     known = [size for size in (predicted, *(info.size_bytes for info in infos[-1:] if info.is_committed)) if size]
     if known and max(known) > free_bytes:
         raise store_full(store.url, free_bytes=free_bytes, needed_bytes=max(known))

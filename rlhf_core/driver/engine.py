@@ -13,6 +13,7 @@ import os
 import secrets
 import threading
 import time
+from typing import Any
 
 import ray
 from ray.util.placement_group import remove_placement_group
@@ -25,6 +26,7 @@ from rlhf_core.errors import RLHFError, UserError, WorkerLost
 from rlhf_core.ops.goodput import writer_slowdown
 from rlhf_core.rank.worker import RankLocation, TrainWorker
 from rlhf_core.driver.placement import placement_bundle, reserve_placement
+from rlhf_core.stages.base import StageConfig
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +47,14 @@ class WorkerGroup:
         strategies = [PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank)
                       for rank in range(self.world_size)]
         bundle = placement_bundle(run)
-        options = {"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0)}
+        options: dict[str, Any] = {"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0)}  # Ray's options
         forwarded = forwarded_environment()
         if forwarded:
             options["runtime_env"] = {"env_vars": forwarded}
         # A second thread per actor ("io") uploads the last snapshot while the default one trains on.
         # A third ("control") takes a stop request, or the models' sizes, while the first is busy training.
-        remote_worker = ray.remote(concurrency_groups={"io": 1, "control": 1})(TrainWorker)
+        # ray's typed overloads of remote() omit concurrency_groups, an actor option it takes
+        remote_worker = ray.remote(concurrency_groups={"io": 1, "control": 1})(TrainWorker)  # type: ignore[call-overload]
         self.workers = [remote_worker.options(scheduling_strategy=strategy, **options).remote(rank, self.world_size)
                         for rank, strategy in enumerate(strategies)]
         self._stop_listener = stop.on_request(self.request_stop)
@@ -95,7 +98,7 @@ class WorkerGroup:
         """Build the stage's trainers on every rank, handing them the plan's chunk ends (`StagePlan.targets`: where
         checkpoints commit, the last one the stage's last step), with the ZeRO stage resolved for this group
         (`rlhf_core.rank.ds_config.resolve_zero_stage`; `saved_zero_stage`: the checkpoint's, when resuming)."""
-        cfg = run.stage_config(stage)
+        cfg = run.section(stage, StageConfig)
         self.zero_stage = resolve_zero_stage(cfg.zero_stage, self.world_size, cfg.adam_offload, saved_zero_stage)
         run = run.model_copy(update={stage: cfg.model_copy(update={"zero_stage": self.zero_stage})})
         self._model_sizes = None

@@ -13,7 +13,7 @@ import fsspec
 
 from rlhf_core.config import RunConfig
 from rlhf_core.stages import STAGES
-from rlhf_core.stages.base import fields_with_role
+from rlhf_core.stages.base import StageConfig, fields_with_role
 from rlhf_core.errors import UserError
 from rlhf_core.storage.locate import is_hub_id
 
@@ -69,7 +69,7 @@ def chunk_ends(total_steps: int, save_steps: int) -> list[int]:
 def plan_stage(run: RunConfig, stage: str) -> StagePlan:
     """Validate the stage's inputs and lay out its chunks; raises UserError before any training. Reads and
     tokenizes the whole dataset: ask the run's `StageRunner.plan`, which plans each stage once."""
-    facts, cfg = STAGES[stage], run.stage_config(stage)
+    facts, cfg = STAGES[stage], run.section(stage, StageConfig)
     num_items, per_step = facts.num_items(run), facts.items_per_step(cfg)
     steps_per_pass = num_items // per_step
     if steps_per_pass == 0:

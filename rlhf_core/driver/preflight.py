@@ -17,7 +17,7 @@ import os
 from rlhf_core.config import RunConfig
 from rlhf_core.driver.plan import Checked
 from rlhf_core.stages import STAGES, TRAINING_STAGES
-from rlhf_core.stages.base import fields_with_role
+from rlhf_core.stages.base import StageConfig, fields_with_role
 from rlhf_core.storage.writable import probe_writable
 
 def preflight(run: RunConfig) -> Checked:
@@ -36,7 +36,7 @@ def preflight(run: RunConfig) -> Checked:
         for stage in run.stages]
     for url, flag in outputs:
         probe_writable(url, flag, run.storage_options)
-    produced: dict[str, str] = {}  # an output of an earlier stage -> the model whose architecture it has
+    produced: dict[str, str | None] = {}  # an output of an earlier stage -> the model whose architecture it has
     plans = {}
     for stage in run.stages:
         cfg = run.stage_config(stage)
@@ -47,10 +47,11 @@ def preflight(run: RunConfig) -> Checked:
         architecture = None
         if stage in TRAINING_STAGES:
             check_compute_settings(run, stage)
-            architecture = produced.get(cfg.pretrain) or cfg.pretrain
-            if cfg.lora_rank:
-                check_lora_targets(architecture, cfg.target_modules, run.storage_options)
-            if cfg.pretrain not in produced:
+            training = run.section(stage, StageConfig)
+            architecture = produced.get(training.start_model) or training.start_model
+            if training.lora_rank:
+                check_lora_targets(architecture, training.target_modules, run.storage_options)
+            if training.start_model not in produced:
                 plans[stage] = plan_stage(run, stage)  # counting reads data, eval data and reward function
         produced[getattr(cfg, STAGES[stage].output_field)] = architecture
     require_tracker_packages(run)
@@ -77,7 +78,7 @@ def check_compute_settings(run: RunConfig, stage: str) -> None:
     from rlhf_core.models.precision import resolve_precision
     from rlhf_core.models.load import resolve_attn_implementation
 
-    cfg = run.stage_config(stage)
+    cfg = run.section(stage, StageConfig)
     if not (run.ray_address or os.environ.get("RAY_ADDRESS")):
         resolve_precision(cfg.param_dtype, on_gpu=torch.cuda.is_available(), cpu_bf16=True)
     resolve_attn_implementation(cfg.attn_implementation)

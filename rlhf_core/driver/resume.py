@@ -27,6 +27,7 @@ from rlhf_core.storage.checkpoint import CheckpointStore
 from rlhf_core.storage.manifest import METADATA_NAME, CheckpointInfo
 from rlhf_core.config import RunConfig, semantic_fields
 from rlhf_core.stages import TRAINING_STAGES, WORLD_SIZE_DEPENDENT_STAGES
+from rlhf_core.stages.base import StageConfig
 from rlhf_core.data.records import dataset_fingerprint
 from rlhf_core.errors import CorruptCheckpoint, UserError
 from rlhf_core.storage.locate import input_model_fingerprints
@@ -95,7 +96,7 @@ def check_drift(run: RunConfig, stage: str, info: CheckpointInfo, metadata: dict
             f"{info.uri} was trained with other settings ({'; '.join(changes)}); resume with the original "
             f"settings, pass --allow_config_change to accept the change, or start a new --run_name."
         )
-    check_zero_stage(run.stage_config(stage).zero_stage, run.load_weights_only, info, metadata)
+    check_zero_stage(run.section(stage, StageConfig).zero_stage, run.load_weights_only, info, metadata)
 
 
 def check_zero_stage(configured: int | None, weights_only: bool, info: CheckpointInfo, metadata: dict) -> None:
@@ -138,8 +139,8 @@ def begin_stage(run: RunConfig, stage: str) -> Lineage:
     store = open_store(run, stage)
     listing = store.list()
     committed = [info for info in listing if info.is_committed]
-    explicit = run.resume_from is not None and stage == run.stages[0]
-    usable = [info for info in committed if not explicit or info.step <= run.resume_from]
+    explicit_step = run.resume_from if stage == run.stages[0] else None  # --resume_from's step, in its first stage
+    usable = [info for info in committed if explicit_step is None or info.step <= explicit_step]
     if usable and run.load_checkpoint:
         check_drift(run, stage, usable[-1], store.read_metadata(usable[-1].step))
     elif run.load_checkpoint and not listing:
@@ -147,8 +148,8 @@ def begin_stage(run: RunConfig, stage: str) -> Lineage:
         # land here: a fresh start, said once (as OpenRLHF 0.11 does), never an error.
         logger.info("%s: --load_checkpoint found no checkpoint in %s; starting from %s.", stage,
                     run.stage_url(stage), getattr(run.stage_config(stage), "pretrain", None) or "the model")
-    if explicit:
-        start = next(info for info in committed if info.step == run.resume_from)
+    if explicit_step is not None:
+        start = next(info for info in committed if info.step == explicit_step)
         marker = store.read_json(LINEAGE_MARKER)
         if marker != {"step": start.step, "manifest_digest": start.manifest_digest}:
             for newer in (info for info in store.list() if info.step > start.step):

@@ -21,6 +21,7 @@ from rlhf_core.ops.trackers import OpenTrackers
 from rlhf_core.storage.checkpoint import CheckpointStore
 from rlhf_core.storage.lease import RunLease
 from rlhf_core.storage.manifest import CheckpointInfo
+from rlhf_core.stages.base import StageConfig
 
 
 @dataclass
@@ -95,8 +96,9 @@ class StageRunner:
         self._warm: WarmGroup | None = None
         self._prestart: Prestart | None = None
         self._plans: dict[tuple, StagePlan] = {}
-        for stage, plan in (checked.plans if checked else {}).items():
-            self._plans[_plan_key(checked.run, stage)] = plan
+        if checked is not None:
+            for stage, plan in checked.plans.items():
+                self._plans[_plan_key(checked.run, stage)] = plan
 
     def __enter__(self) -> StageRunner:
         return self
@@ -177,7 +179,7 @@ class StageRunner:
         and that checkpoint (None when the warm group of the last chunk already holds it)."""
         run = self.run
         identity = (run.stage_url(stage), semantic_hash(run, stage), run.num_workers,
-                    run.stage_config(stage).zero_stage, tuple(plan.targets))
+                    run.section(stage, StageConfig).zero_stage, tuple(plan.targets))
         warm = self._warm
         if warm is not None and warm.identity == identity and infos and infos[-1].is_committed \
                 and warm.group.step == infos[-1].step:

@@ -11,6 +11,7 @@ from rlhf_core.driver.export import export_stage_output
 from rlhf_core.driver.resume import begin_stage, open_store
 from rlhf_core.driver.runner import StageRunner
 from rlhf_core.stages import STAGES
+from rlhf_core.stages.base import StageConfig
 
 
 def train_stage(run: RunConfig, stage: str) -> str:
@@ -27,9 +28,9 @@ def train_stage(run: RunConfig, stage: str) -> str:
 def export_stage(run: RunConfig, stage: str, final_step: int) -> str:
     """The stage's final checkpoint as a Hugging Face model (an adapter if LoRA) in its save_path; with PPO's
     --save_value_network, the critic too, in {save_path}_critic (as OpenRLHF). Returns save_path."""
-    cfg, store = run.stage_config(stage), open_store(run, stage)
+    cfg, store = run.section(stage, StageConfig), open_store(run, stage)
     if getattr(cfg, "save_value_network", False) and getattr(cfg, "advantage_estimator", None) == "gae":
-        export_stage_output(store, final_step, "critic_model", cfg.pretrain, f"{cfg.save_path.rstrip('/')}_critic",
-                            run.storage_options)
-    return export_stage_output(store, final_step, STAGES[stage].export_model_dir, cfg.pretrain,
+        export_stage_output(store, final_step, "critic_model", cfg.start_model,
+                            f"{cfg.save_path.rstrip('/')}_critic", run.storage_options)
+    return export_stage_output(store, final_step, STAGES[stage].export_model_dir, cfg.start_model,
                                cfg.save_path, run.storage_options)

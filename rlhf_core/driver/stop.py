@@ -199,8 +199,9 @@ def _on_signal(number: int, frame) -> None:
     if requested():
         _leave_now(number, "a second stop signal")
         return
+    received_at = time.monotonic()
     with _Stop.lock:
-        _Stop.signal_number, _Stop.received_at = number, time.monotonic()
+        _Stop.signal_number, _Stop.received_at = number, received_at
         listeners = list(_Stop.listeners)
     name = signal.Signals(number).name
     again = "Ctrl-C" if number == signal.SIGINT else name
@@ -211,7 +212,8 @@ def _on_signal(number: int, frame) -> None:
     _write_line(f"rlhf: {name} received: stopping after the current step, which commits within --stop_grace_s "
                 f"{_Stop.grace_s:g}; {again} again to leave at once (the last commit stands).")
     _notify(listeners)
-    threading.Thread(target=_watchdog, args=(_Stop.generation,), name="rlhf-stop-watchdog", daemon=True).start()
+    threading.Thread(target=_watchdog, args=(_Stop.generation, number, received_at), name="rlhf-stop-watchdog",
+                     daemon=True).start()
 
 
 def _notify(listeners: list[Callable[[], None]]) -> None:
@@ -224,14 +226,15 @@ def _notify(listeners: list[Callable[[], None]]) -> None:
     threading.Thread(target=run, name="rlhf-stop-notify", daemon=True).start()
 
 
-def _watchdog(generation: int) -> None:
-    """Leave at the end of the grace period if the run is still here (and this stop was not forgotten)."""
-    time.sleep(max(0.0, _Stop.received_at + _Stop.grace_s - time.monotonic()))
+def _watchdog(generation: int, number: int, received_at: float) -> None:
+    """Leave at the end of the grace period of the stop signal `number`, received at `received_at`, if the run is
+    still here (and this stop was not forgotten)."""
+    time.sleep(max(0.0, received_at + _Stop.grace_s - time.monotonic()))
     with _Stop.lock:
         current = _Stop.generation == generation and requested() and (_Stop.depth > 0 or _Stop.owns_process)
     if current:
         _dump_stacks_to_log_file()
-        _leave_now(_Stop.signal_number, f"--stop_grace_s {_Stop.grace_s:g} ran out")
+        _leave_now(number, f"--stop_grace_s {_Stop.grace_s:g} ran out")
 
 
 def _dump_stacks_to_log_file() -> None:

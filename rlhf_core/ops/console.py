@@ -15,7 +15,7 @@ import warnings
 from rlhf_core.ops.progress import LiveBar, is_terminal
 from rlhf_core.ops.run_log import RunLogHandler
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 WARNING_PREFIX = "rlhf: warning: "  # how rlhf_core's warnings read on the console (ranks' and alerts)
 WORKER_OUTPUT_LOGGER = "ray.worker_output"
@@ -116,42 +116,46 @@ class _RootConsoleFilter(logging.Filter):
                 return False
             if _console.live_bar is not None:
                 if not hasattr(record, "rlhf_on_live_bar"):  # drawn once, whatever the number of handlers
-                    record.rlhf_on_live_bar = _console.live_bar.draw_chunk_line(message)
-                if record.rlhf_on_live_bar:
+                    setattr(record, "rlhf_on_live_bar", _console.live_bar.draw_chunk_line(message))
+                if getattr(record, "rlhf_on_live_bar"):
                     return False
         if logging.WARNING <= record.levelno < logging.ERROR:
             # Decided once per record: with several console handlers, the second must not see a repeat.
             if not hasattr(record, "rlhf_first_time"):
-                record.rlhf_first_time = _console.first_time((record.name, record.getMessage()))
-            if not record.rlhf_first_time:
+                setattr(record, "rlhf_first_time", _console.first_time((record.name, record.getMessage())))
+            if not getattr(record, "rlhf_first_time"):
                 return False
         end_live_line()
         return True
 
 
-def _add_once(target: logging.Logger | logging.Handler, item: Any) -> None:
-    present = target.filters if isinstance(item, logging.Filter) else getattr(target, "handlers", [])
-    if not any(type(existing) is type(item) and (isinstance(item, logging.Filter) or existing is item)
-               for existing in present):
-        (target.addFilter if isinstance(item, logging.Filter) else target.addHandler)(item)
+def _add_once(target: logging.Logger | logging.Handler, item: logging.Filter | logging.Handler) -> None:
+    """Add a filter to `target` unless one of its class is there, or a handler to a logger unless it is there."""
+    if isinstance(item, logging.Filter):
+        if not any(type(existing) is type(item) for existing in target.filters):
+            target.addFilter(item)
+    elif not isinstance(target, logging.Logger):
+        raise TypeError(f"a handler is added to a logger, not to {target!r}")
+    elif not any(existing is item for existing in target.handlers):
+        target.addHandler(item)
 
 
 _CONSOLE_FILTERS = (_LibraryConsoleFilter, _CopyToFileThenGate, _RootConsoleFilter)
 _ORIGINAL_SHOWWARNING = warnings.showwarning
 
 
-def _is_console_handler(handler: logging.Handler) -> bool:
+def _is_console_handler(handler: logging.Handler) -> TypeGuard[logging.StreamHandler]:
     return isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
 
 
-def _gate_library_logger(name: str) -> None:
-    """The library logger `name` writes to the log file too, and its console handlers show errors only."""
+def _gate_library_logger(name: str, file_handler: RunLogHandler) -> None:
+    """The library logger `name` writes to `file_handler` too, and its console handlers show errors only."""
     library_logger = logging.getLogger(name)
     for handler in library_logger.handlers:
         if _is_console_handler(handler):
             _add_once(handler, _LibraryConsoleFilter())
     if library_logger.propagate is False:  # otherwise the root logger's file handler gets its records
-        _add_once(library_logger, _console.file_handler)
+        _add_once(library_logger, file_handler)
 
 
 def configure_console(log_file: str, verbose: bool = False, live_progress: bool | None = None) -> str:
@@ -189,7 +193,7 @@ def configure_console(log_file: str, verbose: bool = False, live_progress: bool 
         transformers_logging.disable_progress_bar()
     for name in LIBRARY_LOGGERS:
         if name != "DeepSpeed":
-            _gate_library_logger(name)
+            _gate_library_logger(name, file_handler)
     warnings.showwarning = _show_warning
     logging.getLogger(__name__).setLevel(logging.INFO)  # the line saying where the log file is
     return log_file
@@ -207,8 +211,9 @@ def reset_console() -> None:
         for target in (library_logger, *library_logger.handlers):
             for installed in [f for f in target.filters if isinstance(f, _CONSOLE_FILTERS)]:
                 target.removeFilter(installed)
-            if isinstance(getattr(target, "formatter", None), _OwnLineFormatter):
-                target.setFormatter(target.formatter.original)
+        for handler in library_logger.handlers:
+            if isinstance(handler.formatter, _OwnLineFormatter):
+                handler.setFormatter(handler.formatter.original)
     _console.file_handler.close()
     warnings.showwarning = _ORIGINAL_SHOWWARNING
     if not _console.verbose:
@@ -290,13 +295,14 @@ def route_ray_worker_output() -> None:
     dispatcher = _stdstream_dispatcher()
     if dispatcher is None:
         return
-    _gate_library_logger("ray")
+    _gate_library_logger("ray", _console.file_handler)
     try:
         from ray._private.worker import _global_node
 
         _console.file_handler.handle(logging.LogRecord(
             __name__, logging.INFO, __file__, 0, "Ray session logs (every actor's output, per node): %s",
-            (_global_node.get_logs_dir_path(),), None))
+            # ray declares `_global_node = None` unannotated (ray.init sets it; None is the AttributeError below)
+            (_global_node.get_logs_dir_path(),), None))  # type: ignore[attr-defined]
     except (ImportError, AttributeError):
         pass
     dispatcher.remove_handler("rlhf_log_file")

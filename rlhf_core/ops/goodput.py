@@ -118,12 +118,13 @@ def begin_attempt(doc: dict, attempt_id: str, now: float, started: float | None 
 
 def _close_crashed(doc: dict, old: dict, next_started: float, lease_holder: Mapping[str, Any] | None,
                    is_committed: Callable[[str, int], bool]) -> None:
-    holder_is_old = bool(lease_holder) and lease_holder.get("host") == old["host"] \
-        and lease_holder.get("pid") == old["pid"] and lease_holder.get("heartbeat", 0) >= old["started"]
-    if holder_is_old and lease_holder.get("released"):  # it ended cleanly, without recording its end
-        end, state = max(old["last_seen"], lease_holder["heartbeat"]), FINISHED
+    holder: Mapping[str, Any] = lease_holder or {}
+    holder_is_old = bool(holder) and holder.get("host") == old["host"] \
+        and holder.get("pid") == old["pid"] and holder.get("heartbeat", 0) >= old["started"]
+    if holder_is_old and holder.get("released"):  # it ended cleanly, without recording its end
+        end, state = max(old["last_seen"], holder["heartbeat"]), FINISHED
     elif holder_is_old:
-        end, state = min(next_started, max(old["last_seen"], lease_holder["heartbeat"]) + LEASE_HEARTBEAT_S), CRASHED
+        end, state = min(next_started, max(old["last_seen"], holder["heartbeat"]) + LEASE_HEARTBEAT_S), CRASHED
     else:
         end, state = max(old["last_seen"], next_started), CRASHED
     pending = [chunk for chunk in doc["pending"] if chunk["attempt"] == old["id"]]

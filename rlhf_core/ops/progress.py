@@ -54,11 +54,12 @@ class LiveBar:
         match = CHUNK_LINE.match(message)
         if match is None:
             return False
+        stage = match["stage"]
         with self._lock:
-            self._switch_to(match["stage"])
+            self._switch_to(stage)
             self.chunks = f"{match['done']}/{match['chunks']}"
             step, total = int(match["step"]), int(match["total"])
-            self._draw(render_live_bar(self.stage, step, total, self.chunks, match["tail"]))
+            self._draw(render_live_bar(stage, step, total, self.chunks, match["tail"]))
             if step >= total:  # the stage's last chunk: the bar stays as its final line
                 self.end_line()
         return True

@@ -7,6 +7,8 @@ import contextlib
 import logging
 import os
 import sys
+import threading
+from typing import Any, cast
 
 from rlhf_core.storage.locate import local_path
 
@@ -29,7 +31,7 @@ class FailSafeFileHandler(logging.FileHandler):
     """A FileHandler that, when its file cannot be written (a full disk, a lost mount), says so once on the
     console and stops writing, instead of printing logging's traceback for every record that follows."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # logging.FileHandler's
         super().__init__(*args, **kwargs)
         self.failed = False
 
@@ -57,7 +59,12 @@ class RunLogHandler(logging.Handler):
         super().__init__()
         self.path = path
         self._held: list[logging.LogRecord] = []
-        self._file: logging.FileHandler | None = None
+        self._file: FailSafeFileHandler | None = None
+
+    @property
+    def _lock(self) -> threading.RLock:
+        # logging.Handler.__init__ made it; typeshed has it Optional, for a handler that never ran that
+        return cast(threading.RLock, self.lock)
 
     @property
     def is_open(self) -> bool:
@@ -65,7 +72,7 @@ class RunLogHandler(logging.Handler):
 
     def open(self) -> bool:
         """Create the file and write what was held; True when this call opened it."""
-        with self.lock:
+        with self._lock:
             if self._file is not None:
                 return False
             try:
@@ -84,7 +91,7 @@ class RunLogHandler(logging.Handler):
             return True
 
     def discard(self) -> None:
-        with self.lock:
+        with self._lock:
             self._held.clear()
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -95,7 +102,7 @@ class RunLogHandler(logging.Handler):
             self._held.append(record)
 
     def close(self) -> None:
-        with self.lock:
+        with self._lock:
             if self._file is not None:
                 self._file.close()
         super().close()

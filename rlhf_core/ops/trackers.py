@@ -27,12 +27,17 @@ from __future__ import annotations
 import importlib.util
 import os
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 
 from rlhf_core.config import RunConfig
 from rlhf_core.errors import UserError
+from rlhf_core.stages.base import StageConfig
+
+if TYPE_CHECKING:  # the [tracking] extra's packages, imported only when a tracker is on
+    from torch.utils.tensorboard import SummaryWriter
+    from wandb import Run as WandbRun
 
 EXTRA_HINT = "pip install 'rlhf-pipeline[tracking]'"
 EVAL_PREFIX = "eval_"
@@ -52,6 +57,8 @@ def require_tracker_packages(run: RunConfig) -> None:
 
 def tensorboard_dir(run: RunConfig, stage: str) -> str:
     root = run.use_tensorboard
+    if root is None:
+        raise ValueError("no --use_tensorboard folder to log into")
     protocol, _ = fsspec.core.split_protocol(root)
     return f"{root.rstrip('/')}/{run.run_name}/{stage}" if protocol else \
         os.path.join(os.path.abspath(root), run.run_name, stage)
@@ -80,8 +87,10 @@ class StageTrackers:
         require_tracker_packages(run)
         self.wandb_last_steps = {} if wandb_last_steps is None else wandb_last_steps
         self.settings = tracker_settings(run)
-        self.logging_steps = run.stage_config(stage).logging_steps
-        self.tensorboard = self.tensorboard_dir = self.wandb_run = None
+        self.logging_steps = run.section(stage, StageConfig).logging_steps
+        self.tensorboard: SummaryWriter | None = None
+        self.tensorboard_dir: str | None = None
+        self.wandb_run: WandbRun | None = None
         try:
             if run.use_tensorboard:
                 self._open_tensorboard(run, stage, start_step)
@@ -104,7 +113,7 @@ class StageTrackers:
 
         run_id = run_id or uuid.uuid4().hex[:12]
         try:
-            self.wandb_run = wandb.init(
+            self.wandb_run = wandb_run = wandb.init(
                 project=run.wandb_project, entity=run.wandb_org, group=run.wandb_group,
                 name=run.wandb_run_name or f"{run.run_name}-{stage}", id=run_id, resume="allow",
                 reinit="create_new", job_type=stage,
@@ -113,12 +122,12 @@ class StageTrackers:
             raise UserError(f"--use_wandb: wandb refused to start ({error}); set WANDB_API_KEY (or pass "
                             f"--use_wandb TOKEN), or WANDB_MODE=offline to log without network.") from error
         # Operational settings may change on resume; they must not make wandb refuse the run.
-        self.wandb_run.config.update({"run_name": run.run_name, "stage": stage,
-                                      **run.stage_config(stage).model_dump(mode="json")}, allow_val_change=True)
+        wandb_run.config.update({"run_name": run.run_name, "stage": stage,
+                                 **run.stage_config(stage).model_dump(mode="json")}, allow_val_change=True)
         for section in ("train", "eval"):
-            self.wandb_run.define_metric(f"{section}/global_step")
-            self.wandb_run.define_metric(f"{section}/*", step_metric=f"{section}/global_step", step_sync=True)
-        logged_before = self.wandb_run.summary.get("train/global_step") if self.wandb_run.resumed else None
+            wandb_run.define_metric(f"{section}/global_step")
+            wandb_run.define_metric(f"{section}/*", step_metric=f"{section}/global_step", step_sync=True)
+        logged_before = wandb_run.summary.get("train/global_step") if wandb_run.resumed else None
         self.wandb_last_steps[run_id] = max(self.wandb_last_steps.get(run_id, 0), int(logged_before or 0))
 
     def tracker_ids(self) -> dict[str, Any]:
@@ -145,7 +154,7 @@ class StageTrackers:
                 for name, value in values.items():
                     self.tensorboard.add_scalar(f"{section}/{name}", value, step)
         if self.wandb_run is not None and step > self.wandb_last_steps.get(self.wandb_run.id, 0):
-            payload = {}
+            payload: dict[str, float] = {}
             for section, values in sections.items():
                 if values:
                     payload[f"{section}/global_step"] = step

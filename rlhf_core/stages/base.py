@@ -22,6 +22,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from rlhf_core.errors import UserError
+
 
 def operational(description: str, role: str | None = None) -> dict[str, Any]:
     """Field kwargs for a setting that does not change the math (kept out of the semantic hash)."""
@@ -103,10 +105,15 @@ class Earlier:
             raise ValueError(f"{self.stage} needs its input: set it, or run {producer} before {self.stage}")
         return getattr(self._configs[producer], self._table[producer].output_field)
 
-    def policy(self) -> tuple[str, StageSettings] | None:
-        """The last stage before this one whose output is a policy, and its config."""
+    def policy(self) -> tuple[str, StageConfig] | None:
+        """The last stage before this one whose output is a policy, and its config (a training stage's)."""
         name = next((name for name in reversed(self._before) if self._table[name].is_policy), None)
-        return None if name is None else (name, self._configs[name])
+        if name is None:
+            return None
+        config = self._configs[name]
+        if not isinstance(config, StageConfig):
+            raise TypeError(f"stage {name!r} makes a policy, so its settings must be a StageConfig")
+        return name, config
 
     def policy_stages(self) -> str:
         """The stages that produce a policy, for a message: "sft, ppo"."""
@@ -126,11 +133,15 @@ class StageSettings(BaseModel):
         """Raise ValueError when these settings do not fit the run (its rank count)."""
 
 
+PRETRAIN_HELP = ("Model to start from: a local folder, an fsspec URL, or a Hugging Face hub id (resolved from the "
+                 "local cache when offline) in Hugging Face format.")
+
+
 class StageConfig(StageSettings):
     """Settings every training stage shares: model, optimisation, chunking, export."""
 
-    pretrain: str = Field(**input_location("Model to start from: a local folder, an fsspec URL, or a Hugging Face hub id "
-                                      "(resolved from the local cache when offline) in Hugging Face format.", role="model"))
+    # Required, but a stage may default it to an earlier stage's output (`chained`): read it as `start_model`.
+    pretrain: str | None = Field(**input_location(PRETRAIN_HELP, role="model"))
     max_len: int = Field(2048, ge=8, description="Maximum tokens per sample; longer samples are truncated.")
     max_samples: int | None = Field(None, ge=1, description="Use at most this many samples of the dataset.")
     train_batch_size: int = Field(128, ge=1, description="Global batch size: samples per optimizer step, all ranks.")
@@ -210,6 +221,13 @@ class StageConfig(StageSettings):
     @property
     def bf16(self) -> bool:
         return self.param_dtype == "bf16"
+
+    @property
+    def start_model(self) -> str:
+        """`pretrain` as the run filled it: a section may leave it to an earlier stage's output (`chained`)."""
+        if self.pretrain is None:
+            raise UserError("pretrain is not set: give it, or run the stage that produces it before this one")
+        return self.pretrain
 
     @field_validator("save_steps")
     @classmethod

@@ -20,11 +20,13 @@ class ExportConfig(StageSettings):
         if self.model_path is not None:
             return self
         source = earlier.output("merge") if earlier.ran("merge") else None
-        policy = earlier.policy()
-        if source is None and policy is None:
-            raise ValueError(f"export needs model_path, or a policy stage ({earlier.policy_stages()}) or merge "
-                             "before it")
-        return self.model_copy(update={"model_path": source or earlier.output(policy[0])})
+        if source is None:
+            policy = earlier.policy()
+            if policy is None:
+                raise ValueError(f"export needs model_path, or a policy stage ({earlier.policy_stages()}) or merge "
+                                 "before it")
+            source = earlier.output(policy[0])
+        return self.model_copy(update={"model_path": source})
 
 
 STAGE = Stage("export", ExportConfig, "export", position=90, description="Settings of the final export stage.")

@@ -21,13 +21,16 @@ class MergeConfig(StageSettings):
     def chained(self, earlier: Earlier) -> MergeConfig:
         """Base model and adapter default to the last policy stage's start and output."""
         policy = earlier.policy()
-        if policy is None and (self.model_path is None or self.lora_path is None):
-            raise ValueError(f"merge needs model_path and lora_path, or a policy stage ({earlier.policy_stages()}) "
-                             "before it")
-        if policy is not None and self.lora_path is None and not policy[1].lora_rank:
-            raise ValueError(f"merge needs LoRA adapters: set {policy[0]}.lora_rank > 0, or give merge.lora_path")
-        return self.model_copy(update={"model_path": self.model_path or policy[1].pretrain,
-                                       "lora_path": self.lora_path or earlier.output(policy[0])})
+        if policy is None:
+            if self.model_path is None or self.lora_path is None:
+                raise ValueError(f"merge needs model_path and lora_path, or a policy stage ({earlier.policy_stages()}) "
+                                 "before it")
+            return self
+        name, settings = policy
+        if self.lora_path is None and not settings.lora_rank:
+            raise ValueError(f"merge needs LoRA adapters: set {name}.lora_rank > 0, or give merge.lora_path")
+        return self.model_copy(update={"model_path": self.model_path or settings.pretrain,
+                                       "lora_path": self.lora_path or earlier.output(name)})
 
 
 STAGE = Stage("merge", MergeConfig, "merge", position=80, description="Settings of the LoRA merge stage.",

@@ -121,7 +121,7 @@ class PPOConfig(StageConfig):
     def chained(self, earlier: Earlier) -> PPOConfig:
         """The actor starts from the SFT output, the reward model is the RM output; as OpenRLHF, a gae critic
         starts from the reward model, or from the actor when a function rewards."""
-        updates = {}
+        updates: dict[str, str | None] = {}
         if self.pretrain is None:
             updates["pretrain"] = earlier.output("sft")
         if self.reward_pretrain is None and not (self.reward_fn or self.remote_rm_url or self.agent_func_path):

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from rlhf_core.stages.base import Stage, StageConfig, input_location, operational
+from rlhf_core.stages.base import PRETRAIN_HELP, Stage, StageConfig, input_location, operational
 
 
 class SFTConfig(StageConfig):
     """Supervised fine-tuning on (prompt, response) pairs; the loss covers response tokens only."""
 
+    pretrain: str = Field(**input_location(PRETRAIN_HELP, role="model"))  # the first stage: nothing to default it from
     dataset: str = Field(**input_location("Training data (prompt, response): JSONL, JSON, CSV or Parquet at a local path or "
                                   "fsspec URL, a `datasets` folder, a hub dataset name, or OpenRLHF's name@data_dir; "
                                   "several, comma-separated, are mixed by dataset_probs.", role="data"))

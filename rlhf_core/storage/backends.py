@@ -28,8 +28,14 @@ from fsspec.implementations.local import LocalFileSystem
 
 from rlhf_core.storage import direct_io, durable
 from rlhf_core.faults import fault_point
-from rlhf_core.storage.manifest import (MANIFEST_NAME, TRANSFER_BLOCK_BYTES, digest_of_local_file, digest_of_stream,
-                                        parse_step_dir_name)
+from rlhf_core.storage.manifest import (MANIFEST_NAME, TRANSFER_BLOCK_BYTES, WriteTarget, digest_of_local_file,
+                                        digest_of_stream, parse_step_dir_name)
+
+
+class NewFile(WriteTarget, Protocol):
+    """A file `open_new` opens: written, then made durable through its descriptor (`sync`)."""
+
+    def fileno(self) -> int: ...
 
 
 class StoreBackend(Protocol):
@@ -42,9 +48,9 @@ class StoreBackend(Protocol):
     def publish(self, folder: str, step_path: str) -> None: ...
 
     @contextlib.contextmanager
-    def open_new(self, path: str) -> Iterator[BinaryIO]: ...
+    def open_new(self, path: str) -> Iterator[NewFile]: ...
 
-    def sync(self, handle: BinaryIO) -> None: ...
+    def sync(self, handle: NewFile) -> None: ...
 
     def write_new(self, path: str, data: bytes) -> None: ...
 
@@ -80,7 +86,7 @@ class LocalBackend:
         durable.fsync_dir(posixpath.dirname(step_path))
 
     @contextlib.contextmanager
-    def open_new(self, path: str) -> Iterator[BinaryIO]:
+    def open_new(self, path: str) -> Iterator[NewFile]:
         """A new file written around the page cache (`direct_io`); where the filesystem refuses that, through
         it, the disk starting on each window while the rest is still being serialized. Either way the closing
         `sync` waits for little."""
@@ -93,7 +99,7 @@ class LocalBackend:
         with self.fs.open(path, "wb") as handle:
             yield durable.WritebackAhead(handle)
 
-    def sync(self, handle: BinaryIO) -> None:
+    def sync(self, handle: NewFile) -> None:
         handle.flush()
         os.fsync(handle.fileno())
 
@@ -145,11 +151,11 @@ class ObjectStoreBackend:
         pass  # the manifest, written last into step_N, is the commit
 
     @contextlib.contextmanager
-    def open_new(self, path: str) -> Iterator[BinaryIO]:
+    def open_new(self, path: str) -> Iterator[NewFile]:
         with self.fs.open(path, "wb") as handle:
             yield _InPieces(handle)
 
-    def sync(self, handle: BinaryIO) -> None:
+    def sync(self, handle: NewFile) -> None:
         pass  # durable once the upload returns, at the close
 
     def write_new(self, path: str, data: bytes) -> None:
@@ -202,6 +208,9 @@ class _InPieces:
 
     def flush(self) -> None:
         self.target.flush()
+
+    def fileno(self) -> int:
+        return self.target.fileno()
 
 
 def backend_for(fs: Any) -> StoreBackend:

@@ -8,6 +8,7 @@ where this departs from OpenRLHF.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import dataclasses
 import json
@@ -30,6 +31,10 @@ from rlhf_core.storage.manifest import (ASIDE_DIR_NAME, ASIDE_REASON_NAME, BYTES
                                         parse_step_dir_name, require_checksum, step_dir_name)
 from rlhf_core.storage.backends import backend_for
 from rlhf_core.storage.commit import StoreWrites
+
+# Which of a checkpoint's files (relative paths) to read. In CheckpointStore, `list` is its method: annotations there
+# say `builtins.list`.
+FileSelection = Callable[[list[str]], list[str]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +96,7 @@ class CheckpointStore(StoreWrites):
         self._write_bytes(f"{aside_path}/{ASIDE_REASON_NAME}", f"{info.status}: {info.reason}\n".encode())
         return aside_path
 
-    def aside_entries(self) -> list[AsideEntry]:
+    def aside_entries(self) -> builtins.list[AsideEntry]:
         """The folders under ``.aside/`` (bad or leftover step dirs, never deleted), oldest name first."""
         aside_path = self._path(ASIDE_DIR_NAME)
         try:
@@ -155,7 +160,7 @@ class CheckpointStore(StoreWrites):
 
     # ---------------------------------------------------------------- mutations
 
-    def retain(self, max_num: int | None, max_mem_gb: float | None = None) -> list[str]:
+    def retain(self, max_num: int | None, max_mem_gb: float | None = None) -> builtins.list[str]:
         """Remove the oldest committed checkpoints beyond ``max_num`` or ``max_mem_gb``.
 
         A limit that is None or <= 0 means unlimited. Incomplete and corrupt dirs
@@ -175,7 +180,7 @@ class CheckpointStore(StoreWrites):
             removed_names.append(oldest.name)
         return removed_names
 
-    def download(self, step: int, local_dir: str, select: Callable[[list[str]], list[str]] | None = None) -> str:
+    def download(self, step: int, local_dir: str, select: FileSelection | None = None) -> str:
         """Copy the committed ``step_N`` (the files ``select`` picks from the manifest's paths, all by default) and
         its manifest into ``local_dir``, every file checked against its checksum."""
         manifest_bytes = self.fetch(step, local_dir, select)
@@ -183,7 +188,7 @@ class CheckpointStore(StoreWrites):
             stream.write(manifest_bytes)
         return local_dir
 
-    def fetch(self, step: int, local_dir: str, select: Callable[[list[str]], list[str]] | None = None) -> bytes:
+    def fetch(self, step: int, local_dir: str, select: FileSelection | None = None) -> bytes:
         """Download the files of the committed ``step_N`` that ``select`` picks from the manifest's paths
         (all by default) into ``local_dir``, each hashed as it arrives and compared with the manifest
         (CorruptCheckpoint on a mismatch). Returns the manifest's bytes."""
@@ -196,7 +201,7 @@ class CheckpointStore(StoreWrites):
         return manifest_bytes
 
     @contextlib.contextmanager
-    def read_in_place(self, step: int, select: Callable[[list[str]], list[str]] | None = None) -> Iterator[str | None]:
+    def read_in_place(self, step: int, select: FileSelection | None = None) -> Iterator[str | None]:
         """On a local store, the folder of the committed ``step_N``, to read where it lies (no copy) while
         the files ``select`` picks are checked against the manifest in background threads (one read each,
         from the page cache the reader warms). Leaving the block waits for the check: CorruptCheckpoint on a
@@ -253,7 +258,7 @@ class CheckpointStore(StoreWrites):
     def _path(self, name: str) -> str:
         return f"{self.root}/{name}"
 
-    def _steps(self) -> list[int]:
+    def _steps(self) -> builtins.list[int]:
         self.fs.invalidate_cache()
         try:
             entries = self.fs.ls(self.root, detail=True)

@@ -12,14 +12,14 @@ import os
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, BinaryIO, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from rlhf_core.errors import StoreFull, TransientStoreError, UserError, is_full, is_permanent_os_error, store_full
 from rlhf_core.faults import fault_point
 from rlhf_core.storage.manifest import (LATEST_NAME, MANIFEST_NAME, METADATA_NAME, RESERVED_NAMES, STAGING_PREFIX,
                                         TRANSFER_BLOCK_BYTES, TRANSFER_THREADS, CheckpointInfo, Fence, HashingWriter,
-                                        Manifest, ManifestEntry, PendingStep, WriteTimings, digest_of_bytes, is_count,
-                                        parse_step_dir_name, step_dir_name)
+                                        Manifest, ManifestEntry, PendingStep, WriteTarget, WriteTimings, digest_of_bytes,
+                                        is_count, parse_step_dir_name, step_dir_name)
 
 
 class StoreWrites:
@@ -28,6 +28,7 @@ class StoreWrites:
     fs: Any
     backend: Any
     url: str
+    root: str
     checksum: str
 
     def _path(self, name: str) -> str:
@@ -106,7 +107,7 @@ class StoreWrites:
                                       "the chunk is retried from the last commit.") from error
 
     def upload_tree(self, pending: PendingStep, local_dir: str,
-                    streams: Sequence[tuple[str, Callable[[BinaryIO], None]]] = (),
+                    streams: Sequence[tuple[str, Callable[[WriteTarget], None]]] = (),
                     timings: dict[str, float] | None = None) -> list[ManifestEntry]:
         """Upload every file below ``local_dir`` into ``pending``, and write each of ``streams`` (a relative
         path and a function that writes the file's bytes into a file object, e.g. a ``torch.save`` of
@@ -167,21 +168,21 @@ class StoreWrites:
 
     def _upload_file(self, pending: PendingStep, relative_path: str, local_path: str,
                      timer: WriteTimings | None = None) -> ManifestEntry:
-        def copy(target: BinaryIO) -> None:
+        def copy(target: WriteTarget) -> None:
             with open(local_path, "rb") as source:
                 while block := source.read(TRANSFER_BLOCK_BYTES):
                     target.write(block)
 
         return self._write_stream(pending, relative_path, copy, timer)
 
-    def _write_stream(self, pending: PendingStep, relative_path: str, write: Callable[[BinaryIO], None],
+    def _write_stream(self, pending: PendingStep, relative_path: str, write: Callable[[WriteTarget], None],
                       timer: WriteTimings | None = None) -> ManifestEntry:
         remote_path = f"{pending.path}/{relative_path}"
         with self._named_store_errors():
             return self._write_stream_into(pending, relative_path, remote_path, write, timer or WriteTimings({}))
 
     def _write_stream_into(self, pending: PendingStep, relative_path: str, remote_path: str,
-                           write: Callable[[BinaryIO], None], timer: WriteTimings) -> ManifestEntry:
+                           write: Callable[[WriteTarget], None], timer: WriteTimings) -> ManifestEntry:
         started = time.perf_counter()
         with self.backend.open_new(remote_path) as target:
             sink = HashingWriter(target, lambda: fault_point("mid_upload", pending.step), pending.checksum)

@@ -74,11 +74,6 @@ class Holder:
         return f"pid {self.pid} on {self.host}, last heartbeat {now - self.heartbeat:.0f} s ago"
 
     @property
-    def held(self) -> bool:
-        """Whether this process took the lease and has not released it (it may still have been lost since)."""
-        return self._thread is not None and self._thread.is_alive() and self._version is not None
-
-    @property
     def token(self) -> str:
         return f"{self.generation}-{self.id[:12]}"
 
@@ -150,13 +145,14 @@ class _LocalStore:
 
 def _is_lost_race(error: BaseException) -> bool:
     """Whether an s3fs error is S3 refusing a conditional write (412, or 409 for a concurrent one)."""
-    while error is not None:
-        response = getattr(error, "response", None)
+    current: BaseException | None = error
+    while current is not None:
+        response = getattr(current, "response", None)
         if isinstance(response, dict):
             code = str(response.get("Error", {}).get("Code", ""))
             status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             return code in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409") or status in (409, 412)
-        error = error.__cause__ or error.__context__
+        current = current.__cause__ or current.__context__
     return False
 
 

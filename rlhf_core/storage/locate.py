@@ -131,7 +131,8 @@ def store_unreachable(error: BaseException, flag: str, url: str, storage_options
                       ) -> UserError | None:
     """A UserError naming `flag`, `url` and the endpoint when `error` (or its cause) is a failure to
     connect to the store; None for any other error."""
-    seen, current = set(), error
+    seen: set[int] = set()
+    current: BaseException | None = error
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         if type(current).__name__ in _CONNECTION_ERRORS:

@@ -23,7 +23,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Callable, Protocol
+from typing import Any, BinaryIO, Callable, Protocol, TypeGuard
 
 from rlhf_core.errors import UserError
 
@@ -200,7 +200,7 @@ class Manifest:
                    lease_token=lease_token if isinstance(lease_token, str) else "")
 
 
-def is_count(value: Any) -> bool:
+def is_count(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
@@ -228,12 +228,22 @@ def _is_contained(relative_path: str) -> bool:
     )
 
 
+class WriteTarget(Protocol):
+    """A file open for writing, as a checkpoint's bytes go into it: a binary file, a backend's writer
+    (`rlhf_core.storage.backends`) or the `HashingWriter` over one, which the stream writers are handed."""
+
+    def write(self, block: bytes | bytearray | memoryview, /) -> int: ...
+
+    def flush(self) -> None: ...
+
+
 class Fence(Protocol):
     """The run lease, as a commit sees it (`rlhf_core.storage.lease.RunLease`)."""
 
-    token: str
+    @property
+    def token(self) -> str: ...
 
-    def assert_held(self) -> None: ...
+    def assert_held(self) -> str: ...  # the token while held; raises LeaseLost once it is not
 
 
 @dataclass(frozen=True)
@@ -283,7 +293,7 @@ class HashingWriter:
 
     _PARALLEL_BYTES = 1 << 20  # smaller writes are hashed inline (a thread hand-off costs more)
 
-    def __init__(self, target: BinaryIO, after_first_block: Callable[[], None] | None = None,
+    def __init__(self, target: WriteTarget, after_first_block: Callable[[], None] | None = None,
                  checksum: str = DEFAULT_CHECKSUM):
         self.target, self.after_first_block = target, after_first_block
         self.size, self._digest = 0, new_hasher(checksum)
@@ -321,7 +331,7 @@ class HashingWriter:
         return self._digest.hexdigest()
 
 
-def copy_hashing(source: BinaryIO, target: BinaryIO, checksum: str) -> tuple[int, str]:
+def copy_hashing(source: BinaryIO, target: WriteTarget, checksum: str) -> tuple[int, str]:
     """Copy ``source`` into ``target`` block by block, hashing on the way (one read):
     (size, hex digest of algorithm ``checksum``)."""
     sink = HashingWriter(target, checksum=checksum)
