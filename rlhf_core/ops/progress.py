@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import re
 import threading
-from typing import Any
+from typing import Any, TextIO
 
 
 # The flow's chunk line (flows/stage_report.progress_line): `sft [#####-----] 4/8 chunks  step 32/64: ...`.
@@ -42,7 +42,7 @@ class LiveBar:
     and cut to the terminal's width, since a wrapped line cannot be redrawn. `is_open` while the cursor sits
     at the end of the bar: whatever prints next must first end its line (`end_line`)."""
 
-    def __init__(self, stream):
+    def __init__(self, stream: TextIO) -> None:
         self.stream = stream
         self.stage: str | None = None
         self.chunks = ""  # "4/8" from the stage's last chunk line

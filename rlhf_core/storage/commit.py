@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 
 from rlhf_core.errors import StoreFull, TransientStoreError, UserError, is_full, is_permanent_os_error, store_full
 from rlhf_core.faults import fault_point
+from rlhf_core.storage.backends import StoreBackend
 from rlhf_core.storage.manifest import (LATEST_NAME, MANIFEST_NAME, METADATA_NAME, RESERVED_NAMES, STAGING_PREFIX,
                                         TRANSFER_BLOCK_BYTES, TRANSFER_THREADS, CheckpointInfo, Fence, HashingWriter,
                                         Manifest, ManifestEntry, PendingStep, WriteTarget, WriteTimings, digest_of_bytes,
@@ -26,7 +27,7 @@ class StoreWrites:
     """The commit protocol's methods; `CheckpointStore` mixes them in and provides what they read."""
 
     fs: Any
-    backend: Any
+    backend: StoreBackend
     url: str
     root: str
     checksum: str
