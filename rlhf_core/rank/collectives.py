@@ -54,9 +54,9 @@ def max_over_ranks(values: list[float], group=None, device: torch.device | str =
 def agreed(work: Callable[[], Result], group=None) -> Result:
     """`work()`'s result; a UserError on any rank (the user's reward function or agent) stops every rank
     with the same sentence (a rank left behind would wait in the next collective forever)."""
-    problem, result = "", None
+    problem = ""
     try:
-        result = work()
+        result = work()  # unset only when work() raised, and then every rank raises below
     except UserError as error:
         problem = str(error)
     problems = [problem]

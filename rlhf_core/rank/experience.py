@@ -48,6 +48,12 @@ class Experience:
         """This experience with the update's tensors."""
         return replace(self, advantages=advantages, returns=returns, loss_mask=loss_mask)
 
+    def update_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(advantages, returns, loss_mask), which `with_advantages` set: what every update reads."""
+        if self.advantages is None or self.returns is None or self.loss_mask is None:
+            raise ValueError("this experience has no advantages yet (with_advantages)")
+        return self.advantages, self.returns, self.loss_mask
+
 
 def pad_rows(rows: list[torch.Tensor]) -> torch.Tensor:
     """Rows of different lengths as one zero-padded `[n, T]` tensor (`[0, 0]` for no rows)."""

@@ -170,6 +170,8 @@ def advantages_and_returns(estimator: str, scores: torch.Tensor, kl: torch.Tenso
         rewards = rewards.clamp(*clip_range)
     shaped = shaped_rewards(rewards, kl, kl_coef, mask)
     if estimator == "gae":
+        if values is None:
+            raise ValueError("the gae estimator needs the critic's values")
         return gae(shaped, values, mask, gamma, lambd)
     returns = discounted_returns(shaped, mask, 1.0 if estimator in GROUP_BASELINES else gamma)
     if estimator in WHITENED_ESTIMATORS:

@@ -34,10 +34,13 @@ import shutil
 import struct
 import tempfile
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, BinaryIO, Iterable, Iterator
 
 from rlhf_core.processes import process_exists
 from rlhf_core.storage.direct_io import ALIGNMENT, IN_PLACE_MIN_BYTES
+
+if TYPE_CHECKING:
+    import torch
 
 SHM_ROOT = "/dev/shm"
 PREFIX = "rlhf-snapshot-"
@@ -131,20 +134,21 @@ def tensors_kept_in_memory(engines: Iterable[Any], folder: str, reuse: dict[str,
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
     kept: dict[str, Any] = {}
-    reuse = reuse or {}
+    buffers = reuse or {}
 
-    def relative(path: str) -> str:
+    def relative(path: str | os.PathLike[str]) -> str:
         return os.path.relpath(path, folder).replace(os.sep, "/")
 
     class KeepInMemory(TorchCheckpointEngine):
         def save(self, state_dict: Any, path: str) -> None:
-            kept[relative(path)] = copy_into(reuse.get(relative(path)), state_dict)
+            kept[relative(path)] = copy_into(buffers.get(relative(path)), state_dict)
 
         def preserves_storage_sharing(self) -> bool:
             return False  # save() copies every tensor, so DeepSpeed need not clone them first
 
-    def keep_safetensors(tensors: dict, filename: str, metadata: dict | None = None) -> None:
-        previous = reuse.get(relative(filename))
+    def keep_safetensors(tensors: dict[str, torch.Tensor], filename: str | os.PathLike[str],
+                         metadata: dict[str, str] | None = None) -> None:
+        previous = buffers.get(relative(filename))
         kept[relative(filename)] = safetensors_in_memory(tensors, metadata, previous)
 
     engines = list(engines)

@@ -46,7 +46,8 @@ def inference_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tenso
         if isinstance(module, LoraLayer):
             weight = module.base_layer.weight
             for adapter in module.active_adapters:
-                weight = weight + module.get_delta_weight(adapter).to(weight.dtype)
+                # peft declares get_delta_weight on each concrete LoRA layer (Linear, Embedding...), not on LoraLayer
+                weight = weight + module.get_delta_weight(adapter).to(weight.dtype)  # type: ignore[attr-defined]
             merged[f"{name}.base_layer.weight"] = weight
     for name, tensor in model.state_dict().items():
         if "lora_" not in name:
@@ -80,7 +81,7 @@ class VLLMGenerator:
 
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine stays in this process
         self.cfg, self.seed, self.rank = cfg, seed, rank
-        model_dir = _engine_model_dir(cfg.pretrain)
+        model_dir = _engine_model_dir(cfg.start_model)
         longest = getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", None)
         self.llm = LLM(
             model=model_dir,

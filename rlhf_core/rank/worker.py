@@ -21,10 +21,16 @@ import tempfile
 import time
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import ray
 
 from rlhf_core.config import RunConfig
+from rlhf_core.stages.base import StageConfig
+
+if TYPE_CHECKING:
+    from rlhf_core.rank.trainers.base import DeepSpeedTrainer
+    from rlhf_core.storage.manifest import ManifestEntry, PendingStep
 
 logger = logging.getLogger(__name__)
 # DeepSpeed's per-rank shard files: ZeRO optimizer partitions (and ZeRO-3 weight partitions).
@@ -85,12 +91,19 @@ class TrainWorker:
 
         rank_warnings()
         self.rank, self.world_size = rank, world_size
-        self.trainer = None
+        self._trainer: DeepSpeedTrainer[StageConfig] | None = None  # the stage's, once `setup` made it
         self._stop_requested = False  # set by request_stop, from the driver's stop signal (rlhf_core.driver.stop)
         self._kept_in_memory: dict[str, dict] = {}  # a snapshot's state dicts, by its folder (see snapshot)
         self._written_state: dict = {}  # the last written snapshot's state dicts: buffers for the next one
         # Background writes in flight, and started so far: a step during which either changed ran beside one.
         self._num_writes_in_flight = self._num_writes_started = 0
+
+    @property
+    def trainer(self) -> DeepSpeedTrainer[StageConfig]:
+        """The trainer `setup` made: the driver calls it before any method that trains, saves or loads."""
+        if self._trainer is None:
+            raise RuntimeError(f"rank {self.rank} has no trainer: TrainWorker.setup has not run")
+        return self._trainer
 
     def location(self) -> RankLocation:
         return RankLocation(socket.gethostname(), ray.util.get_node_ip_address(),
@@ -133,14 +146,14 @@ class TrainWorker:
             trainer_class(stage)
             from rlhf_core.models.load import import_model_classes
 
-            import_model_classes(run.stage_config(stage).pretrain)
+            import_model_classes(run.section(stage, StageConfig).start_model)
         except Exception:  # noqa: BLE001
             logger.debug("warming up rank %d for %s failed", self.rank, stage, exc_info=True)
 
     def setup(self, run: RunConfig, stage: str, chunk_ends: list[int], load_universal: bool) -> None:
         from rlhf_core.rank.trainers import trainer_class
 
-        self.trainer = trainer_class(stage)(run, chunk_ends, self.rank, self.world_size, load_universal)
+        self._trainer = trainer_class(stage)(run, chunk_ends, self.rank, self.world_size, load_universal)
 
     def train_until(self, target_step: int) -> tuple[list[dict[str, float]], float, int, list[tuple[float, bool]]]:
         """The metrics of each step up to `target_step`, the seconds this rank spent in its step loop, the
@@ -216,9 +229,11 @@ class TrainWorker:
         shutil.rmtree(folder, ignore_errors=True)
 
     @ray.method(concurrency_group="io")
-    def write_snapshot(self, folder: str, store_url: str, storage_options: dict, pending) -> list:
+    def write_snapshot(self, folder: str, store_url: str, storage_options: dict,
+                       pending: PendingStep) -> tuple[list[ManifestEntry], dict[str, float]]:
         """Upload a snapshot into the uncommitted step folder `pending` (hashing as it writes), remove it,
-        and return its manifest entries. Runs in the actor's I/O thread, beside `train_until`."""
+        and return its manifest entries and the upload's timings. Runs in the actor's I/O thread, beside
+        `train_until`."""
         from rlhf_core.storage.checkpoint import CheckpointStore
         from rlhf_core.rank.snapshot import write_state
 

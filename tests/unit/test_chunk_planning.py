@@ -116,12 +116,13 @@ def test_the_ranks_evaluate_at_the_chunk_ends_the_plan_hands_them():
     from types import SimpleNamespace
 
     from rlhf_core.rank.trainers.base import DeepSpeedTrainer
+    from rlhf_core.stages.sft import SFTConfig
 
     class Probe(DeepSpeedTrainer):
-        stage = "sft"
+        stage, config_class = "sft", SFTConfig
         train_step = None
 
     cfg = SimpleNamespace(param_dtype="fp32", save_steps=5, eval_steps=-1)
-    trainer = Probe(SimpleNamespace(stage_config=lambda stage: cfg), [3, 7], rank=0, world_size=1)
+    trainer = Probe(SimpleNamespace(section=lambda stage, kind: cfg), [3, 7], rank=0, world_size=1)
     assert trainer.total_steps == 7
     assert [step for step in range(1, 8) if trainer.is_chunk_end(step)] == [3, 7]

@@ -6,8 +6,14 @@ counted, items per step, passes).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 
-def trainer_class(stage: str):
+if TYPE_CHECKING:
+    from rlhf_core.rank.trainers.base import DeepSpeedTrainer
+    from rlhf_core.stages.base import StageConfig
+
+
+def trainer_class(stage: str) -> type[DeepSpeedTrainer[StageConfig]]:
     """The trainer class `rlhf_core.stages.STAGES` declares for a training stage."""
     from rlhf_core.stages import STAGES
 

@@ -22,7 +22,7 @@ import contextlib
 import glob
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,7 @@ import torch.distributed as dist
 from rlhf_core.config import RunConfig
 from rlhf_core.data.determinism import derive_seed, step_sample_indices
 from rlhf_core.data.records import rank_micro_batches
+from rlhf_core.errors import UserError
 from rlhf_core.rank.collectives import mean_over_ranks, sum_over_ranks
 from rlhf_core.rank.ds_config import deepspeed_config, lr_scheduler_factory
 from rlhf_core.models.precision import resolve_precision
@@ -37,8 +38,16 @@ from rlhf_core.notices import warn_once
 from rlhf_core.faults import fault_point
 from rlhf_core.storage.manifest import DEEPSPEED_STATE_DIR, HF_WEIGHTS_DIR, TRAINER_STATE_NAME, UNIVERSAL_STATE_DIR
 from rlhf_core.stages import STAGES
+from rlhf_core.stages.base import StageConfig
 from rlhf_core.storage.safe_load import guard_checkpoint_loads, reading_checkpoint
 
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+    from transformers import PreTrainedTokenizerBase
+
+# A trainer's settings: its stage's config class. Covariant, since `cfg` is only read after __init__: any trainer
+# is a DeepSpeedTrainer[StageConfig] to the code that hosts it (`rlhf_core.rank.worker`).
+ConfigT = TypeVar("ConfigT", bound=StageConfig, covariant=True)
 
 
 def configure_gradient_checkpointing(model, cfg) -> None:
@@ -62,7 +71,15 @@ def gathered(engine, modifier_rank: int | None = None):
     return deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=modifier_rank)
 
 
-class DeepSpeedTrainer(abc.ABC):
+def chained_model(location: str | None, flag: str) -> str:
+    """A model input a section may leave to an earlier stage's output (`--ref_pretrain`, `--reward_pretrain`), as
+    the run filled it (`StageSettings.chained`) by the time a trainer reads it."""
+    if location is None:
+        raise UserError(f"{flag} is not set: give it, or run the stage that produces it before this one")
+    return location
+
+
+class DeepSpeedTrainer(abc.ABC, Generic[ConfigT]):
     """One rank of a stage: DeepSpeed engines over its trained models, at optimizer step `self.step`.
 
     A stage's trainer declares `train_step()` (one optimizer step, returning its metrics); its facts (how its data
@@ -74,6 +91,9 @@ class DeepSpeedTrainer(abc.ABC):
     """
 
     stage: str = ""
+    config_class: type[ConfigT]  # the stage's config class (`Stage.config`): `self.cfg` is its section of the run
+    tokenizer: PreTrainedTokenizerBase
+    engine: DeepSpeedEngine  # a stage training one model (`train_on`); PPO has `actor` and `critic` instead
 
     @property
     def export_model_dir(self) -> str:
@@ -86,13 +106,13 @@ class DeepSpeedTrainer(abc.ABC):
 
     def __init__(self, run: RunConfig, chunk_ends: list[int], rank: int, world_size: int, load_universal: bool = False):
         """`chunk_ends`: the steps the driver's plan commits at (`StagePlan.targets`), the last the stage's last."""
-        self.run, self.cfg = run, run.stage_config(self.stage)
+        self.run, self.cfg = run, run.section(self.stage, self.config_class)
         self.total_steps, self.rank, self.world_size = chunk_ends[-1], rank, world_size
         self._chunk_ends = frozenset(chunk_ends)
         self.load_universal = load_universal
         self.on_gpu = torch.cuda.is_available()
         self.precision = resolve_precision(self.cfg.param_dtype, self.on_gpu)
-        self.engines: dict[str, Any] = {}
+        self.engines: dict[str, DeepSpeedEngine] = {}
         self.step = 0
 
     def autocast(self):
@@ -102,7 +122,7 @@ class DeepSpeedTrainer(abc.ABC):
         return contextlib.nullcontext()
 
     def build_engine(self, name: str, model: torch.nn.Module, learning_rate: float | None = None,
-                     num_optimizer_steps: int | None = None):
+                     num_optimizer_steps: int | None = None) -> DeepSpeedEngine:
         """A DeepSpeed engine for `model`, saved under `{name}/` in each checkpoint."""
         import deepspeed
 

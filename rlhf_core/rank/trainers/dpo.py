@@ -29,7 +29,8 @@ from rlhf_core.storage.locate import load_tokenizer
 from rlhf_core.rank.packing import pack_sft
 from rlhf_core.rank.ppo_math import token_logprobs
 from rlhf_core.data.samples import IGNORE_INDEX, TokenizedSample, collate_sft
-from rlhf_core.rank.trainers.base import DeepSpeedTrainer
+from rlhf_core.stages.dpo import DPOConfig
+from rlhf_core.rank.trainers.base import DeepSpeedTrainer, chained_model
 
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, reference_chosen: torch.Tensor,
@@ -65,27 +66,29 @@ def response_logps(logits: torch.Tensor, labels: torch.Tensor,
 def response_samples(pair: Pair) -> tuple[TokenizedSample, TokenizedSample]:
     """The pair's chosen and rejected sequences, each a target from the prompt's end on."""
     tokens = pair.tokens
-    return tuple(TokenizedSample(ids, [0] * tokens.prompt_len + [1] * (len(ids) - tokens.prompt_len))
-                 for ids in (tokens.chosen_ids, tokens.rejected_ids))
+    chosen, rejected = (TokenizedSample(ids, [0] * tokens.prompt_len + [1] * (len(ids) - tokens.prompt_len))
+                        for ids in (tokens.chosen_ids, tokens.rejected_ids))
+    return chosen, rejected
 
 
-class DPOTrainer(DeepSpeedTrainer):
-    stage = "dpo"
+class DPOTrainer(DeepSpeedTrainer[DPOConfig]):
+    stage, config_class = "dpo", DPOConfig
 
     def __init__(self, run: RunConfig, chunk_ends: list[int], rank: int, world_size: int, load_universal: bool = False):
         super().__init__(run, chunk_ends, rank, world_size, load_universal)
         cfg = self.cfg
-        self.tokenizer = load_tokenizer(cfg.pretrain, run.storage_options)
+        self.tokenizer = load_tokenizer(cfg.start_model, run.storage_options)
         train_pairs, eval_pairs = load_pairs(cfg, run, self.tokenizer)
         self.train_pairs = trainable_pairs(train_pairs, cfg.max_len, "--dataset")
         self.eval_pairs = trainable_pairs(eval_pairs, cfg.max_len, "--eval_dataset") if eval_pairs else []
         torch.manual_seed(derive_seed(run.seed, self.stage, "init"))  # LoRA adapters start identical everywhere
-        model = load_causal_lm(cfg.pretrain, cfg.lora_rank, cfg.lora_alpha, cfg.target_modules,
+        model = load_causal_lm(cfg.start_model, cfg.lora_rank, cfg.lora_alpha, cfg.target_modules,
                                cfg.gradient_checkpointing, lora_dropout=cfg.lora_dropout,
                                attn_implementation=cfg.attn_implementation, storage_options=run.storage_options)
         self.engine = self.build_engine(self.export_model_dir, model)
-        reference = load_causal_lm(cfg.ref_pretrain, attn_implementation=cfg.attn_implementation,
-                                   storage_options=run.storage_options, flag="--ref_pretrain")
+        reference = load_causal_lm(chained_model(cfg.ref_pretrain, "--ref_pretrain"),
+                                   attn_implementation=cfg.attn_implementation, storage_options=run.storage_options,
+                                   flag="--ref_pretrain")
         self.reference = reference.to("cpu" if cfg.ref_offload else self.engine.device).eval().requires_grad_(False)
 
     def logps(self, model, pairs: list[Pair]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

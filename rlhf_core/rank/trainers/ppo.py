@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from typing import Any, TypedDict
 
 import torch
 
@@ -61,42 +62,49 @@ from rlhf_core.rewards import RewardBatch, reward_function, reward_inputs
 from rlhf_core.rank.rollout import (collate_sequences, generate, on_device, response_logits,
                                     response_logprobs)
 from rlhf_core.data.prompts import PromptItem, load_prompts
-from rlhf_core.rank.trainers.base import DeepSpeedTrainer, gathered
+from rlhf_core.rank.trainers.base import DeepSpeedTrainer, chained_model, gathered
 
 logger = logging.getLogger(__name__)
+
+
+class ModelLoading(TypedDict):
+    """The loading options every PPO model shares (`load_causal_lm`, `load_scalar_model`)."""
+
+    attn_implementation: str | None
+    storage_options: dict[str, Any]
 
 
 def optimizer_steps_per_ppo_step(cfg: PPOConfig) -> int:
     return cfg.rollout_batch_size * cfg.n_samples_per_prompt // cfg.train_batch_size * cfg.max_epochs
 
 
-class PPOTrainer(DeepSpeedTrainer):
-    stage = "ppo"
+class PPOTrainer(DeepSpeedTrainer[PPOConfig]):
+    stage, config_class = "ppo", PPOConfig
 
     def __init__(self, run: RunConfig, chunk_ends: list[int], rank: int, world_size: int, load_universal: bool = False):
         super().__init__(run, chunk_ends, rank, world_size, load_universal)
         cfg = self.cfg
-        self.tokenizer = load_tokenizer(cfg.pretrain, run.storage_options)
+        self.tokenizer = load_tokenizer(cfg.start_model, run.storage_options)
         self.prompts = load_prompts(run, self.tokenizer)
         self.eval_prompts = load_prompts(run, self.tokenizer, eval_data=True) if cfg.eval_dataset else []
         self.kl = ppo_math.KLController(cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon)
         self.equal_rewards_chunk: int | None = None  # the chunk whose equal rewards were warned about
         num_optimizer_steps = self.total_steps * optimizer_steps_per_ppo_step(cfg)
         torch.manual_seed(derive_seed(run.seed, self.stage, "init"))
-        loading = {"attn_implementation": cfg.attn_implementation, "storage_options": run.storage_options}
-        actor = load_causal_lm(cfg.pretrain, cfg.lora_rank, cfg.lora_alpha, cfg.target_modules,
+        loading = ModelLoading(attn_implementation=cfg.attn_implementation, storage_options=run.storage_options)
+        actor = load_causal_lm(cfg.start_model, cfg.lora_rank, cfg.lora_alpha, cfg.target_modules,
                                cfg.gradient_checkpointing, lora_dropout=cfg.lora_dropout, **loading)
         self.actor = self.build_engine("actor_model", actor, num_optimizer_steps=num_optimizer_steps)
         # The frozen models follow the actor onto its device and precision (bf16 on GPU if asked).
         placement = {"device": self.actor.device, "dtype": next(self.actor.module.parameters()).dtype}
         self.reference = None
         if cfg.init_kl_coef > 0:
-            self.reference = load_causal_lm(cfg.pretrain, **loading).eval().requires_grad_(False).to(**placement)
+            self.reference = load_causal_lm(cfg.start_model, **loading).eval().requires_grad_(False).to(**placement)
         self.scores_old_logprobs = self.reference is not None or optimizer_steps_per_ppo_step(cfg) > 1
         self.critic = None
         if cfg.advantage_estimator == "gae":
-            critic = load_scalar_model(cfg.critic_pretrain, self.tokenizer.pad_token_id, flag="--critic_pretrain",
-                                       **loading)
+            critic = load_scalar_model(chained_model(cfg.critic_pretrain, "--critic_pretrain"),
+                                       self.tokenizer.pad_token_id, flag="--critic_pretrain", **loading)
             self.critic = self.build_engine("critic_model", critic, cfg.critic_learning_rate, num_optimizer_steps)
         self.reward_fn = reward_function(cfg.reward_fn, cfg.remote_rm_url)
         self.agent = None  # with --agent_func_path, the environment rewards its episodes
@@ -105,19 +113,19 @@ class PPOTrainer(DeepSpeedTrainer):
                                       cfg.top_p)
         self.reward_model, self.reward_normalization = None, None
         if self.reward_fn is None and self.agent is None:
-            self.reward_model = load_scalar_model(cfg.reward_pretrain, self.tokenizer.pad_token_id,
-                                                  flag="--reward_pretrain", **loading)
-            self.reward_model = self.reward_model.eval().requires_grad_(False).to(**placement)
-            self.reward_normalization = self.recorded_reward_statistics() if cfg.normalize_reward else None
+            reward_model = load_scalar_model(chained_model(cfg.reward_pretrain, "--reward_pretrain"),
+                                             self.tokenizer.pad_token_id, flag="--reward_pretrain", **loading)
+            self.reward_model = reward_model.eval().requires_grad_(False).to(**placement)
+            self.reward_normalization = self.recorded_reward_statistics(reward_model) if cfg.normalize_reward else None
         self.vllm = None
         if cfg.vllm_num_engines:
             from rlhf_core.rank.vllm_engine import VLLMGenerator
 
             self.vllm = VLLMGenerator(cfg, run.seed, rank)
 
-    def recorded_reward_statistics(self) -> tuple[float, float] | None:
+    def recorded_reward_statistics(self, reward_model) -> tuple[float, float] | None:
         """(mean, std) the RM stage recorded in the reward model's config.json, or None (warned once)."""
-        mean, std = (getattr(self.reward_model.config, name, None) for name in ("mean", "std"))
+        mean, std = (getattr(reward_model.config, name, None) for name in ("mean", "std"))
         if mean is None or std is None or not std > 0:
             if self.rank == 0:
                 logger.warning("--normalize_reward: %s records no reward mean/std in its config.json; scores are "
@@ -150,7 +158,7 @@ class PPOTrainer(DeepSpeedTrainer):
         kl_in_reward = torch.zeros_like(experience.kl) if cfg.use_kl_loss else experience.kl
         advantages, returns = ppo_math.advantages_and_returns(
             cfg.advantage_estimator, experience.rewards, kl_in_reward, mask, experience.values,
-            self.kl.coef, cfg.gamma, cfg.lambd, cfg.n_samples_per_prompt, tuple(cfg.reward_clip_range),
+            self.kl.coef, cfg.gamma, cfg.lambd, cfg.n_samples_per_prompt, cfg.reward_clip_range,
             reduce=all_reduce_sum)
         experience = experience.with_advantages(advantages, returns, mask)
         [kept] = sum_over_ranks(experience.keep.sum().item())
@@ -207,8 +215,9 @@ class PPOTrainer(DeepSpeedTrainer):
             keep = ppo_math.group_filter(torch.tensor(rewarded.scores), cfg.n_samples_per_prompt,
                                          *cfg.dynamic_filtering_reward_range)
         kl = torch.zeros_like(mask)
-        if self.reference is not None:
-            kl = ppo_math.kl_estimate(scored["old_logprobs"], scored["ref_logprobs"], cfg.kl_estimator) * mask
+        old_logprobs, ref_logprobs = scored["old_logprobs"], scored["ref_logprobs"]
+        if old_logprobs is not None and ref_logprobs is not None:  # a reference model (the actor then scores too)
+            kl = ppo_math.kl_estimate(old_logprobs, ref_logprobs, cfg.kl_estimator) * mask
         return Experience(prompts, responses, torch.tensor(rewarded.rewards), mask, keep, kl, rewarded.extra_logs,
                           **scored)
 
@@ -218,12 +227,11 @@ class PPOTrainer(DeepSpeedTrainer):
         if self.agent is None:
             responses = self.sample([item.ids for item in items], temperature, use_vllm)
             return [item.ids for item in items], responses, [[1] * len(r) for r in responses], None
-        eos_token_id, on_vllm = self.tokenizer.eos_token_id, self.vllm is not None and use_vllm
-        with self.whole(self.actor), self.vllm.serving(self.actor.module) if on_vllm else contextlib.nullcontext():
-            engine = (VLLMEngine(self.vllm, self.tokenizer, eos_token_id) if on_vllm
+        agent, vllm, eos_token_id = self.agent, self.vllm if use_vllm else None, self.tokenizer.eos_token_id
+        with self.whole(self.actor), vllm.serving(self.actor.module) if vllm is not None else contextlib.nullcontext():
+            engine = (VLLMEngine(vllm, self.tokenizer, eos_token_id) if vllm is not None
                       else TransformersEngine(self.actor.module, self.tokenizer, eos_token_id))
-            episodes = agreed(lambda: self.agent.run(engine, prompt_texts(self.tokenizer, items), seeds,
-                                                          temperature))
+            episodes = agreed(lambda: agent.run(engine, prompt_texts(self.tokenizer, items), seeds, temperature))
         return ([e.prompt for e in episodes], [e.response for e in episodes], [e.action_mask for e in episodes],
                 episodes)
 
@@ -268,6 +276,7 @@ class PPOTrainer(DeepSpeedTrainer):
         return agreed(score)
 
     def reward_model_scores(self, prompts: list[list[int]], responses: list[list[int]]) -> list[float]:
+        assert self.reward_model is not None, "loaded when neither a reward function nor an agent rewards"
         scores = []
         for start in range(0, len(prompts), self.cfg.micro_rollout_batch_size):
             part = slice(start, start + self.cfg.micro_rollout_batch_size)
@@ -283,9 +292,10 @@ class PPOTrainer(DeepSpeedTrainer):
         """max_epochs passes of micro-batch updates; DeepSpeed steps at each accumulation boundary."""
         cfg, num_rows = self.cfg, len(experience.prompts)
         train_actor = self.step >= cfg.freezing_actor_steps  # OpenRLHF: global step (1-based) > N
-        losses: dict[str, list[float]] = ({"policy_loss": [], "clip_fraction": []} if train_actor else {}) | (
-            {"entropy_loss": []} if train_actor and cfg.entropy_loss_coef is not None else {}) | (
-            {"critic_loss": []} if self.critic else {})
+        names = (["policy_loss", "clip_fraction"] if train_actor else []) + (
+            ["entropy_loss"] if train_actor and cfg.entropy_loss_coef is not None else []) + (
+            ["critic_loss"] if self.critic else [])
+        losses: dict[str, list[float]] = {name: [] for name in names}
         self.actor.train()
         for epoch in range(cfg.max_epochs):
             order = torch.randperm(num_rows, generator=generator(self.run.seed, self.stage, self.step, self.rank,
@@ -306,29 +316,31 @@ class PPOTrainer(DeepSpeedTrainer):
             """The micro-batch's rows of a per-token tensor, cut to its responses' width, on the actor's device."""
             return tensor[rows, :width].to(self.actor.device)
 
-        mask = take(experience.loss_mask)
+        advantages, returns, loss_mask = experience.update_tensors()
+        mask = take(loss_mask)
         result = {}
         if train_actor:
             with self.autocast():
                 logprobs, entropy = self.actor_logprobs(batch)
             eps_low, eps_high = cfg.eps_clip_low_high or (cfg.eps_clip, cfg.eps_clip)
-            old_logprobs = take(experience.old_logprobs) if self.scores_old_logprobs else logprobs.detach()
-            loss, clip_fraction = ppo_math.policy_loss(logprobs, old_logprobs, take(experience.advantages), mask,
+            # Without sampling-time log-probs (`scores_old_logprobs`), the update's own stand in for them.
+            old_logprobs = logprobs.detach() if experience.old_logprobs is None else take(experience.old_logprobs)
+            loss, clip_fraction = ppo_math.policy_loss(logprobs, old_logprobs, take(advantages), mask,
                                                        eps_low, eps_high)
-            if cfg.use_kl_loss and self.reference is not None:  # GRPO style: the KL in the loss, not the reward
+            if cfg.use_kl_loss and experience.ref_logprobs is not None:  # GRPO: the KL in the loss, not the reward
                 loss = loss + self.kl.coef * ppo_math.masked_mean(
                     ppo_math.kl_estimate(logprobs, take(experience.ref_logprobs), cfg.kl_estimator), mask)
             result = {"policy_loss": loss.item(), "clip_fraction": clip_fraction.item()}
-            if entropy is not None:  # --entropy_loss_coef: 0 measures the entropy, anything else adds the bonus
+            if entropy is not None and cfg.entropy_loss_coef is not None:  # 0 measures the entropy, else adds the bonus
                 loss, mean_entropy = ppo_math.entropy_bonus(loss, entropy, mask, cfg.entropy_loss_coef)
                 result["entropy_loss"] = mean_entropy.item()
             self.actor.backward(loss)
             self.actor.step()
-        if self.critic is not None:
+        if self.critic is not None and experience.values is not None:  # values: the critic's, at sampling
             with self.autocast():
                 values = token_values(self.critic.module, batch["input_ids"], batch["attention_mask"])
             values = values[:, batch["prompt_len"] - 1 : -1].float()
-            critic_loss = ppo_math.value_loss(values, take(experience.values), take(experience.returns), mask, cfg.value_clip)
+            critic_loss = ppo_math.value_loss(values, take(experience.values), take(returns), mask, cfg.value_clip)
             self.critic.backward(critic_loss)
             self.critic.step()
             result["critic_loss"] = critic_loss.item()

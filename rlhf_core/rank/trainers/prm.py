@@ -24,6 +24,7 @@ from rlhf_core.storage.locate import load_tokenizer
 from rlhf_core.rank.packing import pack_sequences
 from rlhf_core.data.samples import IGNORE_INDEX
 from rlhf_core.data.step_labels import StepLabelledSample, load_step_labelled, single_token_id
+from rlhf_core.stages.prm import PRMConfig
 from rlhf_core.rank.trainers.base import DeepSpeedTrainer
 
 
@@ -47,20 +48,20 @@ def prm_loss(input_ids: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor
     return loss, (logits.argmax(-1) == classes).float().mean()
 
 
-class PRMTrainer(DeepSpeedTrainer):
-    stage = "prm"
+class PRMTrainer(DeepSpeedTrainer[PRMConfig]):
+    stage, config_class = "prm", PRMConfig
 
     def __init__(self, run: RunConfig, chunk_ends: list[int], rank: int, world_size: int, load_universal: bool = False):
         super().__init__(run, chunk_ends, rank, world_size, load_universal)
         cfg = self.cfg
-        self.tokenizer = load_tokenizer(cfg.pretrain, run.storage_options)
+        self.tokenizer = load_tokenizer(cfg.start_model, run.storage_options)
         self.samples = load_step_labelled(run, self.tokenizer)
         self.eval_samples = load_step_labelled(run, self.tokenizer, evaluation=True) if cfg.eval_dataset else []
         self.placeholder_id = single_token_id(self.tokenizer, cfg.placeholder_token, "--placeholder_token")
         self.reward_ids = ([single_token_id(self.tokenizer, token, "--reward_tokens") for token in cfg.reward_tokens]
                            if cfg.reward_tokens else None)
         torch.manual_seed(derive_seed(run.seed, self.stage, "init"))  # LoRA adapters start identical everywhere
-        model = load_causal_lm(cfg.pretrain, cfg.lora_rank, cfg.lora_alpha, cfg.target_modules,
+        model = load_causal_lm(cfg.start_model, cfg.lora_rank, cfg.lora_alpha, cfg.target_modules,
                                cfg.gradient_checkpointing, lora_dropout=cfg.lora_dropout,
                                attn_implementation=cfg.attn_implementation, storage_options=run.storage_options)
         self.engine = self.build_engine(self.export_model_dir, model)

@@ -23,6 +23,7 @@ from rlhf_core.models.load import load_scalar_model, sequence_scores
 from rlhf_core.storage.locate import load_tokenizer
 from rlhf_core.rank.packing import pack_sequences, packed_scores
 from rlhf_core.data.samples import collate_pairs
+from rlhf_core.stages.rm import RMConfig
 from rlhf_core.rank.trainers.base import DeepSpeedTrainer
 
 def pairwise_loss(kind: str, chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor) -> torch.Tensor:
@@ -31,18 +32,18 @@ def pairwise_loss(kind: str, chosen: torch.Tensor, rejected: torch.Tensor, margi
     return -F.logsigmoid(chosen - rejected - margin).mean()
 
 
-class RewardModelTrainer(DeepSpeedTrainer):
-    stage = "rm"
+class RewardModelTrainer(DeepSpeedTrainer[RMConfig]):
+    stage, config_class = "rm", RMConfig
 
     def __init__(self, run: RunConfig, chunk_ends: list[int], rank: int, world_size: int, load_universal: bool = False):
         super().__init__(run, chunk_ends, rank, world_size, load_universal)
-        self.tokenizer = load_tokenizer(self.cfg.pretrain, run.storage_options)
+        self.tokenizer = load_tokenizer(self.cfg.start_model, run.storage_options)
         self.train_pairs, self.eval_pairs = load_pairs(self.cfg, run, self.tokenizer)
         if self.cfg.margin_loss and self.cfg.loss == "logexploss":
             warn_once("--margin_loss has no effect with --loss logexploss (as in OpenRLHF).")
         torch.manual_seed(derive_seed(run.seed, self.stage, "init"))  # the new score head starts identical everywhere
         cfg = self.cfg
-        model = load_scalar_model(cfg.pretrain, self.tokenizer.pad_token_id, cfg.lora_rank, cfg.lora_alpha,
+        model = load_scalar_model(cfg.start_model, self.tokenizer.pad_token_id, cfg.lora_rank, cfg.lora_alpha,
                                   cfg.target_modules, cfg.gradient_checkpointing, lora_dropout=cfg.lora_dropout,
                                   attn_implementation=cfg.attn_implementation, storage_options=run.storage_options)
         self.engine = self.build_engine(self.export_model_dir, model)

@@ -20,11 +20,12 @@ from rlhf_core.models.load import load_causal_lm
 from rlhf_core.storage.locate import load_tokenizer
 from rlhf_core.rank.packing import pack_sft
 from rlhf_core.data.samples import IGNORE_INDEX, TokenizedSample, collate_sft
+from rlhf_core.stages.sft import SFTConfig
 from rlhf_core.rank.trainers.base import DeepSpeedTrainer
 
 
-class SFTTrainer(DeepSpeedTrainer):
-    stage = "sft"
+class SFTTrainer(DeepSpeedTrainer[SFTConfig]):
+    stage, config_class = "sft", SFTConfig
 
     def __init__(self, run: RunConfig, chunk_ends: list[int], rank: int, world_size: int, load_universal: bool = False):
         super().__init__(run, chunk_ends, rank, world_size, load_universal)
