@@ -1,19 +1,7 @@
-"""Multi-turn agent rollouts (`--agent_func_path`): a user's agent file, run episode by episode inside a rank.
-
-The file is OpenRLHF's (`rlhf_core.agent` holds the base classes under OpenRLHF's names). Each episode's sample
-is [prompt | action, feedback, action, feedback, ...]: the prompt is the observation before the first action,
-the response everything after it, and `Episode.action_mask` marks the model's own tokens (1) apart from the
-environment's (0), so only the actions carry loss, KL and advantages (`ppo_math`, whose masks may have holes).
-The episode's reward (its steps' rewards summed) lands on its last action token.
-
-Exactness: episodes run one after another, each inside its own seeded randomness: Python's `random`, numpy's
-and torch's generators are seeded from (run seed, step, sample index) for the episode and restored after it, and
-each turn is sampled on its own (batch of one). A resumed chunk therefore replays the same episodes, and the
-same sample gets the same episode at any world size. That holds for an environment that is a function of its
-inputs and that randomness. An environment that reads the clock, a live service or unseeded randomness of its
-own makes episodes differ from the first attempt on: the resumed run is still a correct run from the committed
-step, but no longer bit-identical to an uninterrupted one (the checkpoint is exact; the replayed steps are new
-samples).
+"""Multi-turn agent rollouts (`--agent_func_path`): OpenRLHF's agent file, run episode by episode inside a rank. A
+sample is [prompt | actions and environment feedback], its action mask 1 on the model's own tokens, the episode's
+reward on its last action; each episode runs in randomness seeded by (seed, step, sample index), so a resume replays
+it. docs/architecture.md ("Agent rollouts") has the details, and when an environment breaks that exactness.
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
-"""What the driver and the ranks agree on about DeepSpeed: the config, the ZeRO stage, the LR schedule.
-
-Both sides import this small module (it imports neither Ray nor the trainers), so the rank-side
-trainers no longer import the driver's `engine` and `resume` modules.
-
-- `deepspeed_config`: AdamW with `adam_betas`, ZeRO 0-3, clipping, bf16/fp16 on GPU, optimizer offload on GPU.
-  ZeRO-3 keeps parameters smaller than 10 x hidden_size whole on every rank (transformers' "auto"
-  rule; DeepSpeed's default of 1e5 elements would leave a small model entirely unpartitioned).
-- `lr_scheduler_factory`: OpenRLHF's schedules through `transformers.get_scheduler` (a torch LambdaLR that
-  DeepSpeed checkpoints with the engine), warmup `ceil(lr_warmup_ratio x steps)` as OpenRLHF.
-- precision (`rlhf_core.models.precision`) decides bf16/fp16. `adam_offload` on a CPU is a no-op with one
-  warning: the optimizer states already live in CPU memory, and DeepSpeed's offload would JIT-build
-  DeepSpeedCPUAdam.
-- On a CPU the optimizer is torch's AdamW with `fused=True` (torch's own fused CPU kernel, no JIT build):
-  the unfused loop made the optimizer the largest cost of a step after the matmuls.
+"""What the driver and the ranks agree on about DeepSpeed: the config (`deepspeed_config`), the ZeRO stage, the LR
+schedule (`lr_scheduler_factory`, OpenRLHF's), the universal-checkpoint conversion; small, so both sides import it.
+It departs from DeepSpeed's defaults for small models and CPUs (ZeRO-3's whole-parameter threshold, torch's fused CPU
+AdamW, no optimizer offload on a CPU): docs/architecture.md ("The DeepSpeed config") says how and why.
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
-"""DeepSpeed's CPU communication op, and the build lock a killed process leaves behind.
-
-On CPU, `deepspeed.init_distributed()` loads a C++ op ("deepspeed_shm_comm") through torch's JIT
-extension loader. That loader holds a `lock` file in the op's build folder while it checks (and if
-need be runs) the build, even when the op is already built. A process killed in that window (a
-SIGKILLed rank, a lost node, a CI job stopped mid-test) leaves the file behind, and torch's
-`FileBaton` then waits for it forever: every later rank, and so every resume, hangs in
-`init_distributed` with no message. `clear_stale_build_lock` waits for a lock that is in use and
-removes one that is older than any real holder keeps it (about 1 s when the op is already built,
-about 80 s for a first build on 2 cores), with a warning naming the file. The other ops DeepSpeed
-JIT-builds into the same folder (FusedAdam, DeepSpeedCPUAdam) lock the same way; their stale locks go too.
+"""DeepSpeed's CPU communication op (`build_shm_op`), and the build lock a killed process leaves behind, which would
+hang every later rank in `init_distributed`: `clear_stale_build_lock` waits for a lock in use and removes a stale
+one, with a warning. docs/architecture.md ("The stale JIT build lock") says when a lock counts as stale.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""Sample packing (`--packing_samples`): a micro-batch's sequences laid end to end in one row, no padding.
-
-`position_ids` restart at 0 for each sequence. With no attention mask and no KV cache (callers pass
-`use_cache=False`: a model in eval mode builds a cache otherwise, and transformers then skips the
-check), transformers detects the restarts (`masking_utils.find_packed_sequence_indices`) and keeps
-attention inside each sequence, for sdpa and eager alike. SFT labels ignore each sequence's first
-token, so no token is predicted from the previous sequence's end: the loss covers the same tokens
-as the padded batch and equals its loss within float rounding. A reward model reads each sequence's
-score at its last token, as it reads a padded batch (`models.sequence_scores`).
+"""Sample packing (`--packing_samples`): a micro-batch's sequences laid end to end in one row, no padding, positions
+restarting at each sequence so that transformers keeps attention inside each; the loss is the padded batch's within
+float rounding. docs/architecture.md ("Sample packing") says why callers pass `use_cache=False`.
 """
 
 from __future__ import annotations

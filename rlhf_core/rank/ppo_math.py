@@ -1,30 +1,7 @@
-"""The arithmetic of PPO and its critic-free variants, as pure tensor functions.
-
-Shapes: [batch, response_len] per token, with `mask` marking real response tokens (1) and padding (0);
-`scores` is one reward per sequence. Follows OpenRLHF 0.9.10 (experience_maker.py):
-- the sequence rewards first get the estimator's group baseline (rloo, reinforce_baseline, group_norm,
-  dr_grpo), are then clipped to `reward_clip_range`, and land on the last response token;
-- the KL penalty (`init_kl_coef` x per-token KL, estimator `kl_estimator`, clamped to [-10, 10]) is
-  folded into the per-token rewards for every estimator, group_norm included, unless `use_kl_loss`
-  moves it into the actor loss (the caller then passes a zero KL here);
-- gae: advantages by GAE(gamma, lambda) over the critic's values, returns = advantages + values
-  (departure: OpenRLHF also whitens gae advantages over the batch; we keep them as GAE gives them);
-- reinforce (REINFORCE++): discounted returns of the shaped rewards, whitened over the batch;
-- rloo: each sample's score minus the mean score of the other samples of its prompt;
-- reinforce_baseline: score minus its prompt group's mean, returns whitened over the batch;
-- group_norm (GRPO): score minus its group's mean, divided by the group's std (+1e-9);
-- dr_grpo (Dr. GRPO): score minus its group's mean, no std division and no whitening;
-- the group estimators use gamma = 1 whatever `gamma` says, as OpenRLHF forces it;
-- `--entropy_loss_coef` (0.11: `actor.entropy_coef`), as OpenRLHF 0.9.10 and 0.11.0: unset, no entropy is
-  computed; 0, the policy's mean entropy over the response tokens is logged as `entropy_loss`; otherwise
-  coef x that entropy is subtracted from the actor loss (an exploration bonus for coef > 0).
-
-Batch statistics (the whitening's mean and variance, the KL fed to the controller) are over the global
-batch: every rank's samples. The functions stay free of torch.distributed; a caller with several ranks
-passes `reduce`, a callable that sums a float64 tensor over the ranks (an all-reduce), and every rank
-then computes the same statistic, equal (to float64 rounding) to one process holding the whole batch.
-Group baselines need no reduce: a rank holds whole prompt groups (rollout_batch_size is a multiple of
-the number of ranks, and each rank samples all n_samples_per_prompt of its prompts).
+"""The arithmetic of PPO and its critic-free variants (gae, reinforce, rloo, reinforce_baseline, group_norm,
+dr_grpo) as pure tensor functions, following OpenRLHF 0.9.10; batch statistics are the global batch's through the
+caller's `reduce` (no torch.distributed here). Departure: gae advantages are not whitened.
+docs/architecture.md ("PPO's arithmetic") has each estimator, the KL and entropy terms, and the shapes.
 """
 
 from __future__ import annotations

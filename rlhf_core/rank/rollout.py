@@ -1,10 +1,6 @@
-"""Generation and scoring of rollouts with transformers (CPU, or GPU without vLLM).
-
-Prompts are left-padded, responses right-padded; a response ends at its first EOS (kept): the tokenizer's,
-or any other the model's generation config lists. Sampling draws from torch's global generator, which the
-PPO trainer seeds from (seed, step, rank) before each rollout, so a resumed run samples exactly the same
-responses. vLLM engines are the optional GPU path (`--vllm_num_engines`, the `[vllm]` extra,
-`rlhf_core.rank.vllm_engine`) and are never imported here.
+"""Generation and scoring of rollouts with transformers (CPU, or GPU without vLLM): prompts left-padded, responses
+right-padded and ended at their first EOS, sampled from torch's generator, which the PPO trainer seeds per (seed,
+step, rank). docs/architecture.md ("Rollouts with transformers") has the details.
 """
 
 from __future__ import annotations

@@ -1,25 +1,7 @@
-"""The in-memory snapshot of a rank's share of a checkpoint, so training goes on while it is written.
-
-At a chunk boundary each rank saves its share of the checkpoint. Its large files are not written then:
-a checkpoint engine (`tensors_kept_in_memory`) keeps each state dict DeepSpeed hands it as a clone of its
-tensors, and the Hugging Face copy's safetensors files are kept the same way (transformers'
-`save_pretrained` hands its shards to `safe_save_file`, which the context replaces), each costing one
-in-memory copy. The rest (config, tokenizer, small files) goes into a folder in memory: `/dev/shm`
-(tmpfs) when it has room, else the temporary folder. The rank's background writer then serializes the
-kept state straight into the store (`write_state`: `torch.save`, or the safetensors format) and streams
-the folder's files there, hashing as it writes (`rlhf_core.storage.checkpoint.CheckpointStore.upload_tree`),
-and removes the folder. Keeping the HF copy in memory too spares the stall its serialization into tmpfs,
-whose fresh pages a VM that hands freed memory to its host faults back in one by one.
-
-A rank killed mid-write leaves its folder behind, and tmpfs holds it in RAM until reboot, so every
-new snapshot first removes the folders of processes that no longer exist (the folder's name carries its
-owner's pid). torch's zip writer computes a CRC32 per tensor record by default; the manifest's checksum
-already covers every byte, so snapshots are written without it (torch reads them as usual).
-
-Kept tensors of `IN_PLACE_MIN_BYTES` or more start on a page (an mmap each), and the files put each tensor's
-bytes at a page-aligned offset (torch.save's `storage_alignment`; the safetensors header padded with spaces), so
-the O_DIRECT writer (`rlhf_core.storage.direct_io`) writes them from where they lie instead of copying them into
-its buffers first.
+"""The in-memory snapshot of a rank's share of a checkpoint, so training goes on while it is written: DeepSpeed's
+state and the Hugging Face weights are kept as tensor copies (`tensors_kept_in_memory`), small files go to a folder
+in tmpfs when it has room, and the rank's background writer streams both into the store (`write_state`).
+docs/architecture.md ("The in-memory snapshot") says why, and how stale folders and page alignment are handled.
 """
 
 from __future__ import annotations

@@ -1,19 +1,7 @@
-"""vLLM generation for PPO on GPU: one engine per rank, colocated with the rank's models.
-
-Each DeepSpeed rank (a Ray actor holding one GPU) builds its own `vllm.LLM` in-process with
-`distributed_executor_backend="external_launcher"`, so vLLM reuses the rank's torch.distributed
-environment instead of starting workers of its own (TRL's "colocate" mode). Before each rollout the
-actor's current weights (LoRA merged in) are loaded into the engine; with `vllm_enable_sleep` the
-engine releases its GPU memory (weights and KV cache, sleep level 2) while the models train.
-
-Departures from OpenRLHF, which runs vLLM engines as separate Ray actors synced over NCCL:
-`vllm_num_engines` must equal `num_workers` and `vllm_tensor_parallel_size` must be 1 (the config
-refuses anything else); models are always colocated (OpenRLHF's `--colocate_all_models` is accepted as a no-op).
-Sampling uses one seed per sequence, derived from (run seed, step, rank, index), so a resumed run asks
-for the same samples; vLLM's kernels are not bit-reproducible across GPUs, so PPO resume is exact on
-CPU (transformers generation) and only statistically equal with vLLM.
-
-vLLM is imported lazily: it is the optional `[vllm]` extra and exists only on GPU machines.
+"""vLLM generation for PPO on GPU (the optional `[vllm]` extra, imported lazily): one in-process engine per rank,
+colocated with its models, given the actor's weights (LoRA merged in) before each rollout. Departs from OpenRLHF's
+separate vLLM actors: one engine per rank, tensor parallel 1, always colocated; a resume with vLLM is statistically
+equal, not exact. docs/architecture.md ("vLLM engines, colocated") says why.
 """
 
 from __future__ import annotations

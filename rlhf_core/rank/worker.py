@@ -1,11 +1,7 @@
-"""One DeepSpeed rank, as a Ray actor (`TrainWorker`): it joins the group's torch.distributed world, hosts the
-trainer of one stage, trains to the step the driver names (timing each step, and noting which ran beside a
-checkpoint write), and does the rank's checkpoint I/O: a snapshot into memory at a chunk boundary, its upload
-into the store's uncommitted step from a second actor thread ("io") while the first trains on, and on load the
-files this rank reads, verified against the manifest. The "io" thread runs under SCHED_IDLE: the commit takes the
-CPU time training leaves, instead of slowing the step loop (`yield_cpu_to_training`). A third thread ("control")
-takes a stop request while the first is busy. The driver side, placing and driving a group of these, is
-`rlhf_core.driver.engine`.
+"""One DeepSpeed rank as a Ray actor (`TrainWorker`): it joins the torch.distributed world, hosts one stage's
+trainer, trains to the step the driver names, and does the rank's checkpoint I/O (an in-memory snapshot that an
+"io" thread uploads while training goes on; verified loads). The driver side is `rlhf_core.driver.engine`;
+docs/architecture.md ("One rank's actor") has its threads and their scheduling.
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
-"""What every DeepSpeed stage trainer shares: its engines, precision, the training and evaluation loops of a
-stage that trains one model on items (`train_on`, `evaluate`), saving and loading one checkpoint.
-
-A checkpoint holds one folder per trained model (`actor_model/`, `critic_model/`, `reward_model/`):
-DeepSpeed's own state under `ds/` (weights, optimizer, LR schedule, per rank) and a Hugging Face copy
-of the weights under `hf/` (safetensors; the adapter alone with LoRA), which export and inspection read
-without unpickling anything. Under ZeRO-3 every rank gathers the partitioned parameters and rank 0
-writes them whole, in the dtype the module trains in (fp32 stays fp32, so exports are exact). The step
-and any controller state ride in the first engine's client state, so all models of a step commit
-together under one manifest. With `disable_ds_ckpt` a checkpoint keeps `hf/` only (plus the step in
-`trainer_state.json`), and resuming it restores the weights with a fresh optimizer, as
---load_weights_only does.
-
-Precision: bf16 on a GPU is DeepSpeed's; on a CPU with native bf16, forward passes run under
-`torch.autocast("cpu", bfloat16)` (`self.autocast()`), weights and optimizer stay fp32 (as TRL on CPU).
+"""What every DeepSpeed stage trainer shares (`DeepSpeedTrainer`): its engines, precision, the training and
+evaluation loops of a stage that trains one model on items (`train_on`, `evaluate`), saving and loading one
+checkpoint (DeepSpeed's state under `ds/`, a Hugging Face copy under `hf/`).
+docs/architecture.md ("The trainers' checkpoints and precision") has the checkpoint's layout and bf16 on a CPU.
 """
 
 from __future__ import annotations

@@ -1,19 +1,7 @@
-"""DPO: the policy learns from preference pairs against a frozen reference model, as OpenRLHF's `train_dpo`.
-
-Each sequence's log-probability is the sum over its response tokens (those after the prompt's own token count,
-EOS included), under the policy and under the reference. With logits = (policy_c - policy_r) - (ref_c - ref_r):
-- DPO (Rafailov et al. 2023, eq. 7): -log sigmoid(beta * logits); with --label_smoothing e, conservative DPO:
-  -(1 - e) log sigmoid(beta * logits) - e log sigmoid(-beta * logits);
-- IPO (Azar et al. 2023, eq. 17; --ipo): (logits - 1 / (2 beta))^2, on the same summed log-probabilities (the
-  paper averages per token; OpenRLHF sums, and so do we);
-- --nll_loss_coef c adds c x the chosen responses' mean NLL per token (Llama 3.1's regulariser).
-The implicit rewards are beta x (policy - reference) log-ratios; `accuracy` is the share of pairs whose chosen
-reward is higher. Evaluation (every --eval_steps steps and at every checkpoint) reports `eval_loss` and
-`eval_accuracy` on --eval_dataset, else on a held-out fraction (--eval_holdout), as the reward model does.
-
-Departures from OpenRLHF: pairs whose prompt leaves fewer than 2 tokens of --max_len are dropped, as OpenRLHF's
-dataset drops them, but with one warning naming how many; the reference model is not wrapped in DeepSpeed (it
-never trains), and --ref_offload keeps it on the CPU.
+"""DPO, as OpenRLHF's `train_dpo`: the policy learns from preference pairs against a frozen reference model, with
+IPO (--ipo), conservative DPO (--label_smoothing) and an NLL term (--nll_loss_coef). Departures: the pairs OpenRLHF
+drops (too long a prompt) go with one warning; the reference stays outside DeepSpeed (on the CPU with --ref_offload).
+docs/architecture.md ("The DPO trainer") has the losses and the evaluation.
 """
 
 from __future__ import annotations

@@ -1,42 +1,7 @@
-"""PPO with its critic-free variants, one rank's share: rollout, score, advantages, update, evaluation.
-
-One PPO step takes `rollout_batch_size` prompts (from the (seed, episode) order; this rank takes its
-contiguous share), samples `n_samples_per_prompt` responses each with the actor, scores them with the
-reward model, `--reward_fn` or OpenRLHF's `--remote_rm_url` (a reward_func file or a reward server,
-see `rlhf_core.rewards`), computes per-token KL to the frozen reference and the advantages of
-`--advantage_estimator`, then runs `max_epochs` passes of clipped-surrogate updates (and clipped value
-updates for gae). Models are colocated on each rank (actor, critic, reference, reward), a departure
-from OpenRLHF's separate actor groups that keeps one readable path; fine for toy and small models.
-Responses come from transformers `generate`, or on GPU from a colocated vLLM engine per rank
-(`--vllm_num_engines`, see `rlhf_core.rank.vllm_engine`); evaluation always samples with `generate`.
-
-OpenRLHF's reward options, as built here:
-- `--normalize_reward`: reward-model scores become (score - mean) / std with the mean and std recorded
-  in the reward model's config.json; a reward model without them, or a reward function, warns once.
-- `--reward_clip_range`, `--use_kl_loss` / `--kl_estimator`, `--entropy_loss_coef`: see `rlhf_core.rank.ppo_math`.
-  The KL is in the reward for every estimator unless `--use_kl_loss` (OpenRLHF 0.9.10 does the same for group_norm).
-- A rollout batch whose rewards are all equal (over every rank) teaches nothing: one warning, at most once per
-  chunk (`warn_if_rewards_equal`); OpenRLHF says nothing.
-- `--dynamic_filtering`: prompts whose samples' mean score lies outside the range are dropped from the
-  update. Departure: OpenRLHF draws replacement prompts until the batch is full; our rollout is a fixed
-  slice of the (seed, step) prompt order (so a resumed run replays it), so dropped samples are masked
-  out of the loss instead, and a step where no sample survives on any rank skips the update (the step
-  still counts; `dynamic_filtering_pass_rate` reports 0).
-- `--freezing_actor_steps N`: the first N PPO steps train only the critic.
-- Several ranks: the whitening statistics and the KL fed to `--kl_target`'s controller are the global
-  batch's (all-reduced), so every rank holds the same coefficient and a resumed run continues it
-  exactly. Group baselines and dynamic filtering need no reduce: a rank holds whole prompt groups. What
-  still depends on the number of ranks: the sampling seed of each rank's share (seed, step, rank), its
-  update shuffle, and each micro-batch's token-mean loss, so `num_workers` changes a PPO run's samples.
-- With ZeRO-3, generation and scoring with a trained model run inside `GatheredParameters`.
-- `--agent_func_path`: the rollout is the agent's episodes (`rlhf_core.rank.agent_rollout`): each sample is
-  [prompt | actions and environment feedback], its mask 1 on the actions only, its reward the environment's.
-  The episodes are seeded by (seed, step, sample index), not by rank, and run on the rank's copy of the actor.
-- `--init_kl_coef 0`: no reference model is loaded (as OpenRLHF), and the KL is 0. If moreover each
-  rollout makes one optimizer step (one epoch, `rollout_batch_size * n_samples_per_prompt ==
-  train_batch_size`), the policy cannot move between sampling and update, so the update's own log-probs,
-  detached, stand in for the old ones (as TRL's GRPO does): the ratio is 1 and its gradient the policy
-  gradient, without the scoring forward pass.
+"""PPO with its critic-free variants, one rank's share of a step: rollout, score, advantages, update, evaluation.
+Rewards come from a reward model, `--reward_fn` / `--remote_rm_url`, or an agent's environment. Departs from
+OpenRLHF: every model colocated on each rank; --dynamic_filtering masks samples out instead of drawing more prompts.
+docs/architecture.md ("PPO, one rank's share") has OpenRLHF's options as built here, and what the rank count changes.
 """
 
 from __future__ import annotations

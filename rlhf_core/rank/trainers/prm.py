@@ -1,15 +1,7 @@
 """Process reward model, as OpenRLHF v0.9.0's `train_prm`: a causal LM trained to predict, at each placeholder
-token that ends a step, that step's label.
-
-The text (--input_key) is tokenized as OpenRLHF does (no special tokens, truncated to --max_len); the step
-labels (--label_key) land on the placeholder positions in order, and those cut off by truncation are dropped.
-The loss is cross-entropy on the logits at the placeholder positions only (the position's own logits, not the
-next one's, as OpenRLHF's PRMLoss reads them): over --reward_tokens (hard labels: each label one of them), over
-the whole vocabulary without --reward_tokens, or for numeric labels a soft two-way cross-entropy with the label
-as the first reward token's probability. `accuracy` is the share of placeholders whose most likely reward
-token is the label's. With --eval_dataset, `eval_loss` and `eval_accuracy` every --eval_steps and at each
-checkpoint (OpenRLHF's PRM also evaluates only on an eval dataset). --packing_samples lays a micro-batch end to
-end in one row; the placeholders are the same positions, so the loss is the same.
+token that ends a step, that step's label (cross-entropy over --reward_tokens or the vocabulary, or soft for numeric
+labels); `accuracy`, and with --eval_dataset `eval_loss` and `eval_accuracy`.
+docs/architecture.md ("The PRM trainer") has the tokenization and the loss.
 """
 
 from __future__ import annotations

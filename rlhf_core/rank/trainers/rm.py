@@ -1,13 +1,7 @@
-"""Reward model on preference pairs: backbone + scalar `score` head read at the last token (EOS), as OpenRLHF.
-
-Loss (--loss): `sigmoid`, Bradley-Terry -log sigmoid(r_c - r_r - margin), with each pair's `margin`
-field when --margin_loss; or `logexploss`, log(1 + exp(r_r - r_c)), which ignores margins as in
-OpenRLHF. Evaluation (every --eval_steps steps and at every checkpoint step) reports `eval_accuracy`,
-`eval_loss` and the mean/std of the rewards (chosen and rejected) on --eval_dataset, else on a fixed
-held-out fraction (--eval_holdout, drawn from the seed); training steps walk the rest in the usual
-(seed, epoch) order. The reward mean/std are stored in the model config (`config.mean`, `config.std`,
-as OpenRLHF) for PPO's --normalize_reward; without any eval pairs they are measured on the training pairs.
-With --packing_samples each micro-batch's chosen and rejected sequences share one row.
+"""Reward model on preference pairs, as OpenRLHF: backbone + scalar `score` head read at the last token (EOS), loss
+`sigmoid` (Bradley-Terry, margins with --margin_loss) or `logexploss`. Evaluation gives accuracy, loss and the
+rewards' mean/std, which go into the model config for PPO's --normalize_reward.
+docs/architecture.md ("The reward-model trainer") has the details.
 """
 
 from __future__ import annotations

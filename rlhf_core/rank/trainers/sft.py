@@ -1,10 +1,6 @@
-"""Supervised fine-tuning: next-token cross-entropy on response tokens only (as OpenRLHF's SFT).
-
-Step `s` trains on the global batch `step_sample_indices(s, ...)`, split across ranks in micro-batches;
-dropout is seeded from (seed, stage, step, rank), so a resumed run replays exactly the same step.
-With --packing_samples a micro-batch is one packed row (`rlhf_core.rank.packing`). With --eval_dataset,
-`eval_loss` (the mean loss per response token over the whole eval set) is reported every --eval_steps
-steps and at every checkpoint step; OpenRLHF's SFT also evaluates only when given an eval dataset.
+"""Supervised fine-tuning, as OpenRLHF's SFT: next-token cross-entropy on response tokens only; each step's global
+batch is split across ranks, dropout seeded by (seed, stage, step, rank), so a resumed run replays it exactly.
+docs/architecture.md ("The SFT trainer") has packing and evaluation.
 """
 
 from __future__ import annotations
