@@ -24,16 +24,22 @@ demo: $(BIN)/rlhf
 # The suite runs on TEST_WORKERS pytest-xdist workers; each test module is one unit of work, heaviest first
 # (tests/conftest.py), and tests/README.md says where the time goes. The last line is the suite's wall time.
 # Before the suite, the docs site is built into site/ (mkdocs.yml): a broken link or page fails `make test` too.
+# Beside the suite, mypy checks rlhf_core at the strictness of pyproject.toml's [tool.mypy]; its errors fail it too.
 TEST_WORKERS ?= 2
 
 test: $(BIN)/rlhf
 	@started=$$(date +%s); \
 	docs_log=$$(NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site 2>&1) && docs=0 || docs=$$?; \
 	[ $$docs -eq 0 ] || printf '%s\nmake test: mkdocs build --strict failed (exit %s)\n' "$$docs_log" $$docs; \
+	types_log=$$(mktemp); $(BIN)/mypy rlhf_core > $$types_log 2>&1 & types_pid=$$!; \
 	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -v -rfEsR --durations=40; status=$$?; \
+	wait $$types_pid && types=0 || types=$$?; \
+	[ $$types -eq 0 ] || cat $$types_log; echo "make test: mypy rlhf_core: $$(tail -n 1 $$types_log) (exit $$types)"; \
+	rm -f $$types_log; \
 	seconds=$$(( $$(date +%s) - started )); \
 	echo "make test: pytest took $$((seconds / 60)) min $$((seconds % 60)) s on $(TEST_WORKERS) workers (exit $$status)"; \
 	[ $$docs -eq 0 ] || [ $$status -ne 0 ] || status=$$docs; \
+	[ $$types -eq 0 ] || [ $$status -ne 0 ] || status=$$types; \
 	exit $$status
 
 test-fast: $(BIN)/rlhf
