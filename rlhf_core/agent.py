@@ -4,28 +4,9 @@ over by changing one import line,
     from openrlhf.utils.agent import AgentExecutorBase, AgentInstanceBase
     ->  from rlhf_core.agent import AgentExecutorBase, AgentInstanceBase
 
-The file defines `AgentInstance(AgentInstanceBase)`, one environment per episode (`__init__`, sync or async;
-async `reset(states)` and `step(states)`), and may define `AgentExecutor(AgentExecutorBase)` around it (without
-one, the base executor runs the `AgentInstance`). `step` returns OpenRLHF's dict: `rewards` (summed over the
-episode's steps: the sample's reward), `scores` (the last step's: dynamic filtering), `environment_feedback`
-(text appended after the model's action), `done`, `sampling_params` (for the next turn) and `extra_logs`.
-
-`AgentExecutorBase.execute` runs one episode as OpenRLHF's does: the observation (the prompt as the model sees
-it) is tokenized, then each turn the model generates from every token so far with the remaining budget
-(`max_length` minus the tokens so far), the action's token range is recorded, the environment's feedback is
-tokenized and appended, until `done`, `max_steps` turns, or the budget is spent. Only the action ranges carry
-loss. The result goes on `result_queue` as OpenRLHF's dict (`observation_tokens`, `action_ranges`, `reward`,
-`scores`, `extra_logs`, ...).
-
-Departures from OpenRLHF 0.9.0:
-- The instance lives in the rank's process (OpenRLHF makes each a Ray actor), and the episodes of a rollout
-  run one after another (OpenRLHF runs up to OPENRLHF_ASYNC_NUM_TASKS at once): each episode's randomness is
-  then its own, seeded from (run seed, step, sample index) (`rlhf_core.rank.agent_rollout`), so a resumed run
-  replays the same episodes with a deterministic environment.
-- `llm_engine` is this package's engine (`generate(prompt_ids, sampling_params)` answers with vLLM's
-  `RequestOutput` shape: `.outputs[0].token_ids`, `.text`, `.logprobs`), transformers generation on CPU or the
-  rank's colocated vLLM engine on GPU; `sampling_params` is `SamplingParams` below, vLLM's field names.
-- A reward may be a number or a one-element tensor (OpenRLHF calls `.item()` on it).
+The file defines `AgentInstance(AgentInstanceBase)` (async `reset(states)` and `step(states)`) and may define
+`AgentExecutor(AgentExecutorBase)`. Departs from OpenRLHF: instances live in the rank's process and a rollout's
+episodes run one after another, each seeded. docs/architecture.md ("The agent API") has the rest.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""`RunConfig`: the run-wide settings (`rlhf_core.run_settings`) and one optional section per stage (`sft:`,
-`rm:` ... in run.yaml), and the semantic hash of a stage's settings.
-
-The sections come from the stage registry (`rlhf_core.stages`), so a stage declared in its own module or in another
-package is a section without this file naming it. Editors and mypy see the built-in stages' sections through
-`rlhf_core.run_config.RunConfig` (generated from the registry: `python -m rlhf_core.config > rlhf_core/run_config.py`; a
-test keeps it equal). Fields tagged `affects_training=False` (paths, logging, retention, cluster address) never
-change the weights, so they stay out of the semantic hash that keys the Prefect cache and guards a resume
-against config drift.
+"""`RunConfig`: the run-wide settings and one optional section per registered stage, and the semantic hash of a
+stage's settings (fields tagged `affects_training=False` left out). `python -m rlhf_core.config` renders
+`rlhf_core/run_config.py`, the view editors and mypy see. docs/architecture.md ("The run configuration") has more.
 """
 
 from __future__ import annotations

@@ -1,24 +1,7 @@
-"""Every failure the pipeline names, as one taxonomy (after Ray Train v2's `_internal/exceptions.py`): one class
-per failure, each saying whether a retry can help (`retryable`), what the CLI exits with (`exit_code`) and
-what a person does about it (its message ends with the remedy). Prefect's retry policy (`tasks.chunks`) and the
-CLI read these attributes (`is_retryable`, `exit_code_of`), never a list of classes. Each class pickles (Ray
-carries a rank's exception to the driver).
-
-    RLHFError                         retryable  exit
-    ├── UserError                     no         2    a flag, field, file or path to fix
-    │   ├── CorruptCheckpoint         no         2    a checkpoint's bytes disagree with its manifest
-    │   ├── UnsafeCheckpoint          no         2    a checkpoint file would run code when unpickled
-    │   └── StoreFull                 no         2    the store has no room (a disk, a quota)
-    ├── LeaseLost                     no         1    another process took the run
-    ├── NonFiniteTraining (alerts)    no         1    NaN or Inf: the same steps give the same values
-    ├── WorkerLost                    yes        1    a rank's actor or node died
-    ├── PlacementFailed               yes        1    the cluster's resources stayed taken
-    └── TransientStoreError           yes        1    the store failed in a way that passes (5xx, reset, EIO)
-
-An exception outside the taxonomy (a library's) is retried unless it is an OSError no retry fixes
-(`is_permanent_os_error`). Failures of the run (not of its input) are RuntimeErrors too, as they were before
-the taxonomy, so code that catches RuntimeError still does; a store's failure is an OSError, as the error it
-names was.
+"""Every failure the pipeline names, as one taxonomy (after Ray Train v2's): one class per failure, each saying
+whether a retry can help (`retryable`), what the CLI exits with (`exit_code`) and the remedy, read through
+`is_retryable` and `exit_code_of`. docs/architecture.md ("The error taxonomy") has the class tree and the rule for
+exceptions outside it.
 """
 
 import errno

@@ -1,12 +1,6 @@
-"""Fault injection for tests: pause or die at a named point, chosen by an environment variable.
-
-    RLHF_FAULT_INJECT="after_commit@10=sleep:60,train_step@7=kill"
-
-makes the process sleep 60 s right after committing step 10, and SIGKILL itself when about to train
-step 7; `loss@3=nan` makes SFT's loss NaN at step 3 (`fault_requested`). With RLHF_FAULT_JOB_PID set (a driver sets it to its own pid before starting Ray), `kill`
-in a Ray worker takes the whole job down: the driver first, then the worker. With RLHF_FAULT_STATE set to a folder, each rule fires once (a marker file remembers it), so a
-retried chunk gets past the point. A rank whose job is already dead (it trains ahead until Ray reaps it)
-fires nothing. Unset (the normal case), `fault_point` does nothing. Ray workers inherit the variables.
+"""Fault injection for tests: pause or die at a named point (`fault_point`), chosen by an environment variable such
+as `RLHF_FAULT_INJECT="after_commit@10=sleep:60,train_step@7=kill"`; unset, it does nothing.
+docs/architecture.md ("Fault injection") has the rules and RLHF_FAULT_JOB_PID, RLHF_FAULT_STATE.
 """
 
 from __future__ import annotations

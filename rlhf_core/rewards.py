@@ -1,34 +1,11 @@
 """Reward functions that replace the reward model: Python functions in either form, and OpenRLHF's HTTP form.
 
-A Python function comes from `--reward_fn package.module:function` or from `--remote_rm_url path/to/file.py`
-(the file's `reward_func`, as OpenRLHF loads it), and is written in one of two forms, whichever the flag:
-- ours, `fn(prompts, responses) -> scores`: prompts as written in the data (for a prompt given as a list of
-  chat messages, the content of its last user message, else of its last message), responses decoded
-  without special tokens;
-- OpenRLHF's, `reward_func(queries, prompts, labels, **kwargs)`: `queries` are prompt + response as one
-  decoded text with special tokens kept (OpenRLHF decodes the whole sequence with skip_special_tokens=False),
-  `prompts` the prompt as the model saw it (after --input_template / chat template), `labels` the
-  `--label_key` values ("" without --label_key, as OpenRLHF's prompts dataset gives).
-The form is read from the signature (`reward_form`) when the function loads, and the function is called in
-it, positionally, as OpenRLHF calls reward_func. A form fits when the function accepts that many positional
-arguments and none of its leading parameters bears another of the two forms' argument names in that place
-(so `prompts, responses, labels=None` is ours, `q, p, l` OpenRLHF's, `prompts, queries, labels` neither);
-a function that fits both forms (`*args`, `a, b, c=None`) or neither is refused with one sentence naming
-both, before any training (a function called in the wrong form trains on garbage without a word).
-`reward_inputs` builds both forms' arguments from PPO's prompt items, `check_reward_setup` is the check
-before training (preflight).
+- `--reward_fn package.module:function` or `--remote_rm_url path/to/file.py` (the file's `reward_func`), written
+  as ours, `fn(prompts, responses) -> scores`, or as OpenRLHF's, `reward_func(queries, prompts, labels, **kwargs)`;
+- `--remote_rm_url http://host:port/get_reward`: a server answering OpenRLHF's JSON body, as `serve_rm` does.
 
-A reward server, `--remote_rm_url http://host:port/get_reward`, is POSTed OpenRLHF's JSON body
-{"query": [...], "prompts": [...], "labels": [...]} and its JSON reply read, as `openrlhf.cli.serve_rm`
-serves it; transport errors are retried (HTTP_ATTEMPTS, HTTP_TIMEOUT_S each).
-
-Every form may return a tensor, a list, or OpenRLHF's dict {"rewards", "scores", "extra_logs"}:
-rewards drive the advantages, scores (default: the rewards) drive dynamic filtering, extra_logs (a
-dict of per-sample lists/tensors, or scalars) reach the step metrics. Anything malformed (wrong
-length, NaN/Inf, not a number) or an exception inside the function raises a UserError of one
-sentence naming the function. Departure from OpenRLHF 0.9.10: it calls the function once per sample
-and logs a failure as a missing reward; here it is called once per rollout batch of a rank, and a
-failure stops the chunk (a silent zero reward would train on garbage).
+Each may return a tensor, a list or OpenRLHF's dict {"rewards", "scores", "extra_logs"}. Departs from OpenRLHF:
+called once per rollout batch, and a failure stops the chunk. docs/architecture.md ("Reward functions") has the rest.
 """
 
 from __future__ import annotations
@@ -236,8 +213,8 @@ def _fits(signature: inspect.Signature, form: tuple[str, ...]) -> bool:
 
 
 def reward_form(name: str, function: Callable) -> tuple[str, ...]:
-    """OPENRLHF or OURS, read from `function`'s signature (see the module docstring); a UserError naming both
-    forms when it fits both or neither."""
+    """OPENRLHF or OURS, read from `function`'s signature (the rule: docs/architecture.md, "Reward functions"); a
+    UserError naming both forms when it fits both or neither."""
     try:
         signature = inspect.signature(function)
     except (TypeError, ValueError):  # a builtin without a signature: nothing says which form it is

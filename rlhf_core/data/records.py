@@ -1,24 +1,7 @@
-"""Datasets from files, folders or hub names: read, validate, fingerprint, and batch in a deterministic order.
-
-`read_records` accepts what OpenRLHF's `blending_datasets` (v0.9.10) accepts, each source read into the
-same `Record`s:
-- a JSONL, JSON (a list of objects, or JSON lines in a .json file), CSV or Parquet file at any fsspec URL;
-- a folder written by `datasets`' `save_to_disk` (any fsspec URL); a local folder of data files
-  (`datasets.load_dataset(folder)`);
-- a hub name (`Open-Orca/OpenOrca`) through `datasets.load_dataset(name, split=...)`, which works offline
-  (HF_HUB_OFFLINE=1) from the dataset cache a previous load left; failing that, from a snapshot of the
-  dataset repository in the hub cache (`hf download --repo-type dataset`), which `datasets` alone does not
-  read offline.
-Several comma-separated sources are concatenated, or, with `probs`, interleaved as OpenRLHF does
-(`datasets.interleave_datasets`, stopping when every source is exhausted, seeded by the run's seed).
-OpenRLHF's `name@data_dir` (a hub name or local folder, then a folder inside it) loads that folder alone.
-Departures: probabilities are normalised (OpenRLHF needs them to sum to 1); `max_samples` caps each
-source and then the mixture, as OpenRLHF; a DatasetDict's missing split is an error (OpenRLHF uses the
-whole dict); dataset scripts are not supported.
-
-Every problem a user can fix (missing file or name, bytes that are not UTF-8, bad JSON) stops before
-training with one sentence that names the file and the line (JSONL), item (JSON array) or row (Parquet,
-datasets). How records become tokens is `rlhf_core.data.samples`.
+"""Datasets from files, folders or hub names: read (what OpenRLHF's `blending_datasets` reads, mixed as it mixes
+them), validate, fingerprint, and batch in a deterministic order; a problem a user can fix stops before training
+with one sentence naming the file and line. docs/architecture.md ("Datasets and their sources") lists the sources
+and where this departs from OpenRLHF.
 """
 
 from __future__ import annotations

@@ -1,34 +1,7 @@
-"""Records to token samples, as OpenRLHF's datasets make them (`openrlhf/datasets/{sft,reward,prompts}_dataset.py`,
-the same in 0.9.x and 0.11).
-
-A field is a string or a conversation: a list of `{"role", "content"}` messages. With --apply_chat_template
-the tokenizer's chat template renders conversations (a string becomes one user or assistant message):
-- SFT with --output_key: prompt = template(prompt messages, generation prompt); response = template(prompt +
-  response messages) minus the prompt's text. Without --output_key the conversation in --input_key is split:
-  the prompt is every message but the last. --multiturn puts loss on every assistant turn (each turn's span
-  is measured as OpenRLHF does: the tokens of the template up to it, then of its own text).
-- RM with --prompt_key: prompt and each reply rendered as in SFT; without --prompt_key (OpenRLHF's default) the
-  chosen and rejected conversations are rendered whole.
-- PPO: the prompt rendered with the generation prompt.
-Without --apply_chat_template, strings only: the prompt goes through --input_template when one is given.
-
-Then, as OpenRLHF: the text is prompt + response with trailing newlines stripped and " " + EOS appended unless
-it already ends with EOS, tokenized without the tokenizer's own special tokens, truncated to --max_len, and its
-last token set to EOS. SFT's loss covers the tokens after the prompt's own token count; a sample whose prompt
-takes max_len - 2 tokens or more, or whose response is empty, is dropped.
-
-Departures, each for a reason:
-- BOS. OpenRLHF never adds one (`add_special_tokens=False`): only a chat template that writes it (Llama-3,
-  Mistral, Gemma) puts it there. Plain text here starts with BOS when the tokenizer itself adds one to plain
-  text (Llama-2, Mistral, Gemma base models were trained so); never a second one; none for tokenizers without
-  BOS (Qwen) or that do not add it (GPT-2).
-- PPO prompts longer than --prompt_max_len keep their end (the question), where OpenRLHF keeps the start.
-- Messages are checked (a list of {role, content}, a known role, non-empty content), and a string prompt
-  beside a message-list reply is wrapped too; OpenRLHF fails inside Jinja or concatenates a string with a list.
-- Two of OpenRLHF's silent cuts get one warning each, naming the row, with the same tokens: a conversation the
-  template renders so that it does not begin with its prompt's rendering (some templates rewrite earlier
-  turns); a prompt whose last token merges with the response's first (a prompt ending in a space), whose
-  first response token OpenRLHF leaves untrained.
+"""Records to token samples (SFT samples, reward pairs, PPO prompts) as OpenRLHF's datasets make them, with or
+without the tokenizer's chat template. Departs on BOS, on which end of a long PPO prompt is kept, on checking
+messages, and with a warning for two of OpenRLHF's silent cuts. docs/architecture.md ("Chat data and templates")
+has the rules and the reasons.
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
-"""One chunk of a training stage: `ensure_checkpoint(runner, stage, target_step)`.
-
-The checkpoint store is the source of truth. Asking for a target already committed returns it and
-trains nothing; otherwise training starts from the newest good checkpoint at or below the target
-(or from the pretrained model), runs to the target on a Ray worker group, and commits. A group left
-warm by the previous chunk (the `StageRunner`'s, `rlhf_core.driver.runner`) is reused when it holds exactly the
-state the store would load, so the steady state pays neither a download nor a verification. Each rank uploads its
-own files and the driver commits them under the run lease.
-
-With --use_tensorboard / --use_wandb, the driver logs each step's metrics to the stage's trackers
-(`rlhf_core.ops.trackers`) as they come back: the group trains to each multiple of logging_steps in turn
-(one round trip per logged step), and each checkpoint's metadata records the tracker ids, so a
-resumed stage continues the same tracker runs. Trackers close with the stage's last chunk, on a
-failure, and with the runner.
+"""One chunk of a training stage: `ensure_checkpoint(runner, stage, target_step)` returns the target if it is
+committed, else trains to it from the newest good checkpoint on a Ray worker group (a warm one reused when it holds
+that state) and commits under the run lease, logging metrics to the stage's trackers on the way.
+docs/architecture.md ("One chunk of training") has the details.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
-"""Hugging Face output: a stage's final model, the LoRA merge, and the final export.
-
-Everything here reads the checkpoints' `hf/` copies (safetensors and JSON), never DeepSpeed's pickles.
-- `export_stage_output`: a training stage's final weights plus tokenizer to its save_path: the full
-  model, or the adapter alone when the stage trained LoRA (as OpenRLHF saves it).
-- `merge_lora` (`rlhf lora-combiner`): base + adapter -> one model; before writing, the merged model's
-  logits must match base+adapter within 1e-4 on a few inputs.
-- `export_final`: the policy (merged if it is an adapter) as a standalone model, loaded back and asked
-  to generate before it counts as exported.
-Every model read passes the run's storage_options; errors name the flag the path came from.
+"""Hugging Face output, from the checkpoints' `hf/` copies: a stage's final model (`export_stage_output`), the LoRA
+merge (`merge_lora`, checked against base + adapter) and the final export (`export_final`, loaded back and asked
+to generate). docs/architecture.md ("Hugging Face export") has the details.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
-"""Everything about a run that can be checked before any training starts, each failure one UserError sentence.
-
-A mistake found after hours of training (a read-only --save_path, a reward function that raises, a model folder
-with no tokenizer) costs those hours; found here it costs seconds. Checked, in order: resume rules (an existing run
-needs --load_checkpoint, settings drift), every output location writable (a probe file, written and removed: this
-also proves an object store reachable), every input model a loadable Hugging Face folder, each training stage's
-data, eval data, tokenizer and reward function (the planner reads and tokenizes them and calls the reward
-function on one sample), LoRA target modules against the model's architecture (that of the model an earlier
-stage starts from, for its output), precision and attention settings this machine can run, tracker packages,
-and the run lease. Other inputs that an earlier stage of this run produces are checked when that stage has run.
+"""Everything about a run that can be checked before any training starts (resume rules, output locations, input
+models, data, tokenizers, reward functions, LoRA targets, compute settings, tracker packages, the run lease), each
+failure one UserError sentence. docs/architecture.md ("Preflight checks") has the order and why.
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
-"""How a finished `rlhf` command leaves: in ~1.4 s rather than ~3.4 s after its last line.
-
-A toy `rlhf train sft` spent 3.4 s between its handler's return and the shell's prompt (measured with timers
-around each step of the exit, 2 loaded cores):
-- Ray's atexit `shutdown` sleeps 0.5 s "to make sure log messages finish printing" before stopping its processes;
-- its autoscaler monitor answers SIGTERM by reporting to the GCS, which Ray has already stopped, so Ray waits its
-  1 s grace and then SIGKILLs it;
-- the interpreter's own teardown (module and C++ destructors: torch, Ray's core worker, gRPC) ran 1.2 s with no
-  Python frame on the stack.
-
-`exit_now` does what the exit needs, in the interpreter's order, and skips the rest: threading's exit callbacks
-(Prefect's log and event drains) and the join of non-daemon threads; the local Ray cluster this process started
-stopped (the monitor first, with SIGKILL: it only watches a cluster that is going away); every atexit handler
-(Prefect's server stop, logging's flush, Ray's shutdown, now a no-op); stdout and stderr flushed; then
-`os._exit` with the command's code. Nothing durable waits on the skipped teardown: checkpoints, manifests,
-`latest` and the ledger are fsync'd and closed when written (rlhf_core.storage.durable).
+"""How a finished `rlhf` command leaves (`exit_now`): in ~1.4 s rather than ~3.4 s after its last line, doing what
+the exit needs (threads' exit callbacks, the local Ray cluster stopped, atexit handlers, flushes) and skipping the
+interpreter's teardown. docs/architecture.md ("A quick exit") has the measurement and why nothing durable is lost.
 """
 
 from __future__ import annotations

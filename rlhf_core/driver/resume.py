@@ -1,20 +1,7 @@
-"""Where a stage resumes from, and whether it may.
-
-At the start of a run (`validate_run_start`, read-only, so the CLI can call it before Prefect starts):
-a run folder that holds checkpoints is refused without --load_checkpoint, a resume whose settings
-changed the math is refused with a field-by-field diff unless --allow_config_change, and an explicit
---resume_from step must be a committed checkpoint. `begin_stage` then applies --resume_from (newer
-checkpoints are set aside, never deleted) and returns the stage's `Lineage`, part of every chunk's
-cache key.
-
-Loading (`load_start`): the driver reads the newest committed candidate's metadata (checked against
-its manifest) and checks it for drift; each rank then fetches the files it reads, verifying their
-sha256s as they arrive, or on a local store loads them in place while they are hashed
-(`rlhf_core.rank.worker.TrainWorker.load_from_store`). A bad candidate is set aside
-with one log line and the next older one is tried. No pickle is unpickled with code allowed: DeepSpeed
-reads its files through `rlhf_core.storage.safe_load`'s guarded loader, and a checkpoint written at another
-world size (ZeRO-1/2 partition optimizer state by rank, ZeRO-3 the weights too; ZeRO-0 keeps it
-whole) is scanned, then converted to DeepSpeed's universal format on each rank.
+"""Where a stage resumes from, and whether it may: `validate_run_start` (the refusals, before Prefect starts),
+`begin_stage` (applies --resume_from, returns the stage's `Lineage`) and `load_start` (the newest good committed
+checkpoint, checked for drift; bad ones set aside). docs/architecture.md ("Resuming a stage") has the rules and how
+the ranks load.
 """
 
 from __future__ import annotations

@@ -1,23 +1,6 @@
-"""A stop signal is obeyed and used: SIGTERM or Ctrl-C ends a run at the next step, with that step committed.
-
-SIGTERM is what a spot preemption notice, `docker stop`, Kubernetes and `ray job stop` send; Ctrl-C is SIGINT
-from the terminal. The first of either, in the driver, asks for a stop (`requested()`): the ranks finish the
-step they are in and agree, at the next step boundary, to go no further (`rlhf_core.driver.engine`), and the chunk
-commits that step as an emergency checkpoint, a commit like any other at an off-boundary step
-(`rlhf_core.driver.chunk`). It must commit within `--stop_grace_s` (default 25 s, under Kubernetes' 30 s) less a
-reserve for leaving (`exit_reserve_s`: 5 s of 25); when it cannot, the step is abandoned and the last commit
-stands. The chunk then raises `StoppedBySignal`, whose text is the line the CLI prints, and the process exits
-with 128 + the signal's number (130, 143), as a shell reports a process killed by that signal. Prefect marks
-the run Cancelled and never retries it (`tasks.chunks`, `flows.pipeline`).
-
-A second signal leaves at once: every process this one started (Prefect's ephemeral server, the local Ray
-cluster, the ranks) is killed and the last commit stands. So does the watchdog when the grace period ends
-with the process still running (a hung store, a rank that never finishes its step).
-
-Departures: OpenRLHF, DeepSpeed and TRL leave SIGTERM and SIGINT to Python (a KeyboardInterrupt wherever it
-lands, no checkpoint); torchelastic forwards SIGTERM to its workers and lets them die. Prefect's own SIGTERM
-bridge (it marks the run Crashed) is replaced while a flow body runs here (`obeying_signals`), and only a
-signal that lands in Prefect's own code between two flow bodies reaches it.
+"""A stop signal is obeyed and used: SIGTERM or Ctrl-C ends a run at the next step, with that step committed within
+`--stop_grace_s`; a second signal, or the grace period's end, leaves at once. OpenRLHF leaves signals to Python (no
+checkpoint). docs/architecture.md ("Stop signals") has the contract, and "Stopping on a signal" the mechanism.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
-"""Model loading, in the ranks and in the driver's LoRA merge and toy evaluation: Hugging Face models from any place
-`rlhf_core.storage.locate` finds them, optionally with LoRA.
-
-A folder holding a LoRA adapter (adapter_config.json) is accepted wherever a model is: its base is
-loaded and the adapter merged in memory, so a LoRA stage's output feeds the next stage directly.
-Reward models and critics are `AutoModelForSequenceClassification` with one label: a backbone and a
-linear `score` head, OpenRLHF's layout; `token_values` reads the head at every position for a critic, and
-`sequence_scores` at each sequence's last token for a reward. LoRA targets are checked against the model's
-own layers (rlhf_core.models.lora_targets). `attn_implementation` flash_attention_* without flash-attn or CUDA
-falls back to sdpa with one warning (OpenRLHF would fail to load); unknown names are refused.
+"""Model loading, in the ranks and in the driver's LoRA merge and toy evaluation: Hugging Face models from wherever
+`rlhf_core.storage.locate` finds them, optionally with LoRA (an adapter folder loads merged onto its base), reward
+models and critics in OpenRLHF's layout (a backbone and a one-label `score` head). Flash attention that cannot run
+falls back to sdpa, where OpenRLHF fails. docs/architecture.md ("Model loading") has the details.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
-"""LoRA targets checked against the model's own architecture, so no family is assumed to be Llama.
-
-The default (`--target_modules` unset or `all-linear`, OpenRLHF's default) is peft's `all-linear`: every
-nn.Linear and every GPT-2-style Conv1D except the output head, whatever the family calls them (Phi-3's fused
-`qkv_proj` and `gate_up_proj`, GPT-2's `c_attn`). Names given with `--target_modules` follow peft's matching
-rule for a list (a module's full name, or its last dotted parts). A name that matches no module is refused
-with one sentence listing the layers the model does have: peft raises only when no name matches at all, so a
-Llama list on Phi-3 would otherwise silently adapt just `o_proj` and `down_proj`. Preflight runs the same
-check on the architecture built on the meta device (no weights read: `preflight.check_lora_targets`); each
-rank runs it on its loaded model.
+"""LoRA targets checked against the model's own architecture (the default is peft's `all-linear`), so no family is
+assumed to be Llama: a `--target_modules` name that matches no module is refused with the layers the model has,
+where peft adapts the names that match without a word. docs/architecture.md ("LoRA targets") has the rules.
 """
 
 from __future__ import annotations

@@ -1,61 +1,7 @@
 """The seed's alerts, computed from what a chunk commits: reward stagnation, checkpoint size, non-finite values.
-
-The seed's user guide ("监控与告警") asks for two alerts on checkpoints: "the reward score has not improved
-across 3 consecutive checkpoints" and "the checkpoint file size is anomalous (a 70B model is about 140 GB)".
-We add a third that the first one would otherwise hide: NaN or Inf in the loss or the weights. Each alert
-is an `Alert` (its `name` is the Prefect event name the flow layer emits) and is appended to the run's
-`alerts.jsonl` (`AlertLog`), beside the checkpoints, so that it survives the flow run and `rlhf ckpt ls`
-can show it. This module only computes and records; it never imports prefect or ray.
-
-- `rlhf.alert.reward-stagnant`: the stage's headline metric (`headline_metric`: for PPO the held-out
-  `eval_reward`, else the chunk's `mean_reward`, else the last step's `reward`, higher is better; for SFT,
-  RM and any other stage `eval_loss`, else `mean_loss`, else `loss`, lower is better) over the line of
-  committed checkpoints. As Keras' EarlyStopping: a checkpoint improves when its value beats the best value
-  so far by more than `min_delta`; the first one sets the baseline. The alert fires at the commit where
-  the last `window` (default 3) checkpoints have all failed to improve (so it needs at least `window + 1`
-  values), once per episode: not again at the flat commits after it, and again only once an improvement
-  has cleared the condition and `window` more checkpoints fail to improve. Why: a flat reward wastes GPU
-  hours silently; a loss curve is the SFT/RM equivalent. Once, because an operator (or an automation's
-  notification) needs the start of a plateau, not a copy of it at every commit.
-- `rlhf.alert.checkpoint-size`: the committed checkpoint's bytes against (a) a prediction from the models'
-  parameter counts, training dtype, ZeRO stage and optimizer (`expected_checkpoint_bytes`) and (b) the median
-  size of the previous committed checkpoints of the stage; once per distinct anomaly: a checkpoint that
-  repeats its predecessor's anomaly (the same findings, on the same sides) raises nothing, so a run saved in
-  an unexpected dtype alerts once, not at every commit, while a truncated checkpoint after it still does. Why:
-  a rank whose files are missing or half-written still commits a manifest that verifies (it lists what was
-  uploaded), and a model saved in the wrong dtype or without its optimizer resumes badly; size is the cheap
-  tell. The seed's "70B is about 140 GB" is the bf16 weights alone (2 bytes per parameter); a resumable
-  DeepSpeed checkpoint of a full fine-tune also holds an fp32 master copy and two fp32 Adam moments per
-  trainable parameter (12 bytes), so 14-18 bytes per parameter with the bf16 HF copy (1.0-1.3 TB for 70B);
-  with LoRA it is close to the 140 GB again.
-- `rlhf.alert.non-finite`: NaN or Inf in a step's metrics (`non_finite_metrics`) or in the weights
-  (`non_finite_parameters`). Why: such a checkpoint poisons every resume from it, so the chunk raises
-  `NonFiniteTraining` before committing, and it is not worth retrying (same data, same seed, same NaN).
-
-Every alert recorded (`AlertLog.append`) is also announced as one warning of the logger `rlhf_core.ops.alerts`,
-`rlhf: warning: <message> (<name>)`: the quiet console prints it as that line (rlhf_core.ops.console), the run's log
-file keeps it, and Prefect's API handler on `rlhf_core` (PREFECT_LOGGING_EXTRA_LOGGERS) puts it in the flow
-run's log, beside the event the flow emits. Why: an alert in a file and an event reaches automations, not the
-person watching `rlhf train` (the stagnant-reward alert went unseen there).
-
-After each commit, `commit_alerts` computes the first two from the checkpoint's own metadata: its
-`metric_history` (one `history_entry` per checkpoint of its line, carried forward from the checkpoint it
-resumed from, so retention by --max_ckpt_num does not shorten it) and its `model_sizes` (`model_size_report`,
-made on a rank, where the models are). The non-finite check runs before the commit instead.
-
-What DeepSpeed writes, which the prediction follows (DeepSpeed 0.19; checked against toy checkpoints):
-- optimizer shards (`*optim_states.pt`, one per rank with ZeRO 1-3, partitioned, so their sum does not
-  depend on the world size): an fp32 master copy (4 bytes) and Adam's two fp32 moments (8 bytes) per
-  trainable parameter. ZeRO-0 keeps them inside `model_states`, without the master copy when the weights
-  are already fp32;
-- `model_states`: with ZeRO 0-2, rank 0 writes every module weight (frozen ones included) in the training
-  dtype; on a GPU, ZeRO-2 also writes the frozen weights a second time as CPU copies (`frozen_param_fragments`;
-  on a CPU the copy shares its storage and is written once; the GPU case is read from DeepSpeed's code, not
-  measured). With ZeRO-3 every rank writes a file, but the trainable weights live only in the optimizer
-  shards; the frozen ones are saved as their partitions;
-- the Hugging Face copy under `hf/`: every weight in the training dtype, or the adapter alone with LoRA;
-- small files: DeepSpeed's `zero_to_fp32.py` and `zero_to_torch.py` (~41 kB per model), configs, pickled
-  bookkeeping per `.pt` file, `training_metadata.json` and `MANIFEST.json`.
+Each is an `Alert`, appended to the run's `alerts.jsonl` (`AlertLog`) and announced as one warning line; this
+module only computes and records (no prefect, no ray). docs/architecture.md ("Alerts") has each alert's rule and
+reason, and what DeepSpeed writes, which the size prediction follows.
 """
 
 from __future__ import annotations
@@ -347,7 +293,8 @@ class AlertLog:
 
 
 def announce(alert: Alert) -> None:
-    """One `rlhf: warning:` line for the people watching: the console and the flow run's log (module docstring)."""
+    """One `rlhf: warning:` line for the people watching: the console and the flow run's log (docs/architecture.md,
+    "Alerts")."""
     logger.warning("%s%s (%s)", WARNING_PREFIX, alert.message, alert.name)
 
 

@@ -1,11 +1,6 @@
-"""A run's goodput read from its ledger (`rlhf_core.ops.goodput`): per stage and in total, as text (`rlhf goodput`) and
-markdown (the stage report); and the checkpoint-interval planner.
-
-The planner (`plan_interval`) follows Young (1974) and Daly (2006): with C the seconds each checkpoint
-costs the step loop and M the mean time between failures, the interval of work between checkpoints that
-loses the least is T = sqrt(2 C M). Expected goodput, to first order: 1 - C/T - (T/2 + R)/M, where R is the
-restart cost (start-up and load): each checkpoint costs C per T of work, and each failure (1/M per second)
-loses half an interval of work on average plus the restart.
+"""A run's goodput read from its ledger (`rlhf_core.ops.goodput`): per stage and in total, as text (`rlhf goodput`)
+and markdown (the stage report); and the checkpoint-interval planner (`plan_interval`, after Young and Daly).
+docs/architecture.md ("The checkpoint-interval planner") has the formula.
 """
 
 from __future__ import annotations

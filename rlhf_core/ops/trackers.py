@@ -1,25 +1,7 @@
-"""Experiment trackers of a training stage (`--use_tensorboard DIR`, `--use_wandb`), kept on the driver.
-
-OpenRLHF (openrlhf/utils/logging_utils.py and its trainers) logs from rank 0: `train/<metric>` every
-`--logging_steps` steps against `train/global_step`, and `eval/<metric>` after each evaluation, to
-wandb, or, only when wandb is off, to TensorBoard under `{use_tensorboard}/{wandb_run_name}`.
-
-Here the ranks hand their per-step metrics (rank 0's, already averaged over ranks) back to the driver
-(`rlhf_core.driver.chunk`, which trains to each logged step in turn), and the driver logs them through the
-`StageTrackers` of that (run, stage); nothing is printed per step. Departures:
-- Both trackers may be on together (OpenRLHF drops TensorBoard when wandb is on). TensorBoard
-  writes to `{use_tensorboard}/{run_name}/{stage}`; the wandb run is named `--wandb_run_name`, else
-  `{run_name}-{stage}`: one wandb run per stage, its metrics `train/*` and `eval/*` as OpenRLHF's.
-- A trainer reports evaluation results as `eval_<name>` on the steps it evaluates; they are logged
-  as `eval/<name>` whenever present (not thinned by logging_steps, as OpenRLHF's evaluate()).
-- Resume: every checkpoint's training_metadata.json records `tracker_ids()`; a stage that resumes
-  from a checkpoint reopens the same wandb run (`resume="allow"`) and the same TensorBoard folder.
-  TensorBoard is opened with `purge_step` = the first step about to be trained, so points logged
-  past the checkpoint by the run that died (or by a run rewound with --resume_from) are hidden and
-  the retrained ones shown: each step once. wandb cannot hide points, so steps up to the last one
-  that run logged are skipped; "last" is known within this process, and from the server's
-  `train/global_step` for a resumed online run. An offline run resumed in a new process logs such
-  retrained steps again (in a new offline-run folder with the same id).
+"""Experiment trackers of a training stage (`--use_tensorboard DIR`, `--use_wandb`), kept on the driver
+(`StageTrackers`), which logs the metrics the ranks hand back. Departs from OpenRLHF: both trackers at once, one
+wandb run per stage, and a resumed stage continues the same tracker runs. docs/architecture.md
+("Experiment trackers") has the details.
 """
 
 from __future__ import annotations

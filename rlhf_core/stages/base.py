@@ -1,16 +1,6 @@
-"""What every stage declares, and the settings every training stage shares.
-
-A stage lives in one module of this package (`sft.py`, `rm.py`, ...): its config, the trainer that runs it, the
-inputs it takes from earlier stages (`chained`), its checks against the run (`check_in_run`), its headline metric
-and its OpenRLHF command, the last in one `STAGE = Stage(...)`. Everything else reads `rlhf_core.stages.STAGES`:
-the CLI (`rlhf train NAME` and its flags), `RunConfig`'s sections, path resolution, preflight, alerts, the flow's
-dispatch and the docs. A stage of another package registers the same way, through the `rlhf.stages` entry-point
-group (see `rlhf_core.stages`).
-
-Field names are OpenRLHF's flag names, so `--pretrain`, `--save_steps` ... move over unchanged. Each field is
-documented once, in `Field(description=...)`: that text is the `rlhf` CLI help and the Prefect UI form. Fields
-tagged `affects_training=False` (paths, logging, retention) never change the weights, so they stay out of the
-semantic hash that keys the Prefect cache and guards a resume against config drift.
+"""What every stage declares (`Stage`: its config, trainer, inputs from earlier stages, checks, headline metric and
+OpenRLHF command) and the settings every training stage shares (`StageConfig`, its fields named as OpenRLHF's
+flags). docs/architecture.md ("Stages and their settings") says who reads a stage and where fields are documented.
 """
 
 from __future__ import annotations

@@ -1,19 +1,7 @@
-"""Where a checkpoint store's bytes live, behind one small interface: a local (or NFS) filesystem, or an object
-store (S3, GCS, Azure, `memory://`). `CheckpointStore` holds the commit protocol and never asks which one it has;
-each backend supplies what "committed" and "durable" mean on its medium:
-
-| | local filesystem (`LocalBackend`) | object store (`ObjectStoreBackend`) |
-|---|---|---|
-| uncommitted step | a hidden staging folder, made durably | `step_N` itself |
-| commit marker | the staging folder renamed to `step_N` (after fsyncs) | the manifest's PUT |
-| a file written | O_DIRECT where the filesystem allows it, fsync'd by its writer | durable when the PUT returns |
-| a file replaced | temp + fsync + rename + fsync of the folder | one PUT |
-| move aside | `os.rename` | copy file by file, then delete |
-| removal | manifest first, its folder fsync'd; then the tree, its parent fsync'd | manifest first, then the rest |
-| read in place | the step folder | none: files are fetched |
-
-Object stores give read-after-write consistency (S3 since 2020, GCS, Azure Blob) and acknowledge a PUT only once it
-is stored redundantly, so nothing there needs syncing and there is no rename to order.
+"""Where a checkpoint store's bytes live, behind one small interface (`StoreBackend`): a local (or NFS) filesystem
+(`LocalBackend`) or an object store (`ObjectStoreBackend`: S3, GCS, Azure, `memory://`), each saying what
+"committed" and "durable" mean on its medium; `backend_for` picks one. docs/architecture.md ("Storage backends:
+local filesystem and object store") has the table of what each does.
 """
 
 from __future__ import annotations

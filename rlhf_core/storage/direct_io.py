@@ -1,24 +1,7 @@
-"""Checkpoint files written around the page cache (O_DIRECT), from two aligned buffers in turn.
-
-Why: a write() into the page cache first allocates the cache's pages and copies into them, and the kernel writes
-them back later. On a VM whose kernel hands freed memory back to its host (Firecracker's page_reporting, and
-memory ballooning elsewhere) that allocation faults each page back in from the host: inside a rank, after a
-chunk's training had freed memory, a 1.21 GB checkpoint took 3.1-3.6 s and 3.2-3.4 CPU-seconds through the
-page cache, and 0.72-0.81 s and 0.35-0.42 CPU-seconds written here (four checkpoints, side by side in one rank;
-the page cache's path was as fast only right after another write had freed pages). The CPU it saves is what a
-rank's background writer takes from training on a shared host. The bytes reach the device with no copy left
-in the cache, so the fsync after them has only metadata left to flush; durability still comes from that fsync.
-
-How: bytes are gathered into one of two page-aligned buffers (`mmap`) of `BUFFER_BYTES`; a full buffer goes to
-the file from a second thread (`os.write` releases the GIL) while the other fills, so the disk works while the
-caller serializes. The file then holds whole buffers at aligned offsets; what is left at `flush` is written
-aligned as far as it goes and the last partial block through the page cache (O_DIRECT cleared), so any size works.
-A large block that lies page-aligned in memory and lands at an aligned place in the file (a snapshot's tensors:
-`rlhf_core.rank.snapshot` allocates them so, and lays its files out so) is written from where it lies, not copied
-into a buffer first: for a checkpoint's tensors that copy was most of the writer's CPU time besides the checksum.
-Where the filesystem refuses O_DIRECT, at the open (EINVAL) or at the first write, the file is written through
-the page cache instead, with nothing lost. `RLHF_WRITER_DIRECT_IO=0` turns it off (forwarded to the ranks with
-the other `RLHF_WRITER_` settings): e.g. on an NFS mount whose server prefers the client's write coalescing.
+"""Checkpoint files written around the page cache (O_DIRECT), from two page-aligned buffers in turn: one fills while
+a second thread writes the other, and large page-aligned blocks go from where they lie. Where the filesystem
+refuses O_DIRECT the page cache is used; `RLHF_WRITER_DIRECT_IO=0` turns it off. docs/architecture.md
+("Direct I/O for checkpoint files") has why (the measurement) and how.
 """
 
 from __future__ import annotations
@@ -56,8 +39,9 @@ def open_direct(path: str) -> DirectWriter | None:
 
 
 class DirectWriter:
-    """A write-only file object over `fd` (opened with O_DIRECT; the writer owns it and closes it); see the
-    module docstring. `flush` puts every byte given so far into the file; `fileno` is for the caller's fsync."""
+    """A write-only file object over `fd` (opened with O_DIRECT; the writer owns it and closes it); see
+    docs/architecture.md ("Direct I/O for checkpoint files"). `flush` puts every byte given so far into the file;
+    `fileno` is for the caller's fsync."""
 
     def __init__(self, fd: int, buffer_bytes: int = BUFFER_BYTES):
         self._fd, self._buffer_bytes = fd, buffer_bytes

@@ -1,12 +1,7 @@
-"""What survives a power cut on a local or shared (NFS) filesystem, and the few calls that make it so.
-
-POSIX makes a file's bytes durable when the file is fsync'd, and a name (a create, rename or unlink) durable
-when the directory holding it is fsync'd; a rename reaches the disk in no fixed order relative to the data
-of the file it names. ext4, XFS and NFS (whose COMMIT an fsync sends) follow this. So a durable replace is:
-write a temporary file in the same folder, fsync it, rename it over the name, fsync the folder.
-
-Object stores need none of it: a PUT that returned is durable (S3, GCS and Azure Blob acknowledge a write
-only once it is stored redundantly), and there is no rename to order. Callers skip these calls there.
+"""What survives a power cut on a local or shared (NFS) filesystem, and the few calls that make it so: fsync of a
+folder or of a tree's folders, the durable replace (temp + fsync + rename + fsync of the folder), durable folder
+creation, and `WritebackAhead`, which hands a file's bytes to the disk while it is written. Object stores need none
+of it. docs/architecture.md ("Durable writes") has the POSIX rules this follows.
 """
 
 from __future__ import annotations

@@ -1,41 +1,7 @@
-"""One writer per run: a fenced lease with a heartbeat at `{ckpt_path}/{run_name}/LEASE.json`.
-
-A run takes the lease before training and renews it every `heartbeat_s` from a background thread.
-A second run finds a live lease held by someone else and is refused with a message naming the
-holder. A lease is free when it is absent or released, and is taken over when it is stale (no
-heartbeat for `stale_after_s`) or when its holder was a process on this same host that no longer
-exists (a SIGKILLed run resumes at once).
-
-Every change to the lease is a compare-and-swap against the record last read, so of two runs racing
-for a free lease exactly one wins, and a holder whose lease was taken over finds out:
-- Local filesystem: the first lease is created with `os.link(temp, LEASE.json)`, atomic together
-  with its content (EEXIST: someone else has it). Take-over, renewal and release read, compare and
-  replace (temp + `os.replace`, so readers never see half a record; the temp file fsync'd before and the
-  folder after, so a power cut keeps a whole record) under `fcntl.flock` on
-  `LEASE.json.lock`: atomic between processes of one host, and across hosts only on a shared
-  filesystem whose server honours flock (NFSv4 does).
-- S3 (s3fs): conditional PUTs. Create with `If-None-Match: *`; take over, renew and release with
-  `If-Match` on the ETag last seen. S3 itself decides the race (moto, the test endpoint, checks
-  and writes in two steps between its threads, so there it is atomic only in practice). A refusal
-  of a PUT that s3fs retried after its first reply was lost is recognised by reading our record back.
-- Any other fsspec backend (memory://, gcs, ...): not atomic. The record is compared, written, left
-  to settle for `settle_s` and read back; of two writers the later one usually wins, but both can
-  (when one is delayed by more than `settle_s` between its compare and its write).
-
-Release marks the record released rather than deleting it, so generations keep counting across
-the run's tenures. Each successful take increments the lease's `generation`; `RunLease.token` ("<generation>-<holder>")
-names this holder's tenure and changes on every take, so it can be recorded with what it commits.
-`assert_held()` re-reads the lease and raises `LeaseLost` when the record is no longer ours (taken
-over, or renewal lost a compare-and-swap) or when our own last renewal is older than
-`stale_after_s` (a holder paused past expiry must not commit even if nobody took over yet).
-The remaining gap: a commit checks the lease and then writes, and these two steps are not atomic
-together, so a holder paused between `assert_held()` and its write can still write once after losing
-the lease. The token recorded with the commit tells which tenure wrote it.
-
-Whoever takes the lease passes it to the code that commits (the stage runner, `rlhf_core.driver.runner`), which
-fences each commit with it.
-`LeaseLost` is a RuntimeError, not a UserError: nobody mistyped anything, but retrying will not help
-while another run holds the lease.
+"""One writer per run: a fenced lease with a heartbeat at `{ckpt_path}/{run_name}/LEASE.json` (`RunLease`). A run
+takes it before training and renews it from a thread; every change is a compare-and-swap (atomic on a local or
+NFSv4 filesystem and on S3, best effort on other fsspec backends), and each commit is fenced with the holder's
+token. docs/architecture.md ("The run lease") has the protocol and its limits.
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
-"""Finding what a run names, for the driver and the ranks alike: local paths and fsspec URLs, Hugging Face hub ids,
-model folders and their tokenizers; the fingerprints that tell whether a model changed, the checks that refuse a
-folder transformers would fail on, and the one sentence for a store that does not answer.
-
-- `local_path` is the one test of whether a URL is on this machine's filesystem (a plain path, `file://`,
-  `local://`) or in a remote store (`s3://`, `gs://`, `memory://`, ...), so `file:///x` is local everywhere.
-- A model or dataset argument that is not an existing local path, has no fsspec protocol and reads like
-  `org/name` or `name` is a hub id. Hub models resolve through `huggingface_hub.snapshot_download`: a snapshot
-  already in the local cache is used without asking the hub for a newer revision (a resumed run must see the
-  weights it started with; `hf download` refreshes it), else it is downloaded unless HF_HUB_OFFLINE=1. Departure
-  from OpenRLHF, which lets transformers ask the hub on every start.
-- Remote model folders (s3://...) are copied once into a local cache with the run's storage_options. A folder
-  holding a LoRA adapter (adapter_config.json) names its base, whose tokenizer it uses when it has none.
-- `store_unreachable` turns the connection errors of botocore, aiohttp and requests (an S3 endpoint that does not
-  answer) into one sentence naming the flag, the URL and the endpoint.
+"""Finding what a run names, for the driver and the ranks alike: local paths and fsspec URLs, Hugging Face hub ids
+(a cached snapshot is used without asking the hub, where OpenRLHF asks on every start), model folders and their
+tokenizers, model fingerprints, the checks that refuse a folder transformers would fail on, and one sentence for a
+store that does not answer. docs/architecture.md ("Finding models, data and stores") has the rules.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
 """What a committed checkpoint is made of, whatever holds it: the step folders' names, the manifest (every file's
-size and checksum, written last), the checksums themselves, and the writer that hashes a file as it is written.
-
-    step_100/MANIFEST.json   {"format_version": 2, "step": 100, "checksum": "xxh3_128",
-                              "files": [{"path", "size", "xxh3_128"}, ...], "lease_token": ...}
-
-Checksums: each file entry holds its digest under the name of the algorithm the manifest records in
-``checksum`` (`CHECKSUMS`). New manifests use `DEFAULT_CHECKSUM`; format 1 manifests (no ``checksum``
-field, every entry a ``sha256``) still read and verify. The manifest's own digest, a checkpoint's
-identity, stays the sha256 of its bytes whatever the files' algorithm. `rlhf_core.storage.checkpoint` holds the
-commit protocol that writes and reads these; `rlhf_core.storage.backends` the media.
+size and checksum, written last; format 2 names its algorithm, format 1's sha256 still reads), the checksums, and
+the writer that hashes a file as it is written. The commit protocol is `rlhf_core.storage.commit`, the media
+`rlhf_core.storage.backends`. docs/architecture.md ("The checkpoint manifest and its checksums") has the format.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""Refuse checkpoint files that would run code when unpickled.
-
-DeepSpeed reads its own state with `torch.load(weights_only=False)`, which executes whatever a pickle
-asks for. `guard_checkpoint_loads` swaps each engine's checkpoint loader for
-`torch.load(weights_only=True)`: tensors, containers and a short allowlist of DeepSpeed's plain state
-classes pass; anything else (say `os.system`) is refused with the file and the offending global
-named. So the check is DeepSpeed's own read of the file, not a second one. DeepSpeed itself reads its
-model-states file twice per load (once to check `mp_world_size`, then to load it); inside
-`reading_checkpoint` the second read returns the object of the first. The universal-checkpoint
-converter (a subprocess with a plain unpickler) is the exception: its inputs are scanned first with
-`check_no_pickled_code`. Safetensors and JSON files need no scan.
+"""Refuse checkpoint files that would run code when unpickled: `guard_checkpoint_loads` gives DeepSpeed's engines a
+`torch.load(weights_only=True)` loader (tensors, containers and an allowlist of DeepSpeed's plain state classes),
+and `check_no_pickled_code` scans what the universal-checkpoint converter will read. docs/architecture.md
+("Safe checkpoint loading") has the details.
 """
 
 from __future__ import annotations
