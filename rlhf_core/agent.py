@@ -6,18 +6,18 @@ over by changing one import line,
 
 The file defines `AgentInstance(AgentInstanceBase)` (async `reset(states)` and `step(states)`) and may define
 `AgentExecutor(AgentExecutorBase)`. Departs from OpenRLHF: instances live in the rank's process and a rollout's
-episodes run one after another, each seeded. docs/architecture.md ("The agent API") has the rest.
+episodes run one after another, each seeded. docs/design-notes.md ("The agent API") has the rest.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from rlhf_core.errors import UserError
+from rlhf_core.user_files import import_user_file
 
 
 @dataclass
@@ -133,11 +133,7 @@ def load_agent_executor(path: str) -> Callable[..., AgentExecutorBase]:
     """The file's `AgentExecutor` class, or a function making the base executor around its `AgentInstance`
     (OpenRLHF 0.11's files)."""
     try:
-        spec = importlib.util.spec_from_file_location("rlhf_user_agent_func", path)
-        if spec is None or spec.loader is None:
-            raise ImportError("not a Python source file")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = import_user_file(path, "rlhf_user_agent_func")
     except FileNotFoundError:
         raise UserError(f"--agent_func_path {path}: no such file (give the .py file that defines AgentInstance).") \
             from None

@@ -5,7 +5,7 @@
 - `--remote_rm_url http://host:port/get_reward`: a server answering OpenRLHF's JSON body, as `serve_rm` does.
 
 Each may return a tensor, a list or OpenRLHF's dict {"rewards", "scores", "extra_logs"}. Departs from OpenRLHF:
-called once per rollout batch, and a failure stops the chunk. docs/architecture.md ("Reward functions") has the rest.
+called once per rollout batch, and a failure stops the chunk. docs/design-notes.md ("Reward functions") has the rest.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf_core.errors import UserError
+from rlhf_core.user_files import import_user_file
 
 logger = logging.getLogger(__name__)
 
@@ -141,11 +142,7 @@ def load_reward_file(path: str) -> Callable:
         raise UserError(f"--remote_rm_url {path}: no such file (give a .py file defining reward_func, or an "
                         f"http(s):// URL).")
     try:
-        spec = importlib.util.spec_from_file_location("rlhf_user_reward_func", path)
-        if spec is None or spec.loader is None:
-            raise ImportError("not a Python source file")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = import_user_file(path, "rlhf_user_reward_func")
     except Exception as error:  # a syntax error, a missing import, or whatever the file raises
         raise UserError(f"--remote_rm_url {path}: cannot load it ({type(error).__name__}: {_short(error)}).") from None
     function = getattr(module, "reward_func", None)
@@ -213,7 +210,7 @@ def _fits(signature: inspect.Signature, form: tuple[str, ...]) -> bool:
 
 
 def reward_form(name: str, function: Callable) -> tuple[str, ...]:
-    """OPENRLHF or OURS, read from `function`'s signature (the rule: docs/architecture.md, "Reward functions"); a
+    """OPENRLHF or OURS, read from `function`'s signature (the rule: docs/design-notes.md, "Reward functions"); a
     UserError naming both forms when it fits both or neither."""
     try:
         signature = inspect.signature(function)

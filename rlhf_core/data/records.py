@@ -1,6 +1,6 @@
 """Datasets from files, folders or hub names: read (what OpenRLHF's `blending_datasets` reads, mixed as it mixes
 them), validate, fingerprint, and batch in a deterministic order; a problem a user can fix stops before training
-with one sentence naming the file and line. docs/architecture.md ("Datasets and their sources") lists the sources
+with one sentence naming the file and line. docs/design-notes.md ("Datasets and their sources") lists the sources
 and where this departs from OpenRLHF.
 """
 
@@ -14,13 +14,13 @@ import logging
 import os
 import re
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 import fsspec
 import torch
 
 from rlhf_core.errors import UserError
-from rlhf_core.storage.locate import is_hub_id, is_local_url, local_path, not_cached, store_unreachable
+from rlhf_core.storage.locate import is_hub_id, is_local_url, load_tokenizer, local_path, not_cached, store_unreachable
 
 SPLIT_FLAGS = {"--dataset": "--dataset_split", "--prompt_data": "--prompt_split", "--eval_dataset": "--eval_split"}
 SAVED_DATASET_FILES = ("dataset_dict.json", "state.json")  # what `save_to_disk` writes at the top
@@ -379,3 +379,12 @@ def split_holdout(items: list, fraction: float, seed: int) -> tuple[list, list]:
     held_out = set(torch.randperm(len(items), generator=generator(seed, "holdout")).tolist()[:num_held_out])
     return ([item for i, item in enumerate(items) if i not in held_out],
             [item for i, item in enumerate(items) if i in held_out])
+
+
+def count_with_eval(run, cfg, load: Callable[[Any, Any, bool], list]) -> int:
+    """Usable training items of a stage whose `load(run, tokenizer, evaluation)` reads and tokenizes its data;
+    its eval dataset, when it has one, is read too, so that its keys are checked before training."""
+    tokenizer = load_tokenizer(cfg.start_model, run.storage_options)
+    if cfg.eval_dataset:
+        load(run, tokenizer, True)
+    return len(load(run, tokenizer, False))

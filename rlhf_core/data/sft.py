@@ -4,10 +4,9 @@ count for the planner."""
 from __future__ import annotations
 
 from rlhf_core.config import RunConfig
-from rlhf_core.data.records import read_stage_dataset
+from rlhf_core.data.records import count_with_eval, read_stage_dataset
 from rlhf_core.data.samples import Renderer, TokenizedSample, tokenize_pretraining, tokenize_sft
 from rlhf_core.stages.sft import SFTConfig
-from rlhf_core.storage.locate import load_tokenizer
 
 
 def load_sft_samples(run: RunConfig, tokenizer, evaluation: bool = False) -> list[TokenizedSample]:
@@ -24,8 +23,4 @@ def load_sft_samples(run: RunConfig, tokenizer, evaluation: bool = False) -> lis
 
 def count_sft_samples(run: RunConfig) -> int:
     """Usable training samples; the eval dataset is read too, so its keys are checked before training."""
-    cfg = run.section("sft", SFTConfig)
-    tokenizer = load_tokenizer(cfg.pretrain, run.storage_options)
-    if cfg.eval_dataset:
-        load_sft_samples(run, tokenizer, evaluation=True)
-    return len(load_sft_samples(run, tokenizer))
+    return count_with_eval(run, run.section("sft", SFTConfig), load_sft_samples)

@@ -6,11 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlhf_core.config import RunConfig
-from rlhf_core.data.records import read_stage_dataset
+from rlhf_core.data.records import count_with_eval, read_stage_dataset
 from rlhf_core.data.samples import IGNORE_INDEX, field_value
 from rlhf_core.errors import UserError
 from rlhf_core.stages.prm import PRMConfig
-from rlhf_core.storage.locate import load_tokenizer
 
 
 @dataclass(frozen=True)
@@ -72,8 +71,4 @@ def load_step_labelled(run: RunConfig, tokenizer, evaluation: bool = False) -> l
 
 def count_step_labelled(run: RunConfig) -> int:
     """Usable training samples; the eval dataset is read too, so its keys and labels are checked before training."""
-    cfg = run.section("prm", PRMConfig)
-    tokenizer = load_tokenizer(cfg.start_model, run.storage_options)
-    if cfg.eval_dataset:
-        load_step_labelled(run, tokenizer, evaluation=True)
-    return len(load_step_labelled(run, tokenizer))
+    return count_with_eval(run, run.section("prm", PRMConfig), load_step_labelled)

@@ -165,6 +165,7 @@ def test_the_stage_table_is_the_one_source_of_stages():
     for name in TRAINING_STAGES:
         trainer = STAGES[name].trainer_class()
         assert issubclass(trainer, DeepSpeedTrainer) and trainer.stage == name
+        assert trainer.config_class is STAGES[name].config  # the class its generic parameter names too (mypy)
         assert "pretrain" in fields_with_role(STAGES[name].config, "model")
 
 

@@ -118,6 +118,6 @@ def test_only_the_engine_reaches_into_the_ranks():
 def test_every_module_of_rlhf_core_sits_in_a_known_package():
     top = {path.stem for path in (ROOT / "rlhf_core").glob("*.py")} - {"__init__"}
     assert top == {"agent", "config", "config_file", "errors", "faults", "notices", "processes", "rewards",
-                   "run_config", "run_settings", "toy"}, top
+                   "run_config", "run_settings", "toy", "user_files"}, top
     assert {path.name for path in (ROOT / "rlhf_core").iterdir() if path.is_dir() and path.name != "__pycache__"} \
         == set(ALLOWED) - {""}
