@@ -1,7 +1,7 @@
 """The flow `rlhf`: every requested stage as a subflow run named `{run_name}-{stage}` on the run's `StageRunner`
 (training stages: `rlhf-stage`, chunk by chunk as cached, retried tasks, then the export; merge and export:
 `rlhf-output`), within the run's budgets, with the events automations read; and `run_pipeline`, the CLI's
-preflight, prestart and flow. docs/architecture.md ("The flow") says how budgets, retries and deployment runs
+preflight, prestart and flow. docs/design-notes.md ("The flow") says how budgets, retries and deployment runs
 behave.
 """
 

@@ -1,6 +1,6 @@
 """What an operator sees of a stage while it runs: Prefect artifacts (progress, chunk table, checkpoints, the
 loss/reward curve, goodput), updated in place under keys made from the run and stage names, and a console line
-per chunk. docs/architecture.md ("The stage report") lists the artifacts and what they cost.
+per chunk. docs/design-notes.md ("The stage report") lists the artifacts and what they cost.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`RunConfig`: the run-wide settings and one optional section per registered stage, and the semantic hash of a
 stage's settings (fields tagged `affects_training=False` left out). `python -m rlhf_core.config` renders
-`rlhf_core/run_config.py`, the view editors and mypy see. docs/architecture.md ("The run configuration") has more.
+`rlhf_core/run_config.py`, the view editors and mypy see. docs/design-notes.md ("The run configuration") has more.
 """
 
 from __future__ import annotations

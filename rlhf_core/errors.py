@@ -1,6 +1,6 @@
 """Every failure the pipeline names, as one taxonomy (after Ray Train v2's): one class per failure, each saying
 whether a retry can help (`retryable`), what the CLI exits with (`exit_code`) and the remedy, read through
-`is_retryable` and `exit_code_of`. docs/architecture.md ("The error taxonomy") has the class tree and the rule for
+`is_retryable` and `exit_code_of`. docs/design-notes.md ("The error taxonomy") has the class tree and the rule for
 exceptions outside it.
 """
 

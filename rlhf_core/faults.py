@@ -1,6 +1,6 @@
 """Fault injection for tests: pause or die at a named point (`fault_point`), chosen by an environment variable such
 as `RLHF_FAULT_INJECT="after_commit@10=sleep:60,train_step@7=kill"`; unset, it does nothing.
-docs/architecture.md ("Fault injection") has the rules and RLHF_FAULT_JOB_PID, RLHF_FAULT_STATE.
+docs/design-notes.md ("Fault injection") has the rules and RLHF_FAULT_JOB_PID, RLHF_FAULT_STATE.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Records to token samples (SFT samples, reward pairs, PPO prompts) as OpenRLHF's datasets make them, with or
 without the tokenizer's chat template. Departs on BOS, on which end of a long PPO prompt is kept, on checking
-messages, and with a warning for two of OpenRLHF's silent cuts. docs/architecture.md ("Chat data and templates")
+messages, and with a warning for two of OpenRLHF's silent cuts. docs/design-notes.md ("Chat data and templates")
 has the rules and the reasons.
 """
 

@@ -1,7 +1,7 @@
 """One chunk of a training stage: `ensure_checkpoint(runner, stage, target_step)` returns the target if it is
 committed, else trains to it from the newest good checkpoint on a Ray worker group (a warm one reused when it holds
 that state) and commits under the run lease, logging metrics to the stage's trackers on the way.
-docs/architecture.md ("One chunk of training") has the details.
+docs/design-notes.md ("One chunk of training") has the details.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 reserved first, one `TrainWorker` actor per bundle, one torch.distributed group. The group outlives a chunk; each
 rank writes its own checkpoint files in a background thread while the next chunk trains, so the driver can run
 anywhere (head, `ray job`, Ray client). A lost node fails the chunk with `WorkerLost` (retried); a named failure
-in a rank reaches the driver as itself. docs/architecture.md ("Ranks on Ray") has the details.
+in a rank reaches the driver as itself. docs/design-notes.md ("Ranks on Ray") has the details.
 """
 
 from __future__ import annotations

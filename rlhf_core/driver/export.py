@@ -1,6 +1,6 @@
 """Hugging Face output, from the checkpoints' `hf/` copies: a stage's final model (`export_stage_output`), the LoRA
 merge (`merge_lora`, checked against base + adapter) and the final export (`export_final`, loaded back and asked
-to generate). docs/architecture.md ("Hugging Face export") has the details.
+to generate). docs/design-notes.md ("Hugging Face export") has the details.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Everything about a run that can be checked before any training starts (resume rules, output locations, input
 models, data, tokenizers, reward functions, LoRA targets, compute settings, tracker packages, the run lease), each
-failure one UserError sentence. docs/architecture.md ("Preflight checks") has the order and why.
+failure one UserError sentence. docs/design-notes.md ("Preflight checks") has the order and why.
 """
 
 from __future__ import annotations

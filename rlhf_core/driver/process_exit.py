@@ -1,6 +1,6 @@
 """How a finished `rlhf` command leaves (`exit_now`): in ~1.4 s rather than ~3.4 s after its last line, doing what
 the exit needs (threads' exit callbacks, the local Ray cluster stopped, atexit handlers, flushes) and skipping the
-interpreter's teardown. docs/architecture.md ("A quick exit") has the measurement and why nothing durable is lost.
+interpreter's teardown. docs/design-notes.md ("A quick exit") has the measurement and why nothing durable is lost.
 """
 
 from __future__ import annotations

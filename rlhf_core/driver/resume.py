@@ -1,6 +1,6 @@
 """Where a stage resumes from, and whether it may: `validate_run_start` (the refusals, before Prefect starts),
 `begin_stage` (applies --resume_from, returns the stage's `Lineage`) and `load_start` (the newest good committed
-checkpoint, checked for drift; bad ones set aside). docs/architecture.md ("Resuming a stage") has the rules and how
+checkpoint, checked for drift; bad ones set aside). docs/design-notes.md ("Resuming a stage") has the rules and how
 the ranks load.
 """
 

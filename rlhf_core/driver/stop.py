@@ -1,6 +1,6 @@
 """A stop signal is obeyed and used: SIGTERM or Ctrl-C ends a run at the next step, with that step committed within
 `--stop_grace_s`; a second signal, or the grace period's end, leaves at once. OpenRLHF leaves signals to Python (no
-checkpoint). docs/architecture.md ("Stop signals") has the contract, and "Stopping on a signal" the mechanism.
+checkpoint). docs/design-notes.md ("Stop signals") has the contract, and "Stopping on a signal" the mechanism.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Model loading, in the ranks and in the driver's LoRA merge and toy evaluation: Hugging Face models from wherever
 `rlhf_core.storage.locate` finds them, optionally with LoRA (an adapter folder loads merged onto its base), reward
 models and critics in OpenRLHF's layout (a backbone and a one-label `score` head). Flash attention that cannot run
-falls back to sdpa, where OpenRLHF fails. docs/architecture.md ("Model loading") has the details.
+falls back to sdpa, where OpenRLHF fails. docs/design-notes.md ("Model loading") has the details.
 """
 
 from __future__ import annotations

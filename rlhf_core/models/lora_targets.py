@@ -1,6 +1,6 @@
 """LoRA targets checked against the model's own architecture (the default is peft's `all-linear`), so no family is
 assumed to be Llama: a `--target_modules` name that matches no module is refused with the layers the model has,
-where peft adapts the names that match without a word. docs/architecture.md ("LoRA targets") has the rules.
+where peft adapts the names that match without a word. docs/design-notes.md ("LoRA targets") has the rules.
 """
 
 from __future__ import annotations

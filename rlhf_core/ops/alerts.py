@@ -1,6 +1,6 @@
 """The seed's alerts, computed from what a chunk commits: reward stagnation, checkpoint size, non-finite values.
 Each is an `Alert`, appended to the run's `alerts.jsonl` (`AlertLog`) and announced as one warning line; this
-module only computes and records (no prefect, no ray). docs/architecture.md ("Alerts") has each alert's rule and
+module only computes and records (no prefect, no ray). docs/design-notes.md ("Alerts") has each alert's rule and
 reason, and what DeepSpeed writes, which the size prediction follows.
 """
 
@@ -293,7 +293,7 @@ class AlertLog:
 
 
 def announce(alert: Alert) -> None:
-    """One `rlhf: warning:` line for the people watching: the console and the flow run's log (docs/architecture.md,
+    """One `rlhf: warning:` line for the people watching: the console and the flow run's log (docs/design-notes.md,
     "Alerts")."""
     logger.warning("%s%s (%s)", WARNING_PREFIX, alert.message, alert.name)
 

@@ -1,6 +1,6 @@
 """The alerts a commit is checked for (`commit_alerts`): reward stagnation (`rlhf_core.ops.alerts`' rule) and the
 checkpoint's size, against what it should weigh (from its models' sizes, ZeRO stage, world size and optimizer) and
-against the previous checkpoints. See `rlhf_core.ops.alerts` for the alerts' common shape, docs/architecture.md
+against the previous checkpoints. See `rlhf_core.ops.alerts` for the alerts' common shape, docs/design-notes.md
 ("Alerts") for the seed's reasons."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class ModelSize:
 
 def _model_bytes(model: ModelSize, zero_stage: int, world_size: int, optimizer: str, has_ds_state: bool,
                  has_hf_copy: bool, on_gpu: bool) -> int:
-    """Predicted bytes of one model's folder in a checkpoint (what DeepSpeed writes: docs/architecture.md, "Alerts")."""
+    """Predicted bytes of one model's folder in a checkpoint (what DeepSpeed writes: docs/design-notes.md, "Alerts")."""
     total = 0
     if has_hf_copy:
         hf_params = model.num_trainable_params if model.lora else model.num_params

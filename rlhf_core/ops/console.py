@@ -2,7 +2,7 @@
 (`rlhf_core.ops.run_log`): our chunk and stage lines, each warning once, errors from anyone and Ray's
 raylet/autoscaler lines stay on the console; Ray actors' output, library loggers, FutureWarnings and Prefect's
 per-task lines go to the file only (`--verbose` shows everything). On a terminal the chunk line is a live bar.
-docs/architecture.md ("The quiet console") says how each source is kept off the console, and why that way.
+docs/design-notes.md ("The quiet console") says how each source is kept off the console, and why that way.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The goodput ledger of a run (`{ckpt_path}/{run_name}/goodput.json`): where each attempt's wall time went
 (useful, stall, start-up, load, plan, lost, other; down time between attempts apart), per stage and in total,
 across every attempt of the run. The chunk code and the flow call its hooks; one small JSON document is
-rewritten whole (atomic, durable), and recording is best effort. docs/architecture.md ("Goodput") defines each
+rewritten whole (atomic, durable), and recording is best effort. docs/design-notes.md ("Goodput") defines each
 category and why the ledger is kept this way; `rlhf_core.ops.goodput_summary` reads it.
 """
 

@@ -1,6 +1,6 @@
 """A run's goodput read from its ledger (`rlhf_core.ops.goodput`): per stage and in total, as text (`rlhf goodput`)
 and markdown (the stage report); and the checkpoint-interval planner (`plan_interval`, after Young and Daly).
-docs/architecture.md ("The checkpoint-interval planner") has the formula.
+docs/design-notes.md ("The checkpoint-interval planner") has the formula.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Experiment trackers of a training stage (`--use_tensorboard DIR`, `--use_wandb`), kept on the driver
 (`StageTrackers`), which logs the metrics the ranks hand back. Departs from OpenRLHF: both trackers at once, one
-wandb run per stage, and a resumed stage continues the same tracker runs. docs/architecture.md
+wandb run per stage, and a resumed stage continues the same tracker runs. docs/design-notes.md
 ("Experiment trackers") has the details.
 """
 

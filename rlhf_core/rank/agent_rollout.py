@@ -1,7 +1,7 @@
 """Multi-turn agent rollouts (`--agent_func_path`): OpenRLHF's agent file, run episode by episode inside a rank. A
 sample is [prompt | actions and environment feedback], its action mask 1 on the model's own tokens, the episode's
 reward on its last action; each episode runs in randomness seeded by (seed, step, sample index), so a resume replays
-it. docs/architecture.md ("Agent rollouts") has the details, and when an environment breaks that exactness.
+it. docs/design-notes.md ("Agent rollouts") has the details, and when an environment breaks that exactness.
 """
 
 from __future__ import annotations

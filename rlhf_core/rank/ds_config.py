@@ -1,7 +1,7 @@
 """What the driver and the ranks agree on about DeepSpeed: the config (`deepspeed_config`), the ZeRO stage, the LR
 schedule (`lr_scheduler_factory`, OpenRLHF's), the universal-checkpoint conversion; small, so both sides import it.
 It departs from DeepSpeed's defaults for small models and CPUs (ZeRO-3's whole-parameter threshold, torch's fused CPU
-AdamW, no optimizer offload on a CPU): docs/architecture.md ("The DeepSpeed config") says how and why.
+AdamW, no optimizer offload on a CPU): docs/design-notes.md ("The DeepSpeed config") says how and why.
 """
 
 from __future__ import annotations

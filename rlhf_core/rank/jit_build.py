@@ -1,6 +1,6 @@
 """DeepSpeed's CPU communication op (`build_shm_op`), and the build lock a killed process leaves behind, which would
 hang every later rank in `init_distributed`: `clear_stale_build_lock` waits for a lock in use and removes a stale
-one, with a warning. docs/architecture.md ("The stale JIT build lock") says when a lock counts as stale.
+one, with a warning. docs/design-notes.md ("The stale JIT build lock") says when a lock counts as stale.
 """
 
 from __future__ import annotations

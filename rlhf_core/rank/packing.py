@@ -1,6 +1,6 @@
 """Sample packing (`--packing_samples`): a micro-batch's sequences laid end to end in one row, no padding, positions
 restarting at each sequence so that transformers keeps attention inside each; the loss is the padded batch's within
-float rounding. docs/architecture.md ("Sample packing") says why callers pass `use_cache=False`.
+float rounding. docs/design-notes.md ("Sample packing") says why callers pass `use_cache=False`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The arithmetic of PPO and its critic-free variants (gae, reinforce, rloo, reinforce_baseline, group_norm,
 dr_grpo) as pure tensor functions, following OpenRLHF 0.9.10; batch statistics are the global batch's through the
 caller's `reduce` (no torch.distributed here). Departure: gae advantages are not whitened.
-docs/architecture.md ("PPO's arithmetic") has each estimator, the KL and entropy terms, and the shapes.
+docs/design-notes.md ("PPO's arithmetic") has each estimator, the KL and entropy terms, and the shapes.
 """
 
 from __future__ import annotations

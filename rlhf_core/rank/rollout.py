@@ -1,6 +1,6 @@
 """Generation and scoring of rollouts with transformers (CPU, or GPU without vLLM): prompts left-padded, responses
 right-padded and ended at their first EOS, sampled from torch's generator, which the PPO trainer seeds per (seed,
-step, rank). docs/architecture.md ("Rollouts with transformers") has the details.
+step, rank). docs/design-notes.md ("Rollouts with transformers") has the details.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The in-memory snapshot of a rank's share of a checkpoint, so training goes on while it is written: DeepSpeed's
 state and the Hugging Face weights are kept as tensor copies (`tensors_kept_in_memory`), small files go to a folder
 in tmpfs when it has room, and the rank's background writer streams both into the store (`write_state`).
-docs/architecture.md ("The in-memory snapshot") says why, and how stale folders and page alignment are handled.
+docs/design-notes.md ("The in-memory snapshot") says why, and how stale folders and page alignment are handled.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """vLLM generation for PPO on GPU (the optional `[vllm]` extra, imported lazily): one in-process engine per rank,
 colocated with its models, given the actor's weights (LoRA merged in) before each rollout. Departs from OpenRLHF's
 separate vLLM actors: one engine per rank, tensor parallel 1, always colocated; a resume with vLLM is statistically
-equal, not exact. docs/architecture.md ("vLLM engines, colocated") says why.
+equal, not exact. docs/design-notes.md ("vLLM engines, colocated") says why.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """One DeepSpeed rank as a Ray actor (`TrainWorker`): it joins the torch.distributed world, hosts one stage's
 trainer, trains to the step the driver names, and does the rank's checkpoint I/O (an in-memory snapshot that an
 "io" thread uploads while training goes on; verified loads). The driver side is `rlhf_core.driver.engine`;
-docs/architecture.md ("One rank's actor") has its threads and their scheduling.
+docs/design-notes.md ("One rank's actor") has its threads and their scheduling.
 """
 
 from __future__ import annotations

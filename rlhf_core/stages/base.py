@@ -1,6 +1,6 @@
 """What every stage declares (`Stage`: its config, trainer, inputs from earlier stages, checks, headline metric and
 OpenRLHF command) and the settings every training stage shares (`StageConfig`, its fields named as OpenRLHF's
-flags). docs/architecture.md ("Stages and their settings") says who reads a stage and where fields are documented.
+flags). docs/design-notes.md ("Stages and their settings") says who reads a stage and where fields are documented.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Where a checkpoint store's bytes live, behind one small interface (`StoreBackend`): a local (or NFS) filesystem
 (`LocalBackend`) or an object store (`ObjectStoreBackend`: S3, GCS, Azure, `memory://`), each saying what
-"committed" and "durable" mean on its medium; `backend_for` picks one. docs/architecture.md ("Storage backends:
+"committed" and "durable" mean on its medium; `backend_for` picks one. docs/design-notes.md ("Storage backends:
 local filesystem and object store") has the table of what each does.
 """
 

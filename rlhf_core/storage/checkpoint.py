@@ -2,8 +2,8 @@
 ``file://``, ``memory://``, ``s3://``). A store lists its steps and tells committed from incomplete or corrupt
 ones (a manifest of every file's size and checksum), hands a rank only the files it needs (verified as they
 download), sets bad steps aside instead of deleting them, and applies retention after a commit. The commit
-protocol itself is `rlhf_core.storage.commit`; docs/architecture.md has the layout, the durability argument and
-where this departs from OpenRLHF.
+protocol itself is `rlhf_core.storage.commit`. docs/design-notes.md ("The checkpoint store's protocol") has the
+layout, the durability argument and where this departs from OpenRLHF.
 """
 
 from __future__ import annotations

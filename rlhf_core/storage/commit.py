@@ -1,7 +1,8 @@
 """The writing half of the checkpoint store (`CheckpointStore`): the commit protocol. A step's files go into an
 uncommitted folder (`prepare_step`), each rank uploading its own and hashing as it writes (`upload_tree`); the
 driver then writes the metadata, the manifest (after checking the run lease) and ``latest`` (`finish_commit`).
-docs/architecture.md says why each write is durable and what a crash leaves."""
+docs/design-notes.md ("The checkpoint store's protocol", "Durable writes") says why each write is durable and
+what a crash leaves."""
 
 from __future__ import annotations
 

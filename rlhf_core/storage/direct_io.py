@@ -1,6 +1,6 @@
 """Checkpoint files written around the page cache (O_DIRECT), from two page-aligned buffers in turn: one fills while
 a second thread writes the other, and large page-aligned blocks go from where they lie. Where the filesystem
-refuses O_DIRECT the page cache is used; `RLHF_WRITER_DIRECT_IO=0` turns it off. docs/architecture.md
+refuses O_DIRECT the page cache is used; `RLHF_WRITER_DIRECT_IO=0` turns it off. docs/design-notes.md
 ("Direct I/O for checkpoint files") has why (the measurement) and how.
 """
 
@@ -40,7 +40,7 @@ def open_direct(path: str) -> DirectWriter | None:
 
 class DirectWriter:
     """A write-only file object over `fd` (opened with O_DIRECT; the writer owns it and closes it); see
-    docs/architecture.md ("Direct I/O for checkpoint files"). `flush` puts every byte given so far into the file;
+    docs/design-notes.md ("Direct I/O for checkpoint files"). `flush` puts every byte given so far into the file;
     `fileno` is for the caller's fsync."""
 
     def __init__(self, fd: int, buffer_bytes: int = BUFFER_BYTES):

@@ -1,7 +1,7 @@
 """What survives a power cut on a local or shared (NFS) filesystem, and the few calls that make it so: fsync of a
 folder or of a tree's folders, the durable replace (temp + fsync + rename + fsync of the folder), durable folder
 creation, and `WritebackAhead`, which hands a file's bytes to the disk while it is written. Object stores need none
-of it. docs/architecture.md ("Durable writes") has the POSIX rules this follows.
+of it. docs/design-notes.md ("Durable writes") has the POSIX rules this follows.
 """
 
 from __future__ import annotations

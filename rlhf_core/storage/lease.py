@@ -1,7 +1,7 @@
 """One writer per run: a fenced lease with a heartbeat at `{ckpt_path}/{run_name}/LEASE.json` (`RunLease`). A run
 takes it before training and renews it from a thread; every change is a compare-and-swap (atomic on a local or
 NFSv4 filesystem and on S3, best effort on other fsspec backends), and each commit is fenced with the holder's
-token. docs/architecture.md ("The run lease") has the protocol and its limits.
+token. docs/design-notes.md ("The run lease") has the protocol and its limits.
 """
 
 from __future__ import annotations

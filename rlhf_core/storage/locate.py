@@ -1,7 +1,7 @@
 """Finding what a run names, for the driver and the ranks alike: local paths and fsspec URLs, Hugging Face hub ids
 (a cached snapshot is used without asking the hub, where OpenRLHF asks on every start), model folders and their
 tokenizers, model fingerprints, the checks that refuse a folder transformers would fail on, and one sentence for a
-store that does not answer. docs/architecture.md ("Finding models, data and stores") has the rules.
+store that does not answer. docs/design-notes.md ("Finding models, data and stores") has the rules.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What a committed checkpoint is made of, whatever holds it: the step folders' names, the manifest (every file's
 size and checksum, written last; format 2 names its algorithm, format 1's sha256 still reads), the checksums, and
 the writer that hashes a file as it is written. The commit protocol is `rlhf_core.storage.commit`, the media
-`rlhf_core.storage.backends`. docs/architecture.md ("The checkpoint manifest and its checksums") has the format.
+`rlhf_core.storage.backends`. docs/design-notes.md ("The checkpoint manifest and its checksums") has the format.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Refuse checkpoint files that would run code when unpickled: `guard_checkpoint_loads` gives DeepSpeed's engines a
 `torch.load(weights_only=True)` loader (tensors, containers and an allowlist of DeepSpeed's plain state classes),
-and `check_no_pickled_code` scans what the universal-checkpoint converter will read. docs/architecture.md
+and `check_no_pickled_code` scans what the universal-checkpoint converter will read. docs/design-notes.md
 ("Safe checkpoint loading") has the details.
 """
 

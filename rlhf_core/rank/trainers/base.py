@@ -1,7 +1,7 @@
 """What every DeepSpeed stage trainer shares (`DeepSpeedTrainer`): its engines, precision, the training and
 evaluation loops of a stage that trains one model on items (`train_on`, `evaluate`), saving and loading one
 checkpoint (DeepSpeed's state under `ds/`, a Hugging Face copy under `hf/`).
-docs/architecture.md ("The trainers' checkpoints and precision") has the checkpoint's layout and bf16 on a CPU.
+docs/design-notes.md ("The trainers' checkpoints and precision") has the checkpoint's layout and bf16 on a CPU.
 """
 
 from __future__ import annotations

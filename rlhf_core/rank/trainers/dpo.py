@@ -1,7 +1,7 @@
 """DPO, as OpenRLHF's `train_dpo`: the policy learns from preference pairs against a frozen reference model, with
 IPO (--ipo), conservative DPO (--label_smoothing) and an NLL term (--nll_loss_coef). Departures: the pairs OpenRLHF
 drops (too long a prompt) go with one warning; the reference stays outside DeepSpeed (on the CPU with --ref_offload).
-docs/architecture.md ("The DPO trainer") has the losses and the evaluation.
+docs/design-notes.md ("The DPO trainer") has the losses and the evaluation.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """PPO with its critic-free variants, one rank's share of a step: rollout, score, advantages, update, evaluation.
 Rewards come from a reward model, `--reward_fn` / `--remote_rm_url`, or an agent's environment. Departs from
 OpenRLHF: every model colocated on each rank; --dynamic_filtering masks samples out instead of drawing more prompts.
-docs/architecture.md ("PPO, one rank's share") has OpenRLHF's options as built here, and what the rank count changes.
+docs/design-notes.md ("PPO, one rank's share") has OpenRLHF's options as built here, and what the rank count changes.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Process reward model, as OpenRLHF v0.9.0's `train_prm`: a causal LM trained to predict, at each placeholder
 token that ends a step, that step's label (cross-entropy over --reward_tokens or the vocabulary, or soft for numeric
 labels); `accuracy`, and with --eval_dataset `eval_loss` and `eval_accuracy`.
-docs/architecture.md ("The PRM trainer") has the tokenization and the loss.
+docs/design-notes.md ("The PRM trainer") has the tokenization and the loss.
 """
 
 from __future__ import annotations

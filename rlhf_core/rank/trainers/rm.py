@@ -1,7 +1,7 @@
 """Reward model on preference pairs, as OpenRLHF: backbone + scalar `score` head read at the last token (EOS), loss
 `sigmoid` (Bradley-Terry, margins with --margin_loss) or `logexploss`. Evaluation gives accuracy, loss and the
 rewards' mean/std, which go into the model config for PPO's --normalize_reward.
-docs/architecture.md ("The reward-model trainer") has the details.
+docs/design-notes.md ("The reward-model trainer") has the details.
 """
 
 from __future__ import annotations

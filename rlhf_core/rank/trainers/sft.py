@@ -1,6 +1,6 @@
 """Supervised fine-tuning, as OpenRLHF's SFT: next-token cross-entropy on response tokens only; each step's global
 batch is split across ranks, dropout seeded by (seed, stage, step, rank), so a resumed run replays it exactly.
-docs/architecture.md ("The SFT trainer") has packing and evaluation.
+docs/design-notes.md ("The SFT trainer") has packing and evaluation.
 """
 
 from __future__ import annotations
