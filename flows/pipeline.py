@@ -89,12 +89,13 @@ def _emit_set_aside_events(run: RunConfig, stage: str, before: set[str]) -> set[
     """`rlhf.checkpoint.set-aside` for each folder that appeared under the store's `.aside/` since `before`;
     returns the folders now there. rlhf_core sets checkpoints aside deep inside a chunk (a corrupt or leftover
     step), so the flow finds them by listing, one call per chunk."""
-    entries = open_store(run, stage).aside_entries()
+    store = open_store(run, stage)
+    entries = store.aside_entries()
     for entry in entries:
-        if entry.name not in before:
+        if entry.name not in before:  # only a new one's REASON file is read: one listing a chunk otherwise
             emit_event(event="rlhf.checkpoint.set-aside", resource=_resource(run, stage),
                        payload={"run": run.run_name, "stage": stage, "step": entry.step, "uri": entry.uri,
-                                "size_bytes": _stored_size(run, entry.uri), "reason": entry.reason})
+                                "size_bytes": _stored_size(run, entry.uri), "reason": store.aside_reason(entry.name)})
     return {entry.name for entry in entries}
 
 

@@ -322,7 +322,7 @@ def fingerprint(url: str, storage_options: dict | None = None, *, split: str = "
     """Identity of the data at `url`, recorded in each checkpoint's metadata: the sha256 of a file (of
     every file of a folder), datasets' own fingerprint of a hub dataset's split, and a hash of the parts'
     fingerprints for a comma-separated mixture. Files are hashed once per process and version (size and
-    mtime or ETag; `_hashed`): every commit asks, and a dataset can be large."""
+    mtime or ETag; `_hash_file_version`): every commit asks, and a dataset can be large."""
     sources = [part.strip() for part in url.split(",") if part.strip()]
     if len(sources) > 1:
         parts = "\n".join(fingerprint(source, storage_options, split=split, flag=flag) for source in sources)
@@ -354,18 +354,28 @@ def _hub_fingerprint(name: str, split: str, flag: str, data_dir: str | None) -> 
 
 def _file_fingerprint(url: str, storage_options: dict | None, flag: str) -> str:
     version = _version_of(url, storage_options, flag)
-    options = json.dumps(storage_options or {}, sort_keys=True, default=str)
     if version is None:  # the store tells no version: hash it every time
-        return _hashed.__wrapped__(url, options, flag, None)
-    return _hashed(url, options, flag, version)
+        return _hash_file(url, storage_options, flag)
+    return _hash_file_version(url, _HashableOptions(storage_options or {}), flag, version)
+
+
+class _HashableOptions(dict):
+    """Storage options as a memo's key (hashed by their JSON text), handed on to fsspec as they are."""
+
+    def __hash__(self) -> int:  # type: ignore[override]  # dict is unhashable; these are never mutated
+        return hash(json.dumps(self, sort_keys=True, default=repr))
 
 
 @functools.lru_cache(maxsize=256)
-def _hashed(url: str, storage_options_json: str, flag: str, version: tuple | None) -> str:
-    """The sha256 of the file at `url` as it is at `version` (size and mtime or ETag): a memo of a pure function
-    of the file's version, so each version of a large dataset is read once per process."""
+def _hash_file_version(url: str, storage_options: _HashableOptions, flag: str, version: tuple) -> str:
+    """A memo of `_hash_file` for one version of the file (size and mtime or ETag): each version of a large
+    dataset is read once per process."""
+    return _hash_file(url, storage_options, flag)
+
+
+def _hash_file(url: str, storage_options: dict | None, flag: str) -> str:
     digest = hashlib.sha256()
-    with _open(url, json.loads(storage_options_json), flag=flag) as handle:
+    with _open(url, storage_options, flag=flag) as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()

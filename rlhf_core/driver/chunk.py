@@ -177,7 +177,7 @@ def ensure_checkpoint(runner: StageRunner, stage: str, target_step: int, lineage
     listing = store.list()
     infos = [info for info in listing if info.step <= target_step]
     newest = max((info.step for info in infos if info.is_committed), default=0)
-    committed = _committed_result(runner, run, stage, plan, store, listing, target_step)
+    committed = _committed_result(runner, stage, plan, store, listing, infos, target_step)
     if committed is not None:
         return committed
     warm_group = runner.warm_group
@@ -210,16 +210,17 @@ def ensure_checkpoint(runner: StageRunner, stage: str, target_step: int, lineage
     return _retain(runner, run, stage, plan, store, group, start_step, target_step, outcome, timing)
 
 
-def _committed_result(runner: StageRunner, run: RunConfig, stage: str, plan: StagePlan, store: CheckpointStore,
-                      listing: list[CheckpointInfo], target_step: int) -> ChunkResult | None:
-    """The chunk's result when nothing is left to train: its target is committed, or retention removed it once a
-    later checkpoint committed (its work is in there; never train it again)."""
-    at_target = [info for info in listing if info.step <= target_step]
-    if at_target and at_target[-1].step == target_step and at_target[-1].is_committed:
-        done = at_target[-1]
-        stop.record_commit(stage, target_step, run.stage_url(stage))
+def _committed_result(runner: StageRunner, stage: str, plan: StagePlan, store: CheckpointStore,
+                      listing: list[CheckpointInfo], infos: list[CheckpointInfo],
+                      target_step: int) -> ChunkResult | None:
+    """The chunk's result when nothing is left to train: its target is committed (the last of `infos`, the listing
+    up to the target), or retention removed it once a later checkpoint committed (its work is in there; never
+    train it again)."""
+    if infos and infos[-1].step == target_step and infos[-1].is_committed:
+        done = infos[-1]
+        stop.record_commit(stage, target_step, runner.run.stage_url(stage))
         if target_step == plan.total_steps:
-            runner.trackers.close(run, stage)
+            runner.trackers.close(runner.run, stage)
         return ChunkResult(stage, target_step, done.uri, done.manifest_digest, 0,
                            store.read_metadata(target_step).get("metrics", {}), size_bytes=done.size_bytes)
     later = next((info for info in listing if info.is_committed and info.step > target_step), None)
@@ -248,8 +249,9 @@ def _retain(runner: StageRunner, run: RunConfig, stage: str, plan: StagePlan, st
     store.retain(run.max_ckpt_num, run.max_ckpt_mem)
     finished = time.perf_counter()
     seconds = {**timing.seconds(finished), **group.take_step_loop_seconds()}  # the ranks' own, training ahead too
+    trained_ahead_s = 0.0 if outcome.ahead_since is None else finished - outcome.ahead_since
     runner.ledger.chunk_committed(stage, reached, seconds, num_steps=reached - start_step,
-                                  trained_ahead_s=0.0 if outcome.ahead_since is None else finished - outcome.ahead_since)
+                                  trained_ahead_s=trained_ahead_s)
     if reached < target_step:  # an emergency checkpoint: the stop is done
         raise stop.stopped(stage, reached, run.stage_url(stage))
     return ChunkResult(stage, reached, outcome.info.uri, outcome.info.manifest_digest, reached - start_step,

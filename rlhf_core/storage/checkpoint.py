@@ -39,11 +39,11 @@ FileSelection = Callable[[list[str]], list[str]]
 
 @dataclasses.dataclass(frozen=True)
 class AsideEntry:
-    """A step dir set aside under ``.aside/``: its folder name there, its URL, and why it was moved."""
+    """A step dir set aside under ``.aside/``: its folder name there and its URL (why it was moved:
+    `CheckpointStore.aside_reason`)."""
 
     name: str
     uri: str
-    reason: str
 
     @property
     def step(self) -> int | None:
@@ -104,9 +104,10 @@ class CheckpointStore(StoreWrites):
             names = sorted(entry.rstrip("/").rsplit("/", 1)[-1] for entry in self.fs.ls(aside_path, detail=False))
         except FileNotFoundError:
             return []
-        return [AsideEntry(name, f"{self.url}/{ASIDE_DIR_NAME}/{name}", self._aside_reason(name)) for name in names]
+        return [AsideEntry(name, f"{self.url}/{ASIDE_DIR_NAME}/{name}") for name in names]
 
-    def _aside_reason(self, name: str) -> str:
+    def aside_reason(self, name: str) -> str:
+        """Why the folder `name` under ``.aside/`` was set aside (its REASON file; a leftover has none)."""
         try:
             return self.fs.cat_file(self._path(f"{ASIDE_DIR_NAME}/{name}/{ASIDE_REASON_NAME}")).decode().strip()
         except (FileNotFoundError, UnicodeDecodeError):
