@@ -96,8 +96,9 @@ def train_chunk(runner: StageRunner, stage: str, target_step: int, upstream_dige
     """Train `stage` of the runner's run up to `target_step` and commit the checkpoint; returns a ChunkResult dict.
     The key holds the run's identity (`chunk_cache_key`), not the runner's processes (its warm worker group,
     trackers, ledger and lease). Not part of the key either: `train_ahead` (train the next chunk while this one
-    commits) and `plan` (the stage's, planned once by the flow; a function of the run, which the key holds). Stopped by a signal (after its emergency checkpoint, `rlhf_core.driver.stop`), the task
-    run is Cancelled: never retried, never cached."""
+    commits) and `plan` (the stage's, planned once by the flow; a function of the run, which the key holds).
+    Stopped by a signal (after its emergency checkpoint, `rlhf_core.driver.stop`), the task run is Cancelled:
+    never retried, never cached."""
     try:
         return ensure_checkpoint(runner, stage, target_step, lineage, train_ahead, plan).to_dict()
     except StoppedBySignal as stopped:
