@@ -58,8 +58,12 @@ $(TRL_VENV)/.installed:
 	touch $@
 
 # Every ratio of issue 10 in one run (~15-20 min on 2 cores); BENCH_ARGS="--only ckpt" runs a subset.
+# Then issue 33's scale table (bench/data_scale.py): SCALE_ARGS="--rows 1000,100000" for fewer rows.
+SCALE_ARGS ?=
+
 bench: $(BIN)/rlhf $(TRL_VENV)/.installed
 	$(BIN)/python bench/suite.py $(BENCH_ARGS)
+	$(BIN)/python bench/data_scale.py $(SCALE_ARGS)
 
 clean:
 	rm -rf demo ckpt out toy
