@@ -5,13 +5,17 @@ config and tokenizer files (sizes aside):
 - qwen2 (Qwen2.5-0.5B-Instruct): ChatML, no BOS token, tied embeddings, q/k/v biases, and a generation config
   whose `eos_token_id` is a list;
 - qwen3 (Qwen3-0.6B): ChatML, tied embeddings, q/k norms and an explicit head_dim;
-- mistral (Mistral-7B-Instruct-v0.3): `[INST]` template that writes BOS `<s>`, no pad token;
-- gemma (gemma-2b-it): `<start_of_turn>` template that writes BOS `<bos>`, tied and scaled embeddings,
-  one key/value head, GeLU MLP;
+- mistral (Mistral-7B-Instruct-v0.3): `[INST]` template that writes BOS `<s>` and refuses a conversation whose
+  roles do not alternate user/assistant after an optional system message, no pad token;
+- gemma (gemma-2b-it): `<start_of_turn>` template that writes BOS `<bos>` and refuses a system message and roles
+  that do not alternate, tied and scaled embeddings, one key/value head, GeLU MLP;
 - phi3 (Phi-3-mini-4k-instruct): fused `qkv_proj` and `gate_up_proj`, `<|user|>`/`<|end|>` template;
 - gpt2 (openai-community/gpt2): Conv1D layers instead of nn.Linear, tied embeddings, `<|endoftext|>` as its
   only special token (BOS = EOS = UNK), no pad token and no chat template.
 Every model has 2 layers and hidden size 64, so each training step takes milliseconds on a CPU.
+Mistral's and Gemma's chat templates are the ones their hub repositories ship (tests/chat_templates/), not
+simplified: users have them, `raise_exception` included, so data the real template refuses fails a test here
+too. Gemma's data puts the system prompt in the first user message (`Family.system_role`), as Gemma's users do.
 """
 
 from __future__ import annotations
@@ -21,21 +25,9 @@ from pathlib import Path
 
 from tests.hub_cache import QWEN2_CHATML, TokenizerSpec, build_tokenizer, save_model
 
-MISTRAL_TEMPLATE = (  # a system message goes before the first user message, as Mistral's own template does
-    "{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] + '\n\n' %}"
-    "{% set loop_messages = messages[1:] %}{% else %}{% set system = '' %}{% set loop_messages = messages %}{% endif %}"
-    "{{ bos_token }}{% for message in loop_messages %}"
-    "{% if message['role'] == 'user' %}"
-    "{{ '[INST] ' + (system if loop.first else '') + message['content'] + ' [/INST]' }}"
-    "{% else %}{{ ' ' + message['content'] + eos_token }}{% endif %}"
-    "{% endfor %}"
-)
-GEMMA_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{% if message['role'] == 'assistant' %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
-    "{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
-)
+TEMPLATES = Path(__file__).parent / "chat_templates"
+MISTRAL_TEMPLATE = (TEMPLATES / "mistral-7b-instruct-v0.3.jinja").read_text()
+GEMMA_TEMPLATE = (TEMPLATES / "gemma-2b-it.jinja").read_text()
 PHI3_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
@@ -56,8 +48,9 @@ TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "nu
 
 @dataclass(frozen=True)
 class Family:
-    """One architecture: the hub id it is saved under, its tokenizer, its config class and settings, and
-    the tokens its generation config lists as EOS (more than one: a list, as Qwen2's)."""
+    """One architecture: the hub id it is saved under, its tokenizer, its config class and settings, the
+    tokens its generation config lists as EOS (more than one: a list, as Qwen2's), and whether its chat template
+    takes a system message."""
 
     name: str
     repo_id: str
@@ -65,6 +58,7 @@ class Family:
     config_class: str
     settings: dict = field(default_factory=dict)
     generation_eos: tuple[str, ...] = ()
+    system_role: bool = True  # False: the chat template raises on a system message (Gemma's)
 
 
 FAMILIES = {family.name: family for family in (
@@ -77,7 +71,7 @@ FAMILIES = {family.name: family for family in (
     Family("mistral", "mistralai/Mistral-7B-Instruct-v0.3", MISTRAL_INST, "MistralConfig",
            {**TINY, "num_key_value_heads": 2, "head_dim": 16, "tie_word_embeddings": False}),
     Family("gemma", "google/gemma-2b-it", GEMMA_IT, "GemmaConfig",
-           {**TINY, "num_key_value_heads": 1, "head_dim": 16, "tie_word_embeddings": True}),
+           {**TINY, "num_key_value_heads": 1, "head_dim": 16, "tie_word_embeddings": True}, system_role=False),
     Family("phi3", "microsoft/Phi-3-mini-4k-instruct", PHI3_INSTRUCT, "Phi3Config",
            {**TINY, "num_key_value_heads": 4, "original_max_position_embeddings": 256, "tie_word_embeddings": False},
            generation_eos=("<|end|>", "<|endoftext|>")),

@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import jinja2
 import torch
 
 from rlhf_core.data.records import Record
@@ -119,8 +120,27 @@ class Renderer:
             raise UserError("--apply_chat_template: the tokenizer of --pretrain has no chat template; give one "
                             "with --tokenizer_chat_template.")
 
-    def chat(self, messages: list[dict], generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    def chat(self, messages: list[dict], generation_prompt: bool = False, record: Record | None = None,
+             keys: tuple[str, ...] = ()) -> str:
+        """`messages` (of `record`'s `keys`) rendered by the chat template. The template is the user's code: what
+        it raises (its raise_exception, as Gemma's on a system message) is about their data or template, so a
+        UserError naming the row, not a traceback."""
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=generation_prompt)
+        except jinja2.TemplateSyntaxError as error:  # the template itself: every row would fail alike
+            raise UserError(f"the tokenizer's chat template (--pretrain's, or --tokenizer_chat_template) is not "
+                            f"valid Jinja: {error.message} (template line {error.lineno}).") from None
+        except Exception as error:
+            raise UserError(self._refusal(error, record, keys)) from None
+
+    def _refusal(self, error: Exception, record: Record | None, keys: tuple[str, ...]) -> str:
+        where = self.url if record is None else record.where(self.url)
+        fields = " and ".join(map(repr, keys)) or "a conversation"
+        # jinja2's TemplateError (raise_exception's) carries the template's own words; others need their type
+        said = str(error) if isinstance(error, jinja2.TemplateError) else f"{type(error).__name__}: {error}"
+        return (f"{where}: the tokenizer's chat template refused {fields} with \"{said}\"; change the row to a "
+                "conversation the template accepts.")
 
     def begin(self, text: str) -> str:
         """`text` with the BOS token's text in front for plain text, where the tokenizer adds one and it is absent
@@ -136,10 +156,12 @@ class Renderer:
         check_input_template(self.input_template)
         return self.input_template.format(text)
 
-    def split(self, record: Record, prompt: list[dict], whole: list[dict]) -> tuple[str, str]:
+    def split(self, record: Record, prompt: list[dict], whole: list[dict],
+              keys: tuple[str, ...] = ()) -> tuple[str, str]:
         """(prompt text with the generation prompt, the rest of the whole conversation's text), as OpenRLHF cuts
         them: at the prompt's length, with a warning when the whole does not begin with the prompt."""
-        prompt_text, whole_text = self.chat(prompt, generation_prompt=True), self.chat(whole)
+        prompt_text = self.chat(prompt, generation_prompt=True, record=record, keys=keys)
+        whole_text = self.chat(whole, record=record, keys=keys)
         if not whole_text.startswith(prompt_text):
             warn_once(f"{record.where(self.url)} (and maybe others): the chat template renders the conversation so "
                       "that it does not begin with its prompt as rendered with the generation prompt; the response "
@@ -184,10 +206,10 @@ def sft_texts(renderer: Renderer, record: Record, input_key: str, output_key: st
         return renderer.begin(prompt), require_text(url, record, output_key, "--output_key")
     if output_key is not None:
         prompt_messages = as_messages(url, record, input_key, "--input_key", "user")
-        return renderer.split(record, prompt_messages, prompt_messages + as_messages(url, record, output_key,
-                                                                                     "--output_key", "assistant"))
+        return renderer.split(record, prompt_messages, prompt_messages + as_messages(
+            url, record, output_key, "--output_key", "assistant"), (input_key, output_key))
     conversation = _conversation(renderer, record, input_key)
-    return renderer.split(record, conversation[:-1], conversation)
+    return renderer.split(record, conversation[:-1], conversation, (input_key,))
 
 
 def _conversation(renderer: Renderer, record: Record, input_key: str) -> list[dict]:
@@ -202,14 +224,15 @@ def _conversation(renderer: Renderer, record: Record, input_key: str) -> list[di
     return conversation
 
 
-def assistant_spans(renderer: Renderer, conversation: list[dict], max_len: int) -> list[tuple[int, int]]:
+def assistant_spans(renderer: Renderer, conversation: list[dict], max_len: int, record: Record | None = None,
+                    keys: tuple[str, ...] = ()) -> list[tuple[int, int]]:
     """Token spans [start, end] of each assistant turn (OpenRLHF's `response_ranges`, measured the same way)."""
     spans = []
     for index, message in enumerate(conversation):
         if message["role"] != "assistant":
             continue
-        prompt = renderer.chat(conversation[:index], generation_prompt=True)
-        response = renderer.chat(conversation[:index + 1])[len(prompt):]
+        prompt = renderer.chat(conversation[:index], generation_prompt=True, record=record, keys=keys)
+        response = renderer.chat(conversation[:index + 1], record=record, keys=keys)[len(prompt):]
         start = len(token_ids(renderer.tokenizer, prompt, max_len))
         spans.append((start, start + len(token_ids(renderer.tokenizer, response, max_len)) - 1))
     return spans
@@ -228,10 +251,11 @@ def tokenize_sft(renderer: Renderer, records: list[Record], input_key: str, outp
                  multiturn: bool = False) -> list[TokenizedSample]:
     """One sample per record that fits: loss on the response (every assistant turn with `multiturn`)."""
     tokenizer, samples = renderer.tokenizer, []
+    keys = (input_key,) if output_key is None else (input_key, output_key)
     for record in records:
         if multiturn:
             conversation = multiturn_conversation(renderer, record, input_key, output_key)
-            prompt, response = renderer.split(record, conversation[:-1], conversation)
+            prompt, response = renderer.split(record, conversation[:-1], conversation, keys)
         else:
             prompt, response = sft_texts(renderer, record, input_key, output_key)
         prompt_ids = token_ids(tokenizer, prompt, max_len)
@@ -244,7 +268,8 @@ def tokenize_sft(renderer: Renderer, records: list[Record], input_key: str, outp
                       f"together ({record.where(renderer.url)} and maybe others); as in OpenRLHF, the loss starts "
                       "after the prompt's own token count, so that first response token is not trained (a template "
                       "or --input_template ending in a space does this).", key=f"prompt-token-merges:{renderer.url}")
-        spans = assistant_spans(renderer, conversation, max_len) if multiturn else [(num_prompt, len(input_ids) - 1)]
+        spans = (assistant_spans(renderer, conversation, max_len, record, keys) if multiturn
+                 else [(num_prompt, len(input_ids) - 1)])
         loss_mask = [0] * len(input_ids)
         for start, end in spans:
             loss_mask[start:end + 1] = [1] * len(loss_mask[start:end + 1])
@@ -295,13 +320,15 @@ def pair_texts(renderer: Renderer, record: Record, prompt_key: str | None, chose
                             require_text(url, record, rejected_key, "--rejected_key"))
         return prompt, chosen, rejected
     if prompt_key is None:  # each reply is a whole conversation, rendered whole
-        chosen = renderer.chat(require_messages(url, record, chosen_key, "--chosen_key"))
-        return "", chosen, renderer.chat(require_messages(url, record, rejected_key, "--rejected_key"))
+        chosen = renderer.chat(require_messages(url, record, chosen_key, "--chosen_key"), record=record,
+                               keys=(chosen_key,))
+        return "", chosen, renderer.chat(require_messages(url, record, rejected_key, "--rejected_key"),
+                                         record=record, keys=(rejected_key,))
     prompt_messages = as_messages(url, record, prompt_key, "--prompt_key", "user")
     prompt_text, chosen = renderer.split(record, prompt_messages, prompt_messages + as_messages(
-        url, record, chosen_key, "--chosen_key", "assistant"))
+        url, record, chosen_key, "--chosen_key", "assistant"), (prompt_key, chosen_key))
     _, rejected = renderer.split(record, prompt_messages, prompt_messages + as_messages(
-        url, record, rejected_key, "--rejected_key", "assistant"))
+        url, record, rejected_key, "--rejected_key", "assistant"), (prompt_key, rejected_key))
     return prompt_text, chosen, rejected
 
 
@@ -338,7 +365,7 @@ def prompt_text(renderer: Renderer, record: Record, input_key: str) -> str:
     """One PPO prompt as the model sees it (OpenRLHF's prompts `preprocess_data`), before any BOS of ours."""
     if renderer.apply_chat_template:
         return renderer.chat(as_messages(renderer.url, record, input_key, "--input_key", "user"),
-                             generation_prompt=True)
+                             generation_prompt=True, record=record, keys=(input_key,))
     return renderer.plain_prompt(require_text(renderer.url, record, input_key, "--input_key"))
 
 

@@ -72,15 +72,26 @@ def offline_env(home: Path) -> dict[str, str]:
 
 def write_data(family: str, directory: Path) -> dict[str, str]:
     """The toy task's SFT pairs, preference pairs and prompts as JSONL files: message lists for a family with a
-    chat template (as OpenRLHF's hub datasets hold them), the toy's strings for one without."""
+    chat template (as OpenRLHF's hub datasets hold them), the toy's strings for one without. For a family whose
+    template refuses a system message (Gemma's), each prompt's system message opens its user message instead."""
     if FAMILIES[family].tokenizer.chat_template is None:
         return init_toy(str(directory))
     data, paths = chat_data(num_rows=32), {}
+    if not FAMILIES[family].system_role:
+        data.prompts = [{**row, "context_messages": without_system(row["context_messages"])} for row in data.prompts]
     directory.mkdir()
     for name, rows in (("sft", data.sft), ("prefs", data.prefs), ("prompts", data.prompts)):
         paths[name] = str(directory / f"{name}.jsonl")
         Path(paths[name]).write_text("".join(json.dumps(row) + "\n" for row in rows))
     return paths
+
+
+def without_system(messages: list[dict]) -> list[dict]:
+    """[system, user, ...] as [user, ...] with the system prompt and a blank line before the user's words."""
+    if messages[0]["role"] != "system":
+        return messages
+    system, first, *rest = messages
+    return [{**first, "content": f"{system['content']}\n\n{first['content']}"}, *rest]
 
 
 def data_keys(family: str) -> dict[str, dict]:
