@@ -6,6 +6,7 @@ the data order depends on (seed, epoch) alone, so it is the same at any world si
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import torch
@@ -23,7 +24,13 @@ def generator(*parts: object) -> torch.Generator:
 
 def epoch_order(num_samples: int, seed: int, epoch: int) -> list[int]:
     """The shuffled sample order of one epoch."""
-    return torch.randperm(num_samples, generator=generator(seed, "data-order", epoch)).tolist()
+    return _epoch_permutation(num_samples, seed, epoch).tolist()
+
+
+@functools.lru_cache(maxsize=2)
+def _epoch_permutation(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
+    """An epoch's order as one tensor, drawn once per epoch (not per step: a dataset of millions of rows)."""
+    return torch.randperm(num_samples, generator=generator(seed, "data-order", epoch))
 
 
 def step_sample_indices(step: int, batch_size: int, num_samples: int, seed: int) -> list[int]:
@@ -32,4 +39,4 @@ def step_sample_indices(step: int, batch_size: int, num_samples: int, seed: int)
     steps_per_epoch = num_samples // batch_size
     epoch, step_in_epoch = divmod(step, steps_per_epoch)
     start = step_in_epoch * batch_size
-    return epoch_order(num_samples, seed, epoch)[start : start + batch_size]
+    return _epoch_permutation(num_samples, seed, epoch)[start : start + batch_size].tolist()

@@ -14,7 +14,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, Sized
 
 import fsspec
 import torch
@@ -356,7 +356,19 @@ def _file_fingerprint(url: str, storage_options: dict | None, flag: str) -> str:
     version = _version_of(url, storage_options, flag)
     if version is None:  # the store tells no version: hash it every time
         return _hash_file(url, storage_options, flag)
+    known = _KNOWN_HASHES.get((url, version))
+    if known is not None:
+        return known
     return _hash_file_version(url, _HashableOptions(storage_options or {}), flag, version)
+
+
+_KNOWN_HASHES: dict[tuple[str, tuple], str] = {}  # (url, version) -> sha256, taken when the data was prepared
+
+
+def remember_file_hash(url: str, storage_options: dict | None, flag: str, version: tuple, digest: str) -> None:
+    """The sha256 of `url` at `version` (size and mtime or ETag), taken once when the data was prepared
+    (rlhf_core.data.prepared): the drift check finds it by the version and reads the file no more."""
+    _KNOWN_HASHES[(url, tuple(version))] = digest
 
 
 class _HashableOptions(dict):
@@ -391,7 +403,7 @@ def split_holdout(items: list, fraction: float, seed: int) -> tuple[list, list]:
             [item for i, item in enumerate(items) if i in held_out])
 
 
-def count_with_eval(run, cfg, load: Callable[[Any, Any, bool], list]) -> int:
+def count_with_eval(run, cfg, load: Callable[[Any, Any, bool], Sized]) -> int:
     """Usable training items of a stage whose `load(run, tokenizer, evaluation)` reads and tokenizes its data;
     its eval dataset, when it has one, is read too, so that its keys are checked before training."""
     tokenizer = load_tokenizer(cfg.start_model, run.storage_options)

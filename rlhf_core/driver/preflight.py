@@ -30,7 +30,7 @@ def preflight(run: RunConfig) -> Checked:
     for url, flag in outputs:
         probe_writable(url, flag, run.storage_options)
     produced: dict[str, str | None] = {}  # an output of an earlier stage -> the model whose architecture it has
-    plans = {}
+    counted = []
     for stage in run.stages:
         cfg = run.stage_config(stage)
         for field in fields_with_role(STAGES[stage].config, "model"):
@@ -45,10 +45,13 @@ def preflight(run: RunConfig) -> Checked:
             if training.lora_rank:
                 check_lora_targets(architecture, training.target_modules, run.storage_options)
             if training.start_model not in produced:
-                plans[stage] = plan_stage(run, stage)  # counting reads data, eval data and reward function
+                counted.append(stage)
         produced[getattr(cfg, STAGES[stage].output_field)] = architecture
     require_tracker_packages(run)
     RunLease(run.run_url(), run.storage_options).check_available()
+    # Last, once every other check passed: counting reads data, eval data and reward function, and prepares the
+    # data in the store (rlhf_core.data.prepared), the first thing a refused run would have written.
+    plans = {stage: plan_stage(run, stage) for stage in counted}
     return Checked(run, plans)
 
 

@@ -11,7 +11,7 @@ import contextlib
 import glob
 import json
 import os
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -221,7 +221,7 @@ class DeepSpeedTrainer(abc.ABC, Generic[ConfigT]):
         cfg, step = self.cfg, self.step
         return (cfg.eval_steps > 0 and step % cfg.eval_steps == 0) or self.is_chunk_end()
 
-    def train_on(self, items: list) -> dict[str, float]:
+    def train_on(self, items: Sequence) -> dict[str, float]:
         """One optimizer step of `self.engine` on this step's global batch of `items` (`step_sample_indices`), its
         dropout seeded by (seed, stage, step, rank): each of this rank's micro-batches goes through `train_loss`.
         The step's metrics: the loss and `train_loss`'s metrics, each averaged over every rank's micro-batches,
@@ -247,7 +247,7 @@ class DeepSpeedTrainer(abc.ABC, Generic[ConfigT]):
         every call)."""
         raise NotImplementedError(f"{type(self).__name__} trains without train_on")
 
-    def eval_items(self) -> list:
+    def eval_items(self) -> Sequence:
         """What the stage evaluates on; none (the default): no evaluation."""
         return []
 
@@ -278,7 +278,7 @@ class DeepSpeedTrainer(abc.ABC, Generic[ConfigT]):
         count = max(totals["count"], 1)
         return {name: total / count for name, total in totals.items() if name != "count"}
 
-    def eval_micro_batches(self, items: list) -> list[tuple[list, bool]]:
+    def eval_micro_batches(self, items: Sequence) -> list[tuple[list, bool]]:
         """This rank's micro-batches of `items`, as (batch, counted). Every rank runs the same number of
         forward passes (ZeRO-3 gathers parameters collectively): a rank whose share ran out repeats the
         first item, and that pass is not counted."""
@@ -287,8 +287,8 @@ class DeepSpeedTrainer(abc.ABC, Generic[ConfigT]):
         batches = []
         for round_index in range(rounds):
             start = (round_index * self.world_size + self.rank) * size
-            share = items[start : start + size]
-            batches.append((share, True) if share else (items[:1], False))
+            share = list(items[start : start + size])
+            batches.append((share, True) if share else (list(items[:1]), False))
         return batches
 
 

@@ -5,6 +5,8 @@ docs/design-notes.md ("The SFT trainer") has packing and evaluation.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -52,7 +54,7 @@ class SFTTrainer(DeepSpeedTrainer[SFTConfig]):
             loss = loss * float("nan")
         return loss, {}
 
-    def eval_items(self) -> list[TokenizedSample]:
+    def eval_items(self) -> Sequence[TokenizedSample]:
         return self.eval_samples
 
     def eval_sums(self, samples: list[TokenizedSample]) -> dict[str, float]:

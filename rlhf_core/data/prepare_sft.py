@@ -1,0 +1,155 @@
+"""SFT's prepared samples: the dataset streamed in batches, each batch's texts rendered per record (today's checks
+and one-sentence errors, `rlhf_core.data.samples`) and tokenized as a batch (the fast tokenizer spreads a batch
+over every core), written once into the run's store (`rlhf_core.data.prepared`) and read back as a lazy sequence
+of `TokenizedSample`. docs/design-notes.md ("Prepared data") has the design.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from rlhf_core.data.prepared import (Columns, PreparedRows, PreparedStore, preparation_key, remember_hashes,
+                                     source_versions, write_batches)
+from rlhf_core.data.records import Record, fingerprint
+from rlhf_core.data.samples import (Renderer, TokenizedSample, assistant_spans, multiturn_conversation, require_text,
+                                    sft_texts, tokenize_pretraining, tokenize_sft)
+from rlhf_core.data.stream import RecordStream
+from rlhf_core.notices import warn_once
+
+COLUMNS = {"input_ids": "int32", "loss_mask": "int8"}
+
+
+def prepared_sft_samples(cfg, run, tokenizer, evaluation: bool = False) -> PreparedRows:
+    """The SFT samples of `cfg` (its --dataset, or --eval_dataset), prepared once in the run's store and
+    memory-mapped; the tokenizer's chat template must already be the stage's."""
+    url = cfg.eval_dataset if evaluation else cfg.dataset
+    flag = "--eval_dataset" if evaluation else "--dataset"
+    split = cfg.eval_split if evaluation else cfg.dataset_split
+    probs = None if evaluation else cfg.dataset_probs
+    settings = {"input_key": cfg.input_key, "output_key": cfg.output_key, "input_template": cfg.input_template,
+                "apply_chat_template": cfg.apply_chat_template, "max_len": cfg.max_len, "multiturn": cfg.multiturn,
+                "pretrain_mode": cfg.pretrain_mode, "packing_samples": cfg.packing_samples,
+                "max_samples": cfg.max_samples, "split": split, "probs": probs, "seed": run.seed if probs else None}
+    versions = source_versions(url, run.storage_options, split, flag)
+    key, inputs = preparation_key("sft", versions, tokenizer, settings)
+    store = PreparedStore(run.ckpt_path, run.storage_options)
+    found = store.open(key)
+    if found is None:
+        stream = RecordStream(url, run.storage_options, cfg.max_samples, split, probs, run.seed, flag)
+
+        def write(path: str) -> dict:
+            rows = write_batches(path, COLUMNS, _tokenized(cfg, tokenizer, url, stream), f"{flag} {url}")
+            return {"rows": rows, "inputs": inputs, "file_hashes": _file_hashes(url, versions, stream, run, split,
+                                                                                  flag)}
+
+        store.publish(key, write)
+        found = store.open(key)
+        if found is None:  # removed or damaged between publishing and reading: a store that keeps nothing
+            raise RuntimeError(f"prepared data {store.local_dir(key)} could not be read back after publishing")
+    path, marker = found
+    remember_hashes(marker, run.storage_options, flag)
+    return PreparedRows(path, TokenizedSample)
+
+
+def _file_hashes(url: str, versions: list, stream: RecordStream, run, split: str, flag: str) -> list:
+    """[url, version, sha256] of each plain file of `url`, for the drift check: the streamed file's hash was
+    taken as it was read; any other file is hashed once here."""
+    hashes = []
+    for kind, *version in versions:
+        if kind != "file":
+            continue
+        digest = stream.sha256 if stream.sha256 and version[0] == url else fingerprint(
+            version[0], run.storage_options, split=split, flag=flag)
+        hashes.append([version[0], version, digest])
+    return hashes
+
+
+def _tokenized(cfg, tokenizer, url: str, stream: RecordStream) -> Iterator[Columns]:
+    """Each batch of records as prepared columns; no batch is kept past its write."""
+    if cfg.pretrain_mode:
+        renderer = Renderer(tokenizer, url, False)
+        total = 0
+        for records in stream:
+            batch = _pretraining_batch(renderer, records, cfg.input_key, cfg.max_len)
+            total += len(batch["input_ids"])
+            yield batch
+        if total == 0:
+            tokenize_pretraining(url, [], tokenizer, cfg.input_key, cfg.max_len)  # raises its one sentence
+        return
+    renderer = Renderer(tokenizer, url, cfg.apply_chat_template, cfg.input_template)
+    total = 0
+    for records in stream:
+        batch = _sft_batch(renderer, records, cfg.input_key, cfg.output_key, cfg.max_len, cfg.multiturn)
+        total += len(batch["input_ids"])
+        yield batch
+    if total == 0:
+        tokenize_sft(renderer, [], cfg.input_key, cfg.output_key, cfg.max_len, cfg.multiturn)  # raises its sentence
+
+
+def _batch_ids(tokenizer, texts: list[str], max_len: int) -> list[list[int]]:
+    """`samples.token_ids` of each text, as one call."""
+    if not texts:
+        return []
+    return tokenizer(texts, add_special_tokens=False, truncation=True, max_length=max_len).input_ids
+
+
+def _sft_batch(renderer: Renderer, records: list[Record], input_key: str, output_key: str | None, max_len: int,
+               multiturn: bool) -> Columns:
+    """`samples.tokenize_sft` of a batch of records, the texts tokenized as one call."""
+    tokenizer = renderer.tokenizer
+    texts, conversations, kept = [], [], []
+    for record in records:
+        conversation = None
+        if multiturn:
+            conversation = multiturn_conversation(renderer, record, input_key, output_key)
+            prompt, response = renderer.split(record, conversation[:-1], conversation)
+        else:
+            prompt, response = sft_texts(renderer, record, input_key, output_key)
+        if prompt and response:
+            texts.append((prompt, response))
+            conversations.append(conversation)
+            kept.append(record)
+    prompt_ids = _batch_ids(tokenizer, [prompt for prompt, _ in texts], max_len)
+    whole = [_sequence_text(tokenizer, prompt + response) for prompt, response in texts]
+    whole_ids = _batch_ids(tokenizer, whole, max_len)
+    columns: Columns = {"input_ids": [], "loss_mask": []}
+    for record, conversation, own_ids, input_ids in zip(kept, conversations, prompt_ids, whole_ids):
+        num_prompt = len(own_ids)
+        if num_prompt >= max_len - 2:
+            continue
+        input_ids[-1] = tokenizer.eos_token_id
+        if input_ids[:num_prompt] != own_ids:
+            _warn_merge(renderer, record)
+        spans = (assistant_spans(renderer, conversation, max_len) if conversation is not None
+                 else [(num_prompt, len(input_ids) - 1)])
+        loss_mask = [0] * len(input_ids)
+        for start, end in spans:
+            loss_mask[start:end + 1] = [1] * len(loss_mask[start:end + 1])
+        columns["input_ids"].append(input_ids)
+        columns["loss_mask"].append(loss_mask)
+    return columns
+
+
+def _sequence_text(tokenizer, text: str) -> str:
+    """`samples.sequence_ids`' text: newlines stripped, " " + EOS unless present."""
+    text = text.rstrip("\n")
+    return text if text.endswith(tokenizer.eos_token) else text + " " + tokenizer.eos_token
+
+
+def _warn_merge(renderer: Renderer, record: Record) -> None:
+    """`samples.tokenize_sft`'s warning, through the same record: it warns once per dataset."""
+    warn_once(f"{renderer.url}: the prompt's last token merges with the response's first when tokenized "
+              f"together ({record.where(renderer.url)} and maybe others); as in OpenRLHF, the loss starts "
+              "after the prompt's own token count, so that first response token is not trained (a template "
+              "or --input_template ending in a space does this).", key=f"prompt-token-merges:{renderer.url}")
+
+
+def _pretraining_batch(renderer: Renderer, records: list[Record], input_key: str, max_len: int) -> Columns:
+    """`samples.tokenize_pretraining` of a batch of records, tokenized as one call."""
+    texts = [renderer.begin(require_text(renderer.url, record, input_key, "--input_key")) for record in records]
+    columns: Columns = {"input_ids": [], "loss_mask": []}
+    for input_ids in _batch_ids(renderer.tokenizer, texts, max_len):
+        if len(input_ids) > 1:  # the first token is never predicted
+            columns["input_ids"].append(input_ids)
+            columns["loss_mask"].append([1] * len(input_ids))
+    return columns

@@ -1,0 +1,298 @@
+"""Prepared data: a dataset read, checked and tokenized once, stored as an Arrow file in the run's store under
+`{ckpt_path}/.prepared/{key}/`, the key a hash of everything the tokens depend on (the data's cheap version, the
+tokenizer and its chat template, the stage's data flags, the format version). Published atomically (a folder
+renamed into place, `PREPARED.json` with the file's size and checksum last), verified at every open, rebuilt when
+damaged; ranks and restarts memory-map it. docs/design-notes.md ("Prepared data") has the design.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Sequence
+from typing import Any, Callable, Iterable, Iterator, overload
+
+import fsspec
+import numpy as np
+
+from rlhf_core.data.records import _version_of, fingerprint, remember_file_hash, split_data_dir
+from rlhf_core.faults import fault_point
+from rlhf_core.storage.locate import is_hub_id, is_local_url, local_path
+from rlhf_core.storage.manifest import DEFAULT_CHECKSUM, digest_of_local_file
+
+FORMAT_VERSION = 1  # of the samples' layout and of what the key holds: a change builds every preparation anew
+PREPARED_DIR = ".prepared"
+MARKER_NAME = "PREPARED.json"
+DATA_NAME = "samples.arrow"
+CACHE_ENV_VAR = "RLHF_PREPARED_CACHE"  # the local cache in front of a remote store (default ~/.cache/rlhf/prepared)
+PROGRESS_EVERY_S = 10.0
+
+logger = logging.getLogger(__name__)
+
+Columns = dict[str, list]  # a batch of prepared rows: column name -> one value (a list of ints) per row
+
+
+def tokenizer_identity(tokenizer) -> str:
+    """A hash of what the tokenizer turns text into: its vocabulary, rules and special tokens, and its chat
+    template (which a stage's --tokenizer_chat_template may have replaced)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:  # less the truncation and padding a call leaves set on it
+        state = {k: v for k, v in json.loads(backend.to_str()).items() if k not in ("truncation", "padding")}
+        rules = json.dumps(state, sort_keys=True)
+    else:
+        rules = json.dumps(sorted(tokenizer.get_vocab().items()))
+    extra = json.dumps({"class": type(tokenizer).__name__, "special": tokenizer.special_tokens_map,
+                        "chat_template": getattr(tokenizer, "chat_template", None)}, sort_keys=True, default=str)
+    return hashlib.sha256((rules + "\n" + extra).encode()).hexdigest()
+
+
+def source_versions(url: str, storage_options: dict | None, split: str, flag: str) -> list:
+    """The cheap identity of each source of `url`: (url, size, mtime or ETag) of a file, of every file of a
+    folder; a hub name's own version is datasets' fingerprint of the split. A file is hashed only on a store that
+    tells neither mtime nor ETag."""
+    versions: list = []
+    for source in (part.strip() for part in url.split(",") if part.strip()):
+        name, data_dir = split_data_dir(source, flag)
+        if data_dir is not None and os.path.isdir(name):
+            source = os.path.join(name, data_dir)
+        path = local_path(name)
+        if (data_dir is not None and not os.path.isdir(name)) or (path is not None and not os.path.exists(path)
+                                                                  and is_hub_id(name)):
+            versions.append(["hub", source, split, fingerprint(source, storage_options, split=split, flag=flag)])
+            continue
+        try:
+            filesystem, fs_path = fsspec.core.url_to_fs(source, **(storage_options or {}))
+            if filesystem.isdir(fs_path):
+                found = filesystem.find(fs_path, detail=True)
+                versions.append(["dir", source, sorted([name, info.get("size"), str(info.get("mtime") or
+                                                                                   info.get("ETag"))]
+                                                       for name, info in found.items())])
+                continue
+        except Exception:  # noqa: BLE001 - read_records names the problem when it reads the source
+            pass
+        version = _version_of(source, storage_options, flag)
+        if version is None:  # a store that tells no version: the content is the only identity
+            versions.append(["hashed", source, fingerprint(source, storage_options, split=split, flag=flag)])
+        else:
+            versions.append(["file", *version])
+    return versions
+
+
+def preparation_key(kind: str, versions: list, tokenizer, settings: dict[str, Any]) -> tuple[str, dict]:
+    """(key, what it hashes): the folder name of a preparation and the inputs it depends on."""
+    inputs = {"format": FORMAT_VERSION, "kind": kind, "sources": versions,
+              "tokenizer": tokenizer_identity(tokenizer), "settings": settings}
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:32], inputs
+
+
+def cache_root() -> str:
+    return os.environ.get(CACHE_ENV_VAR) or os.path.join(os.path.expanduser("~"), ".cache", "rlhf", "prepared")
+
+
+class PreparedStore:
+    """The `.prepared` folder of a run's store (`ckpt_path`): find a valid preparation, or publish a new one.
+    A local store is read in place; a remote one through a verified copy in the local cache."""
+
+    def __init__(self, ckpt_path: str, storage_options: dict | None = None):
+        self.url = f"{ckpt_path.rstrip('/')}/{PREPARED_DIR}"
+        self.storage_options = storage_options or {}
+        self.local = is_local_url(self.url)
+        self.fs, self.root = fsspec.core.url_to_fs(self.url, **self.storage_options)
+
+    def local_dir(self, key: str) -> str:
+        """Where the preparation's files are read from on this machine."""
+        if self.local:
+            return os.path.join(local_path(self.url) or self.root, key)
+        return os.path.join(cache_root(), hashlib.sha256(self.url.encode()).hexdigest()[:16], key)
+
+    def open(self, key: str) -> tuple[str, dict] | None:
+        """(local path of the data file, its marker) of a valid preparation, or None. One that fails its check (a
+        marker unreadable, a size or checksum that differs) is removed, never trusted: a remote store's local copy
+        is fetched once more, and removed from the store when that fails too."""
+        folder = self.local_dir(key)
+        for _ in range(1 if self.local else 2):
+            if not self.local and not os.path.exists(folder) and not self._download(key, folder):
+                return None
+            found = _checked(folder)
+            if found is not None:
+                return found
+            if os.path.exists(folder):
+                logger.warning("prepared data %s is incomplete or damaged; it is prepared again", folder)
+                shutil.rmtree(folder, ignore_errors=True)
+        if not self.local:
+            self.fs.rm(f"{self.root}/{key}", recursive=True)
+        return None
+
+    def publish(self, key: str, write: Callable[[str], dict]) -> None:
+        """Build a preparation in a temporary folder (`write(data_path)` returns the marker's fields), then move it
+        into place whole; when another process published the same key first, its copy is kept."""
+        parent = os.path.dirname(self.local_dir(key))
+        os.makedirs(parent, exist_ok=True)
+        staging = os.path.join(parent, f".tmp-{key}-{secrets.token_hex(4)}")
+        os.makedirs(staging)
+        try:
+            data = os.path.join(staging, DATA_NAME)
+            fields = write(data)
+            size, digest = digest_of_local_file(data, DEFAULT_CHECKSUM)
+            marker = {**fields, "size": size, "checksum": DEFAULT_CHECKSUM, "digest": digest,
+                      "created": time.time()}
+            _write_durable(os.path.join(staging, MARKER_NAME), json.dumps(marker, indent=1).encode())
+            _fsync_path(data)
+            self._install(key, staging)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def _install(self, key: str, staging: str) -> None:
+        target = self.local_dir(key)
+        if os.path.exists(target) and _read_marker(target) is None:
+            shutil.rmtree(target, ignore_errors=True)
+        try:
+            os.rename(staging, target)
+        except OSError:  # published by another process meanwhile: theirs is the same data
+            return
+        _fsync_path(os.path.dirname(target))
+        if not self.local:
+            self._upload(key, target)
+
+    def _upload(self, key: str, folder: str) -> None:
+        remote = f"{self.root}/{key}"
+        self.fs.put_file(os.path.join(folder, DATA_NAME), f"{remote}/{DATA_NAME}")
+        self.fs.put_file(os.path.join(folder, MARKER_NAME), f"{remote}/{MARKER_NAME}")  # last: the commit
+
+    def _download(self, key: str, folder: str) -> bool:
+        remote = f"{self.root}/{key}"
+        if not self.fs.exists(f"{remote}/{MARKER_NAME}"):
+            return False
+        staging = f"{folder}.part-{secrets.token_hex(4)}"
+        os.makedirs(staging)
+        try:
+            for name in (MARKER_NAME, DATA_NAME):
+                self.fs.get_file(f"{remote}/{name}", os.path.join(staging, name))
+            os.makedirs(os.path.dirname(folder), exist_ok=True)
+            os.rename(staging, folder)
+        except OSError:
+            pass
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return os.path.exists(folder)
+
+
+def _checked(folder: str) -> tuple[str, dict] | None:
+    """(data file, marker) of a folder whose data matches its marker's size and checksum, else None."""
+    marker = _read_marker(folder)
+    if marker is None:
+        return None
+    data = os.path.join(folder, DATA_NAME)
+    if not os.path.exists(data):
+        return None
+    size, digest = digest_of_local_file(data, marker["checksum"], marker["size"])
+    return (data, marker) if size == marker["size"] and digest == marker["digest"] else None
+
+
+def _read_marker(folder: str) -> dict | None:
+    try:
+        with open(os.path.join(folder, MARKER_NAME), "rb") as handle:
+            marker = json.loads(handle.read())
+    except (OSError, ValueError):
+        return None
+    required = {"size": int, "digest": str, "checksum": str, "rows": int}
+    if not isinstance(marker, dict) or not all(isinstance(marker.get(k), t) for k, t in required.items()):
+        return None
+    return marker
+
+
+def _write_durable(path: str, data: bytes) -> None:
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_batches(path: str, columns: dict[str, str], batches: Iterable[Columns], label: str) -> int:
+    """Write prepared rows into an Arrow file at `path` (`columns`: name -> "int32" or "int8", each a list
+    column), a batch at a time; the fault point `prepare@N` fires before batch N. The number of rows written."""
+    import pyarrow as pa
+
+    schema = pa.schema([(name, pa.list_(getattr(pa, kind)())) for name, kind in columns.items()])
+    rows, started, reported = 0, time.monotonic(), time.monotonic()
+    with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+        for number, batch in enumerate(batches, start=1):
+            fault_point("prepare", number)
+            if not batch[next(iter(columns))]:
+                continue
+            writer.write_batch(pa.record_batch([pa.array(batch[name], type=schema.field(name).type)
+                                                for name in columns], schema=schema))
+            rows += len(batch[next(iter(columns))])
+            if time.monotonic() - reported > PROGRESS_EVERY_S:
+                reported = time.monotonic()
+                logger.info("preparing %s: %d rows (%.0f rows/s)", label, rows, rows / (reported - started))
+    logger.info("prepared %s: %d rows in %.1f s", label, rows, time.monotonic() - started)
+    return rows
+
+
+def remember_hashes(marker: dict, storage_options: dict | None, flag: str) -> None:
+    """Tell the drift check (`records.fingerprint`) the content hashes taken at preparation, by file version."""
+    for url, version, digest in marker.get("file_hashes", []):
+        remember_file_hash(url, storage_options, flag, tuple(version), digest)
+
+
+class PreparedRows(Sequence):
+    """The rows of a prepared Arrow file, memory-mapped: `make(columns of one row)` builds each item on demand;
+    nothing is held per row."""
+
+    def __init__(self, path: str, make: Callable[..., Any]):
+        import pyarrow as pa
+
+        self.path, self.make = path, make
+        table = pa.ipc.open_file(pa.memory_map(path, "r")).read_all()
+        self.names = table.column_names
+        self._chunks = [[_flat(batch.column(i)) for i in range(batch.num_columns)] for batch in table.to_batches()]
+        sizes = [batch.num_rows for batch in table.to_batches()]
+        self._starts = np.cumsum([0] + sizes)
+        self._length = int(self._starts[-1])
+
+    def __len__(self) -> int:
+        return self._length
+
+    @overload
+    def __getitem__(self, index: int) -> Any: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list: ...
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._length))]
+        if index < 0:
+            index += self._length
+        if not 0 <= index < self._length:
+            raise IndexError(index)
+        chunk = int(np.searchsorted(self._starts, index, side="right")) - 1
+        row = index - int(self._starts[chunk])
+        return self.make(*(values[offsets[row]:offsets[row + 1]].tolist()
+                           for offsets, values in self._chunks[chunk]))
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self[i] for i in range(self._length))
+
+    def __reduce__(self):
+        return PreparedRows, (self.path, self.make)
+
+
+def _flat(column) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets, values) of a list column, as numpy views of the mapped file."""
+    offsets = column.offsets.to_numpy(zero_copy_only=True)
+    return offsets, column.values.to_numpy(zero_copy_only=True)
