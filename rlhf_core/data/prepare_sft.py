@@ -97,12 +97,13 @@ def _sft_batch(renderer: Renderer, records: list[Record], input_key: str, output
                multiturn: bool) -> Columns:
     """`samples.tokenize_sft` of a batch of records, the texts tokenized as one call."""
     tokenizer = renderer.tokenizer
+    keys = (input_key,) if output_key is None else (input_key, output_key)  # named by a template's refusal
     texts, conversations, kept = [], [], []
     for record in records:
         conversation = None
         if multiturn:
             conversation = multiturn_conversation(renderer, record, input_key, output_key)
-            prompt, response = renderer.split(record, conversation[:-1], conversation)
+            prompt, response = renderer.split(record, conversation[:-1], conversation, keys)
         else:
             prompt, response = sft_texts(renderer, record, input_key, output_key)
         if prompt and response:
@@ -120,7 +121,7 @@ def _sft_batch(renderer: Renderer, records: list[Record], input_key: str, output
         input_ids[-1] = tokenizer.eos_token_id
         if input_ids[:num_prompt] != own_ids:
             _warn_merge(renderer, record)
-        spans = (assistant_spans(renderer, conversation, max_len) if conversation is not None
+        spans = (assistant_spans(renderer, conversation, max_len, record, keys) if conversation is not None
                  else [(num_prompt, len(input_ids) - 1)])
         loss_mask = [0] * len(input_ids)
         for start, end in spans:

@@ -195,3 +195,27 @@ def test_a_remote_store_is_read_through_a_checked_local_copy(toy_assets, tmp_pat
         copy.write_bytes(copy.read_bytes()[:100])
     assert as_tuples(load_sft_samples(run, load_tokenizer(toy_assets["model"]))) == expected
     assert filesystem.cat_file(f"{url}/{PREPARED_DIR}/{key}/{MARKER_NAME}") == marker  # not prepared again
+
+
+CONVERSATIONS = [{"messages": [{"role": "user", "content": f"sort : {a} 1 ="}, {"role": "assistant", "content": "1"},
+                               {"role": "user", "content": "again"}, {"role": "assistant", "content": f"{a}"}]}
+                 for a in range(6)]
+REFUSING_TEMPLATE = ("{% for m in messages %}{% if m['content'] == 'again' %}{{ raise_exception('one turn only') }}"
+                     "{% endif %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}")
+
+
+@pytest.mark.parametrize("multiturn", [False, True])
+def test_conversations_and_a_template_refusal_as_today(toy_assets, tmp_path, multiturn):
+    data = write_rows(tmp_path / "chat.jsonl", CONVERSATIONS)
+    settings = {"apply_chat_template": True, "input_key": "messages", "output_key": None, "multiturn": multiturn}
+    tokenizer = load_tokenizer(toy_assets["model"])
+    prepared = load_sft_samples(sft_run(tmp_path, toy_assets["model"], data, **settings), tokenizer)
+    expected = tokenize_sft(Renderer(tokenizer, data, True), read_records(data), "messages", None, 64, multiturn)
+    assert as_tuples(prepared) == as_tuples(expected)
+    refused = sft_run(tmp_path, toy_assets["model"], data, tokenizer_chat_template=REFUSING_TEMPLATE, **settings)
+    with pytest.raises(UserError) as prepared_error:
+        load_sft_samples(refused, load_tokenizer(toy_assets["model"]))
+    tokenizer.chat_template = REFUSING_TEMPLATE
+    with pytest.raises(UserError) as todays_error:
+        tokenize_sft(Renderer(tokenizer, data, True), read_records(data), "messages", None, 64, multiturn)
+    assert str(prepared_error.value) == str(todays_error.value) and "line 1" in str(todays_error.value)
