@@ -44,6 +44,8 @@ def prepared_sft_samples(cfg, run, tokenizer, evaluation: bool = False) -> Prepa
 
         store.publish(key, write)
         found = store.open(key)
+        for _, version, digest in (found or (None, {}))[1].get("file_hashes", []):
+            store.save_hash(version, digest)
         if found is None:  # removed or damaged between publishing and reading: a store that keeps nothing
             raise RuntimeError(f"prepared data {store.local_dir(key)} could not be read back after publishing")
     path, marker = found

@@ -29,6 +29,7 @@ FORMAT_VERSION = 1  # of the samples' layout and of what the key holds: a change
 PREPARED_DIR = ".prepared"
 MARKER_NAME = "PREPARED.json"
 DATA_NAME = "samples.arrow"
+HASHES_DIR = "hashes"  # {version hash}.json: a data file's sha256 by its version, for the drift check
 CACHE_ENV_VAR = "RLHF_PREPARED_CACHE"  # the local cache in front of a remote store (default ~/.cache/rlhf/prepared)
 PROGRESS_EVERY_S = 10.0
 
@@ -159,6 +160,26 @@ class PreparedStore:
         if not self.local:
             self._upload(key, target)
 
+    def save_hash(self, version: list, digest: str) -> None:
+        """Record a file's sha256 by its version (url, size, mtime or ETag) in `hashes/`, for the drift check of a
+        later process that has not opened the preparation yet (`recall_hashes`)."""
+        path, data = f"{self.root}/{HASHES_DIR}/{_hash_name(version)}", json.dumps({"sha256": digest}).encode()
+        if self.local:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            staging = f"{path}.tmp-{secrets.token_hex(4)}"
+            _write_durable(staging, data)
+            os.replace(staging, path)
+        else:
+            self.fs.pipe_file(path, data)
+
+    def load_hash(self, version: list) -> str | None:
+        try:
+            with self.fs.open(f"{self.root}/{HASHES_DIR}/{_hash_name(version)}", "rb") as handle:
+                digest = json.loads(handle.read()).get("sha256")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return digest if isinstance(digest, str) and len(digest) == 64 else None
+
     def _upload(self, key: str, folder: str) -> None:
         remote = f"{self.root}/{key}"
         self.fs.put_file(os.path.join(folder, DATA_NAME), f"{remote}/{DATA_NAME}")
@@ -180,6 +201,28 @@ class PreparedStore:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         return os.path.exists(folder)
+
+
+def _hash_name(version: list) -> str:
+    return hashlib.sha256(json.dumps(list(version), default=str).encode()).hexdigest()[:32] + ".json"
+
+
+def recall_hashes(ckpt_path: str, cfg, storage_options: dict | None) -> None:
+    """Hand the drift check (`records.dataset_fingerprint`) the sha256 recorded at preparation of each file of the
+    stage's data still at its recorded version: a restart's check, before any preparation is opened, does not read
+    the files again."""
+    url, flag = getattr(cfg, "dataset", None), "--dataset"
+    if not url:
+        url, flag = getattr(cfg, "prompt_data", None) or "", "--prompt_data"
+    store = None
+    for source in (part.strip() for part in url.split(",") if part.strip()):
+        version = _version_of(source, storage_options, flag)
+        if version is None:
+            continue
+        store = store or PreparedStore(ckpt_path, storage_options)
+        digest = store.load_hash(list(version))
+        if digest is not None:
+            remember_file_hash(source, storage_options, flag, version, digest)
 
 
 def _checked(folder: str) -> tuple[str, dict] | None:

@@ -39,7 +39,7 @@ def sft_run(tmp_path: Path, model: str, dataset: str, **settings) -> RunConfig:
 
 def preparations(tmp_path: Path) -> set[str]:
     root = tmp_path / "ckpt" / PREPARED_DIR
-    return {name for name in os.listdir(root) if not name.startswith(".")} if root.exists() else set()
+    return {name for name in os.listdir(root) if len(name) == 32} if root.exists() else set()  # not .tmp-*, hashes
 
 
 def as_tuples(samples) -> list[tuple[list[int], list[int]]]:
@@ -101,13 +101,21 @@ def test_a_changed_file_builds_a_new_preparation_and_fingerprint(toy_assets, tmp
     assert len(preparations(tmp_path)) == 2 and dataset_fingerprint(run.sft) != before
 
 
-def test_the_drift_fingerprint_is_the_hash_recorded_at_preparation(toy_assets, tmp_path, data, monkeypatch):
+@pytest.mark.parametrize("first", ["preparation", "drift_check"])
+def test_the_drift_fingerprint_is_the_hash_recorded_at_preparation(toy_assets, tmp_path, data, monkeypatch, first):
+    """A new process finds the hash by the file's version: on opening the preparation, or before it, as a restart's
+    drift check does (`recall_hashes`, from the store's hashes/)."""
+    from rlhf_core.data.prepared import recall_hashes
+
     run = sft_run(tmp_path, toy_assets["model"], data)
     load_sft_samples(run, load_tokenizer(toy_assets["model"]))
     records._KNOWN_HASHES.clear()
-    records._hash_file_version.cache_clear()  # a new process: only the preparation knows the hash
+    records._hash_file_version.cache_clear()  # a new process: only the store knows the hash
     monkeypatch.setattr(records, "_hash_file", lambda *args: pytest.fail("the raw file was hashed again"))
-    load_sft_samples(run, load_tokenizer(toy_assets["model"]))
+    if first == "preparation":
+        load_sft_samples(run, load_tokenizer(toy_assets["model"]))
+    else:
+        recall_hashes(run.ckpt_path, run.sft, run.storage_options)
     assert dataset_fingerprint(run.sft) == hashlib.sha256(Path(data).read_bytes()).hexdigest()
 
 
@@ -188,7 +196,8 @@ def test_a_remote_store_is_read_through_a_checked_local_copy(toy_assets, tmp_pat
                                                  output_key="response", max_len=64))
     expected = as_tuples(load_sft_samples(run, load_tokenizer(toy_assets["model"])))
     filesystem = fsspec.filesystem("memory")
-    [key] = [path.rsplit("/", 1)[-1] for path in filesystem.ls(f"{url}/{PREPARED_DIR}", detail=False)]
+    [key] = [name for name in (path.rsplit("/", 1)[-1] for path in filesystem.ls(f"{url}/{PREPARED_DIR}",
+                                                                                detail=False)) if len(name) == 32]
     assert filesystem.exists(f"{url}/{PREPARED_DIR}/{key}/{MARKER_NAME}")
     marker = filesystem.cat_file(f"{url}/{PREPARED_DIR}/{key}/{MARKER_NAME}")
     for copy in (tmp_path / "cache").rglob(DATA_NAME):  # a damaged local copy: fetched again from the store
