@@ -69,36 +69,52 @@ def _file_hashes(url: str, versions: list, stream: RecordStream, run, split: str
 def _tokenized(cfg, tokenizer, url: str, stream: RecordStream) -> Iterator[Columns]:
     """Each batch of records as prepared columns; no batch is kept past its write."""
     if cfg.pretrain_mode:
-        renderer = Renderer(tokenizer, url, False)
+        renderer, encode = Renderer(tokenizer, url, False), BatchEncoder(tokenizer, cfg.max_len)
         total = 0
         for records in stream:
-            batch = _pretraining_batch(renderer, records, cfg.input_key, cfg.max_len)
+            batch = _pretraining_batch(renderer, encode, records, cfg.input_key)
             total += len(batch["input_ids"])
             yield batch
         if total == 0:
             tokenize_pretraining(url, [], tokenizer, cfg.input_key, cfg.max_len)  # raises its one sentence
         return
     renderer = Renderer(tokenizer, url, cfg.apply_chat_template, cfg.input_template)
-    total = 0
+    encode, total = BatchEncoder(tokenizer, cfg.max_len), 0
     for records in stream:
-        batch = _sft_batch(renderer, records, cfg.input_key, cfg.output_key, cfg.max_len, cfg.multiturn)
+        batch = _sft_batch(renderer, encode, records, cfg.input_key, cfg.output_key, cfg.multiturn)
         total += len(batch["input_ids"])
         yield batch
     if total == 0:
         tokenize_sft(renderer, [], cfg.input_key, cfg.output_key, cfg.max_len, cfg.multiturn)  # raises its sentence
 
 
-def _batch_ids(tokenizer, texts: list[str], max_len: int) -> list[list[int]]:
-    """`samples.token_ids` of each text, as one call."""
-    if not texts:
-        return []
-    return tokenizer(texts, add_special_tokens=False, truncation=True, max_length=max_len).input_ids
+class BatchEncoder:
+    """`samples.token_ids` of many texts as one call: a fast tokenizer's own `encode_batch` (what transformers
+    calls, less its per-text Python wrapping) on a copy truncating at `max_len` as transformers sets it (longest
+    first, stride 0, no padding), the tokenizer's own left as it is; a slow tokenizer through transformers."""
+
+    def __init__(self, tokenizer, max_len: int):
+        self.tokenizer, self.max_len, self.backend = tokenizer, max_len, None
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            from tokenizers import Tokenizer
+
+            self.backend = Tokenizer.from_str(backend.to_str())
+            self.backend.no_padding()
+            self.backend.enable_truncation(max_length=max_len, stride=0, strategy="longest_first")
+
+    def __call__(self, texts: list[str]) -> list[list[int]]:
+        if not texts:
+            return []
+        if self.backend is None:
+            return self.tokenizer(texts, add_special_tokens=False, truncation=True, max_length=self.max_len).input_ids
+        return [encoding.ids for encoding in self.backend.encode_batch(texts, add_special_tokens=False)]
 
 
-def _sft_batch(renderer: Renderer, records: list[Record], input_key: str, output_key: str | None, max_len: int,
-               multiturn: bool) -> Columns:
+def _sft_batch(renderer: Renderer, encode: BatchEncoder, records: list[Record], input_key: str,
+               output_key: str | None, multiturn: bool) -> Columns:
     """`samples.tokenize_sft` of a batch of records, the texts tokenized as one call."""
-    tokenizer = renderer.tokenizer
+    tokenizer, max_len = renderer.tokenizer, encode.max_len
     keys = (input_key,) if output_key is None else (input_key, output_key)  # named by a template's refusal
     texts, conversations, kept = [], [], []
     for record in records:
@@ -112,15 +128,17 @@ def _sft_batch(renderer: Renderer, records: list[Record], input_key: str, output
             texts.append((prompt, response))
             conversations.append(conversation)
             kept.append(record)
-    prompt_ids = _batch_ids(tokenizer, [prompt for prompt, _ in texts], max_len)
-    whole = [_sequence_text(tokenizer, prompt + response) for prompt, response in texts]
-    whole_ids = _batch_ids(tokenizer, whole, max_len)
+    prompt_ids = encode([prompt for prompt, _ in texts])
+    eos = tokenizer.eos_token
+    whole = [_sequence_text(eos, prompt + response) for prompt, response in texts]
+    whole_ids = encode(whole)
     columns: Columns = {"input_ids": [], "loss_mask": []}
+    eos_id = tokenizer.eos_token_id
     for record, conversation, own_ids, input_ids in zip(kept, conversations, prompt_ids, whole_ids):
         num_prompt = len(own_ids)
         if num_prompt >= max_len - 2:
             continue
-        input_ids[-1] = tokenizer.eos_token_id
+        input_ids[-1] = eos_id
         if input_ids[:num_prompt] != own_ids:
             _warn_merge(renderer, record)
         spans = (assistant_spans(renderer, conversation, max_len, record, keys) if conversation is not None
@@ -133,10 +151,10 @@ def _sft_batch(renderer: Renderer, records: list[Record], input_key: str, output
     return columns
 
 
-def _sequence_text(tokenizer, text: str) -> str:
+def _sequence_text(eos: str, text: str) -> str:
     """`samples.sequence_ids`' text: newlines stripped, " " + EOS unless present."""
     text = text.rstrip("\n")
-    return text if text.endswith(tokenizer.eos_token) else text + " " + tokenizer.eos_token
+    return text if text.endswith(eos) else text + " " + eos
 
 
 def _warn_merge(renderer: Renderer, record: Record) -> None:
@@ -147,11 +165,11 @@ def _warn_merge(renderer: Renderer, record: Record) -> None:
               "or --input_template ending in a space does this).", key=f"prompt-token-merges:{renderer.url}")
 
 
-def _pretraining_batch(renderer: Renderer, records: list[Record], input_key: str, max_len: int) -> Columns:
+def _pretraining_batch(renderer: Renderer, encode: BatchEncoder, records: list[Record], input_key: str) -> Columns:
     """`samples.tokenize_pretraining` of a batch of records, tokenized as one call."""
     texts = [renderer.begin(require_text(renderer.url, record, input_key, "--input_key")) for record in records]
     columns: Columns = {"input_ids": [], "loss_mask": []}
-    for input_ids in _batch_ids(renderer.tokenizer, texts, max_len):
+    for input_ids in encode(texts):
         if len(input_ids) > 1:  # the first token is never predicted
             columns["input_ids"].append(input_ids)
             columns["loss_mask"].append([1] * len(input_ids))

@@ -228,3 +228,34 @@ def test_conversations_and_a_template_refusal_as_today(toy_assets, tmp_path, mul
     with pytest.raises(UserError) as todays_error:
         tokenize_sft(Renderer(tokenizer, data, True), read_records(data), "messages", None, 64, multiturn)
     assert str(prepared_error.value) == str(todays_error.value) and "line 1" in str(todays_error.value)
+
+
+@pytest.mark.parametrize("spec", ["chatml", "llama3-base"])
+@pytest.mark.parametrize("max_len", [10, 64])
+def test_byte_level_tokenizers_and_truncation_as_today(toy_assets, tmp_path, data, spec, max_len):
+    """A byte-level BPE tokenizer saved as --pretrain (Llama 3's adds BOS, ChatML's does not), prompts and
+    responses cut at --max_len: the batch tokenization gives today's samples, --pretrain_mode too."""
+    from rlhf_core.data.samples import tokenize_pretraining
+    from tests.hub_cache import LLAMA3_BASE, QWEN2_CHATML, build_tokenizer
+
+    tokenizer = build_tokenizer({"chatml": QWEN2_CHATML, "llama3-base": LLAMA3_BASE}[spec])
+    tokenizer.save_pretrained(tmp_path / "model")
+    model = str(tmp_path / "model")
+    chat = tokenizer.chat_template is not None
+    for pretrain_mode in (False, True):
+        run = sft_run(tmp_path, model, data, max_len=max_len, apply_chat_template=chat and not pretrain_mode,
+                      pretrain_mode=pretrain_mode)
+        prepared = outcome(lambda: load_sft_samples(run, load_tokenizer(model)))
+        expected = outcome(lambda: tokenize_pretraining(data, read_records(data), load_tokenizer(model), "prompt",
+                                                        max_len) if pretrain_mode else
+                           tokenize_sft(Renderer(load_tokenizer(model), data, chat), read_records(data), "prompt",
+                                        "response", max_len))
+        assert prepared == expected
+
+
+def outcome(load) -> list | str:
+    """The samples as tuples, or the one sentence that refused them (a --max_len no chat prompt fits)."""
+    try:
+        return as_tuples(load())
+    except UserError as error:
+        return str(error)
