@@ -21,6 +21,7 @@ with code 2.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import tempfile
@@ -36,7 +37,7 @@ from rlhf_core.config_file import describe_validation_error, load_run_config
 from rlhf_core.stages import STAGES
 from rlhf_core.stages.merge import MergeConfig
 from rlhf_core.errors import RLHFError, UserError
-from rlhf_core.driver.stop import StoppedBySignal
+from rlhf_core.driver.stop import StopSignals, StoppedBySignal
 
 STAGE_CONFIGS = {name: stage.config for name, stage in STAGES.items() if stage.kind == "train"}
 RUN_FLAGS_EXCLUDED = {"stages", *STAGES}
@@ -161,26 +162,25 @@ def checkpoint_adapter(lora_path: str, local_dir: str) -> str | None:
     return os.path.join(local_dir, "actor_model", HF_WEIGHTS_DIR)
 
 
-def _run_pipeline(run: RunConfig, command_started: float | None) -> None:
+def _run_pipeline(run: RunConfig, command_started: float | None, signals: StopSignals) -> None:
     from flows.pipeline import run_pipeline
 
-    run_pipeline(run, command_started)
+    run_pipeline(run, command_started, signals)
 
 
-def run_quietly(run_url: str, run_name: str, verbose: bool, start: typing.Callable[[], Any],
+def run_quietly(run_url: str, run_name: str, verbose: bool, start: typing.Callable[[StopSignals], Any],
                 stop_grace_s: float = RunConfig.model_fields["stop_grace_s"].default) -> None:
     """`start()` (a training command) with the quiet console of rlhf_core.ops.console: its log file is written once
     the run is real, and not at all when the run is refused with a UserError. SIGTERM and Ctrl-C stop it
     after an emergency checkpoint (rlhf_core.driver.stop) from the first moment on, Prefect's start included."""
     import flows.pipeline  # noqa: F401 - importing prefect sets up its logging; the console's filters go on it
-    from rlhf_core.driver import stop
     from rlhf_core.ops.console import configure_console, discard_log_file, open_log_file, reset_console
     from rlhf_core.ops.run_log import log_file_for
 
     configure_console(log_file_for(run_url, run_name), verbose)
     try:
-        with stop.obeying_signals(stop_grace_s, owns_process=True):
-            start()
+        with StopSignals(stop_grace_s, owns_process=True).obeying() as signals:
+            start(signals)
     except UserError:
         discard_log_file()
         reset_console()  # the one-sentence error prints as usual; an in-process caller (tests) gets logging back
@@ -239,13 +239,15 @@ def _cmd_toy(args: argparse.Namespace) -> None:
 def _cmd_train(args: argparse.Namespace) -> None:
     run = run_config_from_flags(args.stage, _own_flags(args, "stage"))
     started = getattr(args, "command_started", None)
-    run_quietly(run.run_url(), run.run_name, run.verbose, lambda: _run_pipeline(run, started), run.stop_grace_s)
+    run_quietly(run.run_url(), run.run_name, run.verbose, functools.partial(_run_pipeline, run, started),
+                run.stop_grace_s)
 
 
 def _cmd_run(args: argparse.Namespace) -> None:
     run = load_run_config(args.config)
     started = getattr(args, "command_started", None)
-    run_quietly(run.run_url(), run.run_name, run.verbose, lambda: _run_pipeline(run, started), run.stop_grace_s)
+    run_quietly(run.run_url(), run.run_name, run.verbose, functools.partial(_run_pipeline, run, started),
+                run.stop_grace_s)
 
 
 def _cmd_lora_combiner(args: argparse.Namespace) -> None:
@@ -256,7 +258,8 @@ def _cmd_demo(args: argparse.Namespace) -> None:
     from flows.demo import demo_config, run_demo
 
     demo_run = demo_config(args.workdir, args.num_workers)
-    run_quietly(demo_run.run_url(), demo_run.run_name, args.verbose, lambda: run_demo(args.workdir, args.num_workers))
+    run_quietly(demo_run.run_url(), demo_run.run_name, args.verbose,
+                functools.partial(run_demo, args.workdir, args.num_workers))
 
 
 if __name__ == "__main__":

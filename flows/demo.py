@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 
+from rlhf_core.driver.stop import StopSignals
 from rlhf_core.config import RunConfig
 from rlhf_core.stages.export import ExportConfig
 from rlhf_core.stages.merge import MergeConfig
@@ -49,13 +50,13 @@ def demo_config(workdir: str, num_workers: int, stages: list[str] | None = None)
     )
 
 
-def run_demo(workdir: str, num_workers: int = 1) -> None:
+def run_demo(workdir: str, num_workers: int = 1, signals: StopSignals | None = None) -> None:
     from flows.pipeline import run_pipeline
     from rlhf_core.models.evaluate import mean_gold_score
 
     started = time.perf_counter()
     toy = init_toy(os.path.join(workdir, "toy"))
-    summary = run_pipeline(demo_config(workdir, num_workers))
+    summary = run_pipeline(demo_config(workdir, num_workers), signals=signals)
     print("\n== demo summary ==")
     for stage, result in summary.items():
         print(f"{stage}: {result['save_path']} ({result['seconds']:.1f} s)")

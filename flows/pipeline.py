@@ -21,7 +21,8 @@ from prefect.events import emit_event
 from prefect.states import Cancelled, State
 
 from flows.stage_report import StageReport, artifact_key
-from rlhf_core.driver import preflight, stop
+from rlhf_core.driver import preflight
+from rlhf_core.driver.stop import StopSignals
 from rlhf_core.ops.alerts import NonFiniteTraining
 from rlhf_core.driver.chunk import ChunkResult
 from rlhf_core.driver.plan import Checked, resolve_paths
@@ -147,7 +148,7 @@ def rlhf_stage(runner: StageRunner, stage: str, upstream_digest: str = "", chunk
     before a chunk that would train once `chunks_left` is 0 or `stop_at` has passed (budgets of the parent flow
     run, which has trained `chunks_trained_before` chunks in earlier stages; the time budget applies after the
     first); returns the stage summary."""
-    with stop.obeying_signals(runner.run.stop_grace_s):  # Prefect's subflow engine put its SIGTERM handler back
+    with runner.signals.obeying():  # Prefect's subflow engine put its SIGTERM handler back
         return _train_stage_chunks(runner, stage, upstream_digest, chunks_left, stop_at, chunks_trained_before)
 
 
@@ -185,8 +186,8 @@ def _train_stage_chunks(runner: StageRunner, stage: str, upstream_digest: str, c
         if state.name != "Cached":
             _emit_commit_events(run, result)
         report.add_chunk(result, _chunk_status(run, state.name, result))
-    if stop.requested():  # the stage's last chunk committed; the next run of the command exports it
-        return _cancelled(stage, plan.total_steps, run)
+    if runner.signals.requested():  # the stage's last chunk committed; the next run of the command exports it
+        return _cancelled(runner, stage, plan.total_steps)
     save_path = export_model(runner, stage, plan.total_steps, plan)
     report.finish(save_path)
     logger.info("%s: exported the final model (step %d) to %s", stage, plan.total_steps, save_path)
@@ -195,9 +196,9 @@ def _train_stage_chunks(runner: StageRunner, stage: str, upstream_digest: str, c
             "chunks_trained": num_trained}
 
 
-def _cancelled(stage: str, step: int, run: RunConfig) -> State:
+def _cancelled(runner: StageRunner, stage: str, step: int) -> State:
     """The Cancelled state of a flow that a stop signal ends between chunks or stages."""
-    return Cancelled(message=str(stop.stopped(stage, step, run.stage_url(stage))))
+    return Cancelled(message=str(runner.signals.stopped(stage, step, runner.run.stage_url(stage))))
 
 
 def _chunk_status(run: RunConfig, state_name: str, result: ChunkResult) -> str:
@@ -232,8 +233,9 @@ def rlhf_output_stage(run: RunConfig, stage: str) -> dict:
 def rlhf(config: RunConfig) -> dict:
     """Run the requested RLHF stages in order; each stage resumes from its newest valid checkpoint.
     Returns {stage: summary}; a stage stopped by a run budget has status "stopped-by-budget"."""
-    with stop.obeying_signals(config.stop_grace_s), StageRunner(resolve_paths(config)) as runner:  # in place of
-        return _run_stages(runner, prepared=False)  # Prefect's SIGTERM handler (Crashed)
+    runner = StageRunner(resolve_paths(config))
+    with runner.signals.obeying(), runner:  # in place of Prefect's SIGTERM handler (Crashed)
+        return _run_stages(runner, prepared=False)
 
 
 def _rlhf_on(runner: StageRunner) -> Flow:
@@ -241,7 +243,7 @@ def _rlhf_on(runner: StageRunner) -> Flow:
     worker group started beside Prefect's server and whose preflight already resolved and checked the run."""
 
     def rlhf_on_runner(config: RunConfig) -> dict:
-        with stop.obeying_signals(config.stop_grace_s):
+        with runner.signals.obeying():
             prepared = runner.is_checked(config)
             if not prepared:
                 runner.run = resolve_paths(config)
@@ -268,10 +270,10 @@ def _run_stages(runner: StageRunner, prepared: bool) -> dict | State:
         try:
             _prestart_first_training_stage(runner)  # a deployment run's; the CLI's run_pipeline started it already
             for stage in run.stages:
-                if stop.requested():  # between stages: the last one finished, the next run starts this one
+                if runner.signals.requested():  # between stages: the last one finished, the next run starts this
                     done = [name for name in summary if STAGES[name].kind == "train"]
-                    return _cancelled(done[-1], summary[done[-1]]["final_step"], run) if done else \
-                        _cancelled(stage, 0, run)
+                    return _cancelled(runner, done[-1], summary[done[-1]]["final_step"]) if done else \
+                        _cancelled(runner, stage, 0)
                 started = time.perf_counter()
                 kind = STAGES[stage].kind
                 if kind in ("merge", "export"):
@@ -295,12 +297,13 @@ def _run_stages(runner: StageRunner, prepared: bool) -> dict | State:
     return summary
 
 
-def run_pipeline(run: RunConfig, command_started: float | None = None) -> dict:
+def run_pipeline(run: RunConfig, command_started: float | None = None, signals: StopSignals | None = None) -> dict:
     """The flow `rlhf` run in this process, after everything that can be checked before Prefect starts has been
     (rlhf_core.driver.preflight): a user mistake is then one sentence, not a failed flow run's traceback.
-    `command_started`: when the command began (the goodput ledger counts its start-up from there)."""
+    `command_started`: when the command began (the goodput ledger counts its start-up from there); `signals`: the
+    command's stop signals (by default the run's own, obeyed from the flow's start)."""
     checked: Checked = preflight.preflight(run)
-    with StageRunner(checked.run, checked, command_started) as runner:
+    with StageRunner(checked.run, checked, command_started, signals) as runner:
         server_start = _start_ephemeral_server_in_background()
         try:
             _prestart_first_training_stage(runner)  # Ray and the first ranks start beside Prefect
@@ -308,8 +311,8 @@ def run_pipeline(run: RunConfig, command_started: float | None = None) -> dict:
             if server_start is not None:
                 server_start.join()  # never leave the start half done (an exit would wait on it)
         state = _rlhf_on(runner)(config=checked.run, return_state=True)
-    if state.is_cancelled() and stop.outcome() is not None:
-        raise stop.outcome()
+    if state.is_cancelled() and runner.signals.outcome is not None:
+        raise runner.signals.outcome
     return state.result()
 
 
@@ -320,7 +323,7 @@ def _prestart_first_training_stage(runner: StageRunner) -> None:
 
     training = [stage for stage in runner.run.stages if STAGES[stage].kind == "train"]
     if training:
-        ensure_ray(runner.run.ray_address)
+        ensure_ray(runner.run.ray_address, runner.signals)
         runner.prestart(training[0])
 
 

@@ -25,6 +25,22 @@ class WorkerLost(RLHFError, RuntimeError):
     """A rank's actor or node died mid-chunk; the chunk is retried from the last commit."""
 
     retryable = True
+    lost_to: ClassVar[str] = "lost ranks"  # the goodput ledger's name for the time it cost
+
+
+class RankHung(RLHFError, RuntimeError):
+    """A rank made no progress within its deadline (`rlhf_core.driver.hang`): the ranks are killed and the chunk
+    is retried from the last commit."""
+
+    retryable = True
+    lost_to: ClassVar[str] = "hangs"
+
+    def __init__(self, message: str, rank: int = 0, stacks_path: str | None = None):
+        super().__init__(message)
+        self.rank, self.stacks_path = rank, stacks_path
+
+    def __reduce__(self):  # picklable with its fields (Ray and Prefect may persist it)
+        return (type(self), (str(self), self.rank, self.stacks_path))
 
 
 class PlacementFailed(RLHFError, RuntimeError):

@@ -1,5 +1,5 @@
 """Fault injection for tests: pause or die at a named point (`fault_point`), chosen by an environment variable such
-as `RLHF_FAULT_INJECT="after_commit@10=sleep:60,train_step@7=kill"`; unset, it does nothing.
+as `RLHF_FAULT_INJECT="after_commit@10=sleep:60,train_step@7=kill,collective@9=hang"`; unset, it does nothing.
 docs/design-notes.md ("Fault injection") has the rules and RLHF_FAULT_JOB_PID, RLHF_FAULT_STATE.
 """
 
@@ -62,5 +62,7 @@ def fault_point(name: str, step: int) -> None:
             if job_pid and job_pid != os.getpid():
                 os.kill(job_pid, signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "hang":  # as a stuck collective or a dead mount: the process stops, answering nothing
+            os.kill(os.getpid(), signal.SIGSTOP)
         elif action.startswith("sleep:"):
             time.sleep(float(action.split(":", 1)[1]))

@@ -4,15 +4,34 @@ found: the data, the model, the precision, the DeepSpeed config."""
 from __future__ import annotations
 
 import logging
+import threading
 
 logger = logging.getLogger(__name__)
 
-_warned: set[str] = set()
+
+class OncePerKey(logging.Filter):
+    """Lets through the first record of each key (`extra={"rlhf_once": key}`). Installed on this module's logger,
+    so logging holds the process's memory of what was said, beside its handlers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys_seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = getattr(record, "rlhf_once", None)
+        if key is None:
+            return True
+        with self._lock:
+            first = key not in self.keys_seen
+            self.keys_seen.add(key)
+        return first
+
+
+logger.addFilter(OncePerKey())
 
 
 def warn_once(message: str, key: str | None = None) -> None:
     """One warning line per process for a setting that has no effect (or a reduced one) here; with `key`, one
     per key (a message naming the first of many rows it applies to)."""
-    if (key or message) not in _warned:
-        _warned.add(key or message)
-        logger.warning(message)
+    logger.warning(message, extra={"rlhf_once": key or message})

@@ -98,6 +98,13 @@ class RunSettings(BaseModel):
                                    "for leaving), else the last commit stands; a second signal leaves at once. 25 "
                                    "fits Kubernetes' default 30 s terminationGracePeriodSeconds.")
     )
+    hang_timeout_s: float | None = Field(
+        None, gt=0, **operational("Seconds a rank may go without progress (a step, a load, a snapshot, a write) "
+                                   "before the run takes it for hung: its stacks go to the run's log, the ranks "
+                                   "are replaced and the chunk is retried from the last commit. Default: "
+                                   "max(60, 5x the slowest step so far), 900 during a checkpoint's write. Before "
+                                   "the ranks' first step (imports, set-up, the load) at least 900.")
+    )
     verbose: bool = Field(
         False, **operational("Show Ray's and DeepSpeed's full logs on the console (they always go to the log "
                               "file in the run folder).")

@@ -11,7 +11,7 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 
-from rlhf_core.driver import stop
+from rlhf_core.driver.stop import GraceExpired
 from rlhf_core.ops.alerts import AlertLog, NonFiniteTraining, history_entry, non_finite_metrics
 from rlhf_core.ops.commit_alerts import commit_alerts, expected_bytes_from_metadata
 from rlhf_core.storage.checkpoint import CheckpointStore
@@ -181,8 +181,8 @@ def ensure_checkpoint(runner: StageRunner, stage: str, target_step: int, lineage
     if committed is not None:
         return committed
     warm_group = runner.warm_group
-    if stop.requested() and (warm_group is None or warm_group.training_ahead_to is None):
-        raise stop.stopped(stage, newest, run.stage_url(stage))  # nothing trained since the last commit
+    if runner.signals.requested() and (warm_group is None or warm_group.training_ahead_to is None):
+        raise runner.signals.stopped(stage, newest, run.stage_url(stage))  # nothing trained since the last commit
     runner.ledger.chunk_started(stage, newest, target_step)
     reached = newest
     try:
@@ -195,16 +195,18 @@ def ensure_checkpoint(runner: StageRunner, stage: str, target_step: int, lineage
         step_metrics = train_and_log(group, start_step, target_step, trackers,
                                      run.section(stage, StageConfig).logging_steps, stage, plan.total_steps)
         reached, timing.trained = group.step, time.perf_counter()
-        _require_progress(run, stage, start_step, reached, target_step)
+        _require_progress(runner, run, stage, start_step, reached, target_step)
         outcome = commit_chunk(runner, stage, plan, store, group, infos, start_step, step_metrics, trackers,
-                               train_ahead and not stop.requested())
-    except stop.GraceExpired:
+                               train_ahead and not runner.signals.requested())
+    except GraceExpired:
         runner.trackers.close(run, stage)
         runner.release_workers()  # kills the ranks: the step in flight, or its half-written checkpoint, is abandoned
-        raise stop.stopped(stage, newest, run.stage_url(stage), stopped_at=reached, abandoned=True) from None
-    except BaseException:
+        raise runner.signals.stopped(stage, newest, run.stage_url(stage), stopped_at=reached,
+                                     abandoned=True) from None
+    except BaseException as error:
         runner.trackers.close(run, stage, failed=True)
         runner.release_workers()  # the group's state is unknown after a failure: never reuse it
+        runner.ledger.chunk_failed(stage, getattr(error, "lost_to", None))
         raise
     timing.commit_seconds = outcome.seconds
     return _retain(runner, run, stage, plan, store, group, start_step, target_step, outcome, timing)
@@ -218,7 +220,7 @@ def _committed_result(runner: StageRunner, stage: str, plan: StagePlan, store: C
     train it again)."""
     if infos and infos[-1].step == target_step and infos[-1].is_committed:
         done = infos[-1]
-        stop.record_commit(stage, target_step, runner.run.stage_url(stage))
+        runner.signals.record_commit(stage, target_step, runner.run.stage_url(stage))
         if target_step == plan.total_steps:
             runner.trackers.close(runner.run, stage)
         return ChunkResult(stage, target_step, done.uri, done.manifest_digest, 0,
@@ -229,12 +231,13 @@ def _committed_result(runner: StageRunner, stage: str, plan: StagePlan, store: C
     return None
 
 
-def _require_progress(run: RunConfig, stage: str, start_step: int, reached: int, target_step: int) -> None:
+def _require_progress(runner: StageRunner, run: RunConfig, stage: str, start_step: int, reached: int,
+                      target_step: int) -> None:
     """The ranks stop short of the target only for a stop signal; one before the first step commits nothing."""
-    if reached < target_step and not stop.requested():
+    if reached < target_step and not runner.signals.requested():
         raise RuntimeError(f"the ranks stopped at step {reached}, short of {target_step}, with no stop requested")
-    if reached == start_step and stop.requested():
-        raise stop.stopped(stage, start_step, run.stage_url(stage))
+    if reached == start_step and runner.signals.requested():
+        raise runner.signals.stopped(stage, start_step, run.stage_url(stage))
 
 
 def _retain(runner: StageRunner, run: RunConfig, stage: str, plan: StagePlan, store: CheckpointStore,
@@ -242,7 +245,7 @@ def _retain(runner: StageRunner, run: RunConfig, stage: str, plan: StagePlan, st
             timing: ChunkTiming) -> ChunkResult:
     """After the commit: record it, apply retention, account the chunk's time, and hand the flow its result."""
     reached = outcome.info.step
-    stop.record_commit(stage, reached, run.stage_url(stage))
+    runner.signals.record_commit(stage, reached, run.stage_url(stage))
     if reached == plan.total_steps:
         runner.trackers.close(run, stage)
     fault_point("after_commit", reached)
@@ -253,7 +256,7 @@ def _retain(runner: StageRunner, run: RunConfig, stage: str, plan: StagePlan, st
     runner.ledger.chunk_committed(stage, reached, seconds, num_steps=reached - start_step,
                                   trained_ahead_s=trained_ahead_s)
     if reached < target_step:  # an emergency checkpoint: the stop is done
-        raise stop.stopped(stage, reached, run.stage_url(stage))
+        raise runner.signals.stopped(stage, reached, run.stage_url(stage))
     return ChunkResult(stage, reached, outcome.info.uri, outcome.info.manifest_digest, reached - start_step,
                        outcome.summary, seconds, group.world_size,
                        [json.loads(alert.to_json()) for alert in outcome.alerts], outcome.info.size_bytes)
@@ -351,7 +354,7 @@ def _commit(runner: StageRunner, run: RunConfig, stage: str, store: CheckpointSt
     except StoreFull:
         store.discard(pending)  # its space back for the next try; the committed steps are untouched
         raise
-    except stop.GraceExpired:
+    except GraceExpired:
         runner.release_workers()  # no rank writes into it any more
         with contextlib.suppress(OSError):
             store.discard(pending)  # else the next run sets it aside as a leftover

@@ -13,16 +13,19 @@ import os
 import secrets
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import ray
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rlhf_core.driver import stop
+from rlhf_core.driver.stop import StopSignals
 from rlhf_core.config import RunConfig
 from rlhf_core.rank.ds_config import resolve_zero_stage
-from rlhf_core.errors import RLHFError, UserError, WorkerLost
+from rlhf_core.driver.hang import HangWatch, dump_rank_stacks, save_stacks, stuck_frame
+from rlhf_core.errors import RankHung, RLHFError, UserError, WorkerLost
+from rlhf_core.ops.alerts import ALERT_HANG, Alert, AlertLog
+from rlhf_core.ops.run_log import log_file_for
 from rlhf_core.ops.goodput import writer_slowdown
 from rlhf_core.rank.worker import RankLocation, TrainWorker
 from rlhf_core.driver.placement import placement_bundle, reserve_placement
@@ -41,8 +44,10 @@ STOP_POLL_S, STOP_SHUTDOWN_S = 0.5, 2.0
 class WorkerGroup:
     """TrainWorker actors in one placement group, acting as one data-parallel DeepSpeed job."""
 
-    def __init__(self, run: RunConfig):
-        ensure_ray(run.ray_address)
+    def __init__(self, run: RunConfig, signals: StopSignals | None = None):
+        """`signals`: the run's stop signals (a stop asks the ranks to stop after their step); none by default."""
+        self.signals = signals or StopSignals(run.stop_grace_s)
+        ensure_ray(run.ray_address, self.signals)
         self.placement, self.world_size = reserve_placement(run)
         strategies = [PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank)
                       for rank in range(self.world_size)]
@@ -57,7 +62,10 @@ class WorkerGroup:
         remote_worker = ray.remote(concurrency_groups={"io": 1, "control": 1})(TrainWorker)  # type: ignore[call-overload]
         self.workers = [remote_worker.options(scheduling_strategy=strategy, **options).remote(rank, self.world_size)
                         for rank, strategy in enumerate(strategies)]
-        self._stop_listener = stop.on_request(self.request_stop)
+        self._stop_listener = self.signals.on_request(self.request_stop)
+        self._watch = HangWatch(self.workers, run.hang_timeout_s)
+        self._run_where = (run.run_url(), run.run_name, run.storage_options)  # for a hang's stacks and alert
+        self._stage = ""
         self.locations: list[RankLocation] = []
         self._model_sizes: dict | None = None
         try:
@@ -101,7 +109,7 @@ class WorkerGroup:
         cfg = run.section(stage, StageConfig)
         self.zero_stage = resolve_zero_stage(cfg.zero_stage, self.world_size, cfg.adam_offload, saved_zero_stage)
         run = run.model_copy(update={stage: cfg.model_copy(update={"zero_stage": self.zero_stage})})
-        self._model_sizes = None
+        self._model_sizes, self._stage = None, stage
         self._clean_step_seconds = None  # another stage's steps take another time: no baseline carries over
         self._gather([worker.setup.remote(run, stage, chunk_ends, load_universal) for worker in self.workers])
 
@@ -125,7 +133,7 @@ class WorkerGroup:
             metrics = self._collect(ahead)
         if self.step > target_step:
             raise RuntimeError(f"the worker group trained ahead to step {self.step}, past the target {target_step}")
-        if self.step < target_step and not stop.requested():
+        if self.step < target_step and not self.signals.requested():
             metrics += self._collect([worker.train_until.remote(target_step) for worker in self.workers])
         return metrics
 
@@ -197,7 +205,7 @@ class WorkerGroup:
             if placement is not None:
                 remove_placement_group(placement)
 
-        if not stop.requested():
+        if not self.signals.requested():
             release()
             return
         releasing = threading.Thread(target=release, name="rlhf-release-ranks", daemon=True)
@@ -205,9 +213,10 @@ class WorkerGroup:
         releasing.join(STOP_SHUTDOWN_S)
 
     def _gather(self, refs):
-        """`gather`, with a dead rank reported as a WorkerLost naming its node."""
+        """`gather`, with a dead rank reported as a WorkerLost naming its node, and a hung one as RankHung."""
+        self._watch.restart()
         try:
-            return gather(refs)
+            return gather(refs, self.signals, self._check_progress)
         except ray.exceptions.RayActorError as error:  # ActorDiedError, ActorUnavailableError
             raise WorkerLost(self._describe_loss(error)) from None
         except ray.exceptions.RayTaskError as error:
@@ -217,6 +226,28 @@ class WorkerGroup:
             if lost is None:
                 raise
             raise WorkerLost(self._describe_loss(lost)) from error
+
+    def _check_progress(self) -> None:
+        """Raise RankHung, with every rank's stacks saved and an alert recorded, once a rank is past its deadline."""
+        hung = self._watch.poll()
+        if hung is None:
+            return
+        run_url, run_name, storage_options = self._run_where
+        location = self.locations[hung.rank] if hung.rank < len(self.locations) else None
+        dumps = {rank: dump_rank_stacks(where) for rank, where in enumerate(self.locations)}
+        path = os.path.join(os.path.dirname(log_file_for(run_url, run_name)),
+                            f"hang-{time.strftime('%Y%m%d-%H%M%S')}-rank{hung.rank}.txt")
+        save_stacks(path, dumps)
+        node = f" on node {location.describe()}" if location else ""
+        doing = ", ".join(hung.phases) or "starting"
+        frame = stuck_frame(dumps.get(hung.rank, "")) or "a frame py-spy could not read"
+        message = (f"rank {hung.rank}{node} made no progress for {hung.stalled_s:.0f} s ({doing}; --hang_timeout_s "
+                   f"{hung.deadline_s:g}), stuck in {frame}; its stacks and the driver's are in {path}; the ranks "
+                   "are replaced and the chunk retried from the last commit.")
+        with contextlib.suppress(Exception):  # the alert must not hide the hang
+            AlertLog(run_url, storage_options).append(Alert(ALERT_HANG, run_name, self._stage, self.step, message,
+                                                            {"rank": hung.rank, "stacks_path": path}))
+        raise RankHung(message, hung.rank, path)
 
     def _first_lost_rank(self, timeout_s: float) -> Exception | None:
         """Ping every rank: the RayActorError of the first one that is gone, None if none is known lost."""
@@ -291,15 +322,19 @@ def threads_asked() -> int | None:
     return int(value)
 
 
-def gather(refs):
+def gather(refs, signals: StopSignals | None = None, on_wait: Callable[[], None] | None = None):
     """`ray.get(refs)`, re-raising a rank's named failure (`rlhf_core.errors`) as itself (Ray wraps it in a
-    RayTaskError), so the retry policy and the CLI see its class. Once a stop
-    signal has arrived, waits only until the emergency checkpoint's deadline (`rlhf_core.driver.stop.GraceExpired`)."""
+    RayTaskError), so the retry policy and the CLI see its class. Once a stop signal has arrived, waits only until
+    `signals`' emergency checkpoint deadline (`rlhf_core.driver.stop.GraceExpired`); calls `on_wait` every
+    STOP_POLL_S while it waits (the hang watch)."""
     pending = list(refs) if isinstance(refs, list) else [refs]
     while pending:
         _, pending = ray.wait(pending, num_returns=len(pending), timeout=STOP_POLL_S)
         if pending:
-            stop.check_deadline()
+            if signals is not None:
+                signals.check_deadline()
+            if on_wait is not None:
+                on_wait()
     try:
         return ray.get(refs)
     except ray.exceptions.RayTaskError as error:
@@ -309,7 +344,7 @@ def gather(refs):
         raise
 
 
-def ensure_ray(ray_address: str | None) -> None:
+def ensure_ray(ray_address: str | None, signals: StopSignals | None = None) -> None:
     """Connect to `ray_address` (or RAY_ADDRESS; `ray://` as a Ray client), else start a local cluster,
     once per process."""
     if ray.is_initialized():
@@ -317,24 +352,26 @@ def ensure_ray(ray_address: str | None) -> None:
     from rlhf_core.ops import console  # the CLI's quiet console: actors' output to the run's log file
 
     address = ray_address or os.environ.get("RAY_ADDRESS") or None
-    with _ray_keeps_off_sigterm():
+    obeying = signals is not None and signals.is_obeying()
+    with _ray_keeps_off_sigterm(obeying):
         if address and address.startswith("ray://"):
             _connect_client(address, console.ray_init_options(client=True))
         else:
             ray.init(address=address, include_dashboard=False, configure_logging=True, **console.ray_init_options())
-    stop.reclaim_signals()
+    if signals is not None:
+        signals.reclaim()
     console.route_ray_worker_output()
 
 
 @contextlib.contextmanager
-def _ray_keeps_off_sigterm():
+def _ray_keeps_off_sigterm(obeying: bool):
     """`ray.init` first installs a SIGTERM handler that exits with code 15 (in the middle of its own start,
     leaving its processes behind); inside a stop-obeying run (rlhf_core.driver.stop) it is kept from doing so, through
-    the private function it calls. Should that name move, `stop.reclaim_signals` after the start still holds."""
+    the private function it calls. Should that name move, `StopSignals.reclaim` after the start still holds."""
     from ray._private import utils as ray_utils
 
     original = getattr(ray_utils, "set_sigterm_handler", None)
-    if original is None or not stop.obeying():
+    if original is None or not obeying:
         yield
         return
     ray_utils.set_sigterm_handler = lambda handler: None

@@ -15,6 +15,7 @@ from typing import Iterator
 from rlhf_core.config import RunConfig, semantic_hash
 from rlhf_core.driver.engine import WorkerGroup, group_settings
 from rlhf_core.driver.plan import Checked, StagePlan, plan_stage
+from rlhf_core.driver.stop import StopSignals
 from rlhf_core.driver.resume import Lineage, StartState, load_start
 from rlhf_core.ops.goodput import GoodputLedger
 from rlhf_core.ops.trackers import OpenTrackers
@@ -37,8 +38,8 @@ class WarmGroup:
 class Prestart:
     """A worker group being started in a thread, and the settings it was started with."""
 
-    def __init__(self, run: RunConfig, stage: str):
-        self.settings = group_settings(run)
+    def __init__(self, run: RunConfig, stage: str, signals: StopSignals):
+        self.settings, self.signals = group_settings(run), signals
         self.outcome: WorkerGroup | BaseException | None = None
         self.thread = threading.Thread(target=self._build, args=(run, stage), name="rlhf-prestart-workers",
                                        daemon=True)
@@ -46,7 +47,7 @@ class Prestart:
 
     def _build(self, run: RunConfig, stage: str) -> None:
         try:
-            group = WorkerGroup(run)
+            group = WorkerGroup(run, self.signals)
             group.warm_up(run, stage)
             self.outcome = group
         except BaseException as error:  # noqa: BLE001 - handed to the chunk that adopts the group
@@ -82,13 +83,16 @@ class StageRunner:
 
     # Slots, not a __dict__: a Prefect flow stores its parameters' JSON, and an object it cannot encode it stores
     # as its type name only (the runner is a subflow's and a task's argument; it holds processes, not data).
-    __slots__ = ("run", "checked", "ledger", "trackers", "lease", "_warm", "_prestart", "_plans")
+    __slots__ = ("run", "checked", "signals", "ledger", "trackers", "lease", "_warm", "_prestart", "_plans")
 
-    def __init__(self, run: RunConfig, checked: Checked | None = None, command_started: float | None = None):
+    def __init__(self, run: RunConfig, checked: Checked | None = None, command_started: float | None = None,
+                 signals: StopSignals | None = None):
         """`run`: the run, its paths resolved (`resolve_paths`); every chunk reads it here. `checked`: the run as
         preflight resolved and checked it, with its plans; `command_started`: when the command began (its goodput
-        attempt counts the start-up from there)."""
+        attempt counts the start-up from there); `signals`: the command's stop signals (by default the run's own,
+        obeyed inside the flow)."""
         self.run = run
+        self.signals = signals or StopSignals(run.stop_grace_s)
         self.checked = checked
         self.ledger = GoodputLedger(run.run_url(), run.storage_options, command_started=command_started)
         self.trackers = OpenTrackers()
@@ -170,7 +174,7 @@ class StageRunner:
             return self._prestart
         if self._prestart is not None:
             self._prestart.discard()
-        self._prestart = Prestart(run, stage)
+        self._prestart = Prestart(run, stage, self.signals)
         return self._prestart
 
     def group_at(self, stage: str, plan: StagePlan, store: CheckpointStore, infos: list[CheckpointInfo],
@@ -185,7 +189,7 @@ class StageRunner:
                 and warm.group.step == infos[-1].step:
             return warm.group, None
         self._release_warm()
-        group = self._take_prestarted(run) or WorkerGroup(run)
+        group = self._take_prestarted(run) or WorkerGroup(run, self.signals)
         group.log_placement()
         self._warm = WarmGroup(group, identity)
         start = load_start(run, stage, store, infos, lineage, group, plan.targets)

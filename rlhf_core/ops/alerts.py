@@ -26,7 +26,8 @@ logger = logging.getLogger(__name__)
 ALERT_REWARD_STAGNANT = "rlhf.alert.reward-stagnant"
 ALERT_CHECKPOINT_SIZE = "rlhf.alert.checkpoint-size"
 ALERT_NON_FINITE = "rlhf.alert.non-finite"
-ALERT_NAMES = (ALERT_REWARD_STAGNANT, ALERT_CHECKPOINT_SIZE, ALERT_NON_FINITE)
+ALERT_HANG = "rlhf.alert.hang"
+ALERT_NAMES = (ALERT_REWARD_STAGNANT, ALERT_CHECKPOINT_SIZE, ALERT_NON_FINITE, ALERT_HANG)
 ALERTS_FILE_NAME = "alerts.jsonl"
 
 

@@ -26,8 +26,10 @@ _PREFECT_NOISE = re.compile(r"^(Starting|Stopping) temporary server on |^Finishe
 
 
 @dataclass
-class _Console:
-    """What `configure_console` set up in this process (one per process)."""
+class Console:
+    """What `configure_console` set up: the log file, verbosity, the live bar and the warnings shown. Logging is
+    the process's, so the console lives where logging keeps its set-up: its file handler on the root logger
+    (`current_console`), with no copy of its own here."""
 
     verbose: bool
     file_handler: RunLogHandler
@@ -43,32 +45,41 @@ class _Console:
             return True
 
 
-_console: _Console | None = None
+def current_console() -> Console | None:
+    """The quiet console installed on the root logger by `configure_console`; None when there is none."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, RunLogHandler) and isinstance(handler.owner, Console):
+            return handler.owner
+    return None
 
 
 def configured_log_file() -> str | None:
     """The log file of this process's quiet console, or None when `configure_console` was not called."""
-    return _console.file_handler.path if _console else None
+    console = current_console()
+    return console.file_handler.path if console else None
 
 
 def open_log_file() -> None:
     """Start writing the log file (with what was held so far) and say where it is; idempotent."""
-    if _console is not None and _console.file_handler.open():
+    console = current_console()
+    if console is not None and console.file_handler.open():
         logging.getLogger(__name__).info("full log (Ray actors, DeepSpeed, Prefect) in %s",
-                                         _console.file_handler.path)
+                                         console.file_handler.path)
 
 
 def discard_log_file() -> None:
     """The run was refused before it started: write no log file."""
-    if _console is not None and not _console.file_handler.is_open:
-        _console.file_handler.discard()
+    console = current_console()
+    if console is not None and not console.file_handler.is_open:
+        console.file_handler.discard()
 
 
 class _LibraryConsoleFilter(logging.Filter):
     """On a library's own console handler: errors only (unless verbose)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        shown = _console is None or _console.verbose or record.levelno >= logging.ERROR
+        console = current_console()
+        shown = console is None or console.verbose or record.levelno >= logging.ERROR
         if shown:
             end_live_line()
         return shown
@@ -79,10 +90,11 @@ class _CopyToFileThenGate(logging.Filter):
     file, and only errors go on to the logger's own console handler (unless verbose)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if _console is None:
+        console = current_console()
+        if console is None:
             return True
-        _console.file_handler.handle(record)
-        shown = _console.verbose or record.levelno >= logging.ERROR
+        console.file_handler.handle(record)
+        shown = console.verbose or record.levelno >= logging.ERROR
         if shown:
             end_live_line()
         return shown
@@ -108,21 +120,22 @@ class _RootConsoleFilter(logging.Filter):
     warning once, chunk lines drawn as the live bar on a terminal, the rest as is (after ending the bar's line)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if _console is None or _console.verbose:
+        console = current_console()
+        if console is None or console.verbose:
             return True
         if record.levelno < logging.WARNING:
             message = record.getMessage()
             if _PREFECT_NOISE.search(message):
                 return False
-            if _console.live_bar is not None:
+            if console.live_bar is not None:
                 if not hasattr(record, "rlhf_on_live_bar"):  # drawn once, whatever the number of handlers
-                    setattr(record, "rlhf_on_live_bar", _console.live_bar.draw_chunk_line(message))
+                    setattr(record, "rlhf_on_live_bar", console.live_bar.draw_chunk_line(message))
                 if getattr(record, "rlhf_on_live_bar"):
                     return False
         if logging.WARNING <= record.levelno < logging.ERROR:
             # Decided once per record: with several console handlers, the second must not see a repeat.
             if not hasattr(record, "rlhf_first_time"):
-                setattr(record, "rlhf_first_time", _console.first_time((record.name, record.getMessage())))
+                setattr(record, "rlhf_first_time", console.first_time((record.name, record.getMessage())))
             if not getattr(record, "rlhf_first_time"):
                 return False
         end_live_line()
@@ -165,12 +178,12 @@ def configure_console(log_file: str, verbose: bool = False, live_progress: bool 
     `live_progress`: draw the chunk lines as live bars (default: when the root logger's console handler
     writes to a terminal; never when verbose, where other programs' lines would cut through the bar).
     """
-    global _console
     file_handler = RunLogHandler(log_file)
-    if _console is not None:  # configured again in this process (tests): the old file is let go everywhere
+    previous = current_console()
+    if previous is not None:  # configured again in this process (tests): the old file is let go everywhere
         for name in ("", *LIBRARY_LOGGERS):
-            logging.getLogger(name).removeHandler(_console.file_handler)
-        _console.file_handler.close()
+            logging.getLogger(name).removeHandler(previous.file_handler)
+        previous.file_handler.close()
     root = logging.getLogger()
     console_handlers = [handler for handler in root.handlers if _is_console_handler(handler)]
     streams = [handler.stream for handler in console_handlers]
@@ -178,7 +191,8 @@ def configure_console(log_file: str, verbose: bool = False, live_progress: bool 
     if live_progress is None:
         live_progress = terminal is not None
     bar_stream = terminal or (streams[0] if streams else sys.stderr)
-    _console = _Console(verbose, file_handler, LiveBar(bar_stream) if live_progress and not verbose else None)
+    file_handler.owner = Console(verbose, file_handler,
+                                 LiveBar(bar_stream) if live_progress and not verbose else None)
     for handler in console_handlers:
         _add_once(handler, _RootConsoleFilter())
         if not isinstance(handler.formatter, _OwnLineFormatter):
@@ -201,42 +215,43 @@ def configure_console(log_file: str, verbose: bool = False, live_progress: bool 
 
 def reset_console() -> None:
     """Undo `configure_console` in this process (tests): filters, the file handler, `warnings.showwarning`."""
-    global _console
-    if _console is None:
+    console = current_console()
+    if console is None:
         return
     end_live_line()
     for name in ("", *LIBRARY_LOGGERS):
         library_logger = logging.getLogger(name)
-        library_logger.removeHandler(_console.file_handler)
+        library_logger.removeHandler(console.file_handler)
         for target in (library_logger, *library_logger.handlers):
             for installed in [f for f in target.filters if isinstance(f, _CONSOLE_FILTERS)]:
                 target.removeFilter(installed)
         for handler in library_logger.handlers:
             if isinstance(handler.formatter, _OwnLineFormatter):
                 handler.setFormatter(handler.formatter.original)
-    _console.file_handler.close()
+    console.file_handler.close()
     warnings.showwarning = _ORIGINAL_SHOWWARNING
-    if not _console.verbose:
+    if not console.verbose:
         import transformers.utils.logging as transformers_logging
 
         transformers_logging.enable_progress_bar()
     dispatcher = _stdstream_dispatcher()
     if dispatcher is not None:
         dispatcher.remove_handler("rlhf_log_file")
-    _console = None
+    console.file_handler.owner = None
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     """`warnings.showwarning` while the console is configured: always to the log file; on the console once
     per message, and not at all for FutureWarning/DeprecationWarning (unless verbose)."""
+    console = current_console()
     text = warnings.formatwarning(message, category, filename, lineno, line).rstrip()
-    if _console is None:
+    if console is None:
         sys.stderr.write(text + "\n")
         return
     record = logging.LogRecord("py.warnings", logging.WARNING, filename, lineno, text, None, None)
-    _console.file_handler.handle(record)
+    console.file_handler.handle(record)
     quiet = issubclass(category, _QUIET_WARNING_CATEGORIES)
-    if _console.verbose or (not quiet and _console.first_time((category.__name__, str(message)))):
+    if console.verbose or (not quiet and console.first_time((category.__name__, str(message)))):
         end_live_line()
         (file or sys.stderr).write(text + "\n")
 
@@ -246,21 +261,24 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 def end_live_line() -> None:
     """Before a line of its own reaches the console: end the live bar's line, if one is drawn."""
-    if _console is not None and _console.live_bar is not None:
-        _console.live_bar.end_line()
+    console = current_console()
+    if console is not None and console.live_bar is not None:
+        console.live_bar.end_line()
 
 
 def live_progress() -> bool:
     """Whether a live bar is drawn (a terminal is watching): then the chunk's training loop may stop at each
     logged step to move it (`show_step`); otherwise a chunk need not stop before its end for the console."""
-    return _console is not None and _console.live_bar is not None
+    console = current_console()
+    return console is not None and console.live_bar is not None
 
 
 def show_step(stage: str, step: int, total_steps: int, metrics: dict[str, Any]) -> None:
     """A step logged inside a chunk (rlhf_core.driver.chunk's training loop): moves the live bar on a terminal;
     nothing otherwise (the chunk line says it at the chunk's end)."""
-    if _console is not None and _console.live_bar is not None:
-        _console.live_bar.draw_step(stage, step, total_steps, metrics)
+    console = current_console()
+    if console is not None and console.live_bar is not None:
+        console.live_bar.draw_step(stage, step, total_steps, metrics)
 
 
 # ----------------------------------------------------------------------------------------- Ray
@@ -280,26 +298,28 @@ def _stdstream_dispatcher():
 def ray_init_options(client: bool = False) -> dict[str, Any]:
     """Extra `ray.init` arguments for the console: whether the actors' output comes to the driver at all, and
     Ray's driver log level (INFO when the log file takes it)."""
-    if _console is None:
+    console = current_console()
+    if console is None:
         return {"log_to_driver": True, "logging_level": logging.WARNING}
     routable = not client and _stdstream_dispatcher() is not None
-    return {"log_to_driver": _console.verbose or routable, "logging_level": logging.INFO}
+    return {"log_to_driver": console.verbose or routable, "logging_level": logging.INFO}
 
 
 def route_ray_worker_output() -> None:
     """After `ray.init`: the actors' output goes to the log file; on the console only when verbose (and Ray's
     raylet/autoscaler lines, which say why a worker died, always)."""
-    if _console is None:
+    console = current_console()
+    if console is None:
         return
     open_log_file()  # Ray starting means preflight passed: the run is real
     dispatcher = _stdstream_dispatcher()
     if dispatcher is None:
         return
-    _gate_library_logger("ray", _console.file_handler)
+    _gate_library_logger("ray", console.file_handler)
     try:
         from ray._private.worker import _global_node
 
-        _console.file_handler.handle(logging.LogRecord(
+        console.file_handler.handle(logging.LogRecord(
             __name__, logging.INFO, __file__, 0, "Ray session logs (every actor's output, per node): %s",
             # ray declares `_global_node = None` unannotated (ray.init sets it; None is the AttributeError below)
             (_global_node.get_logs_dir_path(),), None))  # type: ignore[attr-defined]
@@ -307,7 +327,7 @@ def route_ray_worker_output() -> None:
         pass
     dispatcher.remove_handler("rlhf_log_file")
     dispatcher.add_handler("rlhf_log_file", _write_worker_batch)
-    if not _console.verbose:
+    if not console.verbose:
         dispatcher.remove_handler("ray_print_logs")
         dispatcher.add_handler("ray_print_logs", _print_cluster_lines)
 
@@ -318,13 +338,14 @@ def _worker_prefix(batch: dict) -> str:
 
 
 def _write_worker_batch(batch: dict) -> None:
-    if _console is None:
+    console = current_console()
+    if console is None:
         return
     level = logging.WARNING if batch.get("is_err") else logging.INFO
     prefix = _worker_prefix(batch)
     for line in _cluster_lines(batch) if batch.get("pid") == "autoscaler" else batch.get("lines", []):
         record = logging.LogRecord(WORKER_OUTPUT_LOGGER, level, __file__, 0, f"{prefix} {line}", None, None)
-        _console.file_handler.handle(record)
+        console.file_handler.handle(record)
 
 
 def _cluster_lines(batch: dict) -> list[str]:
@@ -354,12 +375,13 @@ def _print_cluster_lines(batch: dict) -> None:
     """Quiet mode's stand-in for Ray's printer: the raylet's lines (a worker killed for memory) and the
     autoscaler's events (a node lost or added), as Ray would print them, and the ranks' own rlhf_core
     warnings once each; no other actor output."""
+    console = current_console()
     source, lines = batch.get("pid"), batch.get("lines", [])
     if source == "autoscaler":
         lines = _cluster_lines(batch)
     elif source != "raylet":
         for line in lines:
-            if line.startswith(RANK_WARNING_PREFIX) and _console is not None and _console.first_time(line):
+            if line.startswith(RANK_WARNING_PREFIX) and console is not None and console.first_time(line):
                 end_live_line()
                 sys.stderr.write(line + "\n")
         return

@@ -56,7 +56,7 @@ def process_start_time() -> float:
 
 def _new_stage() -> dict[str, Any]:
     return {"chunks": 0, "steps": 0, "lost_chunks": 0, "lost_steps": 0, "attempts": 0, "wall_s": 0.0,
-            **{name: 0.0 for name in (*WALL_CATEGORIES, "commit_s")}, "seconds": {}}
+            **{name: 0.0 for name in (*WALL_CATEGORIES, "commit_s")}, "seconds": {}, "lost_to": {}}
 
 
 def empty_ledger() -> dict[str, Any]:
@@ -98,6 +98,10 @@ def _lose(doc: dict, chunks: list[dict], until: float) -> None:
         record["lost_chunks"] += len(mine)
         record["lost_steps"] += sum(chunk["to_step"] - chunk["from_step"] for chunk in mine)
         record["lost_s"] += max(0.0, until - min(chunk["started"] for chunk in mine))
+        for cause in {chunk["lost_to"] for chunk in mine if chunk.get("lost_to")}:  # a hang, a lost rank...
+            caused = [chunk for chunk in mine if chunk.get("lost_to") == cause]
+            record["lost_to"][cause] = record["lost_to"].get(cause, 0.0) + max(
+                0.0, until - min(chunk["started"] for chunk in caused))
     doc["pending"] = [chunk for chunk in doc["pending"] if chunk not in chunks]
 
 
@@ -163,6 +167,14 @@ def start_chunk(doc: dict, attempt: dict, stage: str, from_step: int, to_step: i
         started = min(now, ahead["since"])  # its first steps trained while the previous chunk committed
     doc["pending"].append({"stage": stage, "from_step": int(from_step), "to_step": int(to_step), "started": started,
                            "attempt": attempt["id"]})
+
+
+def fail_chunk(doc: dict, attempt: dict, stage: str, cause: str) -> None:
+    """The attempt's pending chunks of `stage` failed for `cause` ("hangs", "lost ranks"): when they count as lost
+    (`_lose`), their time is also counted under that cause."""
+    for chunk in doc["pending"]:
+        if chunk["stage"] == stage and chunk["attempt"] == attempt["id"]:
+            chunk["lost_to"] = cause
 
 
 def commit_chunk(doc: dict, attempt: dict, stage: str, step: int, seconds: Mapping[str, float], now: float,
@@ -369,6 +381,12 @@ class GoodputLedger:
                         num_steps: int | None = None, trained_ahead_s: float = 0.0) -> None:
         self._update(lambda doc, attempt: commit_chunk(doc, attempt, stage, step, seconds or {}, self.clock(),
                                                        num_steps, trained_ahead_s))
+
+    @_best_effort
+    def chunk_failed(self, stage: str, cause: str | None) -> None:
+        """A chunk of `stage` failed; `cause` (the error's `lost_to`) names what its time was lost to."""
+        if cause:
+            self._update(lambda doc, attempt: fail_chunk(doc, attempt, stage, cause))
 
     @_best_effort
     def attempt_finished(self) -> None:

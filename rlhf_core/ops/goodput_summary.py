@@ -29,6 +29,7 @@ class StageGoodput:
     lost_chunks: int = 0
     lost_steps: int = 0
     attempts: int = 0
+    lost_to: dict[str, float] = field(default_factory=dict)  # lost_s by cause: "hangs", "lost ranks"...
 
     @property
     def other_s(self) -> float:
@@ -68,12 +69,15 @@ def summarize(doc: Mapping[str, Any]) -> GoodputSummary:
     stages = []
     for name, record in doc.get("stages", {}).items():
         stages.append(StageGoodput(name, **{key: record.get(key, 0) for key in StageGoodput.__dataclass_fields__
-                                            if key != "stage"}))
+                                            if key not in ("stage", "lost_to")},
+                               lost_to=dict(record.get("lost_to", {}))))
     total = StageGoodput("total")
     for stage in stages:
         for key in StageGoodput.__dataclass_fields__:
-            if key != "stage":
+            if key not in ("stage", "lost_to"):
                 setattr(total, key, getattr(total, key) + getattr(stage, key))
+        for cause, seconds in stage.lost_to.items():
+            total.lost_to[cause] = total.lost_to.get(cause, 0.0) + seconds
     total.wall_s += doc.get("outside_stages_s", 0.0)
     attempts = doc.get("attempts", [])
     total.attempts = len(attempts)
@@ -108,6 +112,8 @@ def format_summary(summary: GoodputSummary, run_url: str) -> str:
         lines.append(f"{row.stage:<6} {_percent(row.goodput):>7} {row.steps:>6} {row.chunks:>6} "
                      f"{_seconds(row.useful_s):>9} {_seconds(row.stall_s):>8} {_seconds(row.startup_s):>9} "
                      f"{_seconds(row.load_s):>8} {lost:>14} {_seconds(row.other_s):>8} {_seconds(row.commit_s):>8}")
+    for cause, seconds in sorted(total.lost_to.items()):
+        lines.append(f"lost to {cause}: {_seconds(seconds)}")
     lines.append("useful: train seconds of committed chunks; lost: chunks never committed (time/steps); other: "
                  "Prefect, planning, export; *commit runs in the background, beside training")
     return "\n".join(lines)

@@ -58,6 +58,7 @@ class RunLogHandler(logging.Handler):
     def __init__(self, path: str):
         super().__init__()
         self.path = path
+        self.owner: object | None = None  # the quiet console (rlhf_core.ops.console) that installed this handler
         self._held: list[logging.LogRecord] = []
         self._file: FailSafeFileHandler | None = None
 

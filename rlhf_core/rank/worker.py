@@ -6,6 +6,7 @@ docs/design-notes.md ("One rank's actor") has its threads and their scheduling.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -17,7 +18,7 @@ import tempfile
 import time
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import ray
 
@@ -74,9 +75,35 @@ class RankLocation:
     hostname: str
     node_ip: str
     node_id: str
+    pid: int = 0  # the rank's process, for its stacks when it hangs
 
     def describe(self) -> str:
         return f"{self.node_ip} ({self.hostname}, node {self.node_id[:8]})"
+
+
+class Progress:
+    """What the driver's hang watch reads (`TrainWorker.heartbeat`, rlhf_core.driver.hang): a count that moves at
+    every step and at the end of every other piece of work, the pieces in progress, and the slowest step."""
+
+    def __init__(self) -> None:
+        self.count, self.slowest_step_s = 0, 0.0
+        self._busy: dict[str, int] = {}
+
+    def report(self) -> tuple[int, tuple[str, ...], float]:
+        return self.count, tuple(name for name, num in list(self._busy.items()) if num), self.slowest_step_s
+
+    @contextlib.contextmanager
+    def working_on(self, phase: str) -> Iterator[None]:
+        self._busy[phase] = self._busy.get(phase, 0) + 1
+        try:
+            yield
+        finally:
+            self._busy[phase] -= 1
+            self.count += 1
+
+    def step_done(self, seconds: float) -> None:
+        self.count += 1
+        self.slowest_step_s = max(self.slowest_step_s, seconds)
 
 
 class TrainWorker:
@@ -93,6 +120,13 @@ class TrainWorker:
         self._written_state: dict = {}  # the last written snapshot's state dicts: buffers for the next one
         # Background writes in flight, and started so far: a step during which either changed ran beside one.
         self._num_writes_in_flight = self._num_writes_started = 0
+        self._progress = Progress()
+
+    @ray.method(concurrency_group="control")
+    def heartbeat(self) -> tuple[int, tuple[str, ...], float]:
+        """This rank's progress count, the work in progress ("setup", "load", "train", "snapshot", "write") and
+        its slowest step in seconds (rlhf_core.driver.hang)."""
+        return self._progress.report()
 
     @property
     def trainer(self) -> DeepSpeedTrainer[StageConfig]:
@@ -103,7 +137,7 @@ class TrainWorker:
 
     def location(self) -> RankLocation:
         return RankLocation(socket.gethostname(), ray.util.get_node_ip_address(),
-                            ray.get_runtime_context().get_node_id())
+                            ray.get_runtime_context().get_node_id(), os.getpid())
 
     def sees(self, path: str) -> bool:
         return os.path.exists(path)
@@ -113,24 +147,25 @@ class TrainWorker:
 
     def join(self, master_addr: str, master_port: int, ranks_on_node: int,
              num_threads_asked: int | None = None) -> None:
-        import torch
+        with self._progress.working_on("setup"):
+            import torch
 
-        torch.set_num_threads(torch_threads(num_threads_asked, ranks_on_node))
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
-                          WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
-        # DeepSpeed JIT-builds an op with whichever `ninja` is first on PATH; two ninjas (system and
-        # venv) record builds differently and force a rebuild each time they alternate.
-        os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-        import deepspeed
-        from deepspeed.utils import logger as deepspeed_logger
+            torch.set_num_threads(torch_threads(num_threads_asked, ranks_on_node))
+            os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
+                              WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
+            # DeepSpeed JIT-builds an op with whichever `ninja` is first on PATH; two ninjas (system and
+            # venv) record builds differently and force a rebuild each time they alternate.
+            os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+            import deepspeed
+            from deepspeed.utils import logger as deepspeed_logger
 
-        deepspeed_logger.setLevel(logging.WARNING)
-        # ZeRO-3 on torch >= 2.13 calls a collective torch deprecated, once per step and rank.
-        warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.* is deprecated")
-        from rlhf_core.rank.jit_build import clear_stale_build_lock
+            deepspeed_logger.setLevel(logging.WARNING)
+            # ZeRO-3 on torch >= 2.13 calls a collective torch deprecated, once per step and rank.
+            warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.* is deprecated")
+            from rlhf_core.rank.jit_build import clear_stale_build_lock
 
-        clear_stale_build_lock()
-        deepspeed.init_distributed()
+            clear_stale_build_lock()
+            deepspeed.init_distributed()
 
     def warm_up(self, run: RunConfig, stage: str) -> None:
         """Import what `setup` of `stage` imports (the trainer, transformers, the model family's classes:
@@ -149,7 +184,8 @@ class TrainWorker:
     def setup(self, run: RunConfig, stage: str, chunk_ends: list[int], load_universal: bool) -> None:
         from rlhf_core.rank.trainers import trainer_class
 
-        self._trainer = trainer_class(stage)(run, chunk_ends, self.rank, self.world_size, load_universal)
+        with self._progress.working_on("setup"):
+            self._trainer = trainer_class(stage)(run, chunk_ends, self.rank, self.world_size, load_universal)
 
     def train_until(self, target_step: int) -> tuple[list[dict[str, float]], float, int, list[tuple[float, bool]]]:
         """The metrics of each step up to `target_step`, the seconds this rank spent in its step loop, the
@@ -158,12 +194,15 @@ class TrainWorker:
         from rlhf_core.faults import fault_point
 
         started, metrics, step_times = time.perf_counter(), [], []
-        while self.trainer.step < target_step and not self._stop_agreed():
-            fault_point("train_step", self.trainer.step + 1)
-            step_started, writes_before = time.perf_counter(), (self._num_writes_in_flight, self._num_writes_started)
-            metrics.append(self.trainer.train_step())
-            beside_write = writes_before[0] > 0 or self._num_writes_started != writes_before[1]
-            step_times.append((time.perf_counter() - step_started, beside_write))
+        with self._progress.working_on("train"):
+            while self.trainer.step < target_step and not self._stop_agreed():
+                fault_point("train_step", self.trainer.step + 1)
+                step_started = time.perf_counter()
+                writes_before = (self._num_writes_in_flight, self._num_writes_started)
+                metrics.append(self.trainer.train_step())
+                beside_write = writes_before[0] > 0 or self._num_writes_started != writes_before[1]
+                step_times.append((time.perf_counter() - step_started, beside_write))
+                self._progress.step_done(step_times[-1][0])
         return metrics, time.perf_counter() - started, self.trainer.step, step_times
 
     @ray.method(concurrency_group="control")
@@ -178,9 +217,11 @@ class TrainWorker:
             return self._stop_requested
         import torch
 
+        from rlhf_core.faults import fault_point
         from rlhf_core.rank.collectives import max_over_ranks
 
         device = f"cuda:{torch.cuda.current_device()}" if self.trainer.on_gpu else "cpu"
+        fault_point("collective", self.trainer.step + 1)  # a rank stopped here leaves the others in the collective
         return max_over_ranks([float(self._stop_requested)], device=device)[0] > 0
 
     @ray.method(concurrency_group="control")  # asked while the ranks train ahead: shapes and dtypes only
@@ -201,22 +242,23 @@ class TrainWorker:
         return it, with no parameters named; training may go on while `write_snapshot` uploads it. A step whose
         weights hold NaN or Inf is not saved: None, and the parameters (`non_finite_parameters`). One call for
         both, since the ranks stand idle until training ahead starts."""
-        from rlhf_core.rank.snapshot import snapshot_folder, tensors_kept_in_memory
+        with self._progress.working_on("snapshot"):
+            from rlhf_core.rank.snapshot import snapshot_folder, tensors_kept_in_memory
 
-        non_finite = self.non_finite_parameters()
-        if non_finite:
-            return None, non_finite
-        folder = snapshot_folder(self.rank, self._expected_folder_bytes())
-        try:
-            # Only a snapshot whose write has finished lends its buffers (popped: never two at once).
-            reuse, self._written_state = self._written_state, {}
-            with tensors_kept_in_memory(self.trainer.engines.values(), folder, reuse) as kept:
-                self.trainer.save(folder)
-        except BaseException:
-            shutil.rmtree(folder, ignore_errors=True)
-            raise
-        self._kept_in_memory[folder] = kept
-        return folder, []
+            non_finite = self.non_finite_parameters()
+            if non_finite:
+                return None, non_finite
+            folder = snapshot_folder(self.rank, self._expected_folder_bytes())
+            try:
+                # Only a snapshot whose write has finished lends its buffers (popped: never two at once).
+                reuse, self._written_state = self._written_state, {}
+                with tensors_kept_in_memory(self.trainer.engines.values(), folder, reuse) as kept:
+                    self.trainer.save(folder)
+            except BaseException:
+                shutil.rmtree(folder, ignore_errors=True)
+                raise
+            self._kept_in_memory[folder] = kept
+            return folder, []
 
     @ray.method(concurrency_group="io")
     def drop_snapshot(self, folder: str) -> None:
@@ -230,22 +272,23 @@ class TrainWorker:
         """Upload a snapshot into the uncommitted step folder `pending` (hashing as it writes), remove it,
         and return its manifest entries and the upload's timings. Runs in the actor's I/O thread, beside
         `train_until`."""
-        from rlhf_core.storage.checkpoint import CheckpointStore
-        from rlhf_core.rank.snapshot import write_state
+        with self._progress.working_on("write"):
+            from rlhf_core.storage.checkpoint import CheckpointStore
+            from rlhf_core.rank.snapshot import write_state
 
-        yield_cpu_to_training()  # a syscall each time: the group's thread may not be the same one every call
-        kept = self._kept_in_memory.pop(folder, {})
-        streams = [(path, functools.partial(write_state, state)) for path, state in kept.items()]
-        self._num_writes_in_flight += 1
-        self._num_writes_started += 1
-        try:
-            timings: dict[str, float] = {}
-            entries = CheckpointStore(store_url, storage_options).upload_tree(pending, folder, streams, timings)
-        finally:
-            self._num_writes_in_flight -= 1
-            shutil.rmtree(folder, ignore_errors=True)
-        self._written_state = kept  # the same peak memory as while writing, without page faults next time
-        return entries, timings
+            yield_cpu_to_training()  # a syscall each time: the group's thread may not be the same one every call
+            kept = self._kept_in_memory.pop(folder, {})
+            streams = [(path, functools.partial(write_state, state)) for path, state in kept.items()]
+            self._num_writes_in_flight += 1
+            self._num_writes_started += 1
+            try:
+                timings: dict[str, float] = {}
+                entries = CheckpointStore(store_url, storage_options).upload_tree(pending, folder, streams, timings)
+            finally:
+                self._num_writes_in_flight -= 1
+                shutil.rmtree(folder, ignore_errors=True)
+            self._written_state = kept  # the same peak memory as while writing, without page faults next time
+            return entries, timings
 
     def _expected_folder_bytes(self) -> int:
         """About what the snapshot's folder holds: config and tokenizer files, and a LoRA model's adapter (peft
@@ -259,30 +302,31 @@ class TrainWorker:
                         weights_only: bool) -> int:
         """Load the files of committed `step` this rank reads, verified against the manifest: on a local
         store in place while they are hashed, else fetched (hashed as they arrive) first."""
-        from rlhf_core.storage.checkpoint import CheckpointStore
-        from rlhf_core.rank.ds_config import convert_to_universal
-        from rlhf_core.storage.safe_load import check_no_pickled_code
+        with self._progress.working_on("load"):
+            from rlhf_core.storage.checkpoint import CheckpointStore
+            from rlhf_core.rank.ds_config import convert_to_universal
+            from rlhf_core.storage.safe_load import check_no_pickled_code
 
-        # The universal converter, and ZeRO-3's module-only load, read every rank's shard (with a plain
-        # unpickler), so they get all files and a scan first; otherwise DeepSpeed's own reads are the scan.
-        reads_all_shards = universal or (weights_only and self.trainer.cfg.zero_stage == 3)
-        store = CheckpointStore(store_url, storage_options)
-        select = lambda paths: files_for_rank(paths, self.rank, reads_all_shards)  # noqa: E731
-        if not reads_all_shards:  # both of those write into the folder they read: they get a copy
-            # DeepSpeed loads while the files are hashed; a mismatch raises CorruptCheckpoint at the end of
-            # the block, and the driver then loads an older checkpoint over whatever this load set.
-            with store.read_in_place(step, select) as in_place:
-                if in_place is not None:
-                    return self.trainer.load(in_place, False, weights_only)
-        local_dir = tempfile.mkdtemp(prefix=f"rlhf-load-rank{self.rank}-")
-        try:
-            store.fetch(step, local_dir, select)
-            if reads_all_shards:
-                check_no_pickled_code(local_dir)
-            universal = universal and convert_to_universal(local_dir)
-            return self.trainer.load(local_dir, universal, weights_only)
-        finally:
-            shutil.rmtree(local_dir, ignore_errors=True)
+            # The universal converter, and ZeRO-3's module-only load, read every rank's shard (with a plain
+            # unpickler), so they get all files and a scan first; otherwise DeepSpeed's own reads are the scan.
+            reads_all_shards = universal or (weights_only and self.trainer.cfg.zero_stage == 3)
+            store = CheckpointStore(store_url, storage_options)
+            select = lambda paths: files_for_rank(paths, self.rank, reads_all_shards)  # noqa: E731
+            if not reads_all_shards:  # both of those write into the folder they read: they get a copy
+                # DeepSpeed loads while the files are hashed; a mismatch raises CorruptCheckpoint at the end of
+                # the block, and the driver then loads an older checkpoint over whatever this load set.
+                with store.read_in_place(step, select) as in_place:
+                    if in_place is not None:
+                        return self.trainer.load(in_place, False, weights_only)
+            local_dir = tempfile.mkdtemp(prefix=f"rlhf-load-rank{self.rank}-")
+            try:
+                store.fetch(step, local_dir, select)
+                if reads_all_shards:
+                    check_no_pickled_code(local_dir)
+                universal = universal and convert_to_universal(local_dir)
+                return self.trainer.load(local_dir, universal, weights_only)
+            finally:
+                shutil.rmtree(local_dir, ignore_errors=True)
 
 
 def files_for_rank(paths: list[str], rank: int, all_shards: bool) -> list[str]:

@@ -265,37 +265,35 @@ def data_ppo_fewer_prompts_than_a_step(w):
                ["--rollout_batch_size 4", "two.jsonl"])
 
 
-def _family_chat_sft(w, family: str, bad_row: list[dict]) -> Bad:
+def _family_chat_sft(w, family: str, bad_row: list[dict], refusal: str) -> Bad:
     """SFT of `family`'s tiny model, by its hub id from an offline HF cache in the workspace, on chat rows whose
-    second the family's own chat template refuses (a subprocess: HF_HOME is read when huggingface_hub loads)."""
+    second the family's own chat template refuses, saying `refusal` (a subprocess: HF_HOME is read when
+    huggingface_hub loads)."""
     from tests.families import build_family
 
     repo_id = build_family(w.tmp / "hf_home", family)
     good = [{"role": "user", "content": GOOD["prompt"]}, {"role": "assistant", "content": GOOD["response"]}]
     return Bad(w.sft("--apply_chat_template", pretrain=repo_id, input_key="messages", output_key=None,
                      dataset=w.jsonl("chat.jsonl", {"messages": good}, {"messages": bad_row}, {"messages": good})),
-               ["chat.jsonl line 2", "'messages'"],
+               ["chat.jsonl line 2", "'messages'", refusal],
                env={"HF_HOME": w.path("hf_home"), "HF_HUB_OFFLINE": "1"}, subprocess=True)
 
 
 @case
 def data_chat_template_refuses_a_system_message(w):
     """Gemma's template raises "System role not supported"."""
-    bad = _family_chat_sft(w, "gemma", [{"role": "system", "content": "You sort digits."},
-                                        {"role": "user", "content": "sort : 2 1 ="},
-                                        {"role": "assistant", "content": "1 2"}])
-    bad.names.append("System role not supported")
-    return bad
+    return _family_chat_sft(w, "gemma", [{"role": "system", "content": "You sort digits."},
+                                         {"role": "user", "content": "sort : 2 1 ="},
+                                         {"role": "assistant", "content": "1 2"}], "System role not supported")
 
 
 @case
 def data_chat_template_refuses_roles_that_do_not_alternate(w):
     """Mistral's template raises "... conversation roles must alternate user/assistant/user/assistant/..."."""
-    bad = _family_chat_sft(w, "mistral", [{"role": "user", "content": "sort : 2 1 ="},
-                                          {"role": "user", "content": "sort : 3 1 ="},
-                                          {"role": "assistant", "content": "1 2"}])
-    bad.names.append("conversation roles must alternate user/assistant")
-    return bad
+    return _family_chat_sft(w, "mistral", [{"role": "user", "content": "sort : 2 1 ="},
+                                           {"role": "user", "content": "sort : 3 1 ="},
+                                           {"role": "assistant", "content": "1 2"}],
+                            "conversation roles must alternate user/assistant")
 
 
 # ---------------------------------------------------------------------------------------------------- models

@@ -345,7 +345,8 @@ def finished_copy(killed, root: Path, num_workers: int, env: dict[str, str]):
 
 def kill_fault_driver_once_committed(run_json: str, env: dict[str, str], paused_step: int, faults_dir: Path,
                                      committed_step_dir: Path) -> None:
-    """`kill_once_committed` for tests.integration.fault_driver running `run_json`."""
+    """`kill_once_committed` for tests.integration.fault_driver running `run_json` (its pause is no hang)."""
+    run_json = json.dumps({**json.loads(run_json), "hang_timeout_s": PAUSE_IS_NO_HANG_S})
     kill_once_committed([sys.executable, "-m", "tests.integration.fault_driver", run_json], env, paused_step,
                         faults_dir, committed_step_dir / "MANIFEST.json", cwd=PROJECT_DIR)
 
@@ -372,6 +373,11 @@ def ray_head(env: dict[str, str], log_path: Path) -> Iterator[str]:
     finally:
         head.stop(grace=3)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+# --hang_timeout_s of a run a test pauses on purpose (`sleep:600` at a fault point, then a kill): not a hang.
+PAUSE_IS_NO_HANG_S = 3600
+PAUSED_ON_PURPOSE = ["--hang_timeout_s", str(PAUSE_IS_NO_HANG_S)]
 
 
 def train_sft_args(toy: dict[str, str], ckpt: Path, out: Path) -> list[str]:

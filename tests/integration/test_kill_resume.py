@@ -17,7 +17,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.conftest import RLHF, run_rlhf
-from tests.integration.conftest import train_sft_args
+from tests.integration.conftest import PAUSED_ON_PURPOSE, train_sft_args
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +42,7 @@ def test_sigkill_mid_chunk_then_rerun_matches_uninterrupted_run(toy_assets, rlhf
                                                                  reference_sft_weights):
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     paused_env = {**rlhf_env, "RLHF_FAULT_INJECT": "train_step@13=sleep:600"}
-    killed = subprocess.Popen([RLHF, *train_sft_args(toy_assets, ckpt, out)], env=paused_env,
+    killed = subprocess.Popen([RLHF, *train_sft_args(toy_assets, ckpt, out), *PAUSED_ON_PURPOSE], env=paused_env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         wait_for(ckpt / "rlhf" / "sft" / "step_10" / "MANIFEST.json", killed, timeout=400)

@@ -34,7 +34,7 @@ from rlhf_core.toy import init_toy
 from tests.conftest import HUB_REVISION, RLHF
 from tests.families import FAMILIES, build_family
 from tests.hub_cache import chat_data
-from tests.integration.conftest import kill_once_committed
+from tests.integration.conftest import PAUSE_IS_NO_HANG_S, kill_once_committed
 from tests.integration.conftest import ray_head as start_ray_head
 
 pytestmark = pytest.mark.slow
@@ -189,6 +189,7 @@ def check_outputs(family: str, config: dict) -> None:
 def test_family_runs_the_pipeline_from_its_hub_id_and_resumes_bit_exactly(family, hub_home, ray_cluster,
                                                                          prefect_server, tmp_path):
     config = pipeline_config(family, write_data(family, tmp_path / "data"), tmp_path / "run", ray_cluster)
+    config["hang_timeout_s"] = PAUSE_IS_NO_HANG_S  # the kill pauses a rank on purpose
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
     env = {**offline_env(hub_home), **{k: v for k, v in prefect_server.env.items() if k.startswith("PREFECT_")}}
     command, killed = [RLHF, "run", str(tmp_path / "run.yaml")], KILLED_STAGE[family]

@@ -42,7 +42,7 @@ import yaml
 from safetensors.torch import load_file
 
 from tests.conftest import run_rlhf
-from tests.integration.conftest import PREFECT, PROJECT_DIR, _descendants, _processes
+from tests.integration.conftest import PAUSE_IS_NO_HANG_S, PREFECT, PROJECT_DIR, _descendants, _processes
 from tests.integration.test_deployment import (
     UUID,
     deployment_spec,
@@ -67,7 +67,7 @@ SETTINGS = {  # 48 samples / 8 per step = 6 steps, 3 chunks of 2; max_ckpt_num k
 def run_config(tmp_path: Path, toy: dict[str, str]) -> dict:
     return {
         "run_name": "crash-retry", "stages": ["sft"], "ckpt_path": str(tmp_path / "ckpt"), "load_checkpoint": True,
-        "max_ckpt_num": 3, "seed": 42, "num_workers": 1,
+        "max_ckpt_num": 3, "seed": 42, "num_workers": 1, "hang_timeout_s": PAUSE_IS_NO_HANG_S,
         "sft": {"pretrain": toy["model"], "dataset": toy["sft"], "input_key": "prompt", "output_key": "response",
                 "save_path": str(tmp_path / "out" / "sft"), **SETTINGS},
     }

@@ -238,6 +238,7 @@ def check_node_loss(cluster, toy_assets, cluster_env, tmp_path, stage_url, fault
     args = sft_args(toy_assets, stage_url.removesuffix("/rlhf/sft"), tmp_path / "model", max_samples=64,
                     max_ckpt_num=0)
     args += on_cluster(cluster.gcs_address) + ["--allow_fewer_workers", "--placement_timeout_s", "10"]
+    args += ["--hang_timeout_s", "3600"]  # its rank pauses on purpose until the node is killed
     log_path = tmp_path / "run.log"
     with open(log_path, "wb") as log_file:
         run = subprocess.Popen([RLHF, *args], env=cluster_env, stdout=log_file, stderr=subprocess.STDOUT,

@@ -28,7 +28,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.conftest import RLHF, run_rlhf
-from tests.integration.conftest import _processes, train_sft_args
+from tests.integration.conftest import PAUSED_ON_PURPOSE, _processes, train_sft_args
 
 pytestmark = pytest.mark.slow
 
@@ -143,7 +143,7 @@ class Terminal:
 def test_sigterm_commits_the_step_in_progress_and_the_same_command_resumes_bit_exact(
         toy_assets, rlhf_env, prefect_server, tmp_path, reference_sft_weights):
     ckpt, out, faults = tmp_path / "ckpt", tmp_path / "out", tmp_path / "faults"
-    command = [RLHF, *train_sft_args(toy_assets, ckpt, out)]
+    command = [RLHF, *train_sft_args(toy_assets, ckpt, out), *PAUSED_ON_PURPOSE]
     env = {**rlhf_env, "PREFECT_API_URL": prefect_server.api_url}
     # The server is the module's: other tests' runs may be on it (and under pytest-xdist, in flight right now).
     earlier_flow_runs = {flow_run["id"] for flow_run in _api(prefect_server.api_url, "flow_runs/filter")}
@@ -186,7 +186,8 @@ def test_sigterm_commits_the_step_in_progress_and_the_same_command_resumes_bit_e
 
 def test_ctrl_c_in_a_terminal_commits_the_step_in_progress_and_exits(toy_assets, rlhf_env, tmp_path):
     ckpt, out, faults = tmp_path / "ckpt", tmp_path / "out", tmp_path / "faults"
-    terminal = Terminal([RLHF, *train_sft_args(toy_assets, ckpt, out)], _paused_env(rlhf_env, faults, 3))
+    terminal = Terminal([RLHF, *train_sft_args(toy_assets, ckpt, out), *PAUSED_ON_PURPOSE],
+                        _paused_env(rlhf_env, faults, 3))
     _wait_until_paused(ckpt, faults, terminal.process, terminal.read)
     terminal.ctrl_c()
     rc, seconds_to_exit = terminal.wait_exit()
@@ -204,7 +205,8 @@ def test_ctrl_c_in_a_terminal_commits_the_step_in_progress_and_exits(toy_assets,
 
 def test_a_second_ctrl_c_leaves_at_once_with_the_last_commit_standing(toy_assets, rlhf_env, tmp_path):
     ckpt, out, faults = tmp_path / "ckpt", tmp_path / "out", tmp_path / "faults"
-    terminal = Terminal([RLHF, *train_sft_args(toy_assets, ckpt, out)], _paused_env(rlhf_env, faults, 600))
+    terminal = Terminal([RLHF, *train_sft_args(toy_assets, ckpt, out), *PAUSED_ON_PURPOSE],
+                        _paused_env(rlhf_env, faults, 600))
     _wait_until_paused(ckpt, faults, terminal.process, terminal.read)
     terminal.ctrl_c()
     terminal.wait_for("Ctrl-C again to leave at once")
@@ -221,7 +223,7 @@ def test_a_second_ctrl_c_leaves_at_once_with_the_last_commit_standing(toy_assets
 
 def test_a_step_that_cannot_commit_within_the_grace_period_is_abandoned(toy_assets, rlhf_env, tmp_path):
     ckpt, out, faults = tmp_path / "ckpt", tmp_path / "out", tmp_path / "faults"
-    command = [RLHF, *train_sft_args(toy_assets, ckpt, out), "--stop_grace_s", "8"]
+    command = [RLHF, *train_sft_args(toy_assets, ckpt, out), *PAUSED_ON_PURPOSE, "--stop_grace_s", "8"]
     run = subprocess.Popen(command, env=_paused_env(rlhf_env, faults, 600), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     _wait_until_paused(ckpt, faults, run)

@@ -19,7 +19,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.conftest import RLHF, run_rlhf
-from tests.integration.conftest import train_sft_args
+from tests.integration.conftest import PAUSED_ON_PURPOSE, train_sft_args
 from tests.integration.test_kill_resume import wait_for
 
 pytestmark = pytest.mark.slow
@@ -44,7 +44,8 @@ def killed_zero3_ckpt(toy_assets, rlhf_env, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("killed-zero3")
     ckpt = root / "ckpt"
     paused_env = {**rlhf_env, "RLHF_FAULT_INJECT": "train_step@13=sleep:600"}
-    killed = subprocess.Popen([RLHF, *zero3_args(toy_assets, ckpt, root / "out", 2)], env=paused_env,
+    command = [RLHF, *zero3_args(toy_assets, ckpt, root / "out", 2), *PAUSED_ON_PURPOSE]
+    killed = subprocess.Popen(command, env=paused_env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         wait_for(ckpt / "rlhf" / "sft" / "step_10" / "MANIFEST.json", killed, timeout=400)

@@ -11,6 +11,7 @@ import pytest
 
 from rlhf_core.ops.alerts import (
     ALERT_CHECKPOINT_SIZE,
+    ALERT_HANG,
     ALERT_NON_FINITE,
     ALERT_REWARD_STAGNANT,
 )
@@ -30,7 +31,7 @@ def script():
 
 def test_each_alert_has_a_reactive_automation_on_rlhf_run_resources(script):
     automations = script.load_automations(script.AUTOMATIONS_FILE)
-    expected = {ALERT_REWARD_STAGNANT, ALERT_CHECKPOINT_SIZE, ALERT_NON_FINITE}
+    expected = {ALERT_REWARD_STAGNANT, ALERT_CHECKPOINT_SIZE, ALERT_NON_FINITE, ALERT_HANG}
     alerts = {next(iter(a.trigger.expect)): a for a in automations if a.name.startswith(script.ALERT_PREFIX)}
     assert set(alerts) == expected
     for automation in alerts.values():

@@ -20,7 +20,7 @@ def dead_pid() -> int:
 def test_snapshot_goes_to_tmpfs_when_it_fits_and_to_the_temp_folder_when_not(tmp_path, monkeypatch, caplog):
     from rlhf_core import notices
 
-    monkeypatch.setattr(notices, "_warned", set())
+    monkeypatch.setattr(notices.logger, "filters", [notices.OncePerKey()])  # as in a new process
     shm = tmp_path / "shm"
     shm.mkdir()
     monkeypatch.setattr(snapshot, "SHM_ROOT", str(shm))

@@ -21,13 +21,6 @@ from rlhf_core.driver import stop
 from rlhf_core.ops import goodput
 
 
-@pytest.fixture(autouse=True)
-def no_stop_left():
-    stop.reset()
-    yield
-    stop.reset()
-
-
 def test_the_exit_lines_name_the_signal_the_step_and_what_stands():
     committed = stop.StoppedBySignal(signal.SIGTERM, "sft", 8, "/ckpt/rlhf/sft")
     assert str(committed) == ("stopped by SIGTERM at step 8; committed step_8 in /ckpt/rlhf/sft; "
@@ -45,41 +38,52 @@ def test_the_exit_lines_name_the_signal_the_step_and_what_stands():
 def test_a_first_signal_asks_for_a_stop_and_tells_the_listeners(capfd):
     told = threading.Event()
     before = signal.getsignal(signal.SIGTERM)
-    with stop.obeying_signals(grace=10):
-        unregister = stop.on_request(told.set)
-        assert not stop.requested() and stop.commit_deadline() is None
+    with stop.StopSignals(grace_s=10).obeying() as signals:
+        unregister = signals.on_request(told.set)
+        assert not signals.requested() and signals.commit_deadline() is None
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.05)  # the handler runs between two bytecodes of this thread
-        assert stop.requested() and stop.signal_number() == signal.SIGTERM
+        assert signals.requested() and signals.signal_number == signal.SIGTERM
         assert told.wait(5), "the listener was not called"
         unregister()
-        assert 0 < stop.commit_deadline() - time.monotonic() <= 10 - 3
+        assert 0 < signals.commit_deadline() - time.monotonic() <= 10 - 3
     assert signal.getsignal(signal.SIGTERM) is before
     assert "SIGTERM received: stopping after the current step" in capfd.readouterr().err
 
 
 def test_a_listener_registered_after_the_stop_is_told_at_once():
-    with stop.obeying_signals():
+    with stop.StopSignals().obeying() as signals:
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.05)
         told = threading.Event()
-        stop.on_request(told.set)
+        signals.on_request(told.set)
         assert told.wait(5)
 
 
 def test_the_watchdog_of_a_flow_called_in_process_never_ends_the_caller():
-    with stop.obeying_signals(grace=0.5):  # as a flow body does, with no CLI around it
+    with stop.StopSignals(grace_s=0.5).obeying() as signals:  # as a flow body does, with no CLI around it
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.05)
     time.sleep(1.0)  # past the grace period, after the block: this process is still here
-    assert stop.requested()
+    assert signals.requested()
+
+
+def test_a_new_run_in_the_process_starts_with_no_stop_and_two_runs_keep_their_own():
+    first = stop.StopSignals()
+    with first.obeying():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+    second = stop.StopSignals()
+    assert first.requested() and not second.requested()
+    with first.obeying():  # the same run's signals obeyed again: a new run of it, with no stop
+        assert not first.requested()
 
 
 def test_the_deadline_keeps_a_reserve_for_leaving():
     assert stop.exit_reserve_s(25) == 5.0
     assert stop.exit_reserve_s(6) == 3.0
     assert stop.exit_reserve_s(2) == 1.0
-    stop.check_deadline()  # no stop: never expires
+    stop.StopSignals().check_deadline()  # no stop: never expires
 
 
 def test_an_emergency_commit_counts_its_steps_as_useful():
@@ -97,8 +101,8 @@ CHILD = textwrap.dedent("""
     from rlhf_core.driver import stop
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     print(sleeper.pid, flush=True)
-    with stop.obeying_signals(grace=float(sys.argv[1]), owns_process=True):
-        stop.record_commit("sft", 5, "/ckpt/rlhf/sft")
+    with stop.StopSignals(float(sys.argv[1]), owns_process=True).obeying() as signals:
+        signals.record_commit("sft", 5, "/ckpt/rlhf/sft")
         for number in sys.argv[2:]:
             os.kill(os.getpid(), getattr(signal, number))
             time.sleep(0.2)

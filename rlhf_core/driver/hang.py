@@ -1,0 +1,172 @@
+"""Hang detection: every wait on the ranks has a progress deadline. Each rank counts its progress (a step, the end
+of a load, a snapshot, a write); while the driver waits, it asks every rank for that count about once a second, on
+the rank's control thread. A rank whose count has not moved for the deadline (`--hang_timeout_s`, by default
+max(60 s, 5x the slowest step so far), and 900 s before its first step and during a write), or that no longer
+answers (SIGSTOP, a dead mount in the kernel), is hung: its Python stacks are saved (py-spy) and the chunk
+fails with `RankHung`, retried from the last commit. docs/design-notes.md ("Hangs") says why this way.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import ray
+
+MIN_HANG_S = 60.0
+SLOWEST_STEP_FACTOR = 5.0
+STARTUP_HANG_S = 900.0  # a load, a snapshot, a write or the first step: minutes on a 70B model
+HEARTBEAT_S = 1.0
+PY_SPY_TIMEOUT_S = 30.0
+STEADY_PHASES = frozenset({"train"})  # the phases whose deadline follows the measured step time
+
+
+@dataclass
+class RankProgress:
+    """What the driver knows of one rank's progress: its count, busy phases, slowest step, and when it moved."""
+
+    count: int = -1
+    phases: tuple[str, ...] = ()
+    slowest_step_s: float = 0.0
+    moved_at: float = 0.0
+    answered_at: float = 0.0
+    asking: Any = None  # the heartbeat in flight (an ObjectRef)
+
+
+@dataclass(frozen=True)
+class HungRank:
+    rank: int
+    stalled_s: float
+    phases: tuple[str, ...]
+    deadline_s: float
+
+
+def deadline_s(progress: RankProgress, timeout_s: float | None) -> float:
+    """How long `progress` may stand still. Before the rank's first step (imports, a JIT build, set-up, the load):
+    the start-up window, or the user's timeout if longer. After it: the user's timeout; else the steady deadline
+    while only steps are in flight, and the start-up window while a snapshot or a write is (a large upload)."""
+    if progress.slowest_step_s <= 0:
+        return max(STARTUP_HANG_S, timeout_s or 0.0)
+    if timeout_s:
+        return timeout_s
+    steady = set(progress.phases) <= STEADY_PHASES
+    return max(MIN_HANG_S, SLOWEST_STEP_FACTOR * progress.slowest_step_s) if steady else STARTUP_HANG_S
+
+
+@dataclass
+class HangWatch:
+    """The driver's watch over a worker group's progress while it waits on the ranks (`poll` from the wait)."""
+
+    workers: list
+    timeout_s: float | None = None
+    clock: Callable[[], float] = time.monotonic
+    ranks: list[RankProgress] = field(default_factory=list)
+    _last_poll: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.ranks = [RankProgress() for _ in self.workers]
+
+    def restart(self) -> None:
+        """A new wait begins: the time each rank stood still before it (the driver was busy) does not count."""
+        now = self.clock()
+        for progress in self.ranks:
+            progress.moved_at = progress.answered_at = now
+
+    def poll(self) -> HungRank | None:
+        """Collect the heartbeats that came back and ask again (at most every HEARTBEAT_S); the first rank past
+        its deadline, or None."""
+        now = self.clock()
+        if now - self._last_poll < HEARTBEAT_S:
+            return None
+        self._last_poll = now
+        for worker, progress in zip(self.workers, self.ranks):
+            if progress.asking is not None:
+                ready, _ = ray.wait([progress.asking], timeout=0)
+                if not ready:
+                    continue  # no answer yet: a stopped process answers nothing, and its count stands still
+                self._take(progress, progress.asking, now)
+            progress.asking = worker.heartbeat.remote()
+        late = [(rank, progress) for rank, progress in enumerate(self.ranks)
+                if now - progress.moved_at > deadline_s(progress, self.timeout_s)]
+        if not late:
+            return None
+        # The ranks that wait in a collective for a stopped one still answer: blame the one that does not.
+        rank, progress = min(late, key=lambda item: item[1].answered_at)
+        return HungRank(rank, now - progress.moved_at, progress.phases, deadline_s(progress, self.timeout_s))
+
+    @staticmethod
+    def _take(progress: RankProgress, answer: Any, now: float) -> None:
+        progress.asking, progress.answered_at = None, now
+        try:
+            count, phases, slowest_step_s = ray.get(answer)
+        except ray.exceptions.RayError:
+            return  # the rank is gone: the wait itself reports that (WorkerLost)
+        if count != progress.count:
+            progress.count, progress.moved_at = count, now
+        progress.phases, progress.slowest_step_s = tuple(phases), slowest_step_s
+
+
+# --------------------------------------------------------------------------- the stacks of a hung group
+
+FRAME = re.compile(r"^\s+(\S+) \((\S+:\d+)\)\s*$")
+
+
+def py_spy_dump(pid: int) -> str:
+    """`py-spy dump` of a local process (it reads a stopped process's memory too); its error when it cannot."""
+    binary = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    try:
+        done = subprocess.run([binary, "dump", "--nonblocking", "--pid", str(pid)], capture_output=True, text=True,
+                              timeout=PY_SPY_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"py-spy dump --pid {pid} failed: {error}"
+    return done.stdout if done.returncode == 0 else f"py-spy dump --pid {pid} failed: {done.stderr.strip()}"
+
+
+def stuck_frame(dump: str) -> str | None:
+    """The innermost frame of our own code in a py-spy dump, skipping the threads that serve the driver (the
+    heartbeat, Ray's own): `function (file:line)`."""
+    for thread in re.split(r"\n(?=Thread )", dump):
+        frames = [match.groups() for match in map(FRAME.match, thread.splitlines()) if match]
+        if any(name == "heartbeat" for name, _ in frames):
+            continue
+        ours = [(name, where) for name, where in frames if "rlhf_core" in where]
+        if ours:
+            name, where = ours[0]
+            return f"{name} ({where.split('rlhf_core/')[-1]})"
+    return None
+
+
+def dump_rank_stacks(location: Any) -> str:
+    """The stacks of the rank at `location` (a RankLocation): py-spy here when it runs on this node, else from a
+    task placed on its node."""
+    if location.node_ip == ray.util.get_node_ip_address():
+        return py_spy_dump(location.pid)
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    remote_dump = ray.remote(num_cpus=0)(py_spy_dump).options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(location.node_id, soft=False))
+    try:
+        return ray.get(remote_dump.remote(location.pid), timeout=PY_SPY_TIMEOUT_S + 10)
+    except (ray.exceptions.RayError, TimeoutError) as error:
+        return f"py-spy on node {location.node_ip} failed: {error}"
+
+
+def save_stacks(path: str, rank_dumps: dict[int, str]) -> None:
+    """Every rank's stacks and the driver's threads into `path` (best effort: a hang report must not fail)."""
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as out:
+            for rank, dump in rank_dumps.items():
+                out.write(f"==== rank {rank} ====\n{dump}\n")
+            out.write("==== the driver's threads ====\n")
+            out.flush()
+            faulthandler.dump_traceback(file=out, all_threads=True)
+    except OSError:
+        pass

@@ -1,0 +1,51 @@
+"""A hung rank is caught: the rank SIGSTOPs itself inside the second chunk (`train_step@7=hang`, as a stuck
+collective or a dead mount would leave it), the driver sees its progress stand still past --hang_timeout_s, saves
+its stacks, says so in one line, records the alert and the lost time, and the retried chunk ends the run bit-exact.
+Before hang detection this run waited in `ray.get` for ever."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.conftest import run_rlhf
+from tests.integration.conftest import train_sft_args
+
+pytestmark = pytest.mark.slow
+
+HANG_TIMEOUT_S = 20  # above a toy step's worst on a loaded 2-core machine, set-up included
+
+
+def test_a_hung_rank_is_caught_its_stacks_saved_and_the_run_ends_exact(toy_assets, rlhf_env, reference_sft_weights,
+                                                                        tmp_path):
+    (tmp_path / "faults").mkdir()
+    env = {**rlhf_env, "RLHF_FAULT_INJECT": "train_step@7=hang", "RLHF_FAULT_STATE": str(tmp_path / "faults")}
+    args = train_sft_args(toy_assets, tmp_path / "ckpt", tmp_path / "out") + ["--hang_timeout_s", str(HANG_TIMEOUT_S)]
+    run = run_rlhf(args, env, timeout=900)
+    log = run.stdout + run.stderr
+    assert run.returncode == 0, log[-4000:]
+    assert (tmp_path / "faults" / "train_step@7").exists(), "the fault never fired"
+
+    lines = [line for line in log.splitlines() if "made no progress" in line]
+    assert len(lines) == 1, log[-4000:]
+    assert re.search(r"rank 0 on node .* made no progress for \d+ s \(train; --hang_timeout_s 20\), stuck in "
+                     r"fault_point \(faults.py:\d+\)", lines[0]), lines[0]
+    stacks = Path(re.search(r"stacks and the driver's are in (\S+);", lines[0]).group(1))
+    text = stacks.read_text()
+    assert "==== rank 0 ====" in text and "fault_point" in text and "the driver's threads" in text
+
+    alerts = [json.loads(line) for line in (tmp_path / "ckpt" / "rlhf" / "alerts.jsonl").read_text().splitlines()]
+    assert [(alert["name"], alert["stage"], alert["details"]["rank"]) for alert in alerts] == \
+        [("rlhf.alert.hang", "sft", 0)]
+
+    goodput = run_rlhf(["goodput", str(tmp_path / "ckpt" / "rlhf")], rlhf_env)
+    seconds = float(re.search(r"lost to hangs: ([\d.]+) s", goodput.stdout).group(1))
+    assert seconds >= HANG_TIMEOUT_S, goodput.stdout
+
+    actual = load_file(str(tmp_path / "out" / "model.safetensors"))
+    for name, tensor in reference_sft_weights.items():
+        assert actual[name].equal(tensor), f"{name} differs from the uninterrupted run"
