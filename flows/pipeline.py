@@ -31,7 +31,7 @@ from rlhf_core.config import RunConfig
 from rlhf_core.stages import STAGES
 from rlhf_core.errors import RLHFError
 from rlhf_core.driver.resume import begin_stage, open_store, validate_run_start
-from tasks.chunks import chunk_task_for, export_final_task, export_model, merge_lora_task
+from tasks.chunks import chunk_task_for, emit_alert, export_final_task, export_model, merge_lora_task
 
 STOPPED_BY_BUDGET = "stopped-by-budget"
 COMPLETED = "completed"
@@ -61,11 +61,6 @@ def _resource(run: RunConfig, stage: str) -> dict:
     return {"prefect.resource.id": f"rlhf.run.{run.run_name}.{stage}", "prefect.resource.name": f"{run.run_name}/{stage}"}
 
 
-def _emit_alert(alert: dict) -> None:
-    emit_event(event=alert["name"], resource={"prefect.resource.id": f"rlhf.run.{alert['run_name']}.{alert['stage']}"},
-               payload=alert)
-
-
 def _stored_size(run: RunConfig, uri: str) -> int | None:
     """Bytes under a checkpoint folder (one listing), for the commit event."""
     try:
@@ -83,7 +78,7 @@ def _emit_commit_events(run: RunConfig, result: ChunkResult) -> None:
                         "size_bytes": size_bytes, "manifest_digest": result.manifest_digest,
                         "world_size": result.world_size})
     for alert in result.alerts:
-        _emit_alert(alert)
+        emit_alert(alert)
 
 
 def _emit_set_aside_events(run: RunConfig, stage: str, before: set[str]) -> set[str]:
@@ -178,7 +173,7 @@ def _train_stage_chunks(runner: StageRunner, stage: str, upstream_digest: str, c
         try:
             result = ChunkResult(**state.result())
         except NonFiniteTraining as error:
-            _emit_alert(json.loads(error.to_alert(run.run_name).to_json()))
+            emit_alert(json.loads(error.to_alert(run.run_name).to_json()))
             raise
         trained = state.name != "Cached" and result.num_steps_trained > 0
         num_trained += int(trained)

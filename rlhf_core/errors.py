@@ -35,12 +35,12 @@ class RankHung(RLHFError, RuntimeError):
     retryable = True
     lost_to: ClassVar[str] = "hangs"
 
-    def __init__(self, message: str, rank: int = 0, stacks_path: str | None = None):
+    def __init__(self, message: str, rank: int = 0, stacks_path: str | None = None, alert: dict | None = None):
         super().__init__(message)
-        self.rank, self.stacks_path = rank, stacks_path
+        self.rank, self.stacks_path, self.alert = rank, stacks_path, alert  # alert: its rlhf.alert.hang, as JSON
 
     def __reduce__(self):  # picklable with its fields (Ray and Prefect may persist it)
-        return (type(self), (str(self), self.rank, self.stacks_path))
+        return (type(self), (str(self), self.rank, self.stacks_path, self.alert))
 
 
 class PlacementFailed(RLHFError, RuntimeError):

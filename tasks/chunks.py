@@ -16,6 +16,7 @@ from typing import Any
 
 from prefect import task
 from prefect.cache_policies import DEFAULT, CachePolicy
+from prefect.events import emit_event
 from prefect.filesystems import RemoteFileSystem
 from prefect.states import Cancelled
 from prefect.transactions import get_transaction
@@ -25,7 +26,7 @@ from rlhf_core.driver.plan import StagePlan
 from rlhf_core.driver.runner import StageRunner
 from rlhf_core.driver.stage_driver import export_stage
 from rlhf_core.config import RunConfig, semantic_hash
-from rlhf_core.errors import is_retryable
+from rlhf_core.errors import RankHung, is_retryable
 from rlhf_core.driver.export import export_final, merge_lora
 from rlhf_core.driver.resume import Lineage
 from rlhf_core.driver.stop import StoppedBySignal
@@ -54,6 +55,12 @@ class ChunkCachePolicy(CachePolicy):
                     **kwargs: Any) -> str | None:
         return chunk_cache_key(inputs["runner"].run, inputs["stage"], inputs["target_step"],
                                inputs["upstream_digest"], inputs["lineage"])
+
+
+def emit_alert(alert: dict) -> None:
+    """An alert (`rlhf_core.ops.alerts.Alert`, as JSON) as the Prefect event automations react to."""
+    resource = {"prefect.resource.id": f"rlhf.run.{alert['run_name']}.{alert['stage']}"}
+    emit_event(event=alert["name"], resource=resource, payload=alert)
 
 
 def run_result_storage(run: RunConfig) -> Path | str:
@@ -101,6 +108,10 @@ def train_chunk(runner: StageRunner, stage: str, target_step: int, upstream_dige
     never retried, never cached."""
     try:
         return ensure_checkpoint(runner, stage, target_step, lineage, train_ahead, plan).to_dict()
+    except RankHung as hung:
+        if hung.alert:
+            emit_alert(hung.alert)
+        raise
     except StoppedBySignal as stopped:
         # Prefect keeps the cache key of a failed task unwritten, but writes one (with no result) for a returned
         # Cancelled state, which the next run would take as this chunk done: keep it unwritten here too.

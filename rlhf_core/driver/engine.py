@@ -8,6 +8,7 @@ in a rank reaches the driver as itself. docs/design-notes.md ("Ranks on Ray") ha
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import secrets
@@ -244,10 +245,11 @@ class WorkerGroup:
         message = (f"rank {hung.rank}{node} made no progress for {hung.stalled_s:.0f} s ({doing}; --hang_timeout_s "
                    f"{hung.deadline_s:g}), stuck in {frame}; its stacks and the driver's are in {path}; the ranks "
                    "are replaced and the chunk retried from the last commit.")
+        alert = Alert(ALERT_HANG, run_name, self._stage, getattr(self, "step", 0), message,
+                      {"rank": hung.rank, "stacks_path": path})
         with contextlib.suppress(Exception):  # the alert must not hide the hang
-            AlertLog(run_url, storage_options).append(Alert(ALERT_HANG, run_name, self._stage, self.step, message,
-                                                            {"rank": hung.rank, "stacks_path": path}))
-        raise RankHung(message, hung.rank, path)
+            AlertLog(run_url, storage_options).append(alert, announced=False)  # the chunk's failure says it
+        raise RankHung(message, hung.rank, path, json.loads(alert.to_json()))
 
     def _first_lost_rank(self, timeout_s: float) -> Exception | None:
         """Ping every rank: the RayActorError of the first one that is gone, None if none is known lost."""

@@ -248,8 +248,9 @@ class AlertLog:
         self.path = posixpath.join(root.rstrip("/"), ALERTS_FILE_NAME) if root.rstrip("/") else ALERTS_FILE_NAME
         self.url = f"{run_url.rstrip('/')}/{ALERTS_FILE_NAME}"
 
-    def append(self, *alerts: Alert) -> None:
-        """Record the alerts, then announce each one (`announce`)."""
+    def append(self, *alerts: Alert, announced: bool = True) -> None:
+        """Record the alerts, then announce each one (`announce`) unless another line says it (`announced`
+        False: a failure whose own sentence reaches the console)."""
         if not alerts:
             return
         lines = "".join(alert.to_json() + "\n" for alert in alerts).encode()
@@ -260,7 +261,7 @@ class AlertLog:
             if existing and not existing.endswith(b"\n"):
                 existing += b"\n"
             self.fs.pipe_file(self.path, existing + lines)
-        for alert in alerts:
+        for alert in alerts if announced else ():
             announce(alert)
 
     def _append_local(self, lines: bytes) -> None:
