@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from rlhf_core.data.prepared import (Columns, PreparedRows, PreparedStore, preparation_key, remember_hashes,
+from rlhf_core.data.prepared import (Columns, PreparedRows, PreparedStore, preparation_key,
                                      source_versions, write_batches)
 from rlhf_core.data.records import Record, fingerprint
 from rlhf_core.data.samples import (Renderer, TokenizedSample, assistant_spans, multiturn_conversation, require_text,
@@ -48,9 +48,7 @@ def prepared_sft_samples(cfg, run, tokenizer, evaluation: bool = False) -> Prepa
             store.save_hash(version, digest)
         if found is None:  # removed or damaged between publishing and reading: a store that keeps nothing
             raise RuntimeError(f"prepared data {store.local_dir(key)} could not be read back after publishing")
-    path, marker = found
-    remember_hashes(marker, run.storage_options, flag)
-    return PreparedRows(path, TokenizedSample)
+    return PreparedRows(found[0], TokenizedSample)
 
 
 def _file_hashes(url: str, versions: list, stream: RecordStream, run, split: str, flag: str) -> list:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Iterator, overload
 import fsspec
 import numpy as np
 
-from rlhf_core.data.records import _version_of, fingerprint, remember_file_hash, split_data_dir
+from rlhf_core.data.records import HashLookup, file_version, fingerprint, split_data_dir
 from rlhf_core.faults import fault_point
 from rlhf_core.storage.locate import is_hub_id, is_local_url, local_path
 from rlhf_core.storage.manifest import DEFAULT_CHECKSUM, digest_of_local_file
@@ -76,7 +76,7 @@ def source_versions(url: str, storage_options: dict | None, split: str, flag: st
                 continue
         except Exception:  # noqa: BLE001 - read_records names the problem when it reads the source
             pass
-        version = _version_of(source, storage_options, flag)
+        version = file_version(source, storage_options, flag)
         if version is None:  # a store that tells no version: the content is the only identity
             versions.append(["hashed", source, fingerprint(source, storage_options, split=split, flag=flag)])
         else:
@@ -162,7 +162,7 @@ class PreparedStore:
 
     def save_hash(self, version: list, digest: str) -> None:
         """Record a file's sha256 by its version (url, size, mtime or ETag) in `hashes/`, for the drift check of a
-        later process that has not opened the preparation yet (`recall_hashes`)."""
+        later process that has not opened the preparation yet (`recorded_hashes`)."""
         path, data = f"{self.root}/{HASHES_DIR}/{_hash_name(version)}", json.dumps({"sha256": digest}).encode()
         if self.local:
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -207,22 +207,17 @@ def _hash_name(version: list) -> str:
     return hashlib.sha256(json.dumps(list(version), default=str).encode()).hexdigest()[:32] + ".json"
 
 
-def recall_hashes(ckpt_path: str, cfg, storage_options: dict | None) -> None:
-    """Hand the drift check (`records.dataset_fingerprint`) the sha256 recorded at preparation of each file of the
-    stage's data still at its recorded version: a restart's check, before any preparation is opened, does not read
-    the files again."""
-    url, flag = getattr(cfg, "dataset", None), "--dataset"
-    if not url:
-        url, flag = getattr(cfg, "prompt_data", None) or "", "--prompt_data"
-    store = None
-    for source in (part.strip() for part in url.split(",") if part.strip()):
-        version = _version_of(source, storage_options, flag)
-        if version is None:
-            continue
-        store = store or PreparedStore(ckpt_path, storage_options)
-        digest = store.load_hash(list(version))
-        if digest is not None:
-            remember_file_hash(source, storage_options, flag, version, digest)
+def recorded_hashes(ckpt_path: str, storage_options: dict | None) -> HashLookup:
+    """The sha256 recorded at preparation of a file at a version (`PreparedStore.save_hash`), for the drift
+    fingerprint (`records.dataset_fingerprint`): a restart and every commit find it by the file's version and do
+    not read the file again."""
+    store: list[PreparedStore] = []  # made on the first lookup: a run without data files never opens the store
+
+    def lookup(version: tuple) -> str | None:
+        if not store:
+            store.append(PreparedStore(ckpt_path, storage_options))
+        return store[0].load_hash(list(version))
+    return lookup
 
 
 def _checked(folder: str) -> tuple[str, dict] | None:
@@ -284,12 +279,6 @@ def write_batches(path: str, columns: dict[str, str], batches: Iterable[Columns]
                 logger.info("preparing %s: %d rows (%.0f rows/s)", label, rows, rows / (reported - started))
     logger.info("prepared %s: %d rows in %.1f s", label, rows, time.monotonic() - started)
     return rows
-
-
-def remember_hashes(marker: dict, storage_options: dict | None, flag: str) -> None:
-    """Tell the drift check (`records.fingerprint`) the content hashes taken at preparation, by file version."""
-    for url, version, digest in marker.get("file_hashes", []):
-        remember_file_hash(url, storage_options, flag, tuple(version), digest)
 
 
 class PreparedRows(Sequence):

@@ -293,17 +293,24 @@ def rank_micro_batches(global_indices: list[int], rank: int, world_size: int, mi
     return micro_batches[rank::world_size]
 
 
-def dataset_fingerprint(cfg, storage_options: dict | None = None) -> str:
-    """Fingerprint of a stage's data (dataset or prompt_data, with its split), or "" if it has none."""
+# A file's sha256 by its version (url, size, mtime or ETag), recorded when its data was prepared
+# (rlhf_core.data.prepared.recorded_hashes); None when none was.
+HashLookup = Callable[[tuple], "str | None"]
+
+
+def dataset_fingerprint(cfg, storage_options: dict | None = None, known_hash: HashLookup | None = None) -> str:
+    """Fingerprint of a stage's data (dataset or prompt_data, with its split), or "" if it has none; `known_hash`
+    saves reading a file whose hash was recorded at its version."""
     if getattr(cfg, "dataset", None):
-        return fingerprint(cfg.dataset, storage_options, split=getattr(cfg, "dataset_split", "train"))
+        return fingerprint(cfg.dataset, storage_options, split=getattr(cfg, "dataset_split", "train"),
+                           known_hash=known_hash)
     if getattr(cfg, "prompt_data", None):
         return fingerprint(cfg.prompt_data, storage_options, split=getattr(cfg, "prompt_split", "train"),
-                           flag="--prompt_data")
+                           flag="--prompt_data", known_hash=known_hash)
     return ""
 
 
-def _version_of(url: str, storage_options: dict | None, flag: str) -> tuple | None:
+def file_version(url: str, storage_options: dict | None, flag: str) -> tuple | None:
     """(url, size, modification stamp or ETag) of a file, or None when the store tells neither."""
     try:
         filesystem, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
@@ -318,18 +325,20 @@ def _version_of(url: str, storage_options: dict | None, flag: str) -> tuple | No
 
 
 def fingerprint(url: str, storage_options: dict | None = None, *, split: str = "train",
-                flag: str = "--dataset") -> str:
+                flag: str = "--dataset", known_hash: HashLookup | None = None) -> str:
     """Identity of the data at `url`, recorded in each checkpoint's metadata: the sha256 of a file (of
     every file of a folder), datasets' own fingerprint of a hub dataset's split, and a hash of the parts'
     fingerprints for a comma-separated mixture. Files are hashed once per process and version (size and
     mtime or ETag; `_hash_file_version`): every commit asks, and a dataset can be large."""
     sources = [part.strip() for part in url.split(",") if part.strip()]
     if len(sources) > 1:
-        parts = "\n".join(fingerprint(source, storage_options, split=split, flag=flag) for source in sources)
+        parts = "\n".join(fingerprint(source, storage_options, split=split, flag=flag, known_hash=known_hash)
+                          for source in sources)
         return hashlib.sha256(parts.encode()).hexdigest()
     name, data_dir = split_data_dir(url, flag)
     if data_dir is not None and os.path.isdir(name):
-        return fingerprint(os.path.join(name, data_dir), storage_options, split=split, flag=flag)
+        return fingerprint(os.path.join(name, data_dir), storage_options, split=split, flag=flag,
+                           known_hash=known_hash)
     protocol, _ = fsspec.core.split_protocol(name)
     path = local_path(name)
     if path is not None and not os.path.exists(path) and is_hub_id(name):
@@ -340,11 +349,12 @@ def fingerprint(url: str, storage_options: dict | None = None, *, split: str = "
             names = sorted(filesystem.find(fs_path))
             protocol_prefix = "" if is_local_url(name) else f"{protocol}://"
             parts = "\n".join(f"{name[len(fs_path):]}:"
-                               f"{_file_fingerprint(protocol_prefix + name, storage_options, flag)}" for name in names)
+                               f"{_file_fingerprint(protocol_prefix + name, storage_options, flag, known_hash)}"
+                               for name in names)
             return hashlib.sha256(parts.encode()).hexdigest()
     except Exception as error:  # noqa: BLE001 - a store's own error types; re-raised unless understood
         raise _as_user_error(error, url, flag, storage_options) from None
-    return _file_fingerprint(url, storage_options, flag)
+    return _file_fingerprint(url, storage_options, flag, known_hash)
 
 
 @functools.lru_cache(maxsize=64)
@@ -352,23 +362,14 @@ def _hub_fingerprint(name: str, split: str, flag: str, data_dir: str | None) -> 
     return "hub:" + _hub_dataset(name, split, flag, data_dir)._fingerprint
 
 
-def _file_fingerprint(url: str, storage_options: dict | None, flag: str) -> str:
-    version = _version_of(url, storage_options, flag)
+def _file_fingerprint(url: str, storage_options: dict | None, flag: str, known_hash: HashLookup | None) -> str:
+    version = file_version(url, storage_options, flag)
     if version is None:  # the store tells no version: hash it every time
         return _hash_file(url, storage_options, flag)
-    known = _KNOWN_HASHES.get((url, version))
+    known = known_hash(version) if known_hash is not None else None
     if known is not None:
         return known
     return _hash_file_version(url, _HashableOptions(storage_options or {}), flag, version)
-
-
-_KNOWN_HASHES: dict[tuple[str, tuple], str] = {}  # (url, version) -> sha256, taken when the data was prepared
-
-
-def remember_file_hash(url: str, storage_options: dict | None, flag: str, version: tuple, digest: str) -> None:
-    """The sha256 of `url` at `version` (size and mtime or ETag), taken once when the data was prepared
-    (rlhf_core.data.prepared): the drift check finds it by the version and reads the file no more."""
-    _KNOWN_HASHES[(url, tuple(version))] = digest
 
 
 class _HashableOptions(dict):

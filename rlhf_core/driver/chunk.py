@@ -19,6 +19,7 @@ from rlhf_core.storage.manifest import CheckpointInfo
 from rlhf_core.config import RunConfig, semantic_fields, semantic_hash
 from rlhf_core.stages import STAGES
 from rlhf_core.stages.base import StageConfig
+from rlhf_core.data.prepared import recorded_hashes
 from rlhf_core.data.records import dataset_fingerprint
 from rlhf_core.driver.engine import WorkerGroup
 from rlhf_core.driver.runner import StageRunner
@@ -71,7 +72,8 @@ def _metadata(run: RunConfig, stage: str, plan: StagePlan, step: int, metrics: d
         "config_hash": semantic_hash(run, stage),
         "config": semantic_fields(cfg),
         "save_path": getattr(cfg, facts.output_field, None),
-        "dataset_fingerprint": dataset_fingerprint(cfg, run.storage_options),
+        "dataset_fingerprint": dataset_fingerprint(cfg, run.storage_options,
+                                                   recorded_hashes(run.ckpt_path, run.storage_options)),
         "input_models": input_model_fingerprints(cfg, run.storage_options),
         "metrics": metrics,
         "trackers": trackers.tracker_ids() if trackers is not None else {},

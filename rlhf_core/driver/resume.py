@@ -15,7 +15,7 @@ from rlhf_core.storage.manifest import METADATA_NAME, CheckpointInfo
 from rlhf_core.config import RunConfig, semantic_fields
 from rlhf_core.stages import TRAINING_STAGES, WORLD_SIZE_DEPENDENT_STAGES
 from rlhf_core.stages.base import StageConfig
-from rlhf_core.data.prepared import recall_hashes
+from rlhf_core.data.prepared import recorded_hashes
 from rlhf_core.data.records import dataset_fingerprint
 from rlhf_core.errors import CorruptCheckpoint, UserError
 from rlhf_core.storage.locate import input_model_fingerprints
@@ -67,9 +67,8 @@ def config_drift(run: RunConfig, stage: str, metadata: dict) -> list[str]:
             and not run.allow_fewer_workers:
         changes.append(f"num_workers: {saved_world_size} -> {run.num_workers} (each PPO rank samples with its own seed)")
     saved_fingerprint = metadata.get("dataset_fingerprint")
-    if saved_fingerprint:
-        recall_hashes(run.ckpt_path, cfg, run.storage_options)  # the hashes taken at preparation, by version
-    if saved_fingerprint and saved_fingerprint != dataset_fingerprint(cfg, run.storage_options):
+    if saved_fingerprint and saved_fingerprint != dataset_fingerprint(
+            cfg, run.storage_options, recorded_hashes(run.ckpt_path, run.storage_options)):
         changes.append("dataset contents: changed")
     # Same path, other model: e.g. SFT retrained into the save_path this stage started from.
     current_models = input_model_fingerprints(cfg, run.storage_options)

@@ -101,22 +101,18 @@ def test_a_changed_file_builds_a_new_preparation_and_fingerprint(toy_assets, tmp
     assert len(preparations(tmp_path)) == 2 and dataset_fingerprint(run.sft) != before
 
 
-@pytest.mark.parametrize("first", ["preparation", "drift_check"])
-def test_the_drift_fingerprint_is_the_hash_recorded_at_preparation(toy_assets, tmp_path, data, monkeypatch, first):
-    """A new process finds the hash by the file's version: on opening the preparation, or before it, as a restart's
-    drift check does (`recall_hashes`, from the store's hashes/)."""
-    from rlhf_core.data.prepared import recall_hashes
+def test_the_drift_fingerprint_is_the_hash_recorded_at_preparation(toy_assets, tmp_path, data, monkeypatch):
+    """A new process (a restart's drift check, a commit's metadata) finds the hash by the file's version in the
+    store's hashes/ (`recorded_hashes`), and never reads the raw file again."""
+    from rlhf_core.data.prepared import recorded_hashes
 
     run = sft_run(tmp_path, toy_assets["model"], data)
     load_sft_samples(run, load_tokenizer(toy_assets["model"]))
-    records._KNOWN_HASHES.clear()
     records._hash_file_version.cache_clear()  # a new process: only the store knows the hash
     monkeypatch.setattr(records, "_hash_file", lambda *args: pytest.fail("the raw file was hashed again"))
-    if first == "preparation":
-        load_sft_samples(run, load_tokenizer(toy_assets["model"]))
-    else:
-        recall_hashes(run.ckpt_path, run.sft, run.storage_options)
-    assert dataset_fingerprint(run.sft) == hashlib.sha256(Path(data).read_bytes()).hexdigest()
+    known = recorded_hashes(run.ckpt_path, run.storage_options)
+    expected = hashlib.sha256(Path(data).read_bytes()).hexdigest()
+    assert dataset_fingerprint(run.sft, run.storage_options, known) == expected
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "marker", "no_data"])
