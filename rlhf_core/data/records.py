@@ -40,7 +40,7 @@ class Record:
         return f"{self.source or url} {self.unit} {self.line}"
 
 
-def _open(url: str, storage_options: dict | None, mode: str = "rb", flag: str = "--dataset"):
+def open_data(url: str, storage_options: dict | None, mode: str = "rb", flag: str = "--dataset"):
     try:
         return fsspec.open(url, mode, **(storage_options or {})).open()
     except FileNotFoundError:
@@ -48,10 +48,10 @@ def _open(url: str, storage_options: dict | None, mode: str = "rb", flag: str = 
     except IsADirectoryError:
         raise UserError(f"{flag}: {url} is a folder that holds no dataset saved by datasets.") from None
     except Exception as error:  # noqa: BLE001 - a store's own error types; re-raised unless understood
-        raise _as_user_error(error, url, flag, storage_options) from None
+        raise as_user_error(error, url, flag, storage_options) from None
 
 
-def _as_user_error(error: Exception, url: str, flag: str, storage_options: dict | None) -> Exception:
+def as_user_error(error: Exception, url: str, flag: str, storage_options: dict | None) -> Exception:
     if isinstance(error, UserError):
         return error
     unreachable = store_unreachable(error, flag, url, storage_options)
@@ -76,7 +76,7 @@ def read_records(url: str, storage_options: dict | None = None, max_samples: int
         try:
             records = _read_source(source, storage_options, max_samples, split, flag)
         except Exception as error:  # noqa: BLE001 - translated when understood, else re-raised as is
-            raise _as_user_error(error, source, flag, storage_options) from None
+            raise as_user_error(error, source, flag, storage_options) from None
         if not records:
             raise UserError(f"{source}: the dataset is empty.")
         per_source.append([replace(record, source=source) for record in records] if len(sources) > 1 else records)
@@ -159,7 +159,7 @@ def _read_file(url: str, storage_options: dict | None, flag: str) -> list[Record
         return _read_table(url, storage_options, "parquet")
     if lower.endswith(".csv"):
         return _read_table(url, storage_options, "csv")
-    with _open(url, storage_options, flag=flag) as handle:
+    with open_data(url, storage_options, flag=flag) as handle:
         text = _decode(url, handle.read())
     if lower.endswith(".json") and text.lstrip().startswith("["):
         return _parse_json_array(url, text)
@@ -187,7 +187,7 @@ def _parse_jsonl(url: str, text: str) -> list[Record]:
             value = json.loads(line)
         except json.JSONDecodeError as error:
             raise UserError(f"{url} line {line_number}: invalid JSON ({error.msg}).") from None
-        records.append(_object_record(url, value, line_number, "line"))
+        records.append(object_record(url, value, line_number, "line"))
     return records
 
 
@@ -198,10 +198,10 @@ def _parse_json_array(url: str, text: str) -> list[Record]:
         raise UserError(f"{url} line {error.lineno}: invalid JSON ({error.msg}).") from None
     if not isinstance(value, list):
         raise UserError(f"{url}: a .json dataset must be a list of objects (or one object per line).")
-    return [_object_record(url, item, index, "item") for index, item in enumerate(value, start=1)]
+    return [object_record(url, item, index, "item") for index, item in enumerate(value, start=1)]
 
 
-def _object_record(url: str, value: object, index: int, unit: str) -> Record:
+def object_record(url: str, value: object, index: int, unit: str) -> Record:
     """A record of a JSON dataset, which must be an object (`unit`: "line" of JSON Lines, "item" of an array)."""
     if not isinstance(value, dict):
         raise UserError(f"{url} {unit} {index}: expected a JSON object, got {type(value).__name__}.")
@@ -212,7 +212,7 @@ def _read_table(url: str, storage_options: dict | None, kind: str) -> list[Recor
     import pyarrow.csv
     import pyarrow.parquet
 
-    with _open(url, storage_options) as handle:
+    with open_data(url, storage_options) as handle:
         try:
             table = pyarrow.parquet.read_table(handle) if kind == "parquet" else pyarrow.csv.read_csv(handle)
         except Exception as error:  # pyarrow raises several unrelated types for a bad file
@@ -353,7 +353,7 @@ def fingerprint(url: str, storage_options: dict | None = None, *, split: str = "
                                for name in names)
             return hashlib.sha256(parts.encode()).hexdigest()
     except Exception as error:  # noqa: BLE001 - a store's own error types; re-raised unless understood
-        raise _as_user_error(error, url, flag, storage_options) from None
+        raise as_user_error(error, url, flag, storage_options) from None
     return _file_fingerprint(url, storage_options, flag, known_hash)
 
 
@@ -388,7 +388,7 @@ def _hash_file_version(url: str, storage_options: _HashableOptions, flag: str, v
 
 def _hash_file(url: str, storage_options: dict | None, flag: str) -> str:
     digest = hashlib.sha256()
-    with _open(url, storage_options, flag=flag) as handle:
+    with open_data(url, storage_options, flag=flag) as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from rlhf_core.data.records import (Record, _as_user_error, _object_record, _open, read_records, split_data_dir)
+from rlhf_core.data.records import Record, as_user_error, object_record, open_data, read_records, split_data_dir
 from rlhf_core.errors import UserError
 from rlhf_core.storage.locate import is_hub_id, local_path
 
@@ -62,11 +62,11 @@ class RecordStream:
         except UserError:
             raise
         except Exception as error:  # noqa: BLE001 - a store's own error types: translated when understood
-            raise _as_user_error(error, self.url, self.flag, self.storage_options) from None
+            raise as_user_error(error, self.url, self.flag, self.storage_options) from None
 
     def _lines(self) -> Iterator[list[Record]]:
         digest, batch, count, line_number, offset = hashlib.sha256(), [], 0, 0, 0
-        with _open(self.url, self.storage_options, flag=self.flag) as handle:
+        with open_data(self.url, self.storage_options, flag=self.flag) as handle:
             for byte_line, raw in enumerate(handle, start=1):
                 digest.update(raw)
                 line_start, offset = offset, offset + len(raw)
@@ -93,7 +93,7 @@ class RecordStream:
 def _starts_with_array(url: str, storage_options: dict | None, flag: str) -> bool:
     if not url.lower().endswith(".json"):
         return False
-    with _open(url, storage_options, flag=flag) as handle:
+    with open_data(url, storage_options, flag=flag) as handle:
         head = handle.read(4096)
     return head[len(codecs.BOM_UTF8) if head.startswith(codecs.BOM_UTF8) else 0:].lstrip().startswith(b"[")
 
@@ -113,4 +113,4 @@ def _parse_line(url: str, text: str, line_number: int) -> Record:
         value = json.loads(text)
     except json.JSONDecodeError as error:
         raise UserError(f"{url} line {line_number}: invalid JSON ({error.msg}).") from None
-    return _object_record(url, value, line_number, "line")
+    return object_record(url, value, line_number, "line")

@@ -106,8 +106,8 @@ def test_dataset_fingerprint_is_hashed_once_per_file_version(tmp_path, monkeypat
     path = tmp_path / "d.jsonl"
     path.write_text('{"a": "1"}\n')
     opened = []
-    real_open = data._open
-    monkeypatch.setattr(data, "_open", lambda *args, **kwargs: opened.append(args[0]) or real_open(*args, **kwargs))
+    real_open = data.open_data
+    monkeypatch.setattr(data, "open_data", lambda *args, **kwargs: opened.append(args[0]) or real_open(*args, **kwargs))
     first = data.fingerprint(str(path))
     assert data.fingerprint(str(path)) == first and len(opened) == 1  # unchanged: not read again
     path.write_text('{"a": "2"}\n')  # same size, new contents

@@ -65,7 +65,7 @@ def test_prepared_samples_are_todays_samples(toy_assets, tmp_path, data, chat):
 def test_a_second_load_reads_the_preparation_not_the_file(toy_assets, tmp_path, data, monkeypatch):
     run = sft_run(tmp_path, toy_assets["model"], data)
     first = as_tuples(load_sft_samples(run, load_tokenizer(toy_assets["model"])))
-    monkeypatch.setattr(records, "_open", lambda *args, **kwargs: pytest.fail("the raw file was read again"))
+    monkeypatch.setattr(records, "open_data", lambda *args, **kwargs: pytest.fail("the raw file was read again"))
     assert as_tuples(load_sft_samples(run, load_tokenizer(toy_assets["model"]))) == first
 
 
