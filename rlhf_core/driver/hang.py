@@ -48,16 +48,18 @@ class HungRank:
     deadline_s: float
 
 
-def deadline_s(progress: RankProgress, timeout_s: float | None) -> float:
-    """How long `progress` may stand still. Before the rank's first step (imports, a JIT build, set-up, the load):
-    the start-up window, or the user's timeout if longer. After it: the user's timeout; else the steady deadline
-    while only steps are in flight, and the start-up window while a snapshot or a write is (a large upload)."""
-    if progress.slowest_step_s <= 0:
+def deadline_s(progress: RankProgress, timeout_s: float | None, slowest_step_s: float = 0.0) -> float:
+    """How long `progress` may stand still (`slowest_step_s`: the slowest step the driver has seen come back).
+    Before the rank's first step (imports, a JIT build, set-up, the load): the start-up window, or the user's
+    timeout if longer. After it: the user's timeout; else the steady deadline while only steps are in flight, and
+    the start-up window while a snapshot or a write is (a large upload)."""
+    slowest = max(progress.slowest_step_s, slowest_step_s)
+    if slowest <= 0:
         return max(STARTUP_HANG_S, timeout_s or 0.0)
     if timeout_s:
         return timeout_s
     steady = set(progress.phases) <= STEADY_PHASES
-    return max(MIN_HANG_S, SLOWEST_STEP_FACTOR * progress.slowest_step_s) if steady else STARTUP_HANG_S
+    return max(MIN_HANG_S, SLOWEST_STEP_FACTOR * slowest) if steady else STARTUP_HANG_S
 
 
 @dataclass
@@ -68,10 +70,15 @@ class HangWatch:
     timeout_s: float | None = None
     clock: Callable[[], float] = time.monotonic
     ranks: list[RankProgress] = field(default_factory=list)
+    slowest_step_s: float = 0.0  # of the steps that came back to the driver (a rank may stop before it tells)
     _last_poll: float = 0.0
 
     def __post_init__(self) -> None:
         self.ranks = [RankProgress() for _ in self.workers]
+
+    def steps_returned(self, step_seconds: list[float]) -> None:
+        """Steps the ranks reported with their results: the steady deadline holds from then on."""
+        self.slowest_step_s = max([self.slowest_step_s, *step_seconds])
 
     def restart(self) -> None:
         """A new wait begins: the time each rank stood still before it (the driver was busy) does not count."""
@@ -94,12 +101,13 @@ class HangWatch:
                 self._take(progress, progress.asking, now)
             progress.asking = worker.heartbeat.remote()
         late = [(rank, progress) for rank, progress in enumerate(self.ranks)
-                if now - progress.moved_at > deadline_s(progress, self.timeout_s)]
+                if now - progress.moved_at > deadline_s(progress, self.timeout_s, self.slowest_step_s)]
         if not late:
             return None
         # The ranks that wait in a collective for a stopped one still answer: blame the one that does not.
         rank, progress = min(late, key=lambda item: item[1].answered_at)
-        return HungRank(rank, now - progress.moved_at, progress.phases, deadline_s(progress, self.timeout_s))
+        return HungRank(rank, now - progress.moved_at, progress.phases,
+                        deadline_s(progress, self.timeout_s, self.slowest_step_s))
 
     @staticmethod
     def _take(progress: RankProgress, answer: Any, now: float) -> None:

@@ -18,6 +18,17 @@ def test_the_deadline_follows_the_slowest_step_once_only_steps_are_in_flight():
         hang.STARTUP_HANG_S  # an upload of a large checkpoint beside training
 
 
+def test_steps_the_driver_saw_come_back_count_when_the_rank_stopped_before_telling():
+    """Toy steps take 0.1 s: a chunk's steps can return between two heartbeats, and the rank stop before the next
+    one answers. The deadline is then the steady one, from the steps' own timings."""
+    silent = hang.RankProgress(phases=("setup",), slowest_step_s=0.0)
+    assert hang.deadline_s(silent, 20.0) == hang.STARTUP_HANG_S
+    assert hang.deadline_s(silent, 20.0, slowest_step_s=0.1) == 20.0
+    watch = hang.HangWatch([FakeWorker()], timeout_s=20.0)
+    watch.steps_returned([0.1, 0.3, 0.2])
+    assert watch.slowest_step_s == 0.3
+
+
 def test_the_users_timeout_holds_after_the_first_step_and_never_shortens_the_start_up():
     assert hang.deadline_s(hang.RankProgress(phases=("train", "write"), slowest_step_s=2.0), 7.0) == 7.0
     assert hang.deadline_s(hang.RankProgress(phases=("setup",), slowest_step_s=0.0), 7.0) == hang.STARTUP_HANG_S
