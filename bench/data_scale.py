@@ -92,6 +92,7 @@ class Watched:
         self.process = subprocess.Popen(command, env=env, stdout=self.log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
         self.driver_kib = self.rank_kib = 0
+        self.seconds: float | None = None  # launch to the moment it was waited for (`wait_for`)
 
     def sample(self) -> None:
         self.driver_kib = max(self.driver_kib, _read_hwm_kib(self.process.pid))
@@ -151,23 +152,28 @@ def measure(num_rows: int, workdir: str, model: str, env: dict[str, str], timeou
         first.kill()
     result.update(driver_peak_mb=first.driver_kib / 1024, rank_peak_mb=first.rank_kib / 1024)
     if kill:
-        state = os.path.join(folder, "state-resume")
-        resumed = Watched(sft_command(model, data, ckpt, os.path.join(folder, "out1"), "first"),
-                          hooked_env(env, state, "train_step@10=sleep:0"), log)
-        try:
-            result["kill_to_next_step_s"] = resumed.wait_for(os.path.join(state, "train_step@10"), timeout_s)
-        finally:
-            resumed.kill()
-    state = os.path.join(folder, "state-warm")
-    warm = Watched(sft_command(model, data, ckpt, os.path.join(folder, "out2"), "warm"),
-                   hooked_env(env, state, "train_step@2=sleep:0"), log)
-    try:
-        result["warm_s"] = warm.wait_for(os.path.join(state, "train_step@2"), timeout_s)
-    finally:
-        warm.kill()
+        resumed = _time_to_step(model, data, ckpt, os.path.join(folder, "out1"), "first", env, folder, "resume",
+                                "train_step@10", log, timeout_s)
+        result["kill_to_next_step_s"] = resumed.seconds
+    warm = _time_to_step(model, data, ckpt, os.path.join(folder, "out2"), "warm", env, folder, "warm",
+                         "train_step@2", log, timeout_s)
+    result["warm_s"] = warm.seconds
     result.update(driver_peak_mb=max(result["driver_peak_mb"], warm.driver_kib / 1024),
                   rank_peak_mb=max(result["rank_peak_mb"], warm.rank_kib / 1024))
     return result
+
+
+def _time_to_step(model: str, data: str, ckpt: str, out: str, run_name: str, env: dict, folder: str, label: str,
+                  point: str, log: str, timeout_s: float) -> Watched:
+    """Run the SFT command until it is about to train the step of `point` (`train_step@N`), then kill it; its
+    `seconds` is the command's start to that moment."""
+    state = os.path.join(folder, f"state-{label}")
+    watched = Watched(sft_command(model, data, ckpt, out, run_name), hooked_env(env, state, f"{point}=sleep:0"), log)
+    try:
+        watched.seconds = watched.wait_for(os.path.join(state, point), timeout_s)
+    finally:
+        watched.kill()
+    return watched
 
 
 def format_rows(results: list[dict]) -> str:

@@ -241,11 +241,9 @@ class WorkerGroup:
                             f"hang-{time.strftime('%Y%m%d-%H%M%S')}-rank{hung.rank}.txt")
         save_stacks(path, dumps)
         node = f" on node {location.describe()}" if location else ""
-        doing = ", ".join(hung.phases) or "starting"
         frame = stuck_frame(dumps.get(hung.rank, "")) or "a frame py-spy could not read"
-        message = (f"rank {hung.rank}{node} made no progress for {hung.stalled_s:.0f} s ({doing}; --hang_timeout_s "
-                   f"{hung.deadline_s:g}), stuck in {frame}; its stacks and the driver's are in {path}; the ranks "
-                   "are replaced and the chunk retried from the last commit.")
+        message = (f"rank {hung.rank}{node} {hung.describe()}, stuck in {frame}; its stacks and the driver's are in "
+                   f"{path}; the ranks are replaced and the chunk retried from the last commit.")
         alert = Alert(ALERT_HANG, run_name, self._stage, getattr(self, "step", 0), message,
                       {"rank": hung.rank, "stacks_path": path})
         with contextlib.suppress(Exception):  # the alert must not hide the hang

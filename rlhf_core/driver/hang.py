@@ -44,8 +44,14 @@ class RankProgress:
 class HungRank:
     rank: int
     stalled_s: float
-    phases: tuple[str, ...]
+    phases: tuple[str, ...]  # as the rank last said
     deadline_s: float
+    answering: bool  # whether it still answers heartbeats (a rank waiting in a collective) or not (stopped)
+
+    def describe(self) -> str:
+        """`made no progress for ...`, for the hang's sentence."""
+        doing = f"{', '.join(self.phases) or 'starting'}; " if self.answering else "not answering; "
+        return f"made no progress for {self.stalled_s:.0f} s ({doing}--hang_timeout_s {self.deadline_s:g})"
 
 
 def deadline_s(progress: RankProgress, timeout_s: float | None, slowest_step_s: float = 0.0) -> float:
@@ -107,7 +113,8 @@ class HangWatch:
         # The ranks that wait in a collective for a stopped one still answer: blame the one that does not.
         rank, progress = min(late, key=lambda item: item[1].answered_at)
         return HungRank(rank, now - progress.moved_at, progress.phases,
-                        deadline_s(progress, self.timeout_s, self.slowest_step_s))
+                        deadline_s(progress, self.timeout_s, self.slowest_step_s),
+                        answering=now - progress.answered_at <= 3 * HEARTBEAT_S)
 
     @staticmethod
     def _take(progress: RankProgress, answer: Any, now: float) -> None:
@@ -138,12 +145,14 @@ def py_spy_dump(pid: int) -> str:
 
 
 def stuck_frame(dump: str) -> str | None:
-    """The innermost frame of our own code in a py-spy dump, skipping the threads that serve the driver (the
-    heartbeat, Ray's own): `function (file:line)`."""
-    for thread in re.split(r"\n(?=Thread )", dump):
-        frames = [match.groups() for match in map(FRAME.match, thread.splitlines()) if match]
-        if any(name == "heartbeat" for name, _ in frames):
-            continue
+    """The innermost frame of our own code in a py-spy dump, the training thread's first, skipping the threads that
+    serve the driver (the heartbeat, Ray's own): `function (file:line)`."""
+    threads = [[match.groups() for match in map(FRAME.match, thread.splitlines()) if match]
+               for thread in re.split(r"\n(?=Thread )", dump)]
+    threads = [frames for frames in threads if not any(name.endswith("heartbeat") for name, _ in frames)]
+    # The training thread first: in a stopped process every thread stands still, the uploader's too.
+    threads.sort(key=lambda frames: not any(name.endswith("train_until") for name, _ in frames))
+    for frames in threads:
         ours = [(name, where) for name, where in frames if "rlhf_core" in where]
         if ours:
             name, where = ours[0]

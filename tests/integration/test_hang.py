@@ -33,7 +33,7 @@ def test_a_hung_rank_is_caught_its_stacks_saved_and_the_run_ends_exact(toy_asset
     lines = [line for line in log.splitlines() if "made no progress" in line]
     assert len(lines) == 1, log[-4000:]
     assert "Retry 1/2" in lines[0], lines[0]  # Prefect's retry line says it: one console line for the hang
-    assert re.search(r"rank 0 on node .* made no progress for \d+ s \(train(, write)?; --hang_timeout_s 20\), "
+    assert re.search(r"rank 0 on node .* made no progress for \d+ s \(not answering; --hang_timeout_s 20\), "
                      r"stuck in fault_point \(faults.py:\d+\)", lines[0]), lines[0]
     stacks = Path(re.search(r"stacks and the driver's are in (\S+);", lines[0]).group(1))
     text = stacks.read_text()

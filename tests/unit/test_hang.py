@@ -74,6 +74,7 @@ def test_a_rank_that_stops_answering_is_blamed_not_its_peer_waiting_in_the_colle
     now[0] = 20.0
     hung = watch.poll()
     assert hung is not None and hung.rank == 1 and hung.stalled_s > 10 and hung.deadline_s == 10.0
+    assert not hung.answering and hung.describe() == "made no progress for 11 s (not answering; --hang_timeout_s 10)"
 
 
 def test_time_the_driver_spent_elsewhere_does_not_count(fake_ray):
@@ -92,6 +93,9 @@ def test_time_the_driver_spent_elsewhere_does_not_count(fake_ray):
 DUMP = """Process 4242: ray::TrainWorker.train_until
 Python v3.11.7 (/usr/bin/python3.11)
 
+Thread 4249 (idle): "Thread-4 (io)"
+    StoreWrites.upload_tree (/work/rlhf_core/storage/commit.py:141)
+    TrainWorker.write_snapshot (/work/rlhf_core/rank/worker.py:280)
 Thread 4250 (idle): "Thread-3 (control)"
     heartbeat (/work/rlhf_core/rank/worker.py:121)
     _run (ray/_private/worker.py:900)
