@@ -10,7 +10,8 @@ from typing import Iterator
 
 from rlhf_core.data.prepared import (Columns, PreparedRows, PreparedStore, preparation_key,
                                      source_versions, write_batches)
-from rlhf_core.data.records import Record, fingerprint
+from rlhf_core.data.fingerprints import fingerprint
+from rlhf_core.data.records import Record
 from rlhf_core.data.samples import (Renderer, TokenizedSample, assistant_spans, multiturn_conversation, require_text,
                                     sft_texts, tokenize_pretraining, tokenize_sft)
 from rlhf_core.data.stream import RecordStream

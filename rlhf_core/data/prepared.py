@@ -20,7 +20,8 @@ from typing import Any, Callable, Iterable, Iterator, overload
 import fsspec
 import numpy as np
 
-from rlhf_core.data.records import HashLookup, file_version, fingerprint, split_data_dir
+from rlhf_core.data.fingerprints import HashLookup, file_version, fingerprint
+from rlhf_core.data.records import split_data_dir
 from rlhf_core.faults import fault_point
 from rlhf_core.storage.locate import is_hub_id, is_local_url, local_path
 from rlhf_core.storage.manifest import DEFAULT_CHECKSUM, digest_of_local_file
@@ -209,7 +210,7 @@ def _hash_name(version: list) -> str:
 
 def recorded_hashes(ckpt_path: str, storage_options: dict | None) -> HashLookup:
     """The sha256 recorded at preparation of a file at a version (`PreparedStore.save_hash`), for the drift
-    fingerprint (`records.dataset_fingerprint`): a restart and every commit find it by the file's version and do
+    fingerprint (`fingerprints.dataset_fingerprint`): a restart and every commit find it by the file's version and do
     not read the file again."""
     store: list[PreparedStore] = []  # made on the first lookup: a run without data files never opens the store
 

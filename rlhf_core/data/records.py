@@ -1,14 +1,12 @@
 """Datasets from files, folders or hub names: read (what OpenRLHF's `blending_datasets` reads, mixed as it mixes
-them), validate, fingerprint, and batch in a deterministic order; a problem a user can fix stops before training
-with one sentence naming the file and line. docs/design-notes.md ("Datasets and their sources") lists the sources
-and where this departs from OpenRLHF.
+them), validate, and batch in a deterministic order (their fingerprints: `rlhf_core.data.fingerprints`); a problem
+a user can fix stops before training with one sentence naming the file and line. docs/design-notes.md ("Datasets
+and their sources") lists the sources and where this departs from OpenRLHF.
 """
 
 from __future__ import annotations
 
 import codecs
-import functools
-import hashlib
 import json
 import logging
 import os
@@ -141,11 +139,11 @@ def _read_source(source: str, storage_options: dict | None, max_samples: int | N
     name, data_dir = split_data_dir(source, flag)
     if data_dir is not None:
         dataset = (_load_dataset(name, split, flag, data_dir=data_dir) if os.path.isdir(name)
-                   else _hub_dataset(name, split, flag, data_dir))
+                   else hub_dataset(name, split, flag, data_dir))
         return _dataset_records(dataset, max_samples)
     path = local_path(source)
     if path is not None and not os.path.exists(path) and is_hub_id(source):
-        return _dataset_records(_hub_dataset(source, split, flag), max_samples)
+        return _dataset_records(hub_dataset(source, split, flag), max_samples)
     filesystem, fs_path = fsspec.core.url_to_fs(source, **(storage_options or {}))
     if filesystem.isdir(fs_path):
         return _dataset_records(_folder_dataset(source, filesystem, fs_path, split, storage_options, flag),
@@ -251,7 +249,7 @@ def _load_dataset(path: str, split: str, flag: str, name: str | None = None, dat
                         f"{SPLIT_FLAGS.get(flag, '--dataset_split')}.") from None
 
 
-def _hub_dataset(name: str, split: str, flag: str, data_dir: str | None = None):
+def hub_dataset(name: str, split: str, flag: str, data_dir: str | None = None):
     """A hub dataset from `datasets`' cache (or the hub when online), else from a cached hub snapshot."""
     from rlhf_core.storage.locate import hub_snapshot
 
@@ -291,107 +289,6 @@ def rank_micro_batches(global_indices: list[int], rank: int, world_size: int, mi
         for start in range(0, len(global_indices), micro_batch_size)
     ]
     return micro_batches[rank::world_size]
-
-
-# A file's sha256 by its version (url, size, mtime or ETag), recorded when its data was prepared
-# (rlhf_core.data.prepared.recorded_hashes); None when none was.
-HashLookup = Callable[[tuple], "str | None"]
-
-
-def dataset_fingerprint(cfg, storage_options: dict | None = None, known_hash: HashLookup | None = None) -> str:
-    """Fingerprint of a stage's data (dataset or prompt_data, with its split), or "" if it has none; `known_hash`
-    saves reading a file whose hash was recorded at its version."""
-    if getattr(cfg, "dataset", None):
-        return fingerprint(cfg.dataset, storage_options, split=getattr(cfg, "dataset_split", "train"),
-                           known_hash=known_hash)
-    if getattr(cfg, "prompt_data", None):
-        return fingerprint(cfg.prompt_data, storage_options, split=getattr(cfg, "prompt_split", "train"),
-                           flag="--prompt_data", known_hash=known_hash)
-    return ""
-
-
-def file_version(url: str, storage_options: dict | None, flag: str) -> tuple | None:
-    """(url, size, modification stamp or ETag) of a file, or None when the store tells neither."""
-    try:
-        filesystem, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
-        info = filesystem.info(path)
-    except Exception as error:  # noqa: BLE001 - a store's own error types: unknown version, unless unreachable
-        unreachable = store_unreachable(error, flag, url, storage_options)
-        if unreachable is not None:
-            raise unreachable from None
-        return None
-    stamp = info.get("mtime") or info.get("ETag") or info.get("LastModified")
-    return (url, info.get("size"), str(stamp)) if stamp is not None else None
-
-
-def fingerprint(url: str, storage_options: dict | None = None, *, split: str = "train",
-                flag: str = "--dataset", known_hash: HashLookup | None = None) -> str:
-    """Identity of the data at `url`, recorded in each checkpoint's metadata: the sha256 of a file (of
-    every file of a folder), datasets' own fingerprint of a hub dataset's split, and a hash of the parts'
-    fingerprints for a comma-separated mixture. Files are hashed once per process and version (size and
-    mtime or ETag; `_hash_file_version`): every commit asks, and a dataset can be large."""
-    sources = [part.strip() for part in url.split(",") if part.strip()]
-    if len(sources) > 1:
-        parts = "\n".join(fingerprint(source, storage_options, split=split, flag=flag, known_hash=known_hash)
-                          for source in sources)
-        return hashlib.sha256(parts.encode()).hexdigest()
-    name, data_dir = split_data_dir(url, flag)
-    if data_dir is not None and os.path.isdir(name):
-        return fingerprint(os.path.join(name, data_dir), storage_options, split=split, flag=flag,
-                           known_hash=known_hash)
-    protocol, _ = fsspec.core.split_protocol(name)
-    path = local_path(name)
-    if path is not None and not os.path.exists(path) and is_hub_id(name):
-        return _hub_fingerprint(name, split, flag, data_dir)
-    try:
-        filesystem, fs_path = fsspec.core.url_to_fs(url, **(storage_options or {}))
-        if filesystem.isdir(fs_path):
-            names = sorted(filesystem.find(fs_path))
-            protocol_prefix = "" if is_local_url(name) else f"{protocol}://"
-            parts = "\n".join(f"{name[len(fs_path):]}:"
-                               f"{_file_fingerprint(protocol_prefix + name, storage_options, flag, known_hash)}"
-                               for name in names)
-            return hashlib.sha256(parts.encode()).hexdigest()
-    except Exception as error:  # noqa: BLE001 - a store's own error types; re-raised unless understood
-        raise as_user_error(error, url, flag, storage_options) from None
-    return _file_fingerprint(url, storage_options, flag, known_hash)
-
-
-@functools.lru_cache(maxsize=64)
-def _hub_fingerprint(name: str, split: str, flag: str, data_dir: str | None) -> str:
-    return "hub:" + _hub_dataset(name, split, flag, data_dir)._fingerprint
-
-
-def _file_fingerprint(url: str, storage_options: dict | None, flag: str, known_hash: HashLookup | None) -> str:
-    version = file_version(url, storage_options, flag)
-    if version is None:  # the store tells no version: hash it every time
-        return _hash_file(url, storage_options, flag)
-    known = known_hash(version) if known_hash is not None else None
-    if known is not None:
-        return known
-    return _hash_file_version(url, _HashableOptions(storage_options or {}), flag, version)
-
-
-class _HashableOptions(dict):
-    """Storage options as a memo's key (hashed by their JSON text), handed on to fsspec as they are."""
-
-    def __hash__(self) -> int:  # type: ignore[override]  # dict is unhashable; these are never mutated
-        return hash(json.dumps(self, sort_keys=True, default=repr))
-
-
-@functools.lru_cache(maxsize=256)
-def _hash_file_version(url: str, storage_options: _HashableOptions, flag: str, version: tuple) -> str:
-    """A memo of `_hash_file` for one version of the file (size and mtime or ETag): each version of a large
-    dataset is read once per process."""
-    return _hash_file(url, storage_options, flag)
-
-
-def _hash_file(url: str, storage_options: dict | None, flag: str) -> str:
-    digest = hashlib.sha256()
-    with open_data(url, storage_options, flag=flag) as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def split_holdout(items: list, fraction: float, seed: int) -> tuple[list, list]:

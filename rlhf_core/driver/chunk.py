@@ -20,7 +20,7 @@ from rlhf_core.config import RunConfig, semantic_fields, semantic_hash
 from rlhf_core.stages import STAGES
 from rlhf_core.stages.base import StageConfig
 from rlhf_core.data.prepared import recorded_hashes
-from rlhf_core.data.records import dataset_fingerprint
+from rlhf_core.data.fingerprints import dataset_fingerprint
 from rlhf_core.driver.engine import WorkerGroup
 from rlhf_core.driver.runner import StageRunner
 from rlhf_core.errors import StoreFull, store_full

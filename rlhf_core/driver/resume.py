@@ -16,7 +16,7 @@ from rlhf_core.config import RunConfig, semantic_fields
 from rlhf_core.stages import TRAINING_STAGES, WORLD_SIZE_DEPENDENT_STAGES
 from rlhf_core.stages.base import StageConfig
 from rlhf_core.data.prepared import recorded_hashes
-from rlhf_core.data.records import dataset_fingerprint
+from rlhf_core.data.fingerprints import dataset_fingerprint
 from rlhf_core.errors import CorruptCheckpoint, UserError
 from rlhf_core.storage.locate import input_model_fingerprints
 

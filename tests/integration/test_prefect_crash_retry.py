@@ -238,7 +238,7 @@ def test_killed_worker_run_is_crashed_then_retry_completes_it(prefect_server, ba
     # The automations, by the one command; a second call updates them in place.
     automations = create_automations(prefect_server)
     assert create_automations(prefect_server) == automations
-    assert CRASH_AUTOMATION in automations and len(automations) == 4
+    assert CRASH_AUTOMATION in automations and len(automations) == 5  # the crash one and an alert's each
 
     spec = deployment_spec("sft")
     pool = spec["work_pool"]["name"]

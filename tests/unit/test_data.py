@@ -101,7 +101,7 @@ def test_data_order_is_the_same_at_any_world_size():
 
 
 def test_dataset_fingerprint_is_hashed_once_per_file_version(tmp_path, monkeypatch):
-    from rlhf_core.data import records as data
+    from rlhf_core.data import fingerprints as data
 
     path = tmp_path / "d.jsonl"
     path.write_text('{"a": "1"}\n')
@@ -174,7 +174,7 @@ def test_unreachable_s3_dataset_names_flag_url_and_endpoint(monkeypatch):
 
 
 def test_fingerprints_of_folders_and_mixtures(tmp_path):
-    from rlhf_core.data.records import fingerprint
+    from rlhf_core.data.fingerprints import fingerprint
 
     folder = tmp_path / "folder"
     folder.mkdir()

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from rlhf_core.config import RunConfig
-from rlhf_core.data import records
+from rlhf_core.data import fingerprints, records
 from rlhf_core.data.prepared import DATA_NAME, MARKER_NAME, PREPARED_DIR
-from rlhf_core.data.records import dataset_fingerprint, read_records
+from rlhf_core.data.fingerprints import dataset_fingerprint
+from rlhf_core.data.records import read_records
 from rlhf_core.data.samples import Renderer, tokenize_sft
 from rlhf_core.data.sft import count_sft_samples, load_sft_samples
 from rlhf_core.errors import UserError
@@ -108,8 +109,8 @@ def test_the_drift_fingerprint_is_the_hash_recorded_at_preparation(toy_assets, t
 
     run = sft_run(tmp_path, toy_assets["model"], data)
     load_sft_samples(run, load_tokenizer(toy_assets["model"]))
-    records._hash_file_version.cache_clear()  # a new process: only the store knows the hash
-    monkeypatch.setattr(records, "_hash_file", lambda *args: pytest.fail("the raw file was hashed again"))
+    fingerprints._hash_file_version.cache_clear()  # a new process: only the store knows the hash
+    monkeypatch.setattr(fingerprints, "_hash_file", lambda *args: pytest.fail("the raw file was hashed again"))
     known = recorded_hashes(run.ckpt_path, run.storage_options)
     expected = hashlib.sha256(Path(data).read_bytes()).hexdigest()
     assert dataset_fingerprint(run.sft, run.storage_options, known) == expected
