@@ -1,8 +1,10 @@
-"""Prefect retries a chunk whose Ray worker died, and the retried run still ends bit-for-bit exact.
+"""Prefect retries a chunk whose Ray worker died, or hung, and the retried run still ends bit-for-bit exact.
 
 Two DeepSpeed ranks (ZeRO-2 over gloo). A fault hook SIGKILLs one rank's process once, inside step 7
 (the second chunk); the chunk task fails, Prefect retries it, the retry starts a new worker group from
-the step-5 checkpoint, and the final weights equal those of an uninterrupted two-rank run.
+the step-5 checkpoint, and the final weights equal those of an uninterrupted two-rank run. In the second test one
+rank stops (SIGSTOP) as it enters the step-boundary collective before step 8, leaving its peer waiting inside it:
+the hang is caught, the stopped rank named, and the run ends the same.
 """
 
 from __future__ import annotations
@@ -18,10 +20,20 @@ from tests.integration.conftest import train_sft_args
 pytestmark = pytest.mark.slow
 
 
-def test_worker_killed_mid_chunk_is_retried_and_exact(toy_assets, rlhf_env, tmp_path):
-    two_ranks = ["--num_workers", "2", "--max_epochs", "1"]
-    reference = run_rlhf(train_sft_args(toy_assets, tmp_path / "ref", tmp_path / "ref-out") + two_ranks, rlhf_env)
+TWO_RANKS = ["--num_workers", "2", "--max_epochs", "1"]
+
+
+@pytest.fixture(scope="module")
+def two_rank_weights(toy_assets, rlhf_env, tmp_path_factory) -> dict:
+    """The final weights of the two-rank run, never interrupted."""
+    root = tmp_path_factory.mktemp("two-rank-reference")
+    reference = run_rlhf(train_sft_args(toy_assets, root / "ckpt", root / "out") + TWO_RANKS, rlhf_env)
     assert reference.returncode == 0, reference.stderr[-3000:]
+    return load_file(str(root / "out" / "model.safetensors"))
+
+
+def test_worker_killed_mid_chunk_is_retried_and_exact(toy_assets, rlhf_env, tmp_path, two_rank_weights):
+    two_ranks = TWO_RANKS
 
     (tmp_path / "faults").mkdir()
     env = {**rlhf_env, "RLHF_FAULT_INJECT": "train_step@7=kill", "RLHF_FAULT_STATE": str(tmp_path / "faults")}
@@ -31,7 +43,7 @@ def test_worker_killed_mid_chunk_is_retried_and_exact(toy_assets, rlhf_env, tmp_
     assert (tmp_path / "faults" / "train_step@7").exists(), "the fault never fired"
     assert "Retry 1/2 will start" in log, log[-4000:]
 
-    expected = load_file(str(tmp_path / "ref-out" / "model.safetensors"))
+    expected = two_rank_weights
     actual = load_file(str(tmp_path / "out" / "model.safetensors"))
     for name, tensor in expected.items():
         assert actual[name].equal(tensor), f"{name} differs from the uninterrupted run"
@@ -42,3 +54,19 @@ def test_worker_killed_mid_chunk_is_retried_and_exact(toy_assets, rlhf_env, tmp_
     assert all(entry["status"] == "committed" for entry in entries)
     metadata = json.loads((tmp_path / "ckpt" / "rlhf" / "sft" / "step_32" / "training_metadata.json").read_text())
     assert metadata["world_size"] == 2 and metadata["consumed_samples"] == 32 * 8
+
+
+def test_a_rank_stopped_in_a_collective_is_caught_and_the_run_ends_exact(toy_assets, rlhf_env, tmp_path,
+                                                                         two_rank_weights):
+    (tmp_path / "faults").mkdir()
+    env = {**rlhf_env, "RLHF_FAULT_INJECT": "collective@8=hang", "RLHF_FAULT_STATE": str(tmp_path / "faults")}
+    args = train_sft_args(toy_assets, tmp_path / "ckpt", tmp_path / "out") + TWO_RANKS + ["--hang_timeout_s", "20"]
+    run = run_rlhf(args, env, timeout=900)
+    log = run.stdout + run.stderr
+    assert run.returncode == 0, log[-4000:]
+    assert (tmp_path / "faults" / "collective@8").exists(), "the fault never fired"
+    lines = [line for line in log.splitlines() if "made no progress" in line]
+    assert len(lines) == 1 and "(not answering; --hang_timeout_s 20)" in lines[0], log[-4000:]
+    actual = load_file(str(tmp_path / "out" / "model.safetensors"))
+    for name, tensor in two_rank_weights.items():
+        assert actual[name].equal(tensor), f"{name} differs from the uninterrupted run"
