@@ -172,21 +172,27 @@ def _decode(url: str, data: bytes) -> str:
     except UnicodeDecodeError as error:
         offset = start + error.start
         line = data.count(b"\n", 0, offset) + 1
-        raise UserError(f"{url} line {line}: bytes that are not UTF-8 at byte offset {offset} "
-                        f"({data[offset:start + error.end]!r}); save the file as UTF-8.") from None
+        raise not_utf8(url, line, offset, data[offset:start + error.end]) from None
+
+
+def not_utf8(url: str, line: int, offset: int, bad: bytes) -> UserError:
+    """The error of bytes that are not UTF-8 at byte `offset` of `url` (on its `line`)."""
+    return UserError(f"{url} line {line}: bytes that are not UTF-8 at byte offset {offset} ({bad!r}); save the file "
+                     "as UTF-8.")
 
 
 def _parse_jsonl(url: str, text: str) -> list[Record]:
-    records = []
-    for line_number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise UserError(f"{url} line {line_number}: invalid JSON ({error.msg}).") from None
-        records.append(object_record(url, value, line_number, "line"))
-    return records
+    return [json_line_record(url, line, line_number)
+            for line_number, line in enumerate(text.splitlines(), start=1) if line.strip()]
+
+
+def json_line_record(url: str, text: str, line_number: int) -> Record:
+    """The record of one line of a JSON Lines file: a JSON object, else one sentence naming the line."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise UserError(f"{url} line {line_number}: invalid JSON ({error.msg}).") from None
+    return object_record(url, value, line_number, "line")
 
 
 def _parse_json_array(url: str, text: str) -> list[Record]:

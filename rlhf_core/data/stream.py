@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import codecs
 import hashlib
-import json
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from rlhf_core.data.records import Record, as_user_error, object_record, open_data, read_records, split_data_dir
+from rlhf_core.data.records import (Record, as_user_error, json_line_record, not_utf8, open_data, read_records,
+                                    split_data_dir)
 from rlhf_core.errors import UserError
 from rlhf_core.storage.locate import is_hub_id, local_path
 
@@ -78,7 +78,7 @@ class RecordStream:
                     line_number += 1
                     if not piece.strip() or (self.max_samples and count >= self.max_samples):
                         continue
-                    batch.append(_parse_line(self.url, piece, line_number))
+                    batch.append(json_line_record(self.url, piece, line_number))
                     count += 1
                     if len(batch) >= self.batch_rows:
                         yield batch
@@ -99,18 +99,8 @@ def _starts_with_array(url: str, storage_options: dict | None, flag: str) -> boo
 
 
 def _decode_line(url: str, raw: bytes, skip: int, line_start: int, line: int) -> str:
-    """One line's text; bytes that are not UTF-8 are `records._decode`'s error (its line and byte offset)."""
+    """One line's text; bytes that are not UTF-8 are `records.not_utf8`'s error (its line and byte offset)."""
     try:
         return raw[skip:].decode("utf-8")
     except UnicodeDecodeError as error:
-        offset = line_start + skip + error.start
-        raise UserError(f"{url} line {line}: bytes that are not UTF-8 at byte offset {offset} "
-                        f"({raw[skip + error.start:skip + error.end]!r}); save the file as UTF-8.") from None
-
-
-def _parse_line(url: str, text: str, line_number: int) -> Record:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise UserError(f"{url} line {line_number}: invalid JSON ({error.msg}).") from None
-    return object_record(url, value, line_number, "line")
+        raise not_utf8(url, line, line_start + skip + error.start, raw[skip + error.start:skip + error.end]) from None

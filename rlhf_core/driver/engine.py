@@ -66,7 +66,7 @@ class WorkerGroup:
         self._stop_listener = self.signals.on_request(self.request_stop)
         self._watch = HangWatch(self.workers, run.hang_timeout_s)
         self._run_where = (run.run_url(), run.run_name, run.storage_options)  # for a hang's stacks and alert
-        self._stage = ""
+        self._stage, self.step = "", 0
         self.locations: list[RankLocation] = []
         self._model_sizes: dict | None = None
         try:
@@ -84,7 +84,6 @@ class WorkerGroup:
         except BaseException:
             self.shutdown()
             raise
-        self.step = 0
         self.zero_stage: int | None = None  # resolved by setup
         self._ahead: tuple[int, list] | None = None
         self._step_loop_seconds = 0.0  # rank 0's, since the last take_step_loop_seconds()
@@ -244,7 +243,7 @@ class WorkerGroup:
         frame = stuck_frame(dumps.get(hung.rank, "")) or "a frame py-spy could not read"
         message = (f"rank {hung.rank}{node} {hung.describe()}, stuck in {frame}; its stacks and the driver's are in "
                    f"{path}; the ranks are replaced and the chunk retried from the last commit.")
-        alert = Alert(ALERT_HANG, run_name, self._stage, getattr(self, "step", 0), message,
+        alert = Alert(ALERT_HANG, run_name, self._stage, self.step, message,
                       {"rank": hung.rank, "stacks_path": path})
         with contextlib.suppress(Exception):  # the alert must not hide the hang
             AlertLog(run_url, storage_options).append(alert, announced=False)  # the chunk's failure says it

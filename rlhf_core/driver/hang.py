@@ -106,14 +106,14 @@ class HangWatch:
                     continue  # no answer yet: a stopped process answers nothing, and its count stands still
                 self._take(progress, progress.asking, now)
             progress.asking = worker.heartbeat.remote()
-        late = [(rank, progress) for rank, progress in enumerate(self.ranks)
-                if now - progress.moved_at > deadline_s(progress, self.timeout_s, self.slowest_step_s)]
+        allowed = [deadline_s(progress, self.timeout_s, self.slowest_step_s) for progress in self.ranks]
+        late = [rank for rank, progress in enumerate(self.ranks) if now - progress.moved_at > allowed[rank]]
         if not late:
             return None
         # The ranks that wait in a collective for a stopped one still answer: blame the one that does not.
-        rank, progress = min(late, key=lambda item: item[1].answered_at)
-        return HungRank(rank, now - progress.moved_at, progress.phases,
-                        deadline_s(progress, self.timeout_s, self.slowest_step_s),
+        rank = min(late, key=lambda late_rank: self.ranks[late_rank].answered_at)
+        progress = self.ranks[rank]
+        return HungRank(rank, now - progress.moved_at, progress.phases, allowed[rank],
                         answering=now - progress.answered_at <= 3 * HEARTBEAT_S)
 
     @staticmethod
