@@ -392,7 +392,7 @@ def _whole_run_variant(workdir: str, toy: dict[str, str], model_dir: str, num_st
                             num_steps, every)
     run = ours.stage_run(workdir, f"wholerun-{label}-{index}", "sft", cfg, max_ckpt_num=0)
     if name == "equal writer":
-        os.environ[WRITER_SCHEDULING_ENV] = "normal"  # forwarded to the ranks (engine.forwarded_environment)
+        os.environ[WRITER_SCHEDULING_ENV] = "normal"  # forwarded to the ranks (ray_start.forwarded_environment)
     floor = (durable_floor(set(range(save_steps, num_steps, save_steps)), os.path.join(workdir, f"floor-{index}"))
              if name == "floor" else contextlib.nullcontext({}))
     try:

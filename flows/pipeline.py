@@ -254,6 +254,7 @@ def _run_stages(runner: StageRunner, prepared: bool) -> dict | State:
     if (runtime.flow_run.run_count or 1) > 1:  # a Prefect retry of this flow run always resumes
         runner.run, prepared = runner.run.model_copy(update={"load_checkpoint": True}), False
     run = runner.run
+    runner.announce = emit_alert  # a hang replaced in place inside a chunk: its alert as a Prefect event at once
     if not prepared:
         validate_run_start(run)
     _quiet_console_in_a_deployment_run(run)
@@ -314,7 +315,7 @@ def run_pipeline(run: RunConfig, command_started: float | None = None, signals: 
 def _prestart_first_training_stage(runner: StageRunner) -> None:
     """Connect Ray and start the worker group of the first training stage in the background
     (`StageRunner.prestart`), so that the first chunk finds its ranks started and imported."""
-    from rlhf_core.driver.engine import ensure_ray
+    from rlhf_core.driver.ray_start import ensure_ray
 
     training = [stage for stage in runner.run.stages if STAGES[stage].kind == "train"]
     if training:

@@ -105,6 +105,12 @@ class RunSettings(BaseModel):
                                    "max(60, 5x the slowest step so far), 900 during a checkpoint's write. Before "
                                    "the ranks' first step (imports, set-up, the load) at least 900.")
     )
+    num_spare_workers: int | None = Field(
+        None, ge=0, **operational("Rank processes kept warm beside the worker group (torch, DeepSpeed and the trainer "
+                                   "imported, no resources held): a lost or hung rank's replacement takes them and "
+                                   "trains within seconds. Default: as many as the ranks when they use no GPU, "
+                                   "else 0.")
+    )
     verbose: bool = Field(
         False, **operational("Show Ray's and DeepSpeed's full logs on the console (they always go to the log "
                               "file in the run folder).")

@@ -22,8 +22,8 @@ from rlhf_core.stages.base import StageConfig
 from rlhf_core.data.prepared import recorded_hashes
 from rlhf_core.data.fingerprints import dataset_fingerprint
 from rlhf_core.driver.engine import WorkerGroup
-from rlhf_core.driver.runner import StageRunner
-from rlhf_core.errors import StoreFull, store_full
+from rlhf_core.driver.runner import Replacement, StageRunner
+from rlhf_core.errors import RankHung, StoreFull, WorkerLost, store_full
 from rlhf_core.faults import fault_point
 from rlhf_core.storage.locate import input_model_fingerprints
 from rlhf_core.driver.plan import StagePlan
@@ -169,34 +169,57 @@ def ensure_checkpoint(runner: StageRunner, stage: str, target_step: int, lineage
     """Make sure a valid checkpoint at `target_step` exists (training only what is missing), in five steps: find
     what is committed, get a worker group holding the start state, train, commit, retain. With `train_ahead`, the
     ranks train on towards the next chunk while this one commits. `plan`: the stage's (the runner's by default).
-    After a stop signal (`rlhf_core.driver.stop`) the ranks stop at the next step boundary, that step commits, and
-    StoppedBySignal is raised; one that finds nothing trained since the last commit raises it at once. The run's
-    settings are the runner's."""
-    run, timing = runner.run, ChunkTiming()
+    A lost or hung rank is replaced at once, with no retry delay: the chunk trains again from the last commit on
+    new ranks (`StageRunner.replaces_ranks_after`). After a stop signal (`rlhf_core.driver.stop`) the ranks stop at
+    the next step boundary, that step commits, and StoppedBySignal is raised; one that finds nothing trained since
+    the last commit raises it at once. The run's settings are the runner's."""
+    run = runner.run
     plan = plan or runner.plan(stage)
     target_step = min(target_step, plan.total_steps)
     store = open_store(run, stage)
-    listing = store.list()
-    infos = [info for info in listing if info.step <= target_step]
-    newest = max((info.step for info in infos if info.is_committed), default=0)
-    committed = _committed_result(runner, stage, plan, store, listing, infos, target_step)
-    if committed is not None:
-        return committed
-    warm_group = runner.warm_group
-    if runner.signals.requested() and (warm_group is None or warm_group.training_ahead_to is None):
-        raise runner.signals.stopped(stage, newest, run.stage_url(stage))  # nothing trained since the last commit
-    runner.ledger.chunk_started(stage, newest, target_step)
-    reached = newest
+    replacing: Replacement | None = None
+    while True:
+        listing = store.list()
+        infos = [info for info in listing if info.step <= target_step]
+        newest = max((info.step for info in infos if info.is_committed), default=0)
+        committed = _committed_result(runner, stage, plan, store, listing, infos, target_step)
+        if committed is not None:
+            return committed
+        warm_group = runner.warm_group
+        if runner.signals.requested() and (warm_group is None or warm_group.training_ahead_to is None):
+            raise runner.signals.stopped(stage, newest, run.stage_url(stage))  # nothing trained since the last commit
+        runner.ledger.chunk_started(stage, newest, target_step)
+        try:
+            return _train_and_commit(runner, stage, plan, store, infos, newest, target_step, lineage, train_ahead,
+                                     replacing)
+        except (WorkerLost, RankHung) as error:
+            if not runner.replaces_ranks_after(error, stage, target_step):
+                raise
+            replacing = Replacement(error)
+
+
+def _train_and_commit(runner: StageRunner, stage: str, plan: StagePlan, store: CheckpointStore,
+                      infos: list[CheckpointInfo], newest: int, target_step: int, lineage: Lineage,
+                      train_ahead: bool, replacing: Replacement | None) -> ChunkResult:
+    """Train from the newest good checkpoint in `infos` (committed up to `newest`) to `target_step` and commit.
+    On a failure the group is released (its state is unknown) and the ledger told; `replacing`: the loss this try
+    replaces the ranks after, whose times it reports."""
+    run, timing, reached = runner.run, ChunkTiming(), newest
     try:
         require_tracker_packages(run)  # before the workers start, not after a chunk of training
         timing.prepared = time.perf_counter()
+        warm_group = runner.warm_group
         group, _ = runner.group_at(stage, plan, store, infos, lineage)
         start_step = group.step
+        if replacing is not None:
+            replacing.ready(group)
         trackers = _trackers_at(runner, run, stage, store, start_step, warm=group is warm_group)
         timing.loaded = time.perf_counter()
         step_metrics = train_and_log(group, start_step, target_step, trackers,
                                      run.section(stage, StageConfig).logging_steps, stage, plan.total_steps)
         reached, timing.trained = group.step, time.perf_counter()
+        if replacing is not None:
+            replacing.trained(runner.ledger, stage, group)
         _require_progress(runner, run, stage, start_step, reached, target_step)
         outcome = commit_chunk(runner, stage, plan, store, group, infos, start_step, step_metrics, trackers,
                                train_ahead and not runner.signals.requested())

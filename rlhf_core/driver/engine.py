@@ -23,11 +23,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rlhf_core.driver.stop import StopSignals
 from rlhf_core.config import RunConfig
 from rlhf_core.rank.ds_config import resolve_zero_stage
+from rlhf_core.driver.ray_start import ensure_ray, forwarded_environment, threads_asked
 from rlhf_core.driver.hang import HangWatch, dump_rank_stacks, save_stacks, stuck_frame
 from rlhf_core.errors import RankHung, RLHFError, UserError, WorkerLost
 from rlhf_core.ops.alerts import ALERT_HANG, Alert, AlertLog
 from rlhf_core.ops.run_log import log_file_for
-from rlhf_core.ops.goodput import writer_slowdown
+from rlhf_core.ops.step_time import writer_slowdown
 from rlhf_core.rank.worker import RankLocation, TrainWorker
 from rlhf_core.driver.placement import placement_bundle, reserve_placement
 from rlhf_core.stages.base import StageConfig
@@ -45,24 +46,22 @@ STOP_POLL_S, STOP_SHUTDOWN_S = 0.5, 2.0
 class WorkerGroup:
     """TrainWorker actors in one placement group, acting as one data-parallel DeepSpeed job."""
 
-    def __init__(self, run: RunConfig, signals: StopSignals | None = None):
-        """`signals`: the run's stop signals (a stop asks the ranks to stop after their step); none by default."""
+    def __init__(self, run: RunConfig, signals: StopSignals | None = None,
+                 take_spares: Callable[[int], list] | None = None):
+        """`signals`: the run's stop signals (a stop asks the ranks to stop after their step); none by default.
+        `take_spares(n)`: up to n warm rank actors (`rlhf_core.driver.spares`) to serve as the first ranks, in
+        place of new ones: a group replacing lost ranks starts from them."""
         self.signals = signals or StopSignals(run.stop_grace_s)
         ensure_ray(run.ray_address, self.signals)
         self.placement, self.world_size = reserve_placement(run)
         strategies = [PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank)
                       for rank in range(self.world_size)]
-        bundle = placement_bundle(run)
-        options: dict[str, Any] = {"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0)}  # Ray's options
-        forwarded = forwarded_environment()
-        if forwarded:
-            options["runtime_env"] = {"env_vars": forwarded}
-        # A second thread per actor ("io") uploads the last snapshot while the default one trains on.
-        # A third ("control") takes a stop request, or the models' sizes, while the first is busy training.
-        # ray's typed overloads of remote() omit concurrency_groups, an actor option it takes
-        remote_worker = ray.remote(concurrency_groups={"io": 1, "control": 1})(TrainWorker)  # type: ignore[call-overload]
-        self.workers = [remote_worker.options(scheduling_strategy=strategy, **options).remote(rank, self.world_size)
-                        for rank, strategy in enumerate(strategies)]
+        spares = take_spares(self.world_size) if take_spares is not None else []
+        for rank, spare in enumerate(spares):
+            spare.assign_rank.remote(rank, self.world_size)
+        self.workers = spares + [rank_actor(run, rank, self.world_size, scheduling_strategy=strategies[rank])
+                                 for rank in range(len(spares), self.world_size)]
+        self.num_spares_taken = len(spares)
         self._stop_listener = self.signals.on_request(self.request_stop)
         self._watch = HangWatch(self.workers, run.hang_timeout_s)
         self._run_where = (run.run_url(), run.run_name, run.storage_options)  # for a hang's stacks and alert
@@ -143,6 +142,11 @@ class WorkerGroup:
         self._step_loop_seconds += seconds
         self._step_times += step_times
         return metrics
+
+    @property
+    def first_step_seconds(self) -> float:
+        """Rank 0's first step since the last `take_step_loop_seconds` (0 before any)."""
+        return self._step_times[0][0] if self._step_times else 0.0
 
     def take_step_loop_seconds(self) -> dict[str, float]:
         """For the steps collected since the last call (the goodput ledger's; training ahead runs while the
@@ -242,7 +246,7 @@ class WorkerGroup:
         node = f" on node {location.describe()}" if location else ""
         frame = stuck_frame(dumps.get(hung.rank, "")) or "a frame py-spy could not read"
         message = (f"rank {hung.rank}{node} {hung.describe()}, stuck in {frame}; its stacks and the driver's are in "
-                   f"{path}; the ranks are replaced and the chunk retried from the last commit.")
+                   f"{path}.")
         alert = Alert(ALERT_HANG, run_name, self._stage, self.step, message,
                       {"rank": hung.rank, "stacks_path": path})
         with contextlib.suppress(Exception):  # the alert must not hide the hang
@@ -267,11 +271,11 @@ class WorkerGroup:
         ranks = [rank for rank, worker in enumerate(self.workers)
                  if actor_id and worker._actor_id.hex() == actor_id and rank < len(self.locations)]
         if not ranks:
-            return f"a rank of the worker group died mid-chunk ({type(error).__name__}); retrying from the last commit."
+            return f"a rank of the worker group died mid-chunk ({type(error).__name__})."
         location = self.locations[ranks[0]]
         alive = {node["NodeID"]: node["Alive"] for node in ray.nodes()}
         cause = "its node is gone" if not alive.get(location.node_id, False) else "its actor died"
-        return f"rank {ranks[0]} on node {location.describe()} was lost mid-chunk ({cause}); retrying from the last commit."
+        return f"rank {ranks[0]} on node {location.describe()} was lost mid-chunk ({cause})."
 
     def _check_store_visible(self, run: RunConfig) -> None:
         """A local --ckpt_path must be the same folder on every node: ranks write into it directly."""
@@ -294,32 +298,25 @@ class WorkerGroup:
                             "use a folder shared by every node at the same path, or an object store (s3://...).")
 
 
+def rank_actor(run: RunConfig, rank: int, world_size: int, **options: Any):
+    """A new TrainWorker actor with the run's resources per rank and forwarded environment; `options`: Ray's
+    actor options to add or override (where to place it, or no resources at all for a spare)."""
+    bundle = placement_bundle(run)
+    actor_options: dict[str, Any] = {"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0)}
+    forwarded = forwarded_environment()
+    if forwarded:
+        actor_options["runtime_env"] = {"env_vars": forwarded}
+    # A second thread per actor ("io") uploads the last snapshot while the default one trains on.
+    # A third ("control") takes a stop request, or the models' sizes, while the first is busy training.
+    # ray's typed overloads of remote() omit concurrency_groups, an actor option it takes
+    remote_worker = ray.remote(concurrency_groups={"io": 1, "control": 1})(TrainWorker)  # type: ignore[call-overload]
+    return remote_worker.options(**(actor_options | options)).remote(rank, world_size)
+
+
 def group_settings(run: RunConfig) -> dict:
     """The settings a WorkerGroup is built from: two runs that agree on them can use the same group."""
     return run.model_dump(include={"ray_address", "num_workers", "num_cpus_per_worker", "placement_strategy",
                                    "placement_timeout_s", "allow_fewer_workers", "ckpt_path", "storage_options"})
-
-
-def forwarded_environment() -> dict[str, str]:
-    """The driver's variables the ranks need and would not have: workers of an existing cluster inherit
-    the cluster's environment, not the driver's. The ranks read and write the store themselves, so the
-    standard AWS_* variables (credentials, endpoint, region) travel with them, as the test fault hooks
-    (RLHF_FAULT_*) and the writer's settings (RLHF_WRITER_SCHEDULING, RLHF_WRITER_DIRECT_IO) do. Ray keeps a
-    runtime env in its GCS, visible on its dashboard: give the nodes their own credentials (an instance role) and
-    leave them out of the driver's environment where that matters."""
-    forwarded = ("RLHF_FAULT_", "RLHF_WRITER_", "AWS_")
-    return {name: value for name, value in os.environ.items() if name.startswith(forwarded)}
-
-
-def threads_asked() -> int | None:
-    """OMP_NUM_THREADS from the driver's environment, or None. The ranks cannot read it themselves: Ray sets
-    their own to the CPUs they reserved when the cluster's environment has none."""
-    value = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if not value:
-        return None
-    if not value.isdigit() or int(value) < 1:
-        raise UserError(f"OMP_NUM_THREADS={value!r}: expected a whole number of threads, 1 or more.")
-    return int(value)
 
 
 def gather(refs, signals: StopSignals | None = None, on_wait: Callable[[], None] | None = None):
@@ -342,54 +339,3 @@ def gather(refs, signals: StopSignals | None = None, on_wait: Callable[[], None]
         if isinstance(cause, RLHFError):
             raise cause from None
         raise
-
-
-def ensure_ray(ray_address: str | None, signals: StopSignals | None = None) -> None:
-    """Connect to `ray_address` (or RAY_ADDRESS; `ray://` as a Ray client), else start a local cluster,
-    once per process."""
-    if ray.is_initialized():
-        return
-    from rlhf_core.ops import console  # the CLI's quiet console: actors' output to the run's log file
-
-    address = ray_address or os.environ.get("RAY_ADDRESS") or None
-    obeying = signals is not None and signals.is_obeying()
-    with _ray_keeps_off_sigterm(obeying):
-        if address and address.startswith("ray://"):
-            _connect_client(address, console.ray_init_options(client=True))
-        else:
-            ray.init(address=address, include_dashboard=False, configure_logging=True, **console.ray_init_options())
-    if signals is not None:
-        signals.reclaim()
-    console.route_ray_worker_output()
-
-
-@contextlib.contextmanager
-def _ray_keeps_off_sigterm(obeying: bool):
-    """`ray.init` first installs a SIGTERM handler that exits with code 15 (in the middle of its own start,
-    leaving its processes behind); inside a stop-obeying run (rlhf_core.driver.stop) it is kept from doing so, through
-    the private function it calls. Should that name move, `StopSignals.reclaim` after the start still holds."""
-    from ray._private import utils as ray_utils
-
-    original = getattr(ray_utils, "set_sigterm_handler", None)
-    if original is None or not obeying:
-        yield
-        return
-    ray_utils.set_sigterm_handler = lambda handler: None
-    try:
-        yield
-    finally:
-        ray_utils.set_sigterm_handler = original
-
-
-def _connect_client(address: str, options: dict, num_attempts: int = 3) -> None:
-    """`ray.init` as a Ray client, tried again on a connection error: a cluster's first client connection can
-    fail while its proxy starts the client server ("Starting Ray client server failed")."""
-    for attempt in range(1, num_attempts + 1):
-        try:
-            ray.init(address=address, **options)
-            return
-        except ConnectionError as error:  # ConnectionAbortedError on a failed server start
-            if attempt == num_attempts:
-                raise
-            logger.warning("connecting to %s failed (%s); trying again", address, str(error).splitlines()[0])
-            time.sleep(2.0 * attempt)

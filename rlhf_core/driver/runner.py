@@ -8,14 +8,18 @@ and closes it: the ranks stop and the trackers close. Nothing of it lives in cla
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 from rlhf_core.config import RunConfig, semantic_hash
 from rlhf_core.driver.engine import WorkerGroup, group_settings
 from rlhf_core.driver.plan import Checked, StagePlan, plan_stage
+from rlhf_core.driver.spares import SparePool, num_spares
 from rlhf_core.driver.stop import StopSignals
+from rlhf_core.errors import RankHung, WorkerLost
 from rlhf_core.driver.resume import Lineage, StartState, load_start
 from rlhf_core.ops.goodput import GoodputLedger
 from rlhf_core.ops.trackers import OpenTrackers
@@ -24,6 +28,10 @@ from rlhf_core.storage.lease import RunLease
 from rlhf_core.storage.manifest import CheckpointInfo
 from rlhf_core.stages.base import StageConfig
 
+logger = logging.getLogger(__name__)
+# How many times one chunk replaces its ranks in place before the failure goes to the chunk task's retries (which
+# wait between tries): a rank that dies at the same step every time is not helped by a sixth replacement.
+MAX_REPLACEMENTS_PER_CHUNK = 3
 
 @dataclass
 class WarmGroup:
@@ -33,6 +41,26 @@ class WarmGroup:
     group: WorkerGroup
     identity: tuple
     world_size_changes: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class Replacement:
+    """A chunk training again on new ranks after `error` (a lost or hung rank), seen at `seen_at` (time.time())."""
+
+    error: BaseException
+    seen_at: float = field(default_factory=time.time)
+    ready_at: float = 0.0
+
+    def ready(self, group: WorkerGroup) -> None:
+        """The new ranks hold the start state: the run's one console line for the loss."""
+        self.ready_at = time.time()
+        logger.warning("%s Replaced the ranks in %.1f s (%d of %d from warm spares); training again from step %d.",
+                       self.error, self.ready_at - self.seen_at, group.num_spares_taken, group.world_size, group.step)
+
+    def trained(self, ledger: GoodputLedger, stage: str, group: WorkerGroup) -> None:
+        """The new ranks trained: the replacement's times go to the goodput ledger."""
+        ledger.ranks_replaced(stage, getattr(self.error, "lost_to", "lost ranks"), self.seen_at, self.ready_at,
+                              group.first_step_seconds)
 
 
 class Prestart:
@@ -83,7 +111,8 @@ class StageRunner:
 
     # Slots, not a __dict__: a Prefect flow stores its parameters' JSON, and an object it cannot encode it stores
     # as its type name only (the runner is a subflow's and a task's argument; it holds processes, not data).
-    __slots__ = ("run", "checked", "signals", "ledger", "trackers", "lease", "_warm", "_prestart", "_plans")
+    __slots__ = ("run", "checked", "signals", "ledger", "trackers", "lease", "announce", "spares", "_warm",
+                 "_prestart", "_plans", "_replacements")
 
     def __init__(self, run: RunConfig, checked: Checked | None = None, command_started: float | None = None,
                  signals: StopSignals | None = None):
@@ -97,6 +126,10 @@ class StageRunner:
         self.ledger = GoodputLedger(run.run_url(), run.storage_options, command_started=command_started)
         self.trackers = OpenTrackers()
         self.lease: RunLease | None = None
+        # Where an alert raised inside a chunk goes at once (the flow's Prefect event); None: only its log.
+        self.announce: Callable[[dict], None] | None = None
+        self.spares = SparePool()
+        self._replacements: dict[tuple[str, int], int] = {}  # per chunk (stage, target step)
         self._warm: WarmGroup | None = None
         self._prestart: Prestart | None = None
         self._plans: dict[tuple, StagePlan] = {}
@@ -111,8 +144,9 @@ class StageRunner:
         self.close()
 
     def close(self) -> None:
-        """Stop the warm and any prestarted worker group, and close every open tracker."""
+        """Stop the warm and any prestarted worker group and the spares, and close every open tracker."""
         self.release_workers()
+        self.spares.close()
         self.trackers.close()
 
     def is_checked(self, run: RunConfig) -> bool:
@@ -189,12 +223,30 @@ class StageRunner:
                 and warm.group.step == infos[-1].step:
             return warm.group, None
         self._release_warm()
-        group = self._take_prestarted(run) or WorkerGroup(run, self.signals)
+        group = self._take_prestarted(run) or WorkerGroup(run, self.signals, self.spares.take)
         group.log_placement()
         self._warm = WarmGroup(group, identity)
         start = load_start(run, stage, store, infos, lineage, group, plan.targets)
         self._warm.world_size_changes = _world_size_changes(group, start)
+        self.spares.fill(run, stage, num_spares(run, group.world_size))
         return group, start
+
+    def replaces_ranks_after(self, error: BaseException, stage: str, target_step: int) -> bool:
+        """Whether the chunk to `target_step` trains again at once, on new ranks, after `error`: yes for a lost or
+        hung rank (`WorkerLost`, `RankHung`; the failed group is released already) up to MAX_REPLACEMENTS_PER_CHUNK
+        times, with no stop requested. Then the hang's alert is announced; the console line comes once the new
+        ranks train (`ranks_replaced`)."""
+        if not isinstance(error, (WorkerLost, RankHung)) or self.signals.requested():
+            return False
+        key = (stage, target_step)
+        if self._replacements.get(key, 0) >= MAX_REPLACEMENTS_PER_CHUNK:
+            return False
+        self._replacements[key] = self._replacements.get(key, 0) + 1
+        logger.debug("replacing the ranks of %s after: %s", stage, error)
+        if isinstance(error, RankHung) and error.alert and self.announce is not None:
+            with contextlib.suppress(Exception):  # the alert must not stop the recovery
+                self.announce(error.alert)
+        return True
 
     def _take_prestarted(self, run: RunConfig) -> WorkerGroup | None:
         prestart, self._prestart = self._prestart, None

@@ -1,7 +1,7 @@
 """A quiet console for `rlhf train`, `rlhf run` and `rlhf demo`, with everything kept in the run's log file
 (`rlhf_core.ops.run_log`): our chunk and stage lines, each warning once, errors from anyone and Ray's
-raylet/autoscaler lines stay on the console; Ray actors' output, library loggers, FutureWarnings and Prefect's
-per-task lines go to the file only (`--verbose` shows everything). On a terminal the chunk line is a live bar.
+autoscaler events stay on the console; Ray actors' output, the raylet's lines (a dead worker's ten lines: the
+run says it in one), library loggers, FutureWarnings and Prefect's per-task lines go to the file only (`--verbose` shows everything). On a terminal the chunk line is a live bar.
 docs/design-notes.md ("The quiet console") says how each source is kept off the console, and why that way.
 """
 
@@ -161,7 +161,7 @@ def _is_console_handler(handler: logging.Handler) -> TypeGuard[logging.StreamHan
     return isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
 
 
-def _gate_library_logger(name: str, file_handler: RunLogHandler) -> None:
+def gate_library_logger(name: str, file_handler: RunLogHandler) -> None:
     """The library logger `name` writes to `file_handler` too, and its console handlers show errors only."""
     library_logger = logging.getLogger(name)
     for handler in library_logger.handlers:
@@ -207,7 +207,7 @@ def configure_console(log_file: str, verbose: bool = False, live_progress: bool 
         transformers_logging.disable_progress_bar()
     for name in LIBRARY_LOGGERS:
         if name != "DeepSpeed":
-            _gate_library_logger(name, file_handler)
+            gate_library_logger(name, file_handler)
     warnings.showwarning = _show_warning
     logging.getLogger(__name__).setLevel(logging.INFO)  # the line saying where the log file is
     return log_file
@@ -234,9 +234,9 @@ def reset_console() -> None:
         import transformers.utils.logging as transformers_logging
 
         transformers_logging.enable_progress_bar()
-    dispatcher = _stdstream_dispatcher()
+    dispatcher = stdstream_dispatcher()
     if dispatcher is not None:
-        dispatcher.remove_handler("rlhf_log_file")
+        dispatcher.remove_handler("rlhf_log_file")  # rlhf_core.ops.ray_output's
     console.file_handler.owner = None
 
 
@@ -281,83 +281,6 @@ def show_step(stage: str, step: int, total_steps: int, metrics: dict[str, Any]) 
         console.live_bar.draw_step(stage, step, total_steps, metrics)
 
 
-# ----------------------------------------------------------------------------------------- Ray
-
-
-def _stdstream_dispatcher():
-    """Ray's hook for the actors' output that reaches the driver (private API; None when absent)."""
-    try:
-        from ray._private.worker import global_worker_stdstream_dispatcher
-    except ImportError:
-        return None
-    needed = ("add_handler", "remove_handler")
-    return global_worker_stdstream_dispatcher if all(hasattr(global_worker_stdstream_dispatcher, name)
-                                                     for name in needed) else None
-
-
-def ray_init_options(client: bool = False) -> dict[str, Any]:
-    """Extra `ray.init` arguments for the console: whether the actors' output comes to the driver at all, and
-    Ray's driver log level (INFO when the log file takes it)."""
-    console = current_console()
-    if console is None:
-        return {"log_to_driver": True, "logging_level": logging.WARNING}
-    routable = not client and _stdstream_dispatcher() is not None
-    return {"log_to_driver": console.verbose or routable, "logging_level": logging.INFO}
-
-
-def route_ray_worker_output() -> None:
-    """After `ray.init`: the actors' output goes to the log file; on the console only when verbose (and Ray's
-    raylet/autoscaler lines, which say why a worker died, always)."""
-    console = current_console()
-    if console is None:
-        return
-    open_log_file()  # Ray starting means preflight passed: the run is real
-    dispatcher = _stdstream_dispatcher()
-    if dispatcher is None:
-        return
-    _gate_library_logger("ray", console.file_handler)
-    try:
-        from ray._private.worker import _global_node
-
-        console.file_handler.handle(logging.LogRecord(
-            __name__, logging.INFO, __file__, 0, "Ray session logs (every actor's output, per node): %s",
-            # ray declares `_global_node = None` unannotated (ray.init sets it; None is the AttributeError below)
-            (_global_node.get_logs_dir_path(),), None))  # type: ignore[attr-defined]
-    except (ImportError, AttributeError):
-        pass
-    dispatcher.remove_handler("rlhf_log_file")
-    dispatcher.add_handler("rlhf_log_file", _write_worker_batch)
-    if not console.verbose:
-        dispatcher.remove_handler("ray_print_logs")
-        dispatcher.add_handler("ray_print_logs", _print_cluster_lines)
-
-
-def _worker_prefix(batch: dict) -> str:
-    name = batch.get("actor_name") or batch.get("task_name") or ""
-    return f"({name} pid={batch.get('pid')}, ip={batch.get('ip')})".replace("( pid", "(pid")
-
-
-def _write_worker_batch(batch: dict) -> None:
-    console = current_console()
-    if console is None:
-        return
-    level = logging.WARNING if batch.get("is_err") else logging.INFO
-    prefix = _worker_prefix(batch)
-    for line in _cluster_lines(batch) if batch.get("pid") == "autoscaler" else batch.get("lines", []):
-        record = logging.LogRecord(WORKER_OUTPUT_LOGGER, level, __file__, 0, f"{prefix} {line}", None, None)
-        console.file_handler.handle(record)
-
-
-def _cluster_lines(batch: dict) -> list[str]:
-    """The autoscaler's events in a batch, as Ray's own printer picks them (not its status table every 5 s)."""
-    try:
-        from ray._private.worker import filter_autoscaler_events
-
-        return list(filter_autoscaler_events(batch.get("lines", [])))
-    except Exception:  # noqa: BLE001 - raising here would stop Ray's log thread; Ray's own needs the GCS client
-        return []
-
-
 # Each rank prints rlhf_core's own warnings (a flag with no effect here, a fallback) with this prefix
 # (`rank_warnings`), so quiet mode can show them on the console, once each, among the actors' output.
 RANK_WARNING_PREFIX = WARNING_PREFIX
@@ -371,20 +294,12 @@ def rank_warnings() -> None:
     logging.getLogger("rlhf_core").addHandler(handler)
 
 
-def _print_cluster_lines(batch: dict) -> None:
-    """Quiet mode's stand-in for Ray's printer: the raylet's lines (a worker killed for memory) and the
-    autoscaler's events (a node lost or added), as Ray would print them, and the ranks' own rlhf_core
-    warnings once each; no other actor output."""
-    console = current_console()
-    source, lines = batch.get("pid"), batch.get("lines", [])
-    if source == "autoscaler":
-        lines = _cluster_lines(batch)
-    elif source != "raylet":
-        for line in lines:
-            if line.startswith(RANK_WARNING_PREFIX) and console is not None and console.first_time(line):
-                end_live_line()
-                sys.stderr.write(line + "\n")
-        return
-    for line in lines:
-        end_live_line()
-        sys.stderr.write(f"({source}) {line}\n")
+def stdstream_dispatcher():
+    """Ray's hook for the actors' output that reaches the driver (private API; None when absent)."""
+    try:
+        from ray._private.worker import global_worker_stdstream_dispatcher
+    except ImportError:
+        return None
+    needed = ("add_handler", "remove_handler")
+    return global_worker_stdstream_dispatcher if all(hasattr(global_worker_stdstream_dispatcher, name)
+                                                     for name in needed) else None

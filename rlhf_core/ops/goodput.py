@@ -44,6 +44,8 @@ PART_OF = {"writer_slowdown": "useful_s"}
 # Categories that are part of the wall time (commit_s runs in the background, beside training).
 WALL_CATEGORIES = ("useful_s", "stall_s", "startup_s", "load_s", "plan_s", "lost_s")
 
+MAX_REPLACEMENTS_KEPT = 50  # per stage: each in-place replacement of the ranks, for `rlhf goodput` and the bench
+
 logger = logging.getLogger(__name__)
 
 def process_start_time() -> float:
@@ -204,22 +206,16 @@ def commit_chunk(doc: dict, attempt: dict, stage: str, step: int, seconds: Mappi
             record[PART_OF[name]] -= float(value)
 
 
-def writer_slowdown(step_times: list[tuple[float, bool]], clean_step_seconds: float | None = None
-                    ) -> tuple[float, float | None]:
-    """Seconds a rank's step loop lost to the background checkpoint writer, from its steps' (seconds, whether a
-    write ran beside the step): what the steps beside a write took beyond the median step with none beside it,
-    summed (never below 0). The median comes from these steps, else `clean_step_seconds` (an earlier call's,
-    for a chunk whose every step ran beside a write); with neither, nothing can be told apart and it is 0.
-    Returns (the slowdown, the median clean step to pass next time). On 2 shared cores a step's time moves
-    with the machine's load too, so over a chunk this measures the writer to within that noise."""
-    clean = sorted(seconds for seconds, beside_write in step_times if not beside_write)
-    if clean:
-        middle = len(clean) // 2
-        clean_step_seconds = clean[middle] if len(clean) % 2 else (clean[middle - 1] + clean[middle]) / 2
-    if clean_step_seconds is None:
-        return 0.0, None
-    excess = sum(seconds - clean_step_seconds for seconds, beside_write in step_times if beside_write)
-    return max(0.0, excess), clean_step_seconds
+def replace_ranks(doc: dict, stage: str, cause: str, seen_at: float, ready_at: float, first_step_s: float) -> None:
+    """A chunk of `stage` replaced its ranks in place after a `cause` ("lost ranks", "hangs") seen at `seen_at`;
+    the new ranks held the start state at `ready_at` and took `first_step_s` for their first step. The newest
+    MAX_REPLACEMENTS_KEPT are kept, with the count of all."""
+    record = _stage(doc, stage)
+    record["num_replacements"] = record.get("num_replacements", 0) + 1
+    kept = record.setdefault("replacements", [])
+    kept.append({"cause": cause, "seen_at": seen_at, "ready_at": ready_at, "first_step_s": first_step_s,
+                 "recovery_s": max(0.0, ready_at - seen_at) + first_step_s})
+    del kept[:-MAX_REPLACEMENTS_KEPT]
 
 
 def finish_attempt(doc: dict, attempt: dict, now: float) -> None:
@@ -387,6 +383,10 @@ class GoodputLedger:
         """A chunk of `stage` failed; `cause` (the error's `lost_to`) names what its time was lost to."""
         if cause:
             self._update(lambda doc, attempt: fail_chunk(doc, attempt, stage, cause))
+
+    @_best_effort
+    def ranks_replaced(self, stage: str, cause: str, seen_at: float, ready_at: float, first_step_s: float) -> None:
+        self._update(lambda doc, attempt: replace_ranks(doc, stage, cause, seen_at, ready_at, first_step_s))
 
     @_best_effort
     def attempt_finished(self) -> None:

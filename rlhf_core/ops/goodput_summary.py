@@ -57,11 +57,14 @@ class GoodputSummary:
     num_crashed: int = 0
     running: bool = False
     pending: list[dict] = field(default_factory=list)
+    num_replacements: int = 0  # in-place replacements of the ranks (rlhf_core.driver.runner.Replacement)
+    recovery_s: list[float] = field(default_factory=list)  # the newest ones': from the loss to training again
 
     def to_dict(self) -> dict[str, Any]:
         return {"stages": [stage.to_dict() for stage in self.stages], "total": self.total.to_dict(),
                 "down_s": self.down_s, "attempts": self.num_attempts, "crashed": self.num_crashed,
-                "running": self.running, "pending": self.pending}
+                "running": self.running, "pending": self.pending, "replacements": self.num_replacements,
+                "recovery_s": self.recovery_s}
 
 
 def summarize(doc: Mapping[str, Any]) -> GoodputSummary:
@@ -81,9 +84,12 @@ def summarize(doc: Mapping[str, Any]) -> GoodputSummary:
     total.wall_s += doc.get("outside_stages_s", 0.0)
     attempts = doc.get("attempts", [])
     total.attempts = len(attempts)
+    records = doc.get("stages", {}).values()
     return GoodputSummary(stages, total, doc.get("down_s", 0.0), len(attempts),
                           sum(attempt["state"] == CRASHED for attempt in attempts),
-                          any(attempt["state"] == RUNNING for attempt in attempts), list(doc.get("pending", [])))
+                          any(attempt["state"] == RUNNING for attempt in attempts), list(doc.get("pending", [])),
+                          sum(record.get("num_replacements", 0) for record in records),
+                          [entry["recovery_s"] for record in records for entry in record.get("replacements", [])])
 
 
 def _seconds(value: float) -> str:
@@ -114,6 +120,10 @@ def format_summary(summary: GoodputSummary, run_url: str) -> str:
                      f"{_seconds(row.load_s):>8} {lost:>14} {_seconds(row.other_s):>8} {_seconds(row.commit_s):>8}")
     for cause, seconds in sorted(total.lost_to.items()):
         lines.append(f"lost to {cause}: {_seconds(seconds)}")
+    if summary.num_replacements:
+        recoveries = sorted(summary.recovery_s)
+        lines.append(f"ranks replaced in place: {summary.num_replacements} time(s); from the loss to training again "
+                     f"median {_seconds(recoveries[len(recoveries) // 2])}, worst {_seconds(recoveries[-1])}")
     lines.append("useful: train seconds of committed chunks; lost: chunks never committed (time/steps); other: "
                  "Prefect, planning, export; *commit runs in the background, beside training")
     return "\n".join(lines)

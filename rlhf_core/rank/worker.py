@@ -181,6 +181,26 @@ class TrainWorker:
         except Exception:  # noqa: BLE001
             logger.debug("warming up rank %d for %s failed", self.rank, stage, exc_info=True)
 
+    @ray.method(concurrency_group="io")
+    def warm_spare(self, run: RunConfig, stage: str) -> bool:
+        """As a spare (rlhf_core.driver.spares): import what `join` and `setup` of `stage` import, at the lowest
+        nice value, so that taking this process as a rank skips them. Not under SCHED_IDLE like the writer: ranks
+        training on every core leave no idle time, and the spare would never be ready; at nice 19 beside ranks
+        at Ray's 15 it takes about a third of one core until it is (about 5 s of CPU, once)."""
+        import threading
+
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        import deepspeed  # noqa: F401 - `join`'s import, the slowest
+        import torch  # noqa: F401
+
+        self.warm_up(run, stage)
+        return True
+
+    def assign_rank(self, rank: int, world_size: int) -> None:
+        """A spare becomes `rank` of a new group of `world_size`, before it joins."""
+        self.rank, self.world_size = rank, world_size
+
     def setup(self, run: RunConfig, stage: str, chunk_ends: list[int], load_universal: bool) -> None:
         from rlhf_core.rank.trainers import trainer_class
 

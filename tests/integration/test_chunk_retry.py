@@ -1,8 +1,8 @@
-"""Prefect retries a chunk whose Ray worker died, or hung, and the retried run still ends bit-for-bit exact.
+"""A chunk whose Ray worker died, or hung, replaces its ranks in place and still ends bit-for-bit exact.
 
 Two DeepSpeed ranks (ZeRO-2 over gloo). A fault hook SIGKILLs one rank's process once, inside step 7
-(the second chunk); the chunk task fails, Prefect retries it, the retry starts a new worker group from
-the step-5 checkpoint, and the final weights equal those of an uninterrupted two-rank run. In the second test one
+(the second chunk); the chunk starts a new worker group at once (no Prefect retry) from the step-5 checkpoint, and
+the final weights equal those of an uninterrupted two-rank run. In the second test one
 rank stops (SIGSTOP) as it enters the step-boundary collective before step 8, leaving its peer waiting inside it:
 the hang is caught, the stopped rank named, and the run ends the same.
 """
@@ -41,7 +41,9 @@ def test_worker_killed_mid_chunk_is_retried_and_exact(toy_assets, rlhf_env, tmp_
     log = faulty.stdout + faulty.stderr
     assert faulty.returncode == 0, log[-4000:]
     assert (tmp_path / "faults" / "train_step@7").exists(), "the fault never fired"
-    assert "Retry 1/2 will start" in log, log[-4000:]
+    lines = [line for line in log.splitlines() if "was lost mid-chunk" in line]
+    assert len(lines) == 1 and "Replaced the ranks in" in lines[0], log[-4000:]  # in place: one line, no retry
+    assert "Retry 1/2" not in log and "A worker died" not in log, log[-4000:]  # nor Ray's ten lines
 
     expected = two_rank_weights
     actual = load_file(str(tmp_path / "out" / "model.safetensors"))

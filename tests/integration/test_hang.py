@@ -1,6 +1,7 @@
 """A hung rank is caught: the rank SIGSTOPs itself inside the second chunk (`train_step@7=hang`, as a stuck
 collective or a dead mount would leave it), the driver sees its progress stand still past --hang_timeout_s, saves
-its stacks, says so in one line, records the alert and the lost time, and the retried chunk ends the run bit-exact.
+its stacks, says so in one line, records the alert and the lost time, replaces the ranks in place (no Prefect retry)
+and the chunk, trained again, ends the run bit-exact.
 Before hang detection this run waited in `ray.get` for ever."""
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ def test_a_hung_rank_is_caught_its_stacks_saved_and_the_run_ends_exact(toy_asset
 
     lines = [line for line in log.splitlines() if "made no progress" in line]
     assert len(lines) == 1, log[-4000:]
-    assert "Retry 1/2" in lines[0], lines[0]  # Prefect's retry line says it: one console line for the hang
+    assert "Replaced the ranks in" in lines[0], lines[0]  # in place, no Prefect retry: one console line for the hang
+    assert "Retry 1/2" not in log, log[-4000:]
     assert re.search(r"rank 0 on node .* made no progress for \d+ s \(not answering; --hang_timeout_s 20\), "
                      r"stuck in \S+ \(\S+\.py:\d+\)", lines[0]), lines[0]  # where SIGSTOP found the training thread
-    stacks = Path(re.search(r"stacks and the driver's are in (\S+);", lines[0]).group(1))
+    stacks = Path(re.search(r"stacks and the driver's are in (\S+)\. Replaced", lines[0]).group(1))
     text = stacks.read_text()
     assert "==== rank 0 ====" in text and "TrainWorker.train_until" in text and "the driver's threads" in text
 
@@ -46,6 +48,7 @@ def test_a_hung_rank_is_caught_its_stacks_saved_and_the_run_ends_exact(toy_asset
     goodput = run_rlhf(["goodput", str(tmp_path / "ckpt" / "rlhf")], rlhf_env)
     seconds = float(re.search(r"lost to hangs: ([\d.]+) s", goodput.stdout).group(1))
     assert seconds >= HANG_TIMEOUT_S, goodput.stdout
+    assert "ranks replaced in place: 1 time(s)" in goodput.stdout, goodput.stdout
 
     actual = load_file(str(tmp_path / "out" / "model.safetensors"))
     for name, tensor in reference_sft_weights.items():

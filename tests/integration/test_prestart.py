@@ -15,7 +15,7 @@ from rlhf_core.driver.chunk import ensure_checkpoint
 from rlhf_core.driver.runner import StageRunner
 from rlhf_core.config import RunConfig
 from rlhf_core.stages.sft import SFTConfig
-from rlhf_core.driver.engine import ensure_ray
+from rlhf_core.driver.ray_start import ensure_ray
 from rlhf_core.errors import UserError
 from rlhf_core.driver.resume import begin_stage
 

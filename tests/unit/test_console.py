@@ -11,7 +11,7 @@ import warnings
 import pytest
 
 from flows.stage_report import progress_line  # imports prefect, which sets up logging: before the fixtures
-from rlhf_core.ops import console
+from rlhf_core.ops import console, ray_output
 from rlhf_core.ops.run_log import RunLogHandler, log_file_for
 from rlhf_core.ops.progress import render_live_bar
 
@@ -131,7 +131,7 @@ def test_the_file_is_written_only_once_the_run_is_real(quiet):
     assert "training" in written and "before preflight passed" not in written
 
 
-def test_ray_actor_output_goes_to_the_file_and_cluster_lines_to_the_console(quiet, capsys):
+def test_ray_actor_and_raylet_output_goes_to_the_file_only(quiet, capsys):
     _, log_file = quiet()
     console.open_log_file()
     actor = {"pid": 123, "ip": "10.0.0.1", "actor_name": "TrainWorker", "is_err": True,
@@ -139,10 +139,10 @@ def test_ray_actor_output_goes_to_the_file_and_cluster_lines_to_the_console(quie
     raylet = {"pid": "raylet", "ip": "10.0.0.1", "is_err": True, "lines": ["Task killed due to the node running "
                                                                            "low on memory."]}
     for batch in (actor, raylet):
-        console._write_worker_batch(batch)
-        console._print_cluster_lines(batch)
+        ray_output._write_worker_batch(batch)
+        ray_output._print_cluster_lines(batch)
     err = capsys.readouterr().err
-    assert "(raylet) Task killed" in err
+    assert "Task killed" not in err  # the run's own line says it (rlhf_core.driver.engine)
     assert "TrainWorker" not in err and "Loading weights" not in err
     written = log_file.read_text()
     assert "(TrainWorker pid=123, ip=10.0.0.1) [WARNING] Setting accelerator to CPU." in written
@@ -167,8 +167,8 @@ def test_python_warnings_once_and_library_deprecations_in_the_file_only(quiet, c
 def test_without_configure_console_nothing_changes():
     console.reset_console()
     assert console.configured_log_file() is None
-    assert console.ray_init_options() == {"log_to_driver": True, "logging_level": logging.WARNING}
-    console.route_ray_worker_output()  # a deployment run's worker: no-op
+    assert ray_output.ray_init_options() == {"log_to_driver": True, "logging_level": logging.WARNING}
+    ray_output.route_ray_worker_output()  # a deployment run's worker: no-op
     console.open_log_file()
 
 
@@ -179,8 +179,8 @@ def test_autoscaler_status_tables_are_left_out_without_breaking_rays_log_thread(
     console.open_log_file()
     batch = {"pid": "autoscaler", "ip": "10.0.0.1", "is_err": False,
              "lines": ["======== Autoscaler status: 2026-11-30 ========", "Node status"]}
-    console._write_worker_batch(batch)
-    console._print_cluster_lines(batch)
+    ray_output._write_worker_batch(batch)
+    ray_output._print_cluster_lines(batch)
     assert "Autoscaler status" not in capsys.readouterr().err
     assert "Autoscaler status" not in log_file.read_text()
 
@@ -255,7 +255,7 @@ def test_a_rank_warning_or_a_python_warning_ends_the_bar_line_first(quiet, monke
     terminal, _ = quiet(terminal=True)
     console.show_step("ppo", 1, 4, {"reward": 0.5})
     monkeypatch.setattr(console.sys, "stderr", terminal)  # where rank warnings and Python warnings print
-    console._print_cluster_lines({"pid": 7, "lines": [console.RANK_WARNING_PREFIX + "flag has no effect"]})
+    ray_output._print_cluster_lines({"pid": 7, "lines": [console.RANK_WARNING_PREFIX + "flag has no effect"]})
     console._show_warning(UserWarning("odd"), UserWarning, "x.py", 1)
     console.show_step("ppo", 2, 4, {"reward": 0.6})
     lines = terminal.getvalue().split("\n")

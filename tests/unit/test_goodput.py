@@ -11,7 +11,8 @@ import pytest
 
 from flows.cli import main
 from rlhf_core.ops.goodput import (CRASHED, FINISHED, LEASE_HEARTBEAT_S, GoodputLedger, begin_attempt, commit_chunk,
-                                   empty_ledger, finish_attempt, start_chunk, writer_slowdown)
+                                   empty_ledger, finish_attempt, start_chunk)
+from rlhf_core.ops.step_time import writer_slowdown
 from rlhf_core.ops.goodput_summary import expected_goodput, measured_costs, plan_interval, summarize
 
 

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from rlhf_core.driver.engine import threads_asked
+from rlhf_core.driver.ray_start import threads_asked
 from rlhf_core.errors import UserError
 from rlhf_core.rank.worker import torch_threads
 
