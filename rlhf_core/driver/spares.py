@@ -42,6 +42,11 @@ class SparePool:
     def __len__(self) -> int:
         return len(self._spares)
 
+    def num_ready(self) -> int:
+        """How many spares have finished their warm-up (a bench waits for them before it kills a rank)."""
+        refs = [ready for _, ready in self._spares]
+        return len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else 0
+
     def fill(self, run: RunConfig, stage: str, count: int) -> None:
         """Start spares, without waiting, until there are `count`."""
         for _ in range(count - len(self._spares)):
