@@ -20,6 +20,7 @@ from prefect.artifacts import create_link_artifact
 from prefect.events import emit_event
 from prefect.states import Cancelled, State
 
+from flows import restarts
 from flows.stage_report import StageReport, artifact_key
 from rlhf_core.driver import preflight
 from rlhf_core.driver.stop import StopSignals
@@ -227,10 +228,24 @@ def rlhf_output_stage(run: RunConfig, stage: str) -> dict:
 @flow(name="rlhf", log_prints=True)
 def rlhf(config: RunConfig) -> dict:
     """Run the requested RLHF stages in order; each stage resumes from its newest valid checkpoint.
-    Returns {stage: summary}; a stage stopped by a run budget has status "stopped-by-budget"."""
-    runner = StageRunner(resolve_paths(config))
-    with runner.signals.obeying(), runner:  # in place of Prefect's SIGTERM handler (Crashed)
-        return _run_stages(runner, prepared=False)
+    Returns {stage: summary}; a stage stopped by a run budget has status "stopped-by-budget". A deployment's run
+    that fails on a fault that passes, or is preempted, ends rescheduled instead (flows/restarts.py)."""
+    run = resolve_paths(config)
+    held_back = restarts.restart_budget(run)  # a deployment's run starting again: back off, or no more
+    if held_back is not None:
+        return held_back
+    runner = StageRunner(run)
+    try:
+        with runner.signals.obeying(), runner:  # in place of Prefect's SIGTERM handler (Crashed)
+            outcome = _run_stages(runner, prepared=False)
+    except Exception as error:
+        rescheduled = restarts.after_failure(runner.run, error)
+        if rescheduled is None:
+            raise
+        return rescheduled
+    if isinstance(outcome, State) and outcome.is_cancelled() and runner.signals.signal_number is not None:
+        return restarts.after_stop(outcome, signal.Signals(runner.signals.signal_number).name)
+    return outcome
 
 
 def _rlhf_on(runner: StageRunner) -> Flow:

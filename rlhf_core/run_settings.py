@@ -111,6 +111,15 @@ class RunSettings(BaseModel):
                                    "trains within seconds. Default: as many as the ranks when they use no GPU, "
                                    "else 0.")
     )
+    max_restarts: int = Field(
+        10, ge=0, **operational("A deployment's run that crashes (its process or worker died) or fails on a fault "
+                                 "that passes (a lost rank, a hang, a store outage) is rescheduled by itself, at "
+                                 "most this many times per --restart_window_minutes, waiting 10 s doubling to 5 min "
+                                 "from the second; past it the run stays Crashed (OutOfRestarts) with an alert.")
+    )
+    restart_window_minutes: float = Field(
+        60.0, gt=0, **operational("The window --max_restarts counts restarts in.")
+    )
     verbose: bool = Field(
         False, **operational("Show Ray's and DeepSpeed's full logs on the console (they always go to the log "
                               "file in the run folder).")

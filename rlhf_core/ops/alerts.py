@@ -27,7 +27,8 @@ ALERT_REWARD_STAGNANT = "rlhf.alert.reward-stagnant"
 ALERT_CHECKPOINT_SIZE = "rlhf.alert.checkpoint-size"
 ALERT_NON_FINITE = "rlhf.alert.non-finite"
 ALERT_HANG = "rlhf.alert.hang"
-ALERT_NAMES = (ALERT_REWARD_STAGNANT, ALERT_CHECKPOINT_SIZE, ALERT_NON_FINITE, ALERT_HANG)
+ALERT_RESTARTS_EXHAUSTED = "rlhf.alert.restarts-exhausted"  # a deployment's run past --max_restarts (flows/restarts.py)
+ALERT_NAMES = (ALERT_REWARD_STAGNANT, ALERT_CHECKPOINT_SIZE, ALERT_NON_FINITE, ALERT_HANG, ALERT_RESTARTS_EXHAUSTED)
 ALERTS_FILE_NAME = "alerts.jsonl"
 
 

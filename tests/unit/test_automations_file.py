@@ -9,12 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_core.ops.alerts import (
-    ALERT_CHECKPOINT_SIZE,
-    ALERT_HANG,
-    ALERT_NON_FINITE,
-    ALERT_REWARD_STAGNANT,
-)
+from rlhf_core.ops.alerts import ALERT_NAMES
 from rlhf_core.errors import UserError
 
 SCRIPT = Path(__file__).resolve().parents[2] / "deployments" / "create_automations.py"
@@ -31,7 +26,7 @@ def script():
 
 def test_each_alert_has_a_reactive_automation_on_rlhf_run_resources(script):
     automations = script.load_automations(script.AUTOMATIONS_FILE)
-    expected = {ALERT_REWARD_STAGNANT, ALERT_CHECKPOINT_SIZE, ALERT_NON_FINITE, ALERT_HANG}
+    expected = set(ALERT_NAMES)
     alerts = {next(iter(a.trigger.expect)): a for a in automations if a.name.startswith(script.ALERT_PREFIX)}
     assert set(alerts) == expected
     for automation in alerts.values():
@@ -62,6 +57,22 @@ def test_crash_automation_waits_for_three_heartbeats_of_rlhf_flows(script):
     assert trigger.for_each == {"prefect.resource.id"}
     assert trigger.within.total_seconds() >= 3 * MINIMUM_HEARTBEAT_S
     assert crash.actions[0].state.value == "CRASHED"
+    # a run that rescheduled itself sends no heartbeat until a worker picks it up: that is no crash
+    assert {"prefect.flow-run.AwaitingRetry", "prefect.flow-run.Preempted"} <= trigger.expect
+
+
+def test_crashed_deployment_runs_of_rlhf_are_rescheduled_as_retry_would_and_out_of_restarts_is_left_alone(script):
+    restart = next(a for a in script.load_automations(script.AUTOMATIONS_FILE) if a.name.startswith("rlhf-restart"))
+    trigger, action = restart.trigger, restart.actions[0]
+    assert trigger.posture.value == "Reactive" and trigger.expect == {"prefect.flow-run.Crashed"}
+    assert [spec.root for spec in trigger.match_related] == [
+        {"prefect.resource.role": "flow", "prefect.resource.name": "rlhf"},  # not the stage subflows
+        {"prefect.resource.role": "deployment"}]  # a run by hand has no worker to pick it up again
+    assert (action.type, action.state.value, action.name, action.force) == ("change-flow-run-state", "SCHEDULED",
+                                                                           "AwaitingRetry", True)
+    from flows.restarts import RESTART_MARK
+
+    assert action.message.startswith(RESTART_MARK)  # what the run counts against --max_restarts
 
 
 def test_bad_file_is_one_sentence_naming_the_entry(script, tmp_path):

@@ -1,0 +1,113 @@
+"""A deployment's run that dies, fails on a passing fault or is preempted comes back by itself, as the same flow run.
+
+- Its process or worker died: Prefect marks it Crashed (the worker at once, or the heartbeat automation within
+  90 s), and the automation `rlhf-restart-crashed-runs` (deployments/automations.yaml) reschedules it.
+- A chunk used up its retries on a fault that passes (a lost rank, a hang, a store outage: `RLHFError.retryable`):
+  the run reschedules itself (`after_failure`).
+- SIGTERM with no Cancel requested in Prefect (a spot preemption, a node drain): after its emergency checkpoint the
+  run reschedules itself, in a state named Preempted (`after_stop`). A Cancel stays a stop.
+
+Each reschedule by the first two is a restart, marked in its state's message (RESTART_MARK). A run starting again
+counts its restarts within --restart_window_minutes (`restart_budget`): past --max_restarts it ends Crashed, named
+OutOfRestarts (which the automation leaves alone) with an alert naming the failures; otherwise the k-th restart
+waits BACKOFF_S(k) after the one before. Preemptions are not failures and count for neither. Runs without a
+deployment (`rlhf train` by hand, a notebook) stop and fail as before. docs/resuming-and-stopping.md has the table.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import datetime, timedelta, timezone
+
+from prefect import get_client, runtime
+from prefect.states import Crashed, Scheduled, State, StateType
+
+from rlhf_core.config import RunConfig
+from rlhf_core.errors import RLHFError
+from rlhf_core.ops.alerts import ALERT_RESTARTS_EXHAUSTED, Alert, AlertLog
+from tasks.chunks import emit_alert
+
+logger = logging.getLogger(__name__)
+RESTART_MARK = "rlhf: restarting after"  # the start of a restart's state message (the automation's too)
+OUT_OF_RESTARTS = "OutOfRestarts"
+PREEMPTED = "Preempted"
+
+
+def backoff_s(num_restarts: int) -> float:
+    """How long the `num_restarts`-th restart in the window waits after the one before: none for the first (a
+    single fault comes back at once), then 10 s doubling to at most 5 minutes."""
+    return 0.0 if num_restarts <= 1 else min(300.0, 10.0 * 2 ** (num_restarts - 2))
+
+
+def deployment_run_id() -> str | None:
+    """The flow run's id when it runs from a deployment (a worker will pick a rescheduled run up), else None."""
+    return str(runtime.flow_run.id) if runtime.flow_run.deployment_id else None
+
+
+def restart_budget(run: RunConfig) -> State | None:
+    """At the start of a deployment's run: None to go on; a Scheduled state (back off until due) or a Crashed one
+    (OutOfRestarts, alert recorded) to end this start with."""
+    flow_run_id = deployment_run_id()
+    if flow_run_id is None:
+        return None
+    restarts = _restarts(flow_run_id, run.restart_window_minutes)
+    if len(restarts) > run.max_restarts:
+        causes = "; ".join(f"{when:%H:%M:%S} {message.removeprefix(RESTART_MARK).strip()}"
+                           for when, message in restarts[-5:])
+        message = (f"{len(restarts)} restarts within --restart_window_minutes {run.restart_window_minutes:g}, past "
+                   f"--max_restarts {run.max_restarts}; the run stays Crashed until a person retries it. The "
+                   f"newest: {causes}")
+        _alert(run, message, [entry for _, entry in restarts])
+        return Crashed(name=OUT_OF_RESTARTS, message=message)
+    if restarts:
+        due = restarts[-1][0] + timedelta(seconds=backoff_s(len(restarts)))
+        if datetime.now(timezone.utc) < due:
+            return Scheduled(scheduled_time=due, name="AwaitingRetry",
+                             message=f"rlhf: backing off until {due:%H:%M:%S} ({len(restarts)} restarts)")
+    return None
+
+
+def after_failure(run: RunConfig, error: BaseException) -> State | None:
+    """A deployment's run failed with `error`: rescheduled (the restart's wait as its scheduled time) when the
+    fault passes; None to fail as usual (a user error, a NaN, a full disk, a drift refusal, a bug)."""
+    flow_run_id = deployment_run_id()
+    if flow_run_id is None or not (isinstance(error, RLHFError) and error.retryable):
+        return None
+    num_restarts = len(_restarts(flow_run_id, run.restart_window_minutes)) + 1
+    due = datetime.now(timezone.utc) + timedelta(seconds=backoff_s(num_restarts))
+    logger.warning("%s; the run is rescheduled (restart %d of --max_restarts %d)", error, num_restarts,
+                   run.max_restarts)
+    return Scheduled(scheduled_time=due, name="AwaitingRetry", message=f"{RESTART_MARK} {type(error).__name__}: {error}")
+
+
+def after_stop(stopped: State, signal_name: str | None) -> State:
+    """A deployment's run stopped by SIGTERM after its emergency checkpoint: Preempted (rescheduled at once) unless
+    a Cancel was asked for in Prefect; any other stop stays `stopped`."""
+    flow_run_id = deployment_run_id()
+    if flow_run_id is None or signal_name != "SIGTERM":
+        return stopped
+    with get_client(sync_client=True) as client:
+        state = client.read_flow_run(flow_run_id).state
+    if state is not None and state.type == StateType.CANCELLING:
+        return stopped
+    return Scheduled(name=PREEMPTED, message=f"preempted: {stopped.message}; it continues when a worker is free")
+
+
+def _restarts(flow_run_id: str, window_minutes: float) -> list[tuple[datetime, str]]:
+    """(time, message) of the run's restarts within the window, oldest first."""
+    since = datetime.now(timezone.utc) - timedelta(minutes=window_minutes)
+    with get_client(sync_client=True) as client:
+        states = client.read_flow_run_states(flow_run_id)
+    return sorted((state.timestamp, state.message or "") for state in states
+                  if state.type == StateType.SCHEDULED and (state.message or "").startswith(RESTART_MARK)
+                  and state.timestamp is not None and state.timestamp >= since)
+
+
+def _alert(run: RunConfig, message: str, failures: list[str]) -> None:
+    alert = Alert(ALERT_RESTARTS_EXHAUSTED, run.run_name, "", 0, message, {"failures": failures})
+    try:
+        AlertLog(run.run_url(), run.storage_options).append(alert, announced=False)  # the state's message says it
+    except OSError:
+        logger.warning("could not record %s in the run's alerts", ALERT_RESTARTS_EXHAUSTED, exc_info=True)
+    emit_alert(json.loads(alert.to_json()))

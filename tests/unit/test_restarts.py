@@ -1,0 +1,100 @@
+"""flows/restarts.py without a server: which failures a deployment's run reschedules itself after, the restart
+budget and its backoff, and a SIGTERM told apart from a Cancel. The real thing, with a server, a worker and the
+automations, is tests/integration/test_prefect_crash_retry.py."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+from types import SimpleNamespace
+
+import pytest
+from prefect.states import Cancelled, StateType
+
+from flows import restarts
+from rlhf_core.config import RunConfig
+from rlhf_core.errors import RankHung, StoreFull, TransientStoreError, UserError, WorkerLost
+from rlhf_core.ops.alerts import NonFiniteTraining
+from rlhf_core.stages.sft import SFTConfig
+
+
+@pytest.fixture
+def run(tmp_path) -> RunConfig:
+    return RunConfig(sft=SFTConfig(pretrain="m", dataset="d.jsonl"), ckpt_path=str(tmp_path / "ckpt"),
+                     max_restarts=3, restart_window_minutes=60)
+
+
+@pytest.fixture
+def deployment_run(monkeypatch):
+    """A deployment's flow run whose earlier restarts (time, message) the test sets."""
+    history: list[tuple[datetime, str]] = []
+    monkeypatch.setattr(restarts, "deployment_run_id", lambda: "00000000-0000-0000-0000-000000000001")
+    monkeypatch.setattr(restarts, "_restarts", lambda flow_run_id, window: list(history))
+    return history
+
+
+def test_the_first_restart_waits_for_nothing_then_10_s_doubling_to_5_minutes():
+    assert [restarts.backoff_s(n) for n in range(1, 9)] == [0, 10, 20, 40, 80, 160, 300, 300]
+
+
+@pytest.mark.parametrize("error", [WorkerLost("rank 0 was lost"), RankHung("rank 0 made no progress"),
+                                   TransientStoreError("503 from the store")])
+def test_a_fault_that_passes_reschedules_the_run_marked_as_a_restart(run, deployment_run, error):
+    state = restarts.after_failure(run, error)
+    assert state.type == StateType.SCHEDULED and state.name == "AwaitingRetry"
+    assert state.message.startswith(restarts.RESTART_MARK) and type(error).__name__ in state.message
+
+
+@pytest.mark.parametrize("error", [UserError("--dataset x: no such file"), StoreFull("disk full"),
+                                   NonFiniteTraining("sft", 8, ["loss"], []), RuntimeError("a bug")])
+def test_a_user_error_a_full_disk_a_nan_or_a_bug_fails_as_before(run, deployment_run, error):
+    assert restarts.after_failure(run, error) is None
+
+
+def test_a_run_by_hand_is_never_rescheduled(run, monkeypatch):
+    monkeypatch.setattr(restarts, "deployment_run_id", lambda: None)
+    assert restarts.after_failure(run, WorkerLost("rank 0 was lost")) is None
+    assert restarts.restart_budget(run) is None
+    stopped = Cancelled(message="stopped by SIGTERM at step 4")
+    assert restarts.after_stop(stopped, "SIGTERM") is stopped
+
+
+def test_restarts_back_off_and_past_the_budget_the_run_stays_crashed_with_an_alert(run, deployment_run, monkeypatch):
+    alerts = []
+    monkeypatch.setattr(restarts, "emit_alert", alerts.append)
+    now = datetime.now(timezone.utc)
+    assert restarts.restart_budget(run) is None  # no restart yet
+    deployment_run.append((now - timedelta(seconds=1), f"{restarts.RESTART_MARK} a crash"))
+    assert restarts.restart_budget(run) is None  # the first restart starts at once
+    deployment_run.append((now, f"{restarts.RESTART_MARK} WorkerLost: rank 0 was lost"))
+    held = restarts.restart_budget(run)  # the second waits 10 s after it
+    assert held.type == StateType.SCHEDULED and not held.message.startswith(restarts.RESTART_MARK)
+    assert held.state_details.scheduled_time >= now + timedelta(seconds=9)
+    deployment_run[:] = [(now - timedelta(minutes=10 - n), f"{restarts.RESTART_MARK} crash {n}") for n in range(4)]
+    out = restarts.restart_budget(run)  # 4 restarts within the hour, past --max_restarts 3
+    assert out.type == StateType.CRASHED and out.name == restarts.OUT_OF_RESTARTS
+    assert "past --max_restarts 3" in out.message and "crash 3" in out.message
+    assert [alert["name"] for alert in alerts] == ["rlhf.alert.restarts-exhausted"]
+    assert len(alerts[0]["details"]["failures"]) == 4
+
+
+def test_sigterm_without_a_cancel_is_a_preemption_and_with_one_a_stop(deployment_run, monkeypatch):
+    server_state = SimpleNamespace(type=StateType.RUNNING)
+
+    class Client:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def read_flow_run(self, flow_run_id):
+            return SimpleNamespace(state=server_state)
+
+    monkeypatch.setattr(restarts, "get_client", lambda sync_client: Client())
+    stopped = Cancelled(message="stopped by SIGTERM at step 4; committed step_4")
+    preempted = restarts.after_stop(stopped, "SIGTERM")
+    assert preempted.type == StateType.SCHEDULED and preempted.name == restarts.PREEMPTED
+    assert "committed step_4" in preempted.message
+    assert restarts.after_stop(stopped, "SIGINT") is stopped  # Ctrl-C is a person
+    server_state.type = StateType.CANCELLING  # Cancel in the UI: the worker's SIGTERM follows it
+    assert restarts.after_stop(stopped, "SIGTERM") is stopped
