@@ -59,11 +59,14 @@ $(TRL_VENV)/.installed:
 
 # Every ratio of issue 10 in one run (~15-20 min on 2 cores); BENCH_ARGS="--only ckpt" runs a subset.
 # Then issue 33's scale table (bench/data_scale.py): SCALE_ARGS="--rows 1000,100000" for fewer rows.
+# Then issue 32's recovery bench (bench/recovery.py, ~5-8 min): RECOVERY_ARGS="--repeat 1" for one kill each.
 SCALE_ARGS ?=
+RECOVERY_ARGS ?=
 
 bench: $(BIN)/rlhf $(TRL_VENV)/.installed
 	$(BIN)/python bench/suite.py $(BENCH_ARGS)
 	$(BIN)/python bench/data_scale.py $(SCALE_ARGS)
+	$(BIN)/python bench/recovery.py $(RECOVERY_ARGS)
 
 clean:
 	rm -rf demo ckpt out toy

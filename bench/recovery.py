@@ -37,6 +37,7 @@ RUN_LOG, RESUME_LOG = os.path.join(CACHE_DIR, "recovery-run.log"), os.path.join(
 FAULT_VARS = ("RLHF_FAULT_INJECT", "RLHF_FAULT_STATE")
 ISSUE_BOUND_S = 10.0  # issue 32: kill -> the replacement's first step on the demo model
 COLD_RESUME_BOUND = 2.0  # and on the bench model, at most this many times a cold resume
+BUSY_LOAD = 1.5
 TOY_ROWS = 256  # SFT rows of rlhf_core.toy.make_datasets
 SECTIONS = ("demo", "model")
 
@@ -127,7 +128,7 @@ def kill_and_replace(flags: list[str], state: str, save_steps: int, kill_step: i
     return {"ranks": num_workers, "spares": spares, "spares_ready": ready, "spares_wait_s": waited,
             "detection_s": entry["seen_at"] - killed, "ready_s": entry["ready_at"] - killed,
             "first_step_s": entry["first_step_s"],
-            "recovery_s": entry["ready_at"] + entry["first_step_s"] - killed, "ledger": entry, "run": run}
+            "recovery_s": entry["ready_at"] + entry["first_step_s"] - killed, "ledger": entry}
 
 
 def cold_resume(flags: list[str], state: str, step: int, env: dict, timeout_s: float) -> float:
@@ -147,7 +148,7 @@ def cold_resume(flags: list[str], state: str, step: int, env: dict, timeout_s: f
 def describe(sample: dict) -> str:
     spares = (f"warm spares ({sample['spares_ready']} ready after {sample['spares_wait_s']:.1f} s)"
               if sample["spares"] else "no spares")
-    return (f"{sample['ranks']} rank(s), {spares}: kill -> seen {sample['detection_s']:.2f} s, -> new ranks hold "
+    return (f"{ranks(sample['ranks'])}, {spares}: kill -> seen {sample['detection_s']:.2f} s, -> new ranks hold "
             f"the start state {sample['ready_s']:.2f} s, first step {sample['first_step_s']:.2f} s; "
             f"kill -> first step {sample['recovery_s']:.2f} s")
 
@@ -164,14 +165,13 @@ def section_demo(args, work: str, toy: dict, results: dict) -> list[Row]:
                               name, 2 * args.save_steps, toy=True)
             sample = kill_and_replace(flags, os.path.join(work, "state", name), args.save_steps, kill_step, size,
                                       spares, args.spare_timeout_s)
-            sample.pop("run")
             samples[label(size, spares)].append(sample)
             print(f"  demo: {describe(sample)}  (load {os.getloadavg()[0]:.2f})", flush=True)
     results["demo"] = {key: summarise(values) for key, values in samples.items()}
     rows = []
     for size in args.world_sizes:
         warm, cold = results["demo"][label(size, True)], results["demo"][label(size, False)]
-        rows += [Row(f"kill -> replacement's first step, toy, {size} rank(s), warm spares / issue's bound",
+        rows += [Row(f"kill -> replacement's first step, toy, {ranks(size)}, warm spares / issue's bound",
                      ISSUE_BOUND_S, warm["recovery_s"], "s", "<=", 1.0),
                  Row("  the same without spares (--num_spare_workers 0)", ISSUE_BOUND_S, cold["recovery_s"], "s",
                      "<=", None),
@@ -179,6 +179,10 @@ def section_demo(args, work: str, toy: dict, results: dict) -> list[Row]:
                  Row("  kill -> loss seen by the driver (old group released), warm spares", ISSUE_BOUND_S,
                      warm["detection_s"], "s", "<=", None)]
     return rows
+
+
+def ranks(size: int) -> str:
+    return f"{size} rank{'s' if size > 1 else ''}"
 
 
 def label(size: int, spares: bool) -> str:
@@ -204,7 +208,6 @@ def section_model(args, work: str, toy: dict, env: dict, results: dict) -> list[
                           2 * args.save_steps + 2, toy=False)
         sample = kill_and_replace(flags, os.path.join(work, "state", name), args.save_steps,
                                   args.save_steps + args.kill_after, 1, True, args.spare_timeout_s)
-        sample.pop("run")
         kills.append(sample)
         print(f"  model: {describe(sample)}  (load {os.getloadavg()[0]:.2f})", flush=True)
         resumes.append(cold_resume(flags, os.path.join(work, "state", f"{name}-resume"), 2 * args.save_steps, env,
@@ -241,6 +244,8 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="rlhf-bench-recovery-")
     results: dict = {"load_start": os.getloadavg(), "cpus": os.cpu_count()}
     print(f"load average at start: {results['load_start']}, {os.cpu_count()} CPUs", flush=True)
+    if results["load_start"][0] > BUSY_LOAD:  # another run on the same cores moves every number here
+        print(f"  the machine is busy (1-minute load above {BUSY_LOAD}): the numbers will read slow", flush=True)
     rows, started = [], time.perf_counter()
     try:
         toy = init_toy(os.path.join(work, "toy"))

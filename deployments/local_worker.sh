@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create the process work pool (if missing), deploy every deployment of prefect.yaml (rlhf/full, sft,
 # rm, ppo, ppo-nightly; the nightly schedule stays inactive until you resume it), create or update the
-# automations (deployments/create_automations.py: a killed worker's run is marked Crashed), and run a
+# automations (deployments/create_automations.py: a killed worker's run is marked Crashed, then restarted), and run a
 # worker in the foreground. Needs a running Prefect server: PREFECT_API_URL set, or `prefect server start`.
 #
 #   deployments/local_worker.sh              # pool rlhf-local
@@ -36,7 +36,7 @@ if [[ -z "${RLHF_SKIP_DEPLOY:-}" ]]; then
 fi
 
 # Without these a killed worker's run stays Running for ever (deployments/README.md); safe to repeat.
-echo "automations: a run whose worker dies is marked Crashed after 90 s without a heartbeat; alerts show in the UI"
+echo "automations: a run whose worker dies is marked Crashed after 90 s without a heartbeat, and a crashed run is restarted by itself; alerts show in the UI"
 "$PYTHON" deployments/create_automations.py
 
 exec "$PREFECT" worker start --pool "$POOL"

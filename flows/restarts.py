@@ -42,7 +42,7 @@ def backoff_s(num_restarts: int) -> float:
 
 def deployment_run_id() -> str | None:
     """The flow run's id when it runs from a deployment (a worker will pick a rescheduled run up), else None."""
-    return str(runtime.flow_run.id) if runtime.flow_run.deployment_id else None
+    return str(runtime.flow_run.id) if runtime.deployment.id else None
 
 
 def restart_budget(run: RunConfig) -> State | None:

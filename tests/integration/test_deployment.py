@@ -471,7 +471,7 @@ def test_the_quick_start_script_creates_the_automations(prefect_server, tmp_path
     finally:
         script.stop(grace=5)
     assert {automation.name for automation in load_automations(AUTOMATIONS_FILE)} <= names, names
-    assert "a run whose worker dies is marked Crashed" in script.log_tail()
+    assert "a crashed run is restarted by itself" in script.log_tail()
     assert "rlhf-crash-unresponsive-flow-runs" in script.log_tail()
 
 
@@ -503,3 +503,51 @@ def test_cancel_of_a_deployment_run_commits_the_step_in_progress(deployed, tmp_p
     assert flow_run.state.message == (f"stopped by SIGTERM at step 12; committed step_12 in {stage_dir}; run the same "
                                       "command to continue"), deployed.worker.log_tail()
     assert committed == [8, 12]  # 12 is off the chunk boundaries (8, 16): the emergency commit
+
+
+def flow_run_process(worker_pid: int, flow_run_id: str):
+    """The worker's child process running `flow_run_id` (its environment names the run), or None."""
+    import psutil
+
+    for child in psutil.Process(worker_pid).children(recursive=True):
+        try:
+            if child.environ().get("PREFECT__FLOW_RUN_ID") == flow_run_id:
+                return child
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return None
+
+
+def test_a_preempted_deployment_run_commits_its_step_and_continues_by_itself(deployed, tmp_path):
+    """SIGTERM to the flow run's process with no Cancel asked for in Prefect (a spot preemption, a node drain):
+    the step in progress commits as an emergency checkpoint, the run is rescheduled in a state named Preempted, and
+    the worker picks it up again: it resumes from that step and completes, with no call from the test. The Cancel
+    above sends the same signal and stays a stop."""
+    from prefect.client.orchestration import SyncPrefectClient
+
+    faults = tmp_path / "faults"
+    faults.mkdir()
+    with SyncPrefectClient(deployed.server.api_url) as client:
+        env = dict(client.read_deployment_by_name("rlhf/sft").job_variables["env"])
+    env.update(RLHF_FAULT_INJECT="train_step@12=sleep:4", RLHF_FAULT_STATE=str(faults))
+    config = run_config(tmp_path, deployed.toy)
+    started = deployed.server.cli("deployment", "run", "rlhf/sft", "--param", f"config={json.dumps(config)}",
+                                  "--job-variable", f"env={json.dumps(env)}")
+    flow_run_id = UUID.search(started.stdout).group(1)
+    stage_dir = tmp_path / "ckpt" / config["run_name"] / "sft"
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not ((faults / "train_step@12").exists() and (stage_dir / "step_8" / "MANIFEST.json").exists()):
+        assert time.monotonic() < deadline, f"the run never reached step 12\n{deployed.worker.log_tail()}"
+        time.sleep(0.2)
+    process = flow_run_process(deployed.worker.pid, flow_run_id)
+    assert process is not None, deployed.worker.log_tail()
+    process.terminate()  # SIGTERM, as a preemption sends it: no state change asked of Prefect
+    flow_run = deployed.wait(flow_run_id)
+    assert flow_run.state.type.value == "COMPLETED", f"{flow_run.state}\n{deployed.worker.log_tail()}"
+    with SyncPrefectClient(deployed.server.api_url) as client:
+        states = client.read_flow_run_states(flow_run_id)
+    names = [state.name for state in states]
+    assert "Preempted" in names and names[-1] == "Completed", names
+    preempted = next(state for state in states if state.name == "Preempted")
+    assert "stopped by SIGTERM at step 12; committed step_12" in preempted.message, preempted.message
+    assert flow_run.run_count == 2, flow_run.run_count

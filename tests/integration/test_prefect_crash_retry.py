@@ -5,21 +5,23 @@
 with `--notify-block` each `rlhf.alert.*` event reaches a webhook on loopback through a notification
 block, with the run, stage and step in its subject. No Ray, a few seconds.
 
-`test_killed_worker_run_is_crashed_then_retry_completes_it`: a worker SIGKILLed mid-chunk; the flow
-run is marked Crashed, and `prefect flow-run retry` finishes it.
+`test_a_killed_run_comes_back_by_itself_and_completes`: a deployment's run killed twice mid-chunk completes
+with no call from the test (it only starts the run, and a second worker as a supervisor would).
 
 Real processes: a Prefect server, the automations of deployments/automations.yaml (created by
 deployments/create_automations.py), `rlhf/sft` deployed from this repository's prefect.yaml, a process
 worker, a local Ray cluster and DeepSpeed. The toy SFT run has 3 chunks of 2 steps. A fault hook in the
-first worker's environment pauses the rank at step 3 (inside chunk 2, after chunk 1 has committed); the
-test then SIGKILLs the worker, the flow-run process and the Ray cluster they started, all at once, as a
-lost machine would. Nobody reports that death: the run stays Running until the heartbeat automation sees
-no `prefect.flow-run.heartbeat` for its window and marks it Crashed. `prefect flow-run retry ID` then runs
-it on a new worker: chunk 1 is Cached, chunks 2 and 3 train, the exported weights equal those of an
-uninterrupted `rlhf train sft` with the same settings tensor for tensor, and the checkpoint committed
-before the kill is still committed, byte for byte.
+first worker's environment pauses the rank before step 3 and again before step 5, each once its chunk before has
+committed. At the first pause the test SIGKILLs the flow-run process (and the Ray cluster it started): the worker
+sees its child die and marks the run Crashed, the automation rlhf-restart-crashed-runs reschedules it, and the
+same worker runs it again from step 2. At the second pause the test SIGKILLs the worker with everything it
+started, as a lost machine would: nobody reports that death, the heartbeat automation marks the run Crashed
+after its window, the restart automation reschedules it, and a new worker (started by the test as systemd
+would) finishes it: chunk 1 is Cached, the exported weights equal those of an uninterrupted `rlhf train sft`
+with the same settings tensor for tensor, and the checkpoint committed before the kills is still committed,
+byte for byte.
 
-Prints the two times an operator cares about: kill -> Crashed and retry -> Completed.
+Prints the two times an operator cares about: each kill -> training again (or Completed).
 """
 
 from __future__ import annotations
@@ -43,9 +45,11 @@ from safetensors.torch import load_file
 
 from tests.conftest import run_rlhf
 from tests.integration.conftest import PAUSE_IS_NO_HANG_S, PREFECT, PROJECT_DIR, _descendants, _processes
+from flows.restarts import RESTART_MARK
 from tests.integration.test_deployment import (
     UUID,
     deployment_spec,
+    flow_run_process,
     wait_for_terminal_state,
 )
 
@@ -57,7 +61,7 @@ CREATE_AUTOMATIONS = PROJECT_DIR / "deployments" / "create_automations.py"
 CRASH_AUTOMATION = "rlhf-crash-unresponsive-flow-runs"
 HEARTBEAT_SETTING = "PREFECT_FLOWS_HEARTBEAT_FREQUENCY"
 RUN_TIMEOUT = 420.0  # a cold first DeepSpeed start JIT-builds an op (~80 s); a warm run takes ~40 s
-PAUSED_STEP = 3  # chunk 2 (steps 3-4); chunk 1 (steps 1-2) has committed by then
+PAUSED_STEPS = (3, 5)  # inside chunk 2 (steps 3-4) and chunk 3 (steps 5-6), each once its chunk before committed
 SETTINGS = {  # 48 samples / 8 per step = 6 steps, 3 chunks of 2; max_ckpt_num keeps all 3
     "max_len": 64, "max_samples": 48, "train_batch_size": 8, "micro_train_batch_size": 4, "max_epochs": 1,
     "learning_rate": 1e-3, "save_steps": 2,
@@ -84,6 +88,15 @@ def reference_weights(tmp_path: Path, toy: dict[str, str], env: dict[str, str]) 
     result = run_rlhf(args, env)
     assert result.returncode == 0, result.stderr[-3000:]
     return load_file(str(out / "model" / "model.safetensors"))
+
+
+def paused_in_chunk(fault_state: Path, stage_dir: Path, step: int, worker) -> None:
+    """Wait until the rank has paused before `step` (the fault hook's marker) and the chunk before it committed
+    (it commits in the background while the next one trains)."""
+    wait_until(f"the rank paused before step {step}", lambda: (fault_state / f"train_step@{step}").exists(),
+               RUN_TIMEOUT, context=worker.log_tail)
+    wait_until(f"step {step - 1} committed", lambda: (stage_dir / f"step_{step - 1}" / "MANIFEST.json").exists(),
+               RUN_TIMEOUT, context=worker.log_tail)
 
 
 def crash_window_s() -> float:
@@ -227,10 +240,9 @@ def test_alert_events_fire_their_automations(prefect_server):
         assert f"{name} fired" in by_alert[name]["body"], by_alert[name]
 
 
-def test_killed_worker_run_is_crashed_then_retry_completes_it(prefect_server, background, toy_assets, rlhf_env,
-                                                             tmp_path):
-    """Slow (140-340 s) because it waits for Prefect itself: the crash automation's heartbeat window is 90 s,
-    Prefect's minimum, and the run needs a server, a process worker, a killed worker and a second worker."""
+def test_a_killed_run_comes_back_by_itself_and_completes(prefect_server, background, toy_assets, rlhf_env, tmp_path):
+    """Slow (200-400 s) because it waits for Prefect itself: the crash automation's heartbeat window is 90 s,
+    Prefect's minimum, and the run needs a server, a process worker, two kills and a second worker."""
     from prefect.client.orchestration import SyncPrefectClient
 
     from rlhf_core.storage.checkpoint import CheckpointStore
@@ -238,7 +250,7 @@ def test_killed_worker_run_is_crashed_then_retry_completes_it(prefect_server, ba
     # The automations, by the one command; a second call updates them in place.
     automations = create_automations(prefect_server)
     assert create_automations(prefect_server) == automations
-    assert CRASH_AUTOMATION in automations and len(automations) == 5  # the crash one and an alert's each
+    assert CRASH_AUTOMATION in automations and len(automations) == 7  # crash, restart, and an alert's each
 
     spec = deployment_spec("sft")
     pool = spec["work_pool"]["name"]
@@ -253,8 +265,9 @@ def test_killed_worker_run_is_crashed_then_retry_completes_it(prefect_server, ba
 
     fault_state = tmp_path / "faults"
     fault_state.mkdir()
+    pauses = ",".join(f"train_step@{step}=sleep:900" for step in PAUSED_STEPS)
     worker_env = {**prefect_server.env, "PREFECT_WORKER_QUERY_SECONDS": "2",
-                  "RLHF_FAULT_INJECT": f"train_step@{PAUSED_STEP}=sleep:900", "RLHF_FAULT_STATE": str(fault_state)}
+                  "RLHF_FAULT_INJECT": pauses, "RLHF_FAULT_STATE": str(fault_state)}
     worker = background("worker-1", [PREFECT, "worker", "start", "--pool", pool], worker_env, cwd=tmp_path)
 
     config = run_config(tmp_path, toy_assets)
@@ -262,38 +275,35 @@ def test_killed_worker_run_is_crashed_then_retry_completes_it(prefect_server, ba
     flow_run_id = UUID.search(started.stdout).group(1)
     stage_dir = tmp_path / "ckpt" / config["run_name"] / "sft"
 
-    # The rank is inside chunk 2, paused before step 3, once the fault hook has left its marker.
-    wait_until("the rank paused in chunk 2", lambda: (fault_state / f"train_step@{PAUSED_STEP}").exists(),
-               RUN_TIMEOUT, context=worker.log_tail)
-    # Chunk 1's checkpoint commits in the background while chunk 2 trains: wait for its manifest.
-    wait_until("step 2 committed", lambda: (stage_dir / "step_2" / "MANIFEST.json").exists(), RUN_TIMEOUT,
-               context=worker.log_tail)
+    # 1. The flow-run process dies (SIGKILL, as the OOM killer sends it) inside chunk 2; its worker lives.
+    paused_in_chunk(fault_state, stage_dir, PAUSED_STEPS[0], worker)
     before_kill = committed_manifests(stage_dir)
     assert sorted(before_kill) == ["step_2"], sorted(before_kill)
-    assert flow_run_state(prefect_server.api_url, flow_run_id).type.value == "RUNNING"
+    process = flow_run_process(worker.pid, flow_run_id)
+    assert process is not None, worker.log_tail()
+    sigkill_tree(process.pid)  # the flow-run process and the Ray cluster it started, in its session
+    killed_at = time.monotonic()
+    paused_in_chunk(fault_state, stage_dir, PAUSED_STEPS[1], worker)  # restarted by itself, into chunk 3
+    print(f"\nflow-run process SIGKILLed -> the restarted run trains chunk 3: {time.monotonic() - killed_at:.0f} s")
 
+    # 2. The worker dies with it (a lost machine): nobody reports the death; the heartbeat automation does.
     killed = sigkill_tree(worker.pid)
     killed_at = time.monotonic()
-    print(f"\nSIGKILLed the worker and {len(killed) - 1} processes it started")
-
-    window = crash_window_s()
-    crashed = wait_until(
-        "the killed run marked Crashed",
-        lambda: (state := flow_run_state(prefect_server.api_url, flow_run_id)).type.value != "RUNNING" and state,
-        window + 2 * heartbeat_s + 60, interval=2)
-    crash_s = time.monotonic() - killed_at
-    print(f"kill -> {crashed.name}: {crash_s:.0f} s (automation window {window:.0f} s, heartbeat {heartbeat_s:.0f} s)")
-    assert crashed.type.value == "CRASHED", f"{crashed.name}: {crashed.message}"
-
-    # A new worker, without the fault hook, picks up the retry.
+    print(f"SIGKILLed the worker and {len(killed) - 1} processes it started")
+    # A supervisor (systemd, Kubernetes) starts the worker again, without the fault hook; nothing else happens.
     retry_env = {k: v for k, v in worker_env.items() if not k.startswith("RLHF_FAULT")}
     new_worker = background("worker-2", [PREFECT, "worker", "start", "--pool", pool], retry_env, cwd=tmp_path)
-    retried_at = time.monotonic()
-    prefect_server.cli("flow-run", "retry", flow_run_id)
-    flow_run = wait_for_terminal_state(prefect_server.api_url, flow_run_id, new_worker, RUN_TIMEOUT)
-    print(f"retry -> {flow_run.state.name}: {time.monotonic() - retried_at:.0f} s")
+    flow_run = wait_for_terminal_state(prefect_server.api_url, flow_run_id, new_worker,
+                                       crash_window_s() + 2 * heartbeat_s + RUN_TIMEOUT)
+    print(f"worker SIGKILLed -> {flow_run.state.name}: {time.monotonic() - killed_at:.0f} s (automation window "
+          f"{crash_window_s():.0f} s, heartbeat {heartbeat_s:.0f} s)")
     assert flow_run.state.type.value == "COMPLETED", (
-        f"the retry ended {flow_run.state.name}: {flow_run.state.message}\n{new_worker.log_tail()}")
+        f"the run ended {flow_run.state.name}: {flow_run.state.message}\n{new_worker.log_tail()}")
+    with SyncPrefectClient(prefect_server.api_url) as client:
+        states = client.read_flow_run_states(flow_run_id)
+    restarts = [state for state in states if (state.message or "").startswith(RESTART_MARK)]
+    assert len(restarts) == 2 and [state.name for state in states].count("Crashed") == 2, \
+        [(state.name, state.message) for state in states]
 
     chunks = chunk_task_states(prefect_server.api_url, flow_run_id)
     assert "Cached" in chunks.get("sft-to-step-2", []), f"chunk 1 not Cached on the retry: {chunks}"
