@@ -233,18 +233,20 @@ def rlhf(config: RunConfig) -> dict:
     run = resolve_paths(config)
     held_back = restarts.restart_budget(run)  # a deployment's run starting again: back off, or no more
     if held_back is not None:
-        return held_back
+        restarts.leave_as(held_back)
     runner = StageRunner(run)
     try:
         with runner.signals.obeying(), runner:  # in place of Prefect's SIGTERM handler (Crashed)
             outcome = _run_stages(runner, prepared=False)
     except Exception as error:
-        rescheduled = restarts.after_failure(runner.run, error)
+        rescheduled = restarts.after_failure(run, error)
         if rescheduled is None:
             raise
-        return rescheduled
+        restarts.leave_as(rescheduled)
     if isinstance(outcome, State) and outcome.is_cancelled() and runner.signals.signal_number is not None:
-        return restarts.after_stop(outcome, signal.Signals(runner.signals.signal_number).name)
+        preempted = restarts.after_stop(outcome, signal.Signals(runner.signals.signal_number).name)
+        if preempted is not outcome:
+            restarts.leave_as(preempted)
     return outcome
 
 

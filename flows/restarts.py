@@ -16,9 +16,11 @@ deployment (`rlhf train` by hand, a notebook) stop and fail as before. docs/resu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from datetime import datetime, timedelta, timezone
+from typing import NoReturn
 
 from prefect import get_client, runtime
 from prefect.states import Crashed, Scheduled, State, StateType
@@ -95,13 +97,43 @@ def after_stop(stopped: State, signal_name: str | None) -> State:
 
 
 def _restarts(flow_run_id: str, window_minutes: float) -> list[tuple[datetime, str]]:
-    """(time, message) of the run's restarts within the window, oldest first."""
+    """(time, message) of the run's restarts within the window, oldest first. A restart counts once per attempt
+    that ran before it: Prefect's process worker reports one death twice (its executor, then the worker), and the
+    second report may restart the run again before any attempt ran."""
     since = datetime.now(timezone.utc) - timedelta(minutes=window_minutes)
     with get_client(sync_client=True) as client:
-        states = client.read_flow_run_states(flow_run_id)
-    return sorted((state.timestamp, state.message or "") for state in states
-                  if state.type == StateType.SCHEDULED and (state.message or "").startswith(RESTART_MARK)
-                  and state.timestamp is not None and state.timestamp >= since)
+        states = sorted(client.read_flow_run_states(flow_run_id), key=lambda state: state.timestamp)
+    counted, ran = [], False
+    for state in states:
+        if state.type == StateType.RUNNING:
+            ran = True
+        elif state.type == StateType.SCHEDULED and (state.message or "").startswith(RESTART_MARK) and ran:
+            counted.append((state.timestamp, state.message or ""))
+            ran = False
+    return [(when, message) for when, message in counted if when >= since]
+
+
+def leave_as(state: State) -> NoReturn:
+    """End this flow-run process with the run in `state`, set through the API, and exit 0. A flow that returned a
+    Scheduled or Crashed state would exit 1 (the engine cannot take a result from either), and its worker would
+    then report the run Crashed over it. The run's ranks and trackers are closed already; Ray and the logs are
+    flushed here, as leaving would."""
+    import os
+
+    import ray
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    flow_run_id = deployment_run_id()
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(flow_run_id, state, force=True)
+    logger.info("flow run left as %s: %s", state.name, state.message)
+    with contextlib.suppress(Exception):
+        ray.shutdown()  # a local cluster started here would outlive the process
+    for worker in (APILogWorker, EventsWorker):  # the run's log lines and events (an alert) still in their queues
+        with contextlib.suppress(Exception):
+            worker.drain_all(timeout=5)
+    os._exit(0)
 
 
 def _alert(run: RunConfig, message: str, failures: list[str]) -> None:

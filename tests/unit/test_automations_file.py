@@ -64,7 +64,10 @@ def test_crash_automation_waits_for_three_heartbeats_of_rlhf_flows(script):
 def test_crashed_deployment_runs_of_rlhf_are_rescheduled_as_retry_would_and_out_of_restarts_is_left_alone(script):
     restart = next(a for a in script.load_automations(script.AUTOMATIONS_FILE) if a.name.startswith("rlhf-restart"))
     trigger, action = restart.trigger, restart.actions[0]
-    assert trigger.posture.value == "Reactive" and trigger.expect == {"prefect.flow-run.Crashed"}
+    assert trigger.posture.value == "Proactive" and trigger.after == {"prefect.flow-run.Crashed"}
+    assert {"prefect.flow-run.Running", "prefect.flow-run.AwaitingRetry"} <= trigger.expect  # restarted already
+    assert "prefect.flow-run.Crashed" not in trigger.expect  # the second report of the same death
+    assert trigger.for_each == {"prefect.resource.id"} and trigger.within.total_seconds() == 15
     assert [spec.root for spec in trigger.match_related] == [
         {"prefect.resource.role": "flow", "prefect.resource.name": "rlhf"},  # not the stage subflows
         {"prefect.resource.role": "deployment"}]  # a run by hand has no worker to pick it up again

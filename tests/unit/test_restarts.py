@@ -98,3 +98,32 @@ def test_sigterm_without_a_cancel_is_a_preemption_and_with_one_a_stop(deployment
     assert restarts.after_stop(stopped, "SIGINT") is stopped  # Ctrl-C is a person
     server_state.type = StateType.CANCELLING  # Cancel in the UI: the worker's SIGTERM follows it
     assert restarts.after_stop(stopped, "SIGTERM") is stopped
+
+
+def test_a_death_reported_twice_before_any_attempt_ran_counts_as_one_restart(monkeypatch):
+    """Prefect's process worker reports a SIGKILLed run Crashed twice (its executor, then the worker itself), and the
+    automation reschedules it each time; only restarts with an attempt (Running) before them count."""
+    now = datetime.now(timezone.utc)
+
+    def state(seconds_ago, state_type, message=""):
+        return SimpleNamespace(type=state_type, message=message, timestamp=now - timedelta(seconds=seconds_ago))
+
+    restart = f"{restarts.RESTART_MARK} a crash"
+    history = [state(100, StateType.RUNNING), state(90, StateType.CRASHED), state(89, StateType.SCHEDULED, restart),
+               state(88, StateType.CRASHED), state(87, StateType.SCHEDULED, restart), state(80, StateType.RUNNING),
+               state(40, StateType.CRASHED), state(39, StateType.SCHEDULED, restart),
+               state(4000, StateType.SCHEDULED, "created")]
+
+    class Client:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def read_flow_run_states(self, flow_run_id):
+            return history
+
+    monkeypatch.setattr(restarts, "get_client", lambda sync_client: Client())
+    assert [round((now - when).total_seconds()) for when, _ in restarts._restarts("id", 60)] == [89, 39]
+    assert [round((now - when).total_seconds()) for when, _ in restarts._restarts("id", 1)] == [39]  # the window
