@@ -223,6 +223,11 @@ def section_model(args, work: str, toy: dict, env: dict, results: dict) -> list[
                 replaced["detection_s"], "s", "<=", None)]
 
 
+def save(results: dict) -> None:
+    with open(RESULTS, "w") as handle:
+        json.dump(results, handle, indent=1, default=str)
+
+
 def quiet_console() -> None:
     """The CLI's quiet console, Ray's and DeepSpeed's output to RUN_LOG (as the suite's `quiet_console`)."""
     import flows.pipeline  # noqa: F401 - Prefect sets up its logging on import; the console goes after it
@@ -250,20 +255,18 @@ def main() -> None:
     try:
         toy = init_toy(os.path.join(work, "toy"))
         ensure_ray(None)
-        if "demo" in args.sections:
-            print("== demo", flush=True)
-            rows += section_demo(args, work, toy, results)
-        if "model" in args.sections:
-            print("== model", flush=True)
-            rows += section_model(args, work, toy, env, results)
+        for section in [name for name in SECTIONS if name in args.sections]:
+            print(f"== {section}", flush=True)
+            rows += section_demo(args, work, toy, results) if section == "demo" else \
+                section_model(args, work, toy, env, results)
+            save(results)  # a section's numbers survive a later section's failure
     finally:
         if args.keep:
             print(f"work folder kept: {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
     results["load_end"] = os.getloadavg()
-    with open(RESULTS, "w") as handle:
-        json.dump(results, handle, indent=1, default=str)
+    save(results)
     print(f"\nload average at end: {results['load_end']}; wall {time.perf_counter() - started:.0f} s; raw numbers in "
           f"{RESULTS}\n")
     print(format_table(rows))

@@ -50,7 +50,6 @@ from tests.integration.test_deployment import (
     UUID,
     deployment_spec,
     flow_run_process,
-    wait_for_terminal_state,
 )
 
 pytestmark = pytest.mark.slow
@@ -97,6 +96,18 @@ def paused_in_chunk(fault_state: Path, stage_dir: Path, step: int, worker) -> No
                RUN_TIMEOUT, context=worker.log_tail)
     wait_until(f"step {step - 1} committed", lambda: (stage_dir / f"step_{step - 1}" / "MANIFEST.json").exists(),
                RUN_TIMEOUT, context=worker.log_tail)
+
+
+def ended_for_good(api_url: str, flow_run_id: str):
+    """The flow run once it is in a final state that nothing restarts (a plain Crashed is restarted), else None."""
+    from prefect.client.orchestration import SyncPrefectClient
+
+    with SyncPrefectClient(api_url) as client:
+        flow_run = client.read_flow_run(flow_run_id)
+    state = flow_run.state
+    if state is None or not state.is_final() or (state.type.value == "CRASHED" and state.name == "Crashed"):
+        return None
+    return flow_run
 
 
 def crash_window_s() -> float:
@@ -293,8 +304,9 @@ def test_a_killed_run_comes_back_by_itself_and_completes(prefect_server, backgro
     # A supervisor (systemd, Kubernetes) starts the worker again, without the fault hook; nothing else happens.
     retry_env = {k: v for k, v in worker_env.items() if not k.startswith("RLHF_FAULT")}
     new_worker = background("worker-2", [PREFECT, "worker", "start", "--pool", pool], retry_env, cwd=tmp_path)
-    flow_run = wait_for_terminal_state(prefect_server.api_url, flow_run_id, new_worker,
-                                       crash_window_s() + 2 * heartbeat_s + RUN_TIMEOUT)
+    flow_run = wait_until("the run completed or ended for good", lambda: ended_for_good(prefect_server.api_url,
+                                                                                       flow_run_id),
+                          crash_window_s() + 2 * heartbeat_s + RUN_TIMEOUT, interval=2, context=new_worker.log_tail)
     print(f"worker SIGKILLed -> {flow_run.state.name}: {time.monotonic() - killed_at:.0f} s (automation window "
           f"{crash_window_s():.0f} s, heartbeat {heartbeat_s:.0f} s)")
     assert flow_run.state.type.value == "COMPLETED", (
