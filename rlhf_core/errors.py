@@ -61,6 +61,13 @@ class TransientStoreError(RLHFError, OSError):
     retryable = True
 
 
+class StoreUnreachable(TransientStoreError):
+    """The checkpoint store stayed unreachable past --store_outage_s while a commit waited for it
+    (`rlhf_core.driver.outage`): the run stops, and resumes from the last commit once the store is back."""
+
+    lost_to: ClassVar[str] = "store outages"
+
+
 def is_retryable(error: BaseException) -> bool:
     """Whether running the same chunk (or export) again can succeed: a named failure says so itself; any other
     exception may pass on a retry unless it is an OSError no retry fixes."""

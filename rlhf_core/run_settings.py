@@ -111,6 +111,11 @@ class RunSettings(BaseModel):
                                    "trains within seconds. Default: as many as the ranks when they use no GPU, "
                                    "else 0.")
     )
+    store_outage_s: float = Field(
+        600.0, gt=0, **operational("How long a commit waits for an unreachable checkpoint store (an S3 outage, a "
+                                    "network cut), trying again with backoff while the ranks keep the snapshot and "
+                                    "train on; past it the run stops and resumes from the last commit later.")
+    )
     max_restarts: int = Field(
         10, ge=0, **operational("A deployment's run that crashes (its process or worker died) or fails on a fault "
                                  "that passes (a lost rank, a hang, a store outage) is rescheduled by itself, at "

@@ -11,6 +11,7 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 
+from rlhf_core.driver.outage import wait_out_outages
 from rlhf_core.driver.stop import GraceExpired
 from rlhf_core.ops.alerts import AlertLog, NonFiniteTraining, history_entry, non_finite_metrics
 from rlhf_core.ops.commit_alerts import commit_alerts, expected_bytes_from_metadata
@@ -303,11 +304,17 @@ def commit_chunk(runner: StageRunner, stage: str, plan: StagePlan, store: Checkp
     if ahead is not None:
         group.train_ahead(ahead)
     snapshotted = time.perf_counter()
-    metadata = _metadata(run, stage, plan, step, summary, trackers, group.world_size, runner.world_size_changes,
-                         group.zero_stage)
-    metadata |= _alert_inputs(store, group, start_step, step, summary)
-    _require_room(run, stage, store, metadata, infos)
-    info, writer_seconds = _commit(runner, run, stage, store, group, step, metadata, folders)
+    pending: list = []  # the uncommitted step, kept across tries: a try after an outage writes into it again
+
+    def store_part() -> tuple[dict, CheckpointInfo, dict[str, float]]:
+        metadata = _metadata(run, stage, plan, step, summary, trackers, group.world_size,
+                             runner.world_size_changes, group.zero_stage)
+        metadata |= _alert_inputs(store, group, start_step, step, summary)
+        _require_room(run, stage, store, metadata, infos)
+        pending[:] = pending or [store.prepare_step(step)]
+        return (metadata, *_commit(runner, run, stage, store, group, step, metadata, folders, pending[0]))
+
+    metadata, info, writer_seconds = wait_out_outages(store_part, store.url, step, run.store_outage_s)
     committed = time.perf_counter()
     stall = (committed if run.sync_checkpoint else snapshotted) - started
     alerts = commit_alerts(run.run_name, stage, step, metadata, info.size_bytes,
@@ -363,11 +370,10 @@ def _require_room(run: RunConfig, stage: str, store: CheckpointStore, metadata: 
 
 
 def _commit(runner: StageRunner, run: RunConfig, stage: str, store: CheckpointStore, group: WorkerGroup, step: int,
-            metadata: dict, folders: list[str]) -> tuple[CheckpointInfo, dict[str, float]]:
-    """Every rank uploads its snapshot (`folders`) into the uncommitted step; the driver commits them under the
-    run lease. The chunk returns after its commit: a chunk the flow (and Prefect's cache) calls done is always
-    committed. Also returns rank 0's writer timers."""
-    pending = store.prepare_step(step)
+            metadata: dict, folders: list[str], pending) -> tuple[CheckpointInfo, dict[str, float]]:
+    """Every rank uploads its snapshot (`folders`) into the uncommitted step `pending` (`prepare_step`'s); the driver
+    commits them under the run lease. The chunk returns after its commit: a chunk the flow (and Prefect's cache)
+    calls done is always committed. Also returns rank 0's writer timers."""
     if isinstance(pending, CheckpointInfo):
         group.drop_snapshots(folders)
         return pending, {}

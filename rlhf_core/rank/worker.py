@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Iterator
 import ray
 
 from rlhf_core.config import RunConfig
+from rlhf_core.errors import TransientStoreError
 from rlhf_core.stages.base import StageConfig
 
 if TYPE_CHECKING:
@@ -297,18 +298,27 @@ class TrainWorker:
             from rlhf_core.rank.snapshot import write_state
 
             yield_cpu_to_training()  # a syscall each time: the group's thread may not be the same one every call
-            kept = self._kept_in_memory.pop(folder, {})
+            kept = self._kept_in_memory.get(folder, {})
             streams = [(path, functools.partial(write_state, state)) for path, state in kept.items()]
             self._num_writes_in_flight += 1
             self._num_writes_started += 1
             try:
                 timings: dict[str, float] = {}
                 entries = CheckpointStore(store_url, storage_options).upload_tree(pending, folder, streams, timings)
+            except TransientStoreError:
+                raise  # the snapshot stays, for the driver to write again once the store is back
+            except BaseException:
+                self._forget_snapshot(folder)
+                raise
             finally:
                 self._num_writes_in_flight -= 1
-                shutil.rmtree(folder, ignore_errors=True)
+            self._forget_snapshot(folder)
             self._written_state = kept  # the same peak memory as while writing, without page faults next time
             return entries, timings
+
+    def _forget_snapshot(self, folder: str) -> None:
+        self._kept_in_memory.pop(folder, None)
+        shutil.rmtree(folder, ignore_errors=True)
 
     def _expected_folder_bytes(self) -> int:
         """About what the snapshot's folder holds: config and tokenizer files, and a LoRA model's adapter (peft

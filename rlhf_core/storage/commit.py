@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 from rlhf_core.errors import StoreFull, TransientStoreError, UserError, is_full, is_permanent_os_error, store_full
 from rlhf_core.faults import fault_point
 from rlhf_core.storage.backends import StoreBackend
+from rlhf_core.storage.locate import connection_error
 from rlhf_core.storage.manifest import (LATEST_NAME, MANIFEST_NAME, METADATA_NAME, RESERVED_NAMES, STAGING_PREFIX,
                                         TRANSFER_BLOCK_BYTES, TRANSFER_THREADS, CheckpointInfo, Fence, HashingWriter,
                                         Manifest, ManifestEntry, PendingStep, WriteTarget, WriteTimings, digest_of_bytes,
@@ -107,6 +108,12 @@ class StoreWrites:
             raise TransientStoreError(f"--ckpt_path {self.url}: a write failed ({type(error).__name__}: {error}); "
                                       "nothing was committed for this chunk and earlier checkpoints are intact, so "
                                       "the chunk is retried from the last commit.") from error
+        except Exception as error:  # noqa: BLE001 - a store client's own types (botocore's are no OSError)
+            if connection_error(error) is None:
+                raise
+            raise TransientStoreError(f"--ckpt_path {self.url}: cannot reach the store ({type(error).__name__}); "
+                                      "nothing was committed for this step and earlier checkpoints are "
+                                      "intact.") from error
 
     def upload_tree(self, pending: PendingStep, local_dir: str,
                     streams: Sequence[tuple[str, Callable[[WriteTarget], None]]] = (),

@@ -213,7 +213,7 @@ class RunLease:
         self._store = _store_for(self.fs, self.path, settle_s)
         self._version = None  # of the record we last wrote; None while not held
         self._lost: str | None = None  # why a renewal found the lease gone
-        self._mutex = threading.Lock()  # one lease operation at a time: renewal, assert_held, release
+        self._mutex = threading.RLock()  # one lease operation at a time: renewal, assert_held, release
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -273,7 +273,7 @@ class RunLease:
             try:
                 if not self._renew_once():
                     return  # lost: renewing now would only fail again; assert_held reports it
-            except OSError:
+            except Exception:  # noqa: BLE001 - OSError, or a store client's own (botocore's are none)
                 pass  # a missed heartbeat is retried; only stale_after_s of them lose the lease
 
     def _renew_once(self) -> bool:
@@ -294,12 +294,13 @@ class RunLease:
             why = self._lost
             if self._version is None:
                 why = "this run does not hold it (never acquired, or released)"
-            elif not why and time.time() - self.holder.heartbeat > self.stale_after_s:
-                why = (f"its last renewal is {time.time() - self.holder.heartbeat:.1f} s old, past the "
-                       f"{self.stale_after_s:g} s after which another run may take it over")
             current, version = self._read()
             if not why and version != self._version:
                 why = "the lease record changed under it"
+            elif not why and time.time() - self.holder.heartbeat > self.stale_after_s and not self._renew_once():
+                # Stale (the store was unreachable, say) but untouched: nobody took it over, so it is still ours.
+                why = (f"its last renewal is {time.time() - self.holder.heartbeat:.1f} s old, past the "
+                       f"{self.stale_after_s:g} s after which another run may take it over, and it changed since")
             if why:
                 raise self._lost_error(why, current)
             return self.holder.token

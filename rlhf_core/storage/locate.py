@@ -116,20 +116,29 @@ def reaching_store(flag: str, url: str, storage_options: dict | None = None):
         raise
 
 
-def store_unreachable(error: BaseException, flag: str, url: str, storage_options: dict | None = None
-                      ) -> UserError | None:
-    """A UserError naming `flag`, `url` and the endpoint when `error` (or its cause) is a failure to
-    connect to the store; None for any other error."""
+def connection_error(error: BaseException) -> BaseException | None:
+    """`error`, or the error it was raised from, when that is a failure to connect to a store (by its class's
+    name: botocore's, aiohttp's, httpx's, urllib3's and the OS's); None otherwise."""
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         if type(current).__name__ in _CONNECTION_ERRORS:
-            return UserError(f"{flag}: cannot reach the store of {url} at {_endpoint(current, storage_options)} "
-                             f"({type(current).__name__}); check the endpoint (--storage_options endpoint_url or "
-                             "AWS_ENDPOINT_URL) and the network.")
+            return current
         current = current.__cause__ or current.__context__
     return None
+
+
+def store_unreachable(error: BaseException, flag: str, url: str, storage_options: dict | None = None
+                      ) -> UserError | None:
+    """A UserError naming `flag`, `url` and the endpoint when `error` (or its cause) is a failure to
+    connect to the store; None for any other error."""
+    current = connection_error(error)
+    if current is None:
+        return None
+    return UserError(f"{flag}: cannot reach the store of {url} at {_endpoint(current, storage_options)} "
+                     f"({type(current).__name__}); check the endpoint (--storage_options endpoint_url or "
+                     "AWS_ENDPOINT_URL) and the network.")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",

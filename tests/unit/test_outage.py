@@ -1,0 +1,68 @@
+"""`wait_out_outages` without a store: what it retries, how long, and what it says (the real outage, moto stopped
+mid-run, is tests/integration/test_store_outage.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from rlhf_core.driver.outage import MAX_BACKOFF_S, wait_out_outages
+from rlhf_core.errors import StoreFull, StoreUnreachable, TransientStoreError
+
+
+class EndpointConnectionError(Exception):
+    """botocore's, by name: what s3fs raises while the endpoint does not answer (no OSError)."""
+
+
+class Clock:
+    def __init__(self):
+        self.now, self.sleeps = 0.0, []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def failing(times: int, error: Exception):
+    calls = []
+
+    def attempt():
+        calls.append(1)
+        if len(calls) <= times:
+            raise error
+        return "committed"
+
+    return attempt, calls
+
+
+@pytest.mark.parametrize("error", [EndpointConnectionError("Could not connect"), TransientStoreError("503")])
+def test_an_outage_is_waited_out_with_backoff_and_one_warning(error, caplog):
+    clock = Clock()
+    attempt, calls = failing(8, error)
+    with caplog.at_level(logging.INFO, logger="rlhf_core.driver.outage"):
+        assert wait_out_outages(attempt, "s3://b/run/sft", 8, 600, clock.sleep, clock) == "committed"
+    assert len(calls) == 9 and clock.sleeps == [1, 2, 4, 8, MAX_BACKOFF_S, MAX_BACKOFF_S, MAX_BACKOFF_S, MAX_BACKOFF_S]
+    warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "the store is unreachable" in warnings[0] and "--store_outage_s 600" in warnings[0]
+    assert any("the store is back after 75 s" in record.getMessage() for record in caplog.records)
+
+
+def test_past_store_outage_s_the_run_stops_with_one_retryable_sentence():
+    clock = Clock()
+    attempt, _ = failing(10**6, EndpointConnectionError("Could not connect"))
+    with pytest.raises(StoreUnreachable, match=r"unreachable for 120 s \(--store_outage_s 120\); step 8 was not "
+                                               r"committed and earlier checkpoints are intact") as raised:
+        wait_out_outages(attempt, "s3://b/run/sft", 8, 120, clock.sleep, clock)
+    assert raised.value.retryable and clock.now == 120
+
+
+def test_anything_else_is_not_waited_for():
+    clock = Clock()
+    attempt, calls = failing(1, StoreFull("disk full"))
+    with pytest.raises(StoreFull):
+        wait_out_outages(attempt, "/ckpt/run/sft", 8, 600, clock.sleep, clock)
+    assert len(calls) == 1 and clock.sleeps == []
