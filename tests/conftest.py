@@ -139,7 +139,7 @@ HEAVIEST_MODULES_FIRST = (
     "test_openrlhf_scripts", "test_model_families", "test_deployment", "test_fault_matrix", "test_agent",
     "test_ray_cluster", "test_pipeline_stages", "test_stop_signals", "test_prefect_crash_retry", "test_zero3",
     "test_bad_input", "test_dpo", "test_resume_paths", "test_full_disk", "test_prm", "test_docs_examples",
-    "test_chunk_retry", "test_hang",
+    "test_chunk_retry", "test_hang", "test_store_outage",
     "test_console", "test_ppo_multirank",
 )
 
