@@ -475,11 +475,9 @@ def test_the_quick_start_script_creates_the_automations(prefect_server, tmp_path
     assert "rlhf-crash-unresponsive-flow-runs" in script.log_tail()
 
 
-def test_cancel_of_a_deployment_run_commits_the_step_in_progress(deployed, tmp_path):
-    """Cancel in the UI (`prefect flow-run cancel`): the worker sends SIGTERM to the flow run's process group,
-    the step in progress commits as an emergency checkpoint, and the run ends Cancelled with the stop's line.
-    Before, the stopped run hung in `remove_placement_group` (the group's SIGTERM had killed Ray's GCS) until
-    the grace period's watchdog ended it."""
+def run_paused_inside_a_chunk(deployed: Deployed, tmp_path: Path) -> tuple[str, Path]:
+    """Start `rlhf/sft` with the rank pausing 4 s before step 12 (inside the chunk to step 16), and return once it
+    is there and step 8 has committed: the flow run's id and the stage's checkpoint folder."""
     from prefect.client.orchestration import SyncPrefectClient
 
     faults = tmp_path / "faults"
@@ -496,6 +494,15 @@ def test_cancel_of_a_deployment_run_commits_the_step_in_progress(deployed, tmp_p
     while not ((faults / "train_step@12").exists() and (stage_dir / "step_8" / "MANIFEST.json").exists()):
         assert time.monotonic() < deadline, f"the run never reached step 12\n{deployed.worker.log_tail()}"
         time.sleep(0.2)
+    return flow_run_id, stage_dir
+
+
+def test_cancel_of_a_deployment_run_commits_the_step_in_progress(deployed, tmp_path):
+    """Cancel in the UI (`prefect flow-run cancel`): the worker sends SIGTERM to the flow run's process group,
+    the step in progress commits as an emergency checkpoint, and the run ends Cancelled with the stop's line.
+    Before, the stopped run hung in `remove_placement_group` (the group's SIGTERM had killed Ray's GCS) until
+    the grace period's watchdog ended it."""
+    flow_run_id, stage_dir = run_paused_inside_a_chunk(deployed, tmp_path)
     deployed.server.cli("flow-run", "cancel", flow_run_id)
     flow_run = deployed.wait(flow_run_id)
     committed = sorted(int(p.parent.name.split("_")[1]) for p in stage_dir.glob("step_*/MANIFEST.json"))
@@ -525,20 +532,7 @@ def test_a_preempted_deployment_run_commits_its_step_and_continues_by_itself(dep
     above sends the same signal and stays a stop."""
     from prefect.client.orchestration import SyncPrefectClient
 
-    faults = tmp_path / "faults"
-    faults.mkdir()
-    with SyncPrefectClient(deployed.server.api_url) as client:
-        env = dict(client.read_deployment_by_name("rlhf/sft").job_variables["env"])
-    env.update(RLHF_FAULT_INJECT="train_step@12=sleep:4", RLHF_FAULT_STATE=str(faults))
-    config = run_config(tmp_path, deployed.toy)
-    started = deployed.server.cli("deployment", "run", "rlhf/sft", "--param", f"config={json.dumps(config)}",
-                                  "--job-variable", f"env={json.dumps(env)}")
-    flow_run_id = UUID.search(started.stdout).group(1)
-    stage_dir = tmp_path / "ckpt" / config["run_name"] / "sft"
-    deadline = time.monotonic() + RUN_TIMEOUT
-    while not ((faults / "train_step@12").exists() and (stage_dir / "step_8" / "MANIFEST.json").exists()):
-        assert time.monotonic() < deadline, f"the run never reached step 12\n{deployed.worker.log_tail()}"
-        time.sleep(0.2)
+    flow_run_id, _ = run_paused_inside_a_chunk(deployed, tmp_path)
     process = flow_run_process(deployed.worker.pid, flow_run_id)
     assert process is not None, deployed.worker.log_tail()
     process.terminate()  # SIGTERM, as a preemption sends it: no state change asked of Prefect

@@ -17,6 +17,25 @@ from rlhf_core.ops.alerts import NonFiniteTraining
 from rlhf_core.stages.sft import SFTConfig
 
 
+class FakeClient:
+    """Prefect's sync client, as far as flows/restarts.py reads it: a flow run's state and its state history."""
+
+    def __init__(self, state=None, states=()):
+        self.state, self.states = state, list(states)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def read_flow_run(self, flow_run_id):
+        return SimpleNamespace(state=self.state)
+
+    def read_flow_run_states(self, flow_run_id):
+        return self.states
+
+
 @pytest.fixture
 def run(tmp_path) -> RunConfig:
     return RunConfig(sft=SFTConfig(pretrain="m", dataset="d.jsonl"), ckpt_path=str(tmp_path / "ckpt"),
@@ -80,17 +99,7 @@ def test_restarts_back_off_and_past_the_budget_the_run_stays_crashed_with_an_ale
 def test_sigterm_without_a_cancel_is_a_preemption_and_with_one_a_stop(deployment_run, monkeypatch):
     server_state = SimpleNamespace(type=StateType.RUNNING)
 
-    class Client:
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def read_flow_run(self, flow_run_id):
-            return SimpleNamespace(state=server_state)
-
-    monkeypatch.setattr(restarts, "get_client", lambda sync_client: Client())
+    monkeypatch.setattr(restarts, "get_client", lambda sync_client: FakeClient(state=server_state))
     stopped = Cancelled(message="stopped by SIGTERM at step 4; committed step_4")
     preempted = restarts.after_stop(stopped, "SIGTERM")
     assert preempted.type == StateType.SCHEDULED and preempted.name == restarts.PREEMPTED
@@ -114,16 +123,6 @@ def test_a_death_reported_twice_before_any_attempt_ran_counts_as_one_restart(mon
                state(40, StateType.CRASHED), state(39, StateType.SCHEDULED, restart),
                state(4000, StateType.SCHEDULED, "created")]
 
-    class Client:
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def read_flow_run_states(self, flow_run_id):
-            return history
-
-    monkeypatch.setattr(restarts, "get_client", lambda sync_client: Client())
+    monkeypatch.setattr(restarts, "get_client", lambda sync_client: FakeClient(states=history))
     assert [round((now - when).total_seconds()) for when, _ in restarts._restarts("id", 60)] == [89, 39]
     assert [round((now - when).total_seconds()) for when, _ in restarts._restarts("id", 1)] == [39]  # the window
