@@ -274,6 +274,7 @@ def _retain(runner: StageRunner, run: RunConfig, stage: str, plan: StagePlan, st
     runner.signals.record_commit(stage, reached, run.stage_url(stage))
     if reached == plan.total_steps:
         runner.trackers.close(run, stage)
+    runner.keep_spares(stage)
     fault_point("after_commit", reached)
     store.retain(run.max_ckpt_num, run.max_ckpt_mem)
     finished = time.perf_counter()

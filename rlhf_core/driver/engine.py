@@ -47,21 +47,22 @@ class WorkerGroup:
     """TrainWorker actors in one placement group, acting as one data-parallel DeepSpeed job."""
 
     def __init__(self, run: RunConfig, signals: StopSignals | None = None,
-                 take_spares: Callable[[int], list] | None = None):
+                 take_spares: Callable[[list[str]], dict] | None = None):
         """`signals`: the run's stop signals (a stop asks the ranks to stop after their step); none by default.
-        `take_spares(n)`: up to n warm rank actors (`rlhf_core.driver.spares`) to serve as the first ranks, in
-        place of new ones: a group replacing lost ranks starts from them."""
+        `take_spares(bundle_nodes)`: warm rank actors (`rlhf_core.driver.spares`) by rank, each on its bundle's node,
+        to serve in place of new ones: a group replacing lost ranks starts from them."""
         self.signals = signals or StopSignals(run.stop_grace_s)
         ensure_ray(run.ray_address, self.signals)
         self.placement, self.world_size = reserve_placement(run)
         strategies = [PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank)
                       for rank in range(self.world_size)]
-        spares = take_spares(self.world_size) if take_spares is not None else []
-        for rank, spare in enumerate(spares):
+        self.bundle_nodes = bundle_nodes(self.placement, self.world_size)
+        spares = take_spares(self.bundle_nodes) if take_spares is not None else {}
+        for rank, spare in spares.items():
             spare.assign_rank.remote(rank, self.world_size)
-        self.workers = spares + [rank_actor(run, rank, self.world_size, scheduling_strategy=strategies[rank])
-                                 for rank in range(len(spares), self.world_size)]
-        self.num_spares_taken = len(spares)
+        self.workers = [spares.get(rank) or rank_actor(run, rank, self.world_size, scheduling_strategy=strategies[rank])
+                        for rank in range(self.world_size)]
+        self.num_spares_taken, self.started_at = len(spares), time.monotonic()
         self._stop_listener = self.signals.on_request(self.request_stop)
         self._watch = HangWatch(self.workers, run.hang_timeout_s)
         self._run_where = (run.run_url(), run.run_name, run.storage_options)  # for a hang's stacks and alert
@@ -296,6 +297,12 @@ class WorkerGroup:
         if blind:
             raise UserError(f"--ckpt_path {run.ckpt_path} is a local folder that node {', '.join(blind)} cannot see; "
                             "use a folder shared by every node at the same path, or an object store (s3://...).")
+
+
+def bundle_nodes(placement, num_bundles: int) -> list[str]:
+    """The node id each bundle of `placement` (ready) was placed on, by bundle index."""
+    table = ray.util.placement_group_table(placement).get("bundles_to_node_id", {})
+    return [table.get(index, "") for index in range(num_bundles)]
 
 
 def rank_actor(run: RunConfig, rank: int, world_size: int, **options: Any):

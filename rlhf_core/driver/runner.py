@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 from rlhf_core.config import RunConfig, semantic_hash
 from rlhf_core.driver.engine import WorkerGroup, group_settings
 from rlhf_core.driver.plan import Checked, StagePlan, plan_stage
-from rlhf_core.driver.spares import SparePool, num_spares
+from rlhf_core.driver.spares import SPARES_AFTER_S, SparePool, num_spares
 from rlhf_core.driver.stop import StopSignals
 from rlhf_core.errors import RankHung, WorkerLost
 from rlhf_core.driver.resume import Lineage, StartState, load_start
@@ -228,8 +228,13 @@ class StageRunner:
         self._warm = WarmGroup(group, identity)
         start = load_start(run, stage, store, infos, lineage, group, plan.targets)
         self._warm.world_size_changes = _world_size_changes(group, start)
-        self.spares.fill(run, stage, num_spares(run, group.world_size))
         return group, start
+
+    def keep_spares(self, stage: str) -> None:
+        """After a commit: start the warm group's spares once it has trained SPARES_AFTER_S (`driver/spares.py`)."""
+        group = self.warm_group
+        if group is not None and time.monotonic() - group.started_at >= SPARES_AFTER_S:
+            self.spares.fill(self.run, stage, num_spares(self.run, group.world_size), group.bundle_nodes)
 
     def replaces_ranks_after(self, error: BaseException, stage: str, target_step: int) -> bool:
         """Whether the chunk to `target_step` trains again at once, on new ranks, after `error`: yes for a lost or

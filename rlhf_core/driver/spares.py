@@ -2,9 +2,10 @@
 already imported, that a group replacing lost or hung ranks takes as its ranks (`SparePool.take`). On a CPU a new
 rank spends about 5 s of its 6 s start in its process start and these imports; a spare skips them.
 
-Spares hold no resources of the cluster (0 CPUs: they idle until taken), and warm up on CPU time the ranks leave
-unused (SCHED_IDLE, as the checkpoint writer does), so training does not slow down for them. Only a spare whose
-warm-up has finished is taken; the others are left to finish. GPU ranks get none by default: a spare would have
+Spares hold no resources of the cluster (0 CPUs: they idle until taken) and live on the ranks' nodes: one takes a
+rank's place only where the new group's bundle for that rank is (never on a node the group holds nothing on, such
+as a head node kept free of work). They warm up at nice 19, once a group has trained SPARES_AFTER_S: a spare costs
+about 5 s of CPU, which a short run would not win back. Only a spare whose warm-up has finished is taken. GPU ranks get none by default: a spare would have
 to hold a GPU of its own, idle; their replacement starts cold in the lost rank's freed bundle.
 docs/design-notes.md ("Replacing a lost rank") has the rest.
 """
@@ -17,6 +18,7 @@ import threading
 
 import ray
 from ray.actor import ActorHandle
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlhf_core.config import RunConfig
 from rlhf_core.driver.engine import rank_actor
@@ -24,6 +26,7 @@ from rlhf_core.driver.placement import placement_bundle
 
 logger = logging.getLogger(__name__)
 CLOSE_TIMEOUT_S = 2.0
+SPARES_AFTER_S = 30.0  # a group's training time before its spares start (see the module docstring)
 
 
 def num_spares(run: RunConfig, world_size: int) -> int:
@@ -34,38 +37,41 @@ def num_spares(run: RunConfig, world_size: int) -> int:
 
 
 class SparePool:
-    """Warm rank actors not yet part of any group, each with the reference to its warm-up (done when ready)."""
+    """Warm rank actors not yet part of any group, each with its node and the reference to its warm-up (done
+    when ready)."""
 
     def __init__(self) -> None:
-        self._spares: list[tuple[ActorHandle, ray.ObjectRef]] = []
+        self._spares: list[tuple[ActorHandle, str, ray.ObjectRef]] = []
 
     def __len__(self) -> int:
         return len(self._spares)
 
     def num_ready(self) -> int:
         """How many spares have finished their warm-up (a bench waits for them before it kills a rank)."""
-        refs = [ready for _, ready in self._spares]
+        refs = [ready for _, _, ready in self._spares]
         return len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else 0
 
-    def fill(self, run: RunConfig, stage: str, count: int) -> None:
-        """Start spares, without waiting, until there are `count`."""
-        for _ in range(count - len(self._spares)):
-            spare = rank_actor(run, -1, 0, num_cpus=0, num_gpus=0)
-            self._spares.append((spare, spare.warm_spare.remote(run, stage)))
+    def fill(self, run: RunConfig, stage: str, count: int, node_ids: list[str]) -> None:
+        """Start spares, without waiting, until there are `count`, on the nodes `node_ids` (the group's ranks',
+        in turn): a spare takes a rank's place only on a node where the group holds that rank's bundle."""
+        for index in range(len(self._spares), count):
+            node_id = node_ids[index % len(node_ids)]
+            spare = rank_actor(run, -1, 0, num_cpus=0, num_gpus=0,
+                               scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+            self._spares.append((spare, node_id, spare.warm_spare.remote(run, stage)))
 
-    def take(self, count: int) -> list[ActorHandle]:
-        """Up to `count` spares whose warm-up has finished; a spare whose warm-up failed (its process died) is
-        dropped."""
-        done_refs = set()
-        if self._spares:
-            refs = [ready for _, ready in self._spares]
-            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-            done_refs = set(done)
-        taken: list[ActorHandle] = []
-        kept: list[tuple[ActorHandle, ray.ObjectRef]] = []
-        for spare, ready in self._spares:
-            if ready not in done_refs or len(taken) == count:
-                kept.append((spare, ready))
+    def take(self, bundle_nodes: list[str]) -> dict[int, ActorHandle]:
+        """For each rank whose bundle is on `bundle_nodes[rank]`, a spare on that node whose warm-up has finished
+        (by rank); a spare whose warm-up failed (its process died) is dropped."""
+        refs = [ready for _, _, ready in self._spares]
+        done = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else set()
+        wanted = dict(enumerate(bundle_nodes))
+        taken: dict[int, ActorHandle] = {}
+        kept: list[tuple[ActorHandle, str, ray.ObjectRef]] = []
+        for spare, node_id, ready in self._spares:
+            rank = next((rank for rank, node in wanted.items() if node == node_id), None)
+            if ready not in done or rank is None:
+                kept.append((spare, node_id, ready))
                 continue
             try:
                 ray.get(ready, timeout=1.0)
@@ -74,7 +80,8 @@ class SparePool:
                 with contextlib.suppress(Exception):
                     ray.kill(spare)
                 continue
-            taken.append(spare)
+            taken[rank] = spare
+            del wanted[rank]
         self._spares = kept
         return taken
 
@@ -86,7 +93,7 @@ class SparePool:
             return
 
         def kill() -> None:
-            for spare, _ in spares:
+            for spare, _, _ in spares:
                 with contextlib.suppress(Exception):
                     ray.kill(spare)
 

@@ -261,12 +261,12 @@ def check_node_loss(cluster, toy_assets, cluster_env, tmp_path, stage_url, fault
             subprocess.run(["kill", "-9", f"-{run.pid}"], check=False)
             run.wait()
     log = log_path.read_text(errors="replace")
-    print(f"\nnode kill -> retried chunk placed on the surviving node: {to_placed} s; "
-          f"-> retried chunk committed: {to_commit} s")
+    print(f"\nnode kill -> the chunk's new rank placed on the surviving node: {to_placed} s; "
+          f"-> the chunk committed: {to_commit} s")
     assert returncode == 0, log[-5000:] + cluster.log_tails()
     assert before == [2], before
     assert to_placed is not None, log[-4000:]
-    # Prefect retried the failed chunk; the rest ran on the survivor, 1 of 2 ranks.
+    # The chunk replaced its ranks in place; the rest ran on the survivor, 1 of 2 ranks.
     assert re.search(r"step 4/8: trained \d+ steps on 1 of 2 ranks", log), log[-4000:]
     after = committed_steps(stage_url)
     assert set(before) <= set(after) and after[-1] == 8, (before, after)
@@ -279,5 +279,6 @@ def check_node_loss(cluster, toy_assets, cluster_env, tmp_path, stage_url, fault
     # The failed chunk named the node that was lost.
     lost = set(placed_nodes(log, 2, 2)) - set(placed_nodes(log, 1, 2))
     assert len(lost) == 1, log[-4000:]
-    failures = [line for line in log.splitlines() if "Retry 1/" in line]
-    assert failures and lost.pop() in failures[0], failures or log[-4000:]
+    failures = [line for line in log.splitlines() if "was lost mid-chunk" in line]
+    assert len(failures) == 1 and lost.pop() in failures[0] and "Replaced the ranks in" in failures[0], \
+        failures or log[-4000:]
