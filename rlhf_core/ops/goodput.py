@@ -45,7 +45,6 @@ PART_OF = {"writer_slowdown": "useful_s"}
 WALL_CATEGORIES = ("useful_s", "stall_s", "startup_s", "load_s", "plan_s", "lost_s")
 
 MAX_REPLACEMENTS_KEPT = 50  # per stage: each in-place replacement of the ranks, for `rlhf goodput` and the bench
-
 logger = logging.getLogger(__name__)
 
 def process_start_time() -> float:
@@ -144,6 +143,8 @@ def _close_crashed(doc: dict, old: dict, next_started: float, lease_holder: Mapp
         record["steps"] += chunk["to_step"] - chunk["from_step"]
         record["useful_s"] += max(0.0, end - chunk["started"])
     doc["pending"] = [chunk for chunk in doc["pending"] if chunk not in committed]
+    for chunk in lost if state == CRASHED else []:  # the process died: its chunk's time is lost to the restart
+        chunk.setdefault("lost_to", "restarts")
     _lose(doc, lost, end)
     _lose_ahead(doc, old, end)
     old["end"], old["state"] = end, state

@@ -98,6 +98,7 @@ def test_a_crash_loses_the_uncommitted_chunk_and_the_next_attempt_settles_it():
     sft = summarize(doc).stages[0]
     assert (sft.lost_chunks, sft.lost_steps) == (1, 10)
     assert sft.lost_s == pytest.approx(3.0 + LEASE_HEARTBEAT_S)
+    assert sft.lost_to == {"restarts": pytest.approx(3.0 + LEASE_HEARTBEAT_S)}  # `rlhf goodput`: lost to restarts
     assert summarize(doc).down_s == pytest.approx(106.0 - 3.0 - LEASE_HEARTBEAT_S)
     assert not doc["pending"]
     _chunk(doc, second, clock, "sft", 10, 20, train=10.0, load=3.0)
