@@ -3,14 +3,15 @@
     .venv/bin/python bench/recovery.py [--repeat 3] [--only demo,model] [--save_steps 8] [--kill_after 4]
 
 - demo: the toy model (`rlhf_core.toy`), SFT as the integration tests run it (`--save_steps 8`), in this process:
-  one chunk trains (`ensure_checkpoint`, nothing trained ahead), the warm spares are waited for
-  (`runner.spares.num_ready()`), and the next chunk trains with `train_step@N=kill` in its middle. With 1 rank and
-  2 ranks (one dies, one survives), each with warm spares (the default) and without (`--num_spare_workers 0`),
-  alternated, `--repeat` times each.
+  one chunk trains (`ensure_checkpoint`, nothing trained ahead), the warm spares start (as a commit starts them
+  once the group is 30 s old) and are waited for (`runner.spares.num_ready()`), and the next chunk trains with
+  `train_step@N=kill` in its middle. With 1 rank and 2 ranks (one dies, one survives), each with warm spares (the
+  default) and without (`--num_spare_workers 0`), alternated, `--repeat` times each.
 - model: the same kill with 1 rank and spares on the 23.6M model (bench/models.py, as the suite's `startup` and
   `chunk` sections), alternated with a cold resume of the checkpoint it committed: a fresh
   `rlhf train sft ... --load_checkpoint` process, launch to the end of its first step (the hook `train_step@N`
-  with `sleep:0` touches a marker; its mtime is the time), spares off so none warms beside that step.
+  with `sleep:0` touches a marker; its mtime is the time), spares off so none warms beside that step, and this
+  process's Ray shut down first.
 
 Recovery is the ledger's newest `replacements` entry (`{ckpt_path}/{run_name}/goodput.json`): `ready_at` +
 `first_step_s`, less the mtime of the fault's marker, touched right before the SIGKILL. Detection is `seen_at` less
@@ -65,14 +66,16 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def sft_flags(model: str, data: str, ckpt: str, out: str, run_name: str, num_steps: int, toy: bool) -> list[str]:
+def sft_flags(model: str, data: str, ckpt: str, out: str, run_name: str, num_steps: int, save_steps: int,
+              toy: bool) -> list[str]:
     """`rlhf train sft`'s flags: the toy as tests/integration/conftest.py's `train_sft_args` (its `--save_steps`
     aside), the 23.6M model as the suite's sections (batch 8 in one micro-batch, max length 64)."""
     shape = (["--max_len", "128", "--micro_train_batch_size", "4", "--learning_rate", "1e-3"] if toy else
              ["--max_len", "64", "--micro_train_batch_size", "8", "--learning_rate", "1e-4"])
     epochs = -(-num_steps * 8 // TOY_ROWS)  # enough passes over the 256 rows for `num_steps` steps of 8
     return ["--pretrain", model, "--dataset", data, "--input_key", "prompt", "--output_key", "response",
-            "--train_batch_size", "8", *shape, "--max_epochs", str(epochs), "--ckpt_path", ckpt, "--max_ckpt_num", "3",
+            "--train_batch_size", "8", *shape, "--max_epochs", str(epochs), "--save_steps", str(save_steps),
+            "--ckpt_path", ckpt, "--max_ckpt_num", "3",
             "--save_path", out, "--seed", "42", "--load_checkpoint", "--run_name", run_name]
 
 
@@ -86,9 +89,15 @@ def run_config(flags: list[str], **overrides):
     return resolve_paths(run_config_from_flags("sft", own).model_copy(update=overrides))
 
 
-def wait_for_spares(runner, count: int, timeout_s: float) -> tuple[int, float]:
-    """(spares ready, seconds waited) once `count` spares finished their warm-up, or at the timeout."""
-    started = time.monotonic()
+def start_spares(runner, timeout_s: float) -> tuple[int, float]:
+    """Start the warm group's spares as a commit does once the group has trained SPARES_AFTER_S (30 s:
+    `StageRunner.keep_spares`), without waiting that long; (spares ready, seconds waited) once they all finished
+    their warm-up, or at the timeout."""
+    from rlhf_core.driver.spares import num_spares
+
+    group, started = runner.warm_group, time.monotonic()
+    count = num_spares(runner.run, group.world_size)
+    runner.spares.fill(runner.run, "sft", count, group.bundle_nodes)
     while runner.spares.num_ready() < count and time.monotonic() - started < timeout_s:
         time.sleep(0.2)
     return runner.spares.num_ready(), time.monotonic() - started
@@ -118,7 +127,7 @@ def kill_and_replace(flags: list[str], state: str, save_steps: int, kill_step: i
         run = run_config(flags, num_workers=num_workers, num_spare_workers=None if spares else 0)
         with StageRunner(run) as runner:
             ensure_checkpoint(runner, "sft", save_steps, begin_stage(run, "sft"), train_ahead=False)
-            ready, waited = wait_for_spares(runner, num_workers if spares else 0, spare_timeout_s)
+            ready, waited = start_spares(runner, spare_timeout_s) if spares else (0, 0.0)
             ensure_checkpoint(runner, "sft", 2 * save_steps, begin_stage(run, "sft"), train_ahead=False)
     finally:
         for name in FAULT_VARS:
@@ -162,7 +171,7 @@ def section_demo(args, work: str, toy: dict, results: dict) -> list[Row]:
         for size, spares in configs:
             name = f"demo-{size}-{'spares' if spares else 'cold'}-{attempt}"
             flags = sft_flags(toy["model"], toy["sft"], os.path.join(work, "ckpt"), os.path.join(work, "out", name),
-                              name, 2 * args.save_steps, toy=True)
+                              name, 2 * args.save_steps, args.save_steps, toy=True)
             sample = kill_and_replace(flags, os.path.join(work, "state", name), args.save_steps, kill_step, size,
                                       spares, args.spare_timeout_s)
             samples[label(size, spares)].append(sample)
@@ -197,6 +206,7 @@ def summarise(samples: list[dict]) -> dict:
 
 def section_model(args, work: str, toy: dict, env: dict, results: dict) -> list[Row]:
     """The 23.6M model: a kill with 1 rank and spares, then a cold resume of its commit; alternated."""
+    import ray
     from models import build_model_dir
 
     model, count = build_model_dir(os.path.join(work, "llama-23.6m"), "23.6m")
@@ -205,11 +215,12 @@ def section_model(args, work: str, toy: dict, env: dict, results: dict) -> list[
     for attempt in range(args.repeat):
         name = f"model-{attempt}"
         flags = sft_flags(model, toy["sft"], os.path.join(work, "ckpt"), os.path.join(work, "out", name), name,
-                          2 * args.save_steps + 2, toy=False)
+                          2 * args.save_steps + 2, args.save_steps, toy=False)
         sample = kill_and_replace(flags, os.path.join(work, "state", name), args.save_steps,
                                   args.save_steps + args.kill_after, 1, True, args.spare_timeout_s)
         kills.append(sample)
         print(f"  model: {describe(sample)}  (load {os.getloadavg()[0]:.2f})", flush=True)
+        ray.shutdown()  # the cold resume starts Ray of its own; ours, idle beside it, took 3-4 s from its start
         resumes.append(cold_resume(flags, os.path.join(work, "state", f"{name}-resume"), 2 * args.save_steps, env,
                                    args.resume_timeout_s))
         print(f"  model: cold resume of step {2 * args.save_steps}, launch -> first step {resumes[-1]:.2f} s  "
