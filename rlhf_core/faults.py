@@ -1,6 +1,8 @@
 """Fault injection for tests: pause or die at a named point (`fault_point`), chosen by an environment variable such
 as `RLHF_FAULT_INJECT="after_commit@10=sleep:60,train_step@7=kill,collective@9=hang"`; unset, it does nothing.
-docs/design-notes.md ("Fault injection") has the rules and RLHF_FAULT_JOB_PID, RLHF_FAULT_STATE.
+docs/design-notes.md ("Fault injection") has the rules and RLHF_FAULT_JOB_PID, RLHF_FAULT_STATE. With
+RLHF_FAULT_TRACE set, every point reached appends `time pid point@step tag` to that file: the chaos soak (tests/soak)
+reads the ranks' pids and each step's time from it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from rlhf_core.processes import process_exists
 ENV_VAR = "RLHF_FAULT_INJECT"
 STATE_ENV_VAR = "RLHF_FAULT_STATE"
 JOB_PID_ENV_VAR = "RLHF_FAULT_JOB_PID"
+TRACE_ENV_VAR = "RLHF_FAULT_TRACE"
 
 
 def _first_time(point: str) -> bool:
@@ -46,11 +49,20 @@ def fault_requested(name: str, step: int, action: str) -> bool:
     return any(rule.strip() == f"{point}={action}" for rule in spec.split(",")) and _first_time(point)
 
 
-def fault_point(name: str, step: int) -> None:
+def _trace(point: str, tag: str) -> None:
+    path = os.environ.get(TRACE_ENV_VAR)
+    if path:  # one short write to a file opened for appending: lines from many processes never interleave
+        with open(path, "a") as trace:
+            trace.write(f"{time.time():.3f} {os.getpid()} {point} {tag or '-'}\n")
+
+
+def fault_point(name: str, step: int, tag: str = "") -> None:
+    """Act on the rules for `name@step`; `tag` (a rank's stage) only goes to the trace."""
+    point = f"{name}@{step}"
+    _trace(point, tag)
     spec = os.environ.get(ENV_VAR)
     if not spec:
         return
-    point = f"{name}@{step}"
     if _orphaned():
         return
     for rule in spec.split(","):

@@ -116,6 +116,7 @@ class TrainWorker:
         rank_warnings()
         self.rank, self.world_size = rank, world_size
         self._trainer: DeepSpeedTrainer[StageConfig] | None = None  # the stage's, once `setup` made it
+        self._stage = ""
         self._stop_requested = False  # set by request_stop, from the driver's stop signal (rlhf_core.driver.stop)
         self._kept_in_memory: dict[str, dict] = {}  # a snapshot's state dicts, by its folder (see snapshot)
         self._written_state: dict = {}  # the last written snapshot's state dicts: buffers for the next one
@@ -205,6 +206,7 @@ class TrainWorker:
     def setup(self, run: RunConfig, stage: str, chunk_ends: list[int], load_universal: bool) -> None:
         from rlhf_core.rank.trainers import trainer_class
 
+        self._stage = stage
         with self._progress.working_on("setup"):
             self._trainer = trainer_class(stage)(run, chunk_ends, self.rank, self.world_size, load_universal)
 
@@ -217,7 +219,7 @@ class TrainWorker:
         started, metrics, step_times = time.perf_counter(), [], []
         with self._progress.working_on("train"):
             while self.trainer.step < target_step and not self._stop_agreed():
-                fault_point("train_step", self.trainer.step + 1)
+                fault_point("train_step", self.trainer.step + 1, tag=self._stage)
                 step_started = time.perf_counter()
                 writes_before = (self._num_writes_in_flight, self._num_writes_started)
                 metrics.append(self.trainer.train_step())

@@ -34,3 +34,14 @@ def test_a_rank_of_a_dead_job_fires_nothing_and_leaves_the_rule_for_the_next_run
     monkeypatch.setenv(faults.ENV_VAR, "train_step@8=sleep:0")
     faults.fault_point("train_step", 8)
     assert (tmp_path / "train_step@8").exists()
+
+
+def test_the_trace_names_every_point_reached_with_its_process_without_any_rule(tmp_path, monkeypatch):
+    monkeypatch.delenv(faults.ENV_VAR, raising=False)
+    monkeypatch.setenv(faults.TRACE_ENV_VAR, str(tmp_path / "trace"))
+    faults.fault_point("train_step", 1, tag="sft")
+    faults.fault_point("collective", 1)
+    lines = [line.split() for line in (tmp_path / "trace").read_text().splitlines()]
+    assert [line[1:] for line in lines] == [[str(os.getpid()), "train_step@1", "sft"],
+                                            [str(os.getpid()), "collective@1", "-"]]
+    assert all(float(line[0]) > 0 for line in lines)
