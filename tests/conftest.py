@@ -137,7 +137,7 @@ def run_rlhf(args: list[str], env: dict[str, str], timeout: float = 600) -> subp
 # first and the short ones and the unit tests fill the gaps at the end. A module missing here runs after these.
 HEAVIEST_MODULES_FIRST = (
     "test_openrlhf_scripts", "test_model_families", "test_deployment", "test_fault_matrix", "test_agent",
-    "test_ray_cluster", "test_pipeline_stages", "test_stop_signals", "test_prefect_crash_retry", "test_zero3",
+    "test_soak", "test_ray_cluster", "test_pipeline_stages", "test_stop_signals", "test_zero3",
     "test_bad_input", "test_dpo", "test_resume_paths", "test_full_disk", "test_prm", "test_docs_examples",
     "test_chunk_retry", "test_hang", "test_store_outage",
     "test_console", "test_ppo_multirank",

@@ -155,6 +155,28 @@ def _descendants(root: int, table: dict[int, tuple[int, int, int]]) -> list[int]
     return found
 
 
+def sigkill_tree(root_pid: int) -> list[int]:
+    """SIGKILL `root_pid` and every process in the sessions of its process tree (the worker runs each flow
+    run in a session of its own, and a Ray cluster that run started lives there), at once: no process gets
+    a chance to report anything. Returns the pids killed."""
+    table = _processes()
+    sessions = {root_pid} | {table[pid][2] for pid in _descendants(root_pid, table)}
+    killed: set[int] = set()
+    for _ in range(50):
+        left = [pid for pid, (_, _, sid) in _processes().items() if sid in sessions or pid == root_pid]
+        if not left:
+            return sorted(killed)
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.2)
+    raise AssertionError(f"processes of sessions {sorted(sessions)} survived SIGKILL")
+
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """Keep each phase's report on the item (item.rep_setup, rep_call) so fixtures can see failures."""

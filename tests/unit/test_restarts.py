@@ -1,6 +1,6 @@
 """flows/restarts.py without a server: which failures a deployment's run reschedules itself after, the restart
 budget and its backoff, and a SIGTERM told apart from a Cancel. The real thing, with a server, a worker and the
-automations, is tests/integration/test_prefect_crash_retry.py."""
+automations, is the chaos soak (tests/integration/test_soak.py; `make soak` for the lost machine)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,136 @@
+"""What the soak reads to see a fault and the recovery from it, all after the fact except the live ranks:
+the ranks' fault trace (RLHF_FAULT_TRACE: `time pid train_step@N stage`), the run's log (its WARNING lines),
+the flow run's Prefect states, and the committed checkpoints of the store."""
+
+from __future__ import annotations
+
+import posixpath
+import re
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from rlhf_core.processes import process_exists
+
+REPLACED = re.compile(r"Replaced the ranks in ([\d.]+) s")
+LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) (\w+)\s+(\S+) - (.*)$")
+
+
+@dataclass(frozen=True)
+class Step:
+    """A rank starting training step `step` of `stage` at `time` (time.time())."""
+
+    time: float
+    pid: int
+    step: int
+    stage: str
+
+
+def read_trace(path: Path) -> list[Step]:
+    steps = []
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 4 and parts[2].startswith("train_step@"):
+            steps.append(Step(float(parts[0]), int(parts[1]), int(parts[2].split("@")[1]), parts[3]))
+    return steps
+
+
+def is_stopped(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def live_rank_pids(trace: Path, within_s: float = 10.0) -> list[int]:
+    """The ranks that started a step in the last `within_s` seconds and still run (not stopped), by pid."""
+    now = time.time()
+    pids = {step.pid for step in read_trace(trace) if now - step.time < within_s}
+    return sorted(pid for pid in pids if process_exists(pid) and not is_stopped(pid))
+
+
+def training_now(trace: Path, within_s: float = 5.0) -> bool:
+    steps = read_trace(trace)
+    return bool(steps) and time.time() - steps[-1].time < within_s
+
+
+@dataclass(frozen=True)
+class LogLine:
+    time: float
+    level: str
+    message: str
+
+
+def read_log(path: Path) -> list[LogLine]:
+    """The run log's records (rlhf_core.ops.run_log's format), continuation lines dropped."""
+    lines = []
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return []
+    for line in text.splitlines():
+        match = LOG_LINE.match(line)
+        if match:
+            stamp = datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            lines.append(LogLine(stamp, match.group(2), match.group(4)))
+    return lines
+
+
+def committed_steps(store_url: str, run_name: str, stage: str) -> list[int]:
+    """The steps of `stage` whose manifest (the commit's last write) is in the store now."""
+    from fsspec.core import url_to_fs
+
+    fs, root = url_to_fs(store_url)
+    try:
+        manifests = fs.glob(posixpath.join(root, run_name, stage, "step_*", "MANIFEST.json"))
+    except (FileNotFoundError, OSError):
+        return []
+    return sorted(int(posixpath.basename(posixpath.dirname(path)).removeprefix("step_")) for path in manifests)
+
+
+@dataclass
+class Evidence:
+    """Everything the soak saw of one run, to time each fault after it."""
+
+    steps: list[Step]
+    log: list[LogLine]
+    states: list[tuple[float, str, str]]  # (time, type, name) of each Prefect state of the flow run
+    worker_restarts: list[float]
+
+    def detected_at(self, kind: str, injected_at: float) -> float | None:
+        """When the pipeline (or, for the worker, its supervisor) first acted on a fault of `kind`."""
+        after = [line for line in self.log if line.time >= injected_at]
+        if kind in ("rank_kill", "rank_hang", "oom", "node_loss"):
+            for line in after:
+                match = REPLACED.search(line.message)
+                if match:  # the line is written when the new ranks are ready; it says how long that took
+                    return line.time - float(match.group(1))
+        if kind in ("flow_run_kill", "power_cut"):
+            return self._state_after(injected_at, lambda type_, name: type_ == "CRASHED")
+        if kind == "preemption":
+            return self._state_after(injected_at, lambda type_, name: name == "Preempted")
+        if kind == "worker_kill":
+            return next((stamp for stamp in self.worker_restarts if stamp >= injected_at), None)
+        if kind == "store_outage":
+            return next((line.time for line in after if "store is unreachable" in line.message), None)
+        warnings = [line.time for line in after if line.level in ("WARNING", "ERROR")]
+        states = [stamp for stamp, type_, _ in self.states if stamp >= injected_at and type_ != "RUNNING"]
+        return min(warnings + states, default=None)
+
+    def _state_after(self, since: float, matches) -> float | None:
+        return next((stamp for stamp, type_, name in self.states if stamp >= since and matches(type_, name)), None)
+
+    def next_step(self, after: float, new_ranks_only: bool) -> Step | None:
+        """The first step started after `after`; with `new_ranks_only`, by a process that had not trained before
+        (ranks of a dead driver may train on until Ray reaps them)."""
+        old = {step.pid for step in self.steps if step.time <= after} if new_ranks_only else set()
+        return next((step for step in self.steps if step.time > after and step.pid not in old), None)
+
+    def last_step_before(self, moment: float) -> Step | None:
+        started = [step for step in self.steps if step.time < moment]
+        return max(started, key=lambda step: step.time) if started else None

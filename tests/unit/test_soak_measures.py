@@ -1,0 +1,57 @@
+"""The chaos soak's arithmetic (tests/soak): its schedule, and how a fault's detection, next step, recomputed
+steps and lost commit are read from the evidence, on evidence written by hand."""
+
+from __future__ import annotations
+
+import random
+
+from tests.soak.observe import REPLACED, Evidence, LogLine, Step
+from tests.soak.report import FaultRow, build
+from tests.soak.soak import FULL, schedule
+
+
+def test_the_full_schedule_has_every_kind_of_its_leg_once_at_least_and_gaps_around_the_mean():
+    disk = FULL[0]
+    planned = schedule(disk, random.Random(0))
+    assert len(planned) == disk.num_faults >= 12
+    assert set(disk.kinds) <= {kind for _, kind in planned} and len(disk.kinds) >= 7
+    gaps = [later - earlier for (earlier, _), (later, _) in zip(planned, planned[1:])]
+    assert all(0.5 * disk.mean_interval_s <= gap <= 1.5 * disk.mean_interval_s for gap in gaps)
+    assert planned == schedule(disk, random.Random(0))  # seeded
+
+
+def steps(*rows: tuple[float, int, int, str]) -> list[Step]:
+    return [Step(time, pid, step, stage) for time, pid, step, stage in rows]
+
+
+def test_a_killed_rank_is_timed_from_the_replacement_line_and_counts_the_steps_trained_again():
+    evidence = Evidence(
+        steps((100.0, 1, 30, "sft"), (100.5, 2, 30, "sft"), (101.0, 2, 31, "sft"),  # 2 trains on after the kill
+              (109.0, 3, 17, "sft"), (109.0, 4, 17, "sft")),
+        [LogLine(108.5, "WARNING", "Lost rank 0. Replaced the ranks in 7.9 s (2 of 2 from warm spares); ...")],
+        [], [])
+    assert REPLACED.search(evidence.log[0].message)
+    row = FaultRow("disk", "rank_kill", "rank pid 1", 0.0, injected_at=100.5, stage="sft", committed_before=16)
+    row.measure(evidence)
+    assert (row.detect_s, row.next_step_s, row.steps_recomputed, row.resumed_from) == (0.1, 8.5, 13, 16)  # steps 17-29 again
+    assert not row.commit_lost
+
+
+def test_a_run_that_comes_back_before_its_newest_commit_lost_it():
+    evidence = Evidence(steps((10.0, 1, 20, "sft"), (60.0, 5, 9, "sft")), [],
+                        [(11.0, "CRASHED", "Crashed"), (12.0, "SCHEDULED", "AwaitingRetry")], [])
+    row = FaultRow("disk", "power_cut", "", 0.0, injected_at=10.5, stage="sft", committed_before=16)
+    row.measure(evidence)
+    assert (row.detect_s, row.resumed_from, row.commit_lost) == (0.5, 8, True)
+    assert build([row], [], ["create 1"], num_runs=1)["commits_lost"] == 1
+
+
+def test_a_preemption_is_seen_at_its_state_and_a_killed_worker_at_its_restart():
+    evidence = Evidence(steps((10.0, 1, 5, "ppo"), (11.0, 1, 6, "ppo"), (40.0, 7, 6, "ppo")), [],
+                        [(12.0, "SCHEDULED", "Preempted"), (20.0, "RUNNING", "Running")], [13.0])
+    preempted = FaultRow("disk", "preemption", "", 0.0, injected_at=10.5, stage="ppo", committed_before=4)
+    preempted.measure(evidence)
+    assert (preempted.detect_s, preempted.next_step_s, preempted.steps_recomputed) == (1.5, 29.5, 0)  # step 6 was in progress
+    worker = FaultRow("disk", "worker_kill", "", 0.0, injected_at=10.5, stage="ppo")
+    worker.measure(evidence)
+    assert (worker.detect_s, worker.next_step_s) == (2.5, 29.5)  # the first step after the restart
