@@ -23,6 +23,7 @@ from prefect.states import Cancelled, State
 from flows import restarts
 from flows.stage_report import StageReport, artifact_key
 from rlhf_core.driver import preflight
+from rlhf_core.driver.outage import is_outage
 from rlhf_core.driver.stop import StopSignals
 from rlhf_core.ops.alerts import NonFiniteTraining
 from rlhf_core.driver.chunk import ChunkResult
@@ -85,9 +86,14 @@ def _emit_commit_events(run: RunConfig, result: ChunkResult) -> None:
 def _emit_set_aside_events(run: RunConfig, stage: str, before: set[str]) -> set[str]:
     """`rlhf.checkpoint.set-aside` for each folder that appeared under the store's `.aside/` since `before`;
     returns the folders now there. rlhf_core sets checkpoints aside deep inside a chunk (a corrupt or leftover
-    step), so the flow finds them by listing, one call per chunk."""
+    step), so the flow finds them by listing, one call per chunk; during a store outage, at the next chunk."""
     store = open_store(run, stage)
-    entries = store.aside_entries()
+    try:
+        entries = store.aside_entries()
+    except Exception as error:  # noqa: BLE001 - a store's own error types; only an outage is let pass
+        if not is_outage(error):
+            raise
+        return before
     for entry in entries:
         if entry.name not in before:  # only a new one's REASON file is read: one listing a chunk otherwise
             emit_event(event="rlhf.checkpoint.set-aside", resource=_resource(run, stage),

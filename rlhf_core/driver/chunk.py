@@ -180,7 +180,9 @@ def ensure_checkpoint(runner: StageRunner, stage: str, target_step: int, lineage
     store = open_store(run, stage)
     replacing: Replacement | None = None
     while True:
-        listing = store.list()
+        # preflight reached the store: an outage now is waited out, as a commit's is
+        listing = wait_out_outages(store.list, store.url, f"the chunk to step {target_step}",
+                                   f"the chunk to step {target_step} did not start", run.store_outage_s)
         infos = [info for info in listing if info.step <= target_step]
         newest = max((info.step for info in infos if info.is_committed), default=0)
         committed = _committed_result(runner, stage, plan, store, listing, infos, target_step)
@@ -315,7 +317,9 @@ def commit_chunk(runner: StageRunner, stage: str, plan: StagePlan, store: Checkp
         pending[:] = pending or [store.prepare_step(step)]
         return (metadata, *_commit(runner, run, stage, store, group, step, metadata, folders, pending[0]))
 
-    metadata, info, writer_seconds = wait_out_outages(store_part, store.url, step, run.store_outage_s)
+    metadata, info, writer_seconds = wait_out_outages(
+        store_part, store.url, f"the commit of step {step}", f"step {step} was not committed", run.store_outage_s,
+        meanwhile="training goes on from the snapshot")
     committed = time.perf_counter()
     stall = (committed if run.sync_checkpoint else snapshotted) - started
     alerts = commit_alerts(run.run_name, stage, step, metadata, info.size_bytes,

@@ -24,11 +24,13 @@ def is_outage(error: BaseException) -> bool:
     return isinstance(error, TransientStoreError) or connection_error(error) is not None
 
 
-def wait_out_outages(attempt: Callable[[], T], store_url: str, step: int, limit_s: float,
-                     sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> T:
+def wait_out_outages(attempt: Callable[[], T], store_url: str, waiting: str, lost: str, limit_s: float,
+                     sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic,
+                     meanwhile: str = "") -> T:
     """`attempt()`, tried again while it fails on an outage (`is_outage`): after 1 s, doubling to MAX_BACKOFF_S,
-    for at most `limit_s` from the first failure; one warning line when the outage begins. Past the limit,
-    StoreUnreachable (retryable: the run stops, and resumes from the last commit once the store is back)."""
+    for at most `limit_s` from the first failure; one warning line when the outage begins, saying that `waiting`
+    (`the commit of step 8`) waits, and what goes on `meanwhile`. Past the limit, StoreUnreachable (retryable: the run stops, and resumes from
+    the last commit once the store is back), saying what was `lost` (`step 8 was not committed`)."""
     began: float | None = None
     delay = 1.0
     while True:
@@ -40,18 +42,18 @@ def wait_out_outages(attempt: Callable[[], T], store_url: str, step: int, limit_
             now = clock()
             if began is None:
                 began = now
-                logger.warning("--ckpt_path %s: the store is unreachable (%s); the commit of step %d waits for it, up "
-                               "to --store_outage_s %g, and training goes on from the snapshot", store_url,
-                               type(connection_error(error) or error).__name__, step, limit_s)
+                logger.warning("--ckpt_path %s: the store is unreachable (%s); %s waits for it, up to "
+                               "--store_outage_s %g%s", store_url, type(connection_error(error) or error).__name__,
+                               waiting, limit_s, f", and {meanwhile}" if meanwhile else "")
             if now - began >= limit_s:
                 raise StoreUnreachable(
                     f"--ckpt_path {store_url}: the store has been unreachable for {now - began:.0f} s "
-                    f"(--store_outage_s {limit_s:g}); step {step} was not committed and earlier checkpoints are "
-                    "intact; the run resumes from the last commit once the store is back.") from error
+                    f"(--store_outage_s {limit_s:g}); {lost} and earlier checkpoints are intact; the run resumes "
+                    "from the last commit once the store is back.") from error
             sleep(min(delay, max(0.0, began + limit_s - now)))
             delay = min(2 * delay, MAX_BACKOFF_S)
             continue
         if began is not None:
-            logger.info("--ckpt_path %s: the store is back after %.0f s; step %d committed", store_url,
-                        clock() - began, step)
+            logger.info("--ckpt_path %s: the store is back after %.0f s; %s goes on", store_url, clock() - began,
+                        waiting)
         return result

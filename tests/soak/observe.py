@@ -81,11 +81,11 @@ def read_log(path: Path) -> list[LogLine]:
     return lines
 
 
-def committed_steps(store_url: str, run_name: str, stage: str) -> list[int]:
+def committed_steps(store_url: str, run_name: str, stage: str, **storage_options) -> list[int]:
     """The steps of `stage` whose manifest (the commit's last write) is in the store now."""
     from fsspec.core import url_to_fs
 
-    fs, root = url_to_fs(store_url)
+    fs, root = url_to_fs(store_url, **storage_options)
     try:
         manifests = fs.glob(posixpath.join(root, run_name, stage, "step_*", "MANIFEST.json"))
     except (FileNotFoundError, OSError):

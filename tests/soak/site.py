@@ -23,6 +23,7 @@ from tests.integration.conftest import (PREFECT, PROJECT_DIR, BackgroundProcess,
                                         sigkill_tree)
 from tests.integration.ray_cluster import RayCluster, active_nodes
 from tests.powercut_fs import PowerCutMount
+from tests.soak.observe import LogLine
 
 CREATE_AUTOMATIONS = PROJECT_DIR / "deployments" / "create_automations.py"
 DEPLOYMENT = "rlhf/full"
@@ -76,6 +77,9 @@ class MotoStore:
 
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
+        # for the soak's own reads (its environment is not the runs'): tests.conftest.s3_environment's values
+        self.storage_options = {"key": "testing", "secret": "testing-secret",
+                                "client_kwargs": {"endpoint_url": self.endpoint, "region_name": "us-east-1"}}
         self._server_class = ThreadedMotoServer
         self._server = None
         self.start()
@@ -179,6 +183,28 @@ class SoakSite:
         with SyncPrefectClient(self.server.api_url) as client:
             states = client.read_flow_run_states(self.flow_run_id)
         return sorted((state.timestamp.timestamp(), state.type.value, state.name) for state in states)
+
+    def run_logs(self) -> list[LogLine]:
+        """The run's log records at INFO and above as Prefect's server has them (the flow run's and its stage
+        subflows'): off the machine, so a power cut loses none that were sent."""
+        import logging
+
+        from prefect.client.orchestration import SyncPrefectClient
+        from prefect.client.schemas.filters import FlowRunFilter, LogFilter
+        from prefect.client.schemas.sorting import LogSort
+
+        with SyncPrefectClient(self.server.api_url) as client:
+            children = client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(parent_flow_run_id={"any_": [self.flow_run_id]}))
+            log_filter = LogFilter(flow_run_id={"any_": [self.flow_run_id, *(str(run.id) for run in children)]},
+                                   level={"ge_": logging.INFO})
+            records, page = [], 200
+            while batch := client.read_logs(log_filter, limit=page, offset=len(records), sort=LogSort.TIMESTAMP_ASC):
+                records += batch
+                if len(batch) < page:
+                    break
+        return [LogLine(record.timestamp.timestamp(), logging.getLevelName(record.level), record.message)
+                for record in records]
 
     def flow_run_process(self):
         """The worker's child process running the current flow run; NotNow if there is none."""

@@ -146,7 +146,8 @@ class Injector:
         if now - self.first_step_at < due or not self._trains_again(steps, last):
             return
         stage = steps[-1].stage
-        committed = committed_steps(self.ckpt_path, RUN_NAME, stage)
+        options = self.site.store.storage_options if self.ckpt_path.startswith("s3://") and self.site.store else {}
+        committed = committed_steps(self.ckpt_path, RUN_NAME, stage, **options)
         try:
             target = KINDS[kind](self.site, self.rng)
         except NotNow:
@@ -182,8 +183,9 @@ def run_leg(site: SoakSite, leg: Leg, rng: random.Random, out: Path) -> tuple[Le
     soak_s = time.time() - started
     print(f"soak: leg {leg.name}: faulted run {state.name} after {soak_s:.0f} s", flush=True)
 
-    evidence = Evidence(read_trace(site.trace_path), read_log(driver_log(soak_ckpt)), site.states(),
-                        list(site.worker.restarts))
+    # the run's log file too: records logged outside a Prefect run's context (a commit's thread) reach only it
+    log = sorted(site.run_logs() + read_log(driver_log(soak_ckpt)), key=lambda line: line.time)
+    evidence = Evidence(read_trace(site.trace_path), log, site.states(), list(site.worker.restarts))
     for row in injector.rows:
         row.measure(evidence)
     bit_exact, differing = False, ["(no final weights)"]

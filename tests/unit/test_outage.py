@@ -27,6 +27,9 @@ class Clock:
         self.now += seconds
 
 
+COMMIT_8 = ("the commit of step 8", "step 8 was not committed")  # what waits, and what a too-long outage lost
+
+
 def failing(times: int, error: Exception):
     calls = []
 
@@ -44,10 +47,11 @@ def test_an_outage_is_waited_out_with_backoff_and_one_warning(error, caplog):
     clock = Clock()
     attempt, calls = failing(8, error)
     with caplog.at_level(logging.INFO, logger="rlhf_core.driver.outage"):
-        assert wait_out_outages(attempt, "s3://b/run/sft", 8, 600, clock.sleep, clock) == "committed"
+        assert wait_out_outages(attempt, "s3://b/run/sft", *COMMIT_8, 600, clock.sleep, clock) == "committed"
     assert len(calls) == 9 and clock.sleeps == [1, 2, 4, 8, MAX_BACKOFF_S, MAX_BACKOFF_S, MAX_BACKOFF_S, MAX_BACKOFF_S]
     warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
     assert len(warnings) == 1 and "the store is unreachable" in warnings[0] and "--store_outage_s 600" in warnings[0]
+    assert "the commit of step 8 waits for it" in warnings[0]
     assert any("the store is back after 75 s" in record.getMessage() for record in caplog.records)
 
 
@@ -56,7 +60,7 @@ def test_past_store_outage_s_the_run_stops_with_one_retryable_sentence():
     attempt, _ = failing(10**6, EndpointConnectionError("Could not connect"))
     with pytest.raises(StoreUnreachable, match=r"unreachable for 120 s \(--store_outage_s 120\); step 8 was not "
                                                r"committed and earlier checkpoints are intact") as raised:
-        wait_out_outages(attempt, "s3://b/run/sft", 8, 120, clock.sleep, clock)
+        wait_out_outages(attempt, "s3://b/run/sft", *COMMIT_8, 120, clock.sleep, clock)
     assert raised.value.retryable and clock.now == 120
 
 
@@ -64,5 +68,27 @@ def test_anything_else_is_not_waited_for():
     clock = Clock()
     attempt, calls = failing(1, StoreFull("disk full"))
     with pytest.raises(StoreFull):
-        wait_out_outages(attempt, "/ckpt/run/sft", 8, 600, clock.sleep, clock)
+        wait_out_outages(attempt, "/ckpt/run/sft", *COMMIT_8, 600, clock.sleep, clock)
     assert len(calls) == 1 and clock.sleeps == []
+
+
+def test_an_outage_when_a_chunk_starts_is_waited_out_too(tmp_path, monkeypatch, caplog):
+    """The chunk's first listing of the store (preflight reached it, so this is an outage, not a bad endpoint):
+    the soak's S3 leg met an outage that began between two chunks, and the run failed with a user error."""
+    from types import SimpleNamespace
+
+    from rlhf_core.config import RunConfig
+    from rlhf_core.driver.chunk import ensure_checkpoint
+    from rlhf_core.stages.sft import SFTConfig
+    from rlhf_core.storage.checkpoint import CheckpointStore
+    from rlhf_core.storage.manifest import STATUS_COMMITTED, CheckpointInfo
+
+    later = CheckpointInfo(16, "step_16", "/ckpt/run/sft/step_16", STATUS_COMMITTED, 1)
+    attempt, calls = failing(1, EndpointConnectionError("Could not connect"))
+    monkeypatch.setattr(CheckpointStore, "list", lambda self, verify=False: attempt() and [later])
+    run = RunConfig(sft=SFTConfig(pretrain="m", dataset="d.jsonl"), ckpt_path=str(tmp_path / "ckpt"))
+    runner = SimpleNamespace(run=run, plan=lambda stage: SimpleNamespace(total_steps=32))
+    with caplog.at_level(logging.WARNING, logger="rlhf_core.driver.outage"):
+        result = ensure_checkpoint(runner, "sft", 8)
+    assert len(calls) == 2 and (result.step, result.uri) == (8, later.uri)  # retention kept the later commit
+    assert "the chunk to step 8 waits for it" in caplog.text
