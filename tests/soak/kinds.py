@@ -7,7 +7,9 @@ Kinds and what stands in for them here:
 - rank_hang: SIGSTOP to a rank (a stuck collective, a dead NFS mount): the hang watch must catch it.
 - oom: a memory limit on a rank's cgroup below what it is about to use: the kernel's OOM killer kills it.
 - flow_run_kill: SIGKILL to the flow-run process (the driver), as the OOM killer would; its worker lives.
-- worker_kill: SIGKILL to the Prefect worker alone; its supervisor (systemd) starts it again a second later.
+- worker_kill: SIGKILL to the Prefect worker alone; its supervisor (systemd) starts it again a second later. Its
+  flow run did not outlive it in the trials (it was found Crashed and restarted), as under systemd's default
+  KillMode, which stops a dead service's whole cgroup.
 - preemption: SIGTERM to the flow-run process with no cancel asked of Prefect (a spot preemption, a drain).
 - node_loss: SIGKILL to a whole Ray worker node; it rejoins NODE_DOWN_S later (the run waits for it).
 - store_outage: the S3 endpoint stops for OUTAGE_S, then comes back with its buckets.

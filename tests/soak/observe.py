@@ -81,6 +81,29 @@ def read_log(path: Path) -> list[LogLine]:
     return lines
 
 
+CONSOLE_LINE = re.compile(r"^(\d\d:\d\d:\d\d\.\d{3}) \| (\w+)\s*\| (\S+) - (.*)$")
+
+
+def read_console(path: Path, since: float) -> list[LogLine]:
+    """Records from Prefect's console format (`23:56:43.041 | WARNING | logger - message`, a worker's log, which
+    carries its flow runs' output) dated on or after `since` (time.time()): the line has the time of day only."""
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return []
+    day = datetime.fromtimestamp(since).replace(hour=0, minute=0, second=0, microsecond=0).timestamp()
+    lines = []
+    for line in text.splitlines():
+        match = CONSOLE_LINE.match(line)
+        if match:
+            hours, minutes, seconds = match.group(1).split(":")
+            stamp = day + int(hours) * 3600 + int(minutes) * 60 + float(seconds)
+            stamp += 86400 if stamp < since - 3600 else 0  # past midnight
+            if stamp >= since:
+                lines.append(LogLine(stamp, match.group(2), match.group(4)))
+    return lines
+
+
 def committed_steps(store_url: str, run_name: str, stage: str, **storage_options) -> list[int]:
     """The steps of `stage` whose manifest (the commit's last write) is in the store now."""
     from fsspec.core import url_to_fs
@@ -102,28 +125,30 @@ class Evidence:
     states: list[tuple[float, str, str]]  # (time, type, name) of each Prefect state of the flow run
     worker_restarts: list[float]
 
-    def detected_at(self, kind: str, injected_at: float) -> float | None:
-        """When the pipeline (or, for the worker, its supervisor) first acted on a fault of `kind`."""
-        after = [line for line in self.log if line.time >= injected_at]
+    def detected_at(self, kind: str, injected_at: float, until: float = float("inf")) -> float | None:
+        """When the pipeline (or, for the worker, its supervisor) first acted on a fault of `kind`, seen before
+        `until` (the next fault); None when nothing says so (a power cut can take a log's last lines with it)."""
+        after = [line for line in self.log if injected_at <= line.time < until]
         if kind in ("rank_kill", "rank_hang", "oom", "node_loss"):
             for line in after:
                 match = REPLACED.search(line.message)
                 if match:  # the line is written when the new ranks are ready; it says how long that took
                     return line.time - float(match.group(1))
+            return None
         if kind in ("flow_run_kill", "power_cut"):
-            return self._state_after(injected_at, lambda type_, name: type_ == "CRASHED")
+            return self._state_after(injected_at, until, lambda type_, name: type_ == "CRASHED")
         if kind == "preemption":
-            return self._state_after(injected_at, lambda type_, name: name == "Preempted")
+            return self._state_after(injected_at, until, lambda type_, name: name == "Preempted")
         if kind == "worker_kill":
             return next((stamp for stamp in self.worker_restarts if stamp >= injected_at), None)
         if kind == "store_outage":
             return next((line.time for line in after if "store is unreachable" in line.message), None)
         warnings = [line.time for line in after if line.level in ("WARNING", "ERROR")]
-        states = [stamp for stamp, type_, _ in self.states if stamp >= injected_at and type_ != "RUNNING"]
-        return min(warnings + states, default=None)
+        return min(warnings, default=self._state_after(injected_at, until, lambda type_, _: type_ != "RUNNING"))
 
-    def _state_after(self, since: float, matches) -> float | None:
-        return next((stamp for stamp, type_, name in self.states if stamp >= since and matches(type_, name)), None)
+    def _state_after(self, since: float, until: float, matches) -> float | None:
+        return next((stamp for stamp, type_, name in self.states if since <= stamp < until and matches(type_, name)),
+                    None)
 
     def next_step(self, after: float, new_ranks_only: bool) -> Step | None:
         """The first step started after `after`; with `new_ranks_only`, by a process that had not trained before

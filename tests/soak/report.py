@@ -28,8 +28,9 @@ class FaultRow:
     injected_at: float = field(default=0.0, repr=False)  # time.time()
     stage: str = ""
 
-    def measure(self, evidence: Evidence) -> None:
-        detected = evidence.detected_at(self.kind, self.injected_at)
+    def measure(self, evidence: Evidence, until: float = float("inf")) -> None:
+        """Time the fault from `evidence`, looking for its detection before `until` (the next fault)."""
+        detected = evidence.detected_at(self.kind, self.injected_at, until)
         self.detect_s = None if detected is None else round(max(0.0, detected - self.injected_at), 1)
         before = evidence.last_step_before(self.injected_at)
         keeps_ranks = self.kind in ("worker_kill", "store_outage")

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from tests.integration.conftest import PROJECT_DIR
 from tests.soak.kinds import KINDS, NotNow
-from tests.soak.observe import Evidence, committed_steps, read_log, read_trace, training_now
+from tests.soak.observe import Evidence, committed_steps, read_console, read_log, read_trace, training_now
 from tests.soak import report
 from tests.soak.report import FaultRow, LegTimes
 from tests.soak.site import BUCKET, SoakSite
@@ -43,16 +43,20 @@ class Leg:
     sft_save_steps: int
     ppo_prompts: int
     ppo_episodes: int
+    ppo_save_steps: int
 
 
 SHORT = (Leg("disk", "disk", ("rank_kill", "preemption", "flow_run_kill"), num_faults=3, first_fault_s=4,
-             mean_interval_s=8, recovered_after_s=3, sft_epochs=8, sft_save_steps=16, ppo_prompts=32,
-             ppo_episodes=1),)
+             mean_interval_s=8, recovered_after_s=3, sft_epochs=16, sft_save_steps=32, ppo_prompts=32,
+             ppo_episodes=1, ppo_save_steps=2),)
 DISK_KINDS = ("rank_kill", "rank_hang", "oom", "flow_run_kill", "worker_kill", "preemption", "node_loss", "power_cut")
+# The disk leg's uninterrupted run: about 20 minutes here (2 ranks on 2 cores train the toy SFT at ~34 steps/s
+# and its PPO at ~7 steps/s), in chunks of 5-10 s. The S3 leg's is about a minute; its outage lasts 2.
 FULL = (Leg("disk", "disk", DISK_KINDS, num_faults=12, first_fault_s=60, mean_interval_s=120, recovered_after_s=10,
-            sft_epochs=40, sft_save_steps=32, ppo_prompts=256, ppo_episodes=2),
-        Leg("s3", "s3", ("store_outage", "rank_kill"), num_faults=2, first_fault_s=30, mean_interval_s=150,
-            recovered_after_s=10, sft_epochs=8, sft_save_steps=16, ppo_prompts=64, ppo_episodes=1))
+            sft_epochs=600, sft_save_steps=256, ppo_prompts=256, ppo_episodes=60, ppo_save_steps=64),
+        Leg("s3", "s3", ("store_outage", "rank_kill"), num_faults=2, first_fault_s=20, mean_interval_s=150,
+            recovered_after_s=10, sft_epochs=8, sft_save_steps=16, ppo_prompts=64, ppo_episodes=1,
+            ppo_save_steps=8))
 
 
 def schedule(leg: Leg, rng: random.Random) -> list[tuple[float, str]]:
@@ -79,7 +83,7 @@ def run_config(site: SoakSite, leg: Leg, ckpt_path: str, out: Path) -> dict:
         "ppo": {"reward_fn": "rlhf_core.toy:gold_reward", "prompt_data": toy["prompts"], "input_key": "prompt",
                 "advantage_estimator": "group_norm", "max_samples": leg.ppo_prompts, "n_samples_per_prompt": 2,
                 "rollout_batch_size": 4, "train_batch_size": 8, "micro_train_batch_size": 4, "max_new_tokens": 8,
-                "num_episodes": leg.ppo_episodes, "learning_rate": 1e-3, "save_steps": 2,
+                "num_episodes": leg.ppo_episodes, "learning_rate": 1e-3, "save_steps": leg.ppo_save_steps,
                 "save_path": str(out / "ppo")},
     }
 
@@ -183,11 +187,13 @@ def run_leg(site: SoakSite, leg: Leg, rng: random.Random, out: Path) -> tuple[Le
     soak_s = time.time() - started
     print(f"soak: leg {leg.name}: faulted run {state.name} after {soak_s:.0f} s", flush=True)
 
-    # the run's log file too: records logged outside a Prefect run's context (a commit's thread) reach only it
-    log = sorted(site.run_logs() + read_log(driver_log(soak_ckpt)), key=lambda line: line.time)
-    evidence = Evidence(read_trace(site.trace_path), log, site.states(), list(site.worker.restarts))
-    for row in injector.rows:
-        row.measure(evidence)
+    # The server's copy of the run's log, the run's log file (records logged outside a Prefect run's context reach
+    # only it) and the worker's output (a power cut takes the last lines of the first two with it).
+    log = site.run_logs() + read_log(driver_log(soak_ckpt)) + read_console(site.worker.log_path, started)
+    evidence = Evidence(read_trace(site.trace_path), sorted(log, key=lambda line: line.time), site.states(),
+                        list(site.worker.restarts))
+    for row, next_row in zip(injector.rows, [*injector.rows[1:], None]):
+        row.measure(evidence, next_row.injected_at if next_row else float("inf"))
     bit_exact, differing = False, ["(no final weights)"]
     if state.type.value == "COMPLETED":
         reference, faulted = final_weights(out / "reference"), final_weights(out / "faulted")

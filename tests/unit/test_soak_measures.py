@@ -55,3 +55,21 @@ def test_a_preemption_is_seen_at_its_state_and_a_killed_worker_at_its_restart():
     worker = FaultRow("disk", "worker_kill", "", 0.0, injected_at=10.5, stage="ppo")
     worker.measure(evidence)
     assert (worker.detect_s, worker.next_step_s) == (2.5, 29.5)  # the first step after the restart
+
+
+def test_a_detection_is_looked_for_only_before_the_next_fault_and_console_lines_are_dated_past_midnight(tmp_path):
+    evidence = Evidence(steps((10.0, 1, 5, "sft"), (200.0, 9, 5, "sft")),
+                        [LogLine(150.0, "WARNING", "rank 1 hung ... Replaced the ranks in 9.0 s (...)")], [], [])
+    lost_lines = FaultRow("disk", "node_loss", "", 0.0, injected_at=20.0, stage="sft")
+    lost_lines.measure(evidence, until=100.0)  # its line went with a power cut at 100 s; 150 s is the next fault's
+    assert lost_lines.detect_s is None
+    log = tmp_path / "worker.log"
+    log.write_text("23:59:59.500 | INFO    | prefect - before\n00:00:01.250 | WARNING | rlhf_core.x - after midnight\n")
+    from datetime import datetime
+
+    from tests.soak.observe import read_console
+
+    since = datetime(2026, 12, 4, 23, 59, 59).timestamp()
+    lines = read_console(log, since)
+    assert [(round(line.time - since, 2), line.level, line.message) for line in lines] == [
+        (0.5, "INFO", "before"), (2.25, "WARNING", "after midnight")]
