@@ -2,7 +2,8 @@
 as `RLHF_FAULT_INJECT="after_commit@10=sleep:60,train_step@7=kill,collective@9=hang"`; unset, it does nothing.
 docs/design-notes.md ("Fault injection") has the rules and RLHF_FAULT_JOB_PID, RLHF_FAULT_STATE. With
 RLHF_FAULT_TRACE set, every point reached appends `time pid point@step tag` to that file: the chaos soak (tests/soak)
-reads the ranks' pids and each step's time from it.
+reads the ranks' pids and each step's time from it. A file `armed-PID` in RLHF_FAULT_STATE holding an action is that
+process's action at its next fault point, from outside (the soak arms `oom` in a rank it put under a memory limit).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ ENV_VAR = "RLHF_FAULT_INJECT"
 STATE_ENV_VAR = "RLHF_FAULT_STATE"
 JOB_PID_ENV_VAR = "RLHF_FAULT_JOB_PID"
 TRACE_ENV_VAR = "RLHF_FAULT_TRACE"
+OOM_BLOCK_BYTES = 64 << 20
+OOM_MAX_BYTES = 4 << 30  # with no memory limit to meet, `oom` gives up here with a MemoryError
 
 
 def _first_time(point: str) -> bool:
@@ -56,10 +59,28 @@ def _trace(point: str, tag: str) -> None:
             trace.write(f"{time.time():.3f} {os.getpid()} {point} {tag or '-'}\n")
 
 
+def _armed_action() -> str | None:
+    state_dir = os.environ.get(STATE_ENV_VAR)
+    if not state_dir:
+        return None
+    armed = Path(state_dir) / f"armed-{os.getpid()}"
+    try:
+        action = armed.read_text().strip()
+        armed.unlink()
+    except FileNotFoundError:
+        return None
+    return action
+
+
 def fault_point(name: str, step: int, tag: str = "") -> None:
-    """Act on the rules for `name@step`; `tag` (a rank's stage) only goes to the trace."""
+    """Act on this process's armed action, else on the rules for `name@step`; `tag` (a rank's stage) only goes to
+    the trace."""
     point = f"{name}@{step}"
     _trace(point, tag)
+    armed = _armed_action()
+    if armed:
+        _act(armed)
+        return
     spec = os.environ.get(ENV_VAR)
     if not spec:
         return
@@ -67,14 +88,22 @@ def fault_point(name: str, step: int, tag: str = "") -> None:
         return
     for rule in spec.split(","):
         where, _, action = rule.strip().partition("=")
-        if where != point or not _first_time(point):
-            continue
-        if action == "kill":
-            job_pid = int(os.environ.get(JOB_PID_ENV_VAR, "0"))
-            if job_pid and job_pid != os.getpid():
-                os.kill(job_pid, signal.SIGKILL)
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif action == "hang":  # as a stuck collective or a dead mount: the process stops, answering nothing
-            os.kill(os.getpid(), signal.SIGSTOP)
-        elif action.startswith("sleep:"):
-            time.sleep(float(action.split(":", 1)[1]))
+        if where == point and _first_time(point):
+            _act(action)
+
+
+def _act(action: str) -> None:
+    if action == "kill":
+        job_pid = int(os.environ.get(JOB_PID_ENV_VAR, "0"))
+        if job_pid and job_pid != os.getpid():
+            os.kill(job_pid, signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "hang":  # as a stuck collective or a dead mount: the process stops, answering nothing
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif action.startswith("sleep:"):
+        time.sleep(float(action.split(":", 1)[1]))
+    elif action == "oom":  # a step whose memory outgrows the limit: the kernel's OOM killer ends the process
+        blocks = []
+        while len(blocks) * OOM_BLOCK_BYTES < OOM_MAX_BYTES:
+            blocks.append(bytearray(OOM_BLOCK_BYTES))  # zero-filled: every page is touched, so charged
+        raise MemoryError(f"fault oom: {OOM_MAX_BYTES >> 30} GiB allocated and no memory limit met")

@@ -5,7 +5,9 @@ no target at that moment (no rank training, no flow-run process yet); the soak t
 Kinds and what stands in for them here:
 - rank_kill: SIGKILL to a rank (a segfault, a killed container).
 - rank_hang: SIGSTOP to a rank (a stuck collective, a dead NFS mount): the hang watch must catch it.
-- oom: a memory limit on a rank's cgroup below what it is about to use: the kernel's OOM killer kills it.
+- oom: a 16 MiB memory limit on a rank's cgroup, then the rank's next step allocates (an `armed` fault action,
+  rlhf_core/faults.py: a rank in its steady state reuses its memory and never meets a limit by itself): the
+  kernel's OOM killer kills it.
 - flow_run_kill: SIGKILL to the flow-run process (the driver), as the OOM killer would; its worker lives.
 - worker_kill: SIGKILL to the Prefect worker alone; its supervisor (systemd) starts it again a second later. Its
   flow run did not outlive it in the trials (it was found Crashed and restarted), as under systemd's default
@@ -32,7 +34,7 @@ if TYPE_CHECKING:
 
 NODE_DOWN_S = 15.0
 OUTAGE_S = 120.0
-OOM_LIMIT_BYTES = 16 << 20  # new allocations past this are the rank's last: a step allocates far more
+OOM_LIMIT_BYTES = 16 << 20  # charged from the move on: the armed allocation's first block passes it
 
 
 class NotNow(Exception):
@@ -66,6 +68,7 @@ def oom(site: SoakSite, rng: random.Random) -> str:
     (group / limit_file).write_text(str(OOM_LIMIT_BYTES))
     (group / "cgroup.procs").write_text(str(pid))
     site.cleanups.append(lambda: _remove_when_empty(group))
+    (site.fault_state / f"armed-{pid}").write_text("oom")
     return f"rank pid {pid}, {limit_file} {OOM_LIMIT_BYTES >> 20} MiB"
 
 

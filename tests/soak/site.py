@@ -100,6 +100,7 @@ class SoakSite:
     def __init__(self, workdir: Path, time_scale: float = 1.0, with_power_cut: bool = True):
         self.workdir, self.time_scale, self.with_power_cut = workdir, time_scale, with_power_cut
         self.trace_path = workdir / "trace.txt"
+        self.fault_state = workdir / "faults"  # RLHF_FAULT_STATE: where the soak arms a rank's fault action
         self.cleanups: list[Callable[[], None]] = []
         self.api_changes: list[str] = []  # every call this harness made that changes a flow run
         self.flow_run_id = ""
@@ -132,8 +133,9 @@ class SoakSite:
             self.cluster = RayCluster.start(env, self.workdir / "logs", num_worker_nodes=2, cpus_per_worker=1)
             self._stack.callback(self.cluster.stop)
             (self.workdir / "worker").mkdir(exist_ok=True)
+            self.fault_state.mkdir(exist_ok=True)
             worker_env = {**env, "PREFECT_WORKER_QUERY_SECONDS": "2", "RAY_ADDRESS": self.cluster.gcs_address,
-                          "RLHF_FAULT_TRACE": str(self.trace_path)}
+                          "RLHF_FAULT_TRACE": str(self.trace_path), "RLHF_FAULT_STATE": str(self.fault_state)}
             self.worker = Supervisor([PREFECT, "worker", "start", "--pool", pool], worker_env,
                                      self.workdir / "logs" / "prefect-worker.log", self.workdir / "worker")
             self._stack.callback(self.worker.stop)

@@ -45,3 +45,38 @@ def test_the_trace_names_every_point_reached_with_its_process_without_any_rule(t
     assert [line[1:] for line in lines] == [[str(os.getpid()), "train_step@1", "sft"],
                                             [str(os.getpid()), "collective@1", "-"]]
     assert all(float(line[0]) > 0 for line in lines)
+
+
+def test_an_armed_action_fires_once_at_the_next_point_of_its_process_only(tmp_path, monkeypatch):
+    monkeypatch.delenv(faults.ENV_VAR, raising=False)
+    monkeypatch.setenv(faults.STATE_ENV_VAR, str(tmp_path))
+    (tmp_path / f"armed-{os.getpid() + 1}").write_text("kill")  # another process's: would SIGKILL this one
+    (tmp_path / f"armed-{os.getpid()}").write_text("sleep:0")
+    faults.fault_point("train_step", 3)
+    assert not (tmp_path / f"armed-{os.getpid()}").exists() and (tmp_path / f"armed-{os.getpid() + 1}").exists()
+
+
+def test_an_armed_oom_is_killed_by_the_kernel_under_a_memory_limit(tmp_path):
+    """What the soak's `oom` fault does to a rank: a limit on its cgroup, then its next step allocates."""
+    import pytest
+
+    from tests.soak.kinds import _memory_cgroup
+
+    group = _memory_cgroup(os.getpid()) / f"rlhf-test-oom-{os.getpid()}"
+    try:
+        group.mkdir()
+    except OSError as error:
+        pytest.skip(f"no memory cgroup to make here: {error}")
+    try:
+        limit = "memory.max" if (group / "memory.max").exists() else "memory.limit_in_bytes"
+        (group / limit).write_text(str(16 << 20))
+        child = subprocess.Popen([sys.executable, "-c", "import sys, time\nsys.stdin.readline()\n"
+                                  "from rlhf_core.faults import fault_point\nfault_point('train_step', 1)\n"
+                                  "print('survived')"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 env={**os.environ, faults.STATE_ENV_VAR: str(tmp_path)}, text=True)
+        (group / "cgroup.procs").write_text(str(child.pid))
+        (tmp_path / f"armed-{child.pid}").write_text("oom")
+        output, _ = child.communicate("go\n", timeout=60)
+        assert child.returncode == -9 and "survived" not in output  # SIGKILL: the kernel's OOM killer
+    finally:
+        group.rmdir()
