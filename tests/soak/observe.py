@@ -27,13 +27,17 @@ class Step:
     stage: str
 
 
+def _text(path: Path) -> str:
+    """The file's text; none while it does not exist yet."""
+    try:
+        return path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
 def read_trace(path: Path) -> list[Step]:
     steps = []
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return []
-    for line in text.splitlines():
+    for line in _text(path).splitlines():
         parts = line.split()
         if len(parts) == 4 and parts[2].startswith("train_step@"):
             steps.append(Step(float(parts[0]), int(parts[1]), int(parts[2].split("@")[1]), parts[3]))
@@ -69,11 +73,7 @@ class LogLine:
 def read_log(path: Path) -> list[LogLine]:
     """The run log's records (rlhf_core.ops.run_log's format), continuation lines dropped."""
     lines = []
-    try:
-        text = path.read_text(errors="replace")
-    except FileNotFoundError:
-        return []
-    for line in text.splitlines():
+    for line in _text(path).splitlines():
         match = LOG_LINE.match(line)
         if match:
             stamp = datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
@@ -87,10 +87,7 @@ CONSOLE_LINE = re.compile(r"^(\d\d:\d\d:\d\d\.\d{3}) \| (\w+)\s*\| (\S+) - (.*)$
 def read_console(path: Path, since: float) -> list[LogLine]:
     """Records from Prefect's console format (`23:56:43.041 | WARNING | logger - message`, a worker's log, which
     carries its flow runs' output) dated on or after `since` (time.time()): the line has the time of day only."""
-    try:
-        text = path.read_text(errors="replace")
-    except FileNotFoundError:
-        return []
+    text = _text(path)
     day = datetime.fromtimestamp(since).replace(hour=0, minute=0, second=0, microsecond=0).timestamp()
     lines = []
     for line in text.splitlines():
