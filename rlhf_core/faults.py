@@ -103,7 +103,7 @@ def _act(action: str) -> None:
     elif action.startswith("sleep:"):
         time.sleep(float(action.split(":", 1)[1]))
     elif action == "oom":  # a step whose memory outgrows the limit: the kernel's OOM killer ends the process
-        blocks = []
+        blocks: list[bytearray] = []
         while len(blocks) * OOM_BLOCK_BYTES < OOM_MAX_BYTES:
             blocks.append(bytearray(OOM_BLOCK_BYTES))  # zero-filled: every page is touched, so charged
         raise MemoryError(f"fault oom: {OOM_MAX_BYTES >> 30} GiB allocated and no memory limit met")
