@@ -29,8 +29,9 @@ def wait_out_outages(attempt: Callable[[], T], store_url: str, waiting: str, los
                      meanwhile: str = "") -> T:
     """`attempt()`, tried again while it fails on an outage (`is_outage`): after 1 s, doubling to MAX_BACKOFF_S,
     for at most `limit_s` from the first failure; one warning line when the outage begins, saying that `waiting`
-    (`the commit of step 8`) waits, and what goes on `meanwhile`. Past the limit, StoreUnreachable (retryable: the run stops, and resumes from
-    the last commit once the store is back), saying what was `lost` (`step 8 was not committed`)."""
+    (`the commit of step 8`) waits, and what goes on `meanwhile`. Past the limit, StoreUnreachable (retryable: the
+    run stops, and resumes from the last commit once the store is back), saying what was `lost` (`step 8 was not
+    committed`)."""
     began: float | None = None
     delay = 1.0
     while True:

@@ -231,7 +231,8 @@ class StageRunner:
         return group, start
 
     def keep_spares(self, stage: str) -> None:
-        """After a commit: start the warm group's spares once it is SPARES_AFTER_S old (since it started) (`driver/spares.py`)."""
+        """After a commit: start the warm group's spares once it is SPARES_AFTER_S old, counted from its start
+        (`driver/spares.py`)."""
         group = self.warm_group
         if group is not None and time.monotonic() - group.started_at >= SPARES_AFTER_S:
             self.spares.fill(self.run, stage, num_spares(self.run, group.world_size), group.bundle_nodes)

@@ -4,9 +4,10 @@ rank spends about 5 s of its 6 s start in its process start and these imports; a
 
 Spares hold no resources of the cluster (0 CPUs: they idle until taken) and live on the ranks' nodes: one takes a
 rank's place only where the new group's bundle for that rank is (never on a node the group holds nothing on, such
-as a head node kept free of work). They warm up at nice 19, after a commit once the group is SPARES_AFTER_S old (idle time counts): a spare costs
-about 5 s of CPU, which a short run would not win back. Only a spare whose warm-up has finished is taken. GPU ranks get none by default: a spare would have
-to hold a GPU of its own, idle; their replacement starts cold in the lost rank's freed bundle.
+as a head node kept free of work). They warm up at nice 19, after a commit once the group is SPARES_AFTER_S old
+(idle time counts): a spare costs about 5 s of CPU, which a short run would not win back. Only a spare whose
+warm-up has finished is taken. GPU ranks get none by default: a spare would have to hold a GPU of its own, idle;
+their replacement starts cold in the lost rank's freed bundle.
 docs/design-notes.md ("Replacing a lost rank") has the rest.
 """
 
@@ -26,7 +27,7 @@ from rlhf_core.driver.placement import placement_bundle
 
 logger = logging.getLogger(__name__)
 CLOSE_TIMEOUT_S = 2.0
-SPARES_AFTER_S = 30.0  # how old a group is (since it started, idle time too) before its spares start (see the module docstring)
+SPARES_AFTER_S = 30.0  # a group's age (since it started, idle time too) before its spares start (module docstring)
 
 
 def num_spares(run: RunConfig, world_size: int) -> int:

@@ -45,7 +45,9 @@ PART_OF = {"writer_slowdown": "useful_s"}
 WALL_CATEGORIES = ("useful_s", "stall_s", "startup_s", "load_s", "plan_s", "lost_s")
 
 MAX_REPLACEMENTS_KEPT = 50  # per stage: each in-place replacement of the ranks, for `rlhf goodput` and the bench
+
 logger = logging.getLogger(__name__)
+
 
 def process_start_time() -> float:
     """When this process was created: a command's attempt starts there, so start-up counts the interpreter and
