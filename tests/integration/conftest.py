@@ -177,6 +177,24 @@ def sigkill_tree(root_pid: int) -> list[int]:
 
 
 
+def flow_run_process(worker_pid: int, flow_run_id: str):
+    """The worker's child process running `flow_run_id` (its environment names the run), or None (also when the
+    worker is gone)."""
+    import psutil
+
+    try:
+        children = psutil.Process(worker_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return None
+    for child in children:
+        try:
+            if child.environ().get("PREFECT__FLOW_RUN_ID") == flow_run_id:
+                return child
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return None
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """Keep each phase's report on the item (item.rep_setup, rep_call) so fixtures can see failures."""

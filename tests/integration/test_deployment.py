@@ -37,7 +37,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.integration.conftest import PREFECT, PROJECT_DIR, BackgroundProcess, PrefectServer
+from tests.integration.conftest import PREFECT, PROJECT_DIR, BackgroundProcess, PrefectServer, flow_run_process
 from rlhf_core.toy import step_labelled_rows
 
 pytestmark = pytest.mark.slow
@@ -510,19 +510,6 @@ def test_cancel_of_a_deployment_run_commits_the_step_in_progress(deployed, tmp_p
     assert flow_run.state.message == (f"stopped by SIGTERM at step 12; committed step_12 in {stage_dir}; run the same "
                                       "command to continue"), deployed.worker.log_tail()
     assert committed == [8, 12]  # 12 is off the chunk boundaries (8, 16): the emergency commit
-
-
-def flow_run_process(worker_pid: int, flow_run_id: str):
-    """The worker's child process running `flow_run_id` (its environment names the run), or None."""
-    import psutil
-
-    for child in psutil.Process(worker_pid).children(recursive=True):
-        try:
-            if child.environ().get("PREFECT__FLOW_RUN_ID") == flow_run_id:
-                return child
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return None
 
 
 def test_a_preempted_deployment_run_commits_its_step_and_continues_by_itself(deployed, tmp_path):

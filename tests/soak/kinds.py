@@ -42,7 +42,7 @@ class NotNow(Exception):
 
 
 def _a_rank(site: SoakSite, rng: random.Random) -> int:
-    pids = live_rank_pids(site.trace_path)
+    pids = live_rank_pids(site.trace.read())
     if not pids:
         raise NotNow("no rank is training")
     return rng.choice(pids)

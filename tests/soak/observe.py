@@ -36,8 +36,32 @@ def _text(path: Path) -> str:
 
 
 def read_trace(path: Path) -> list[Step]:
+    return _steps(_text(path))
+
+
+class Trace:
+    """The trace read as it grows: each `read` parses only the whole lines added since the last (the soak looks
+    several times a second at a file of tens of thousands of lines)."""
+
+    def __init__(self, path: Path):
+        self.path, self.steps, self._offset = path, [], 0
+
+    def read(self) -> list[Step]:
+        try:
+            with open(self.path, "rb") as trace:
+                trace.seek(self._offset)
+                added = trace.read()
+        except FileNotFoundError:
+            return self.steps
+        whole = added[:added.rfind(b"\n") + 1]
+        self._offset += len(whole)
+        self.steps += _steps(whole.decode(errors="replace"))
+        return self.steps
+
+
+def _steps(text: str) -> list[Step]:
     steps = []
-    for line in _text(path).splitlines():
+    for line in text.splitlines():
         parts = line.split()
         if len(parts) == 4 and parts[2].startswith("train_step@"):
             steps.append(Step(float(parts[0]), int(parts[1]), int(parts[2].split("@")[1]), parts[3]))
@@ -51,15 +75,14 @@ def is_stopped(pid: int) -> bool:
         return False
 
 
-def live_rank_pids(trace: Path, within_s: float = 10.0) -> list[int]:
+def live_rank_pids(steps: list[Step], within_s: float = 10.0) -> list[int]:
     """The ranks that started a step in the last `within_s` seconds and still run (not stopped), by pid."""
     now = time.time()
-    pids = {step.pid for step in read_trace(trace) if now - step.time < within_s}
+    pids = {step.pid for step in reversed(steps) if now - step.time < within_s}
     return sorted(pid for pid in pids if process_exists(pid) and not is_stopped(pid))
 
 
-def training_now(trace: Path, within_s: float = 5.0) -> bool:
-    steps = read_trace(trace)
+def training_now(steps: list[Step], within_s: float = 5.0) -> bool:
     return bool(steps) and time.time() - steps[-1].time < within_s
 
 
@@ -102,15 +125,11 @@ def read_console(path: Path, since: float) -> list[LogLine]:
 
 
 def committed_steps(store_url: str, run_name: str, stage: str, **storage_options) -> list[int]:
-    """The steps of `stage` whose manifest (the commit's last write) is in the store now."""
-    from fsspec.core import url_to_fs
+    """The committed steps of `stage` in the store now."""
+    from rlhf_core.storage.checkpoint import CheckpointStore
 
-    fs, root = url_to_fs(store_url, **storage_options)
-    try:
-        manifests = fs.glob(posixpath.join(root, run_name, stage, "step_*", "MANIFEST.json"))
-    except (FileNotFoundError, OSError):
-        return []
-    return sorted(int(posixpath.basename(posixpath.dirname(path)).removeprefix("step_")) for path in manifests)
+    store = CheckpointStore(posixpath.join(store_url, run_name, stage), storage_options)
+    return [info.step for info in store.list() if info.is_committed]
 
 
 @dataclass

@@ -20,10 +20,10 @@ from typing import Callable
 
 from tests.conftest import make_bucket, s3_environment
 from tests.integration.conftest import (PREFECT, PROJECT_DIR, BackgroundProcess, free_port, running_prefect_server,
-                                        sigkill_tree)
+                                        flow_run_process, sigkill_tree)
 from tests.integration.ray_cluster import RayCluster, active_nodes
 from tests.powercut_fs import PowerCutMount
-from tests.soak.observe import LogLine
+from tests.soak.observe import LogLine, Trace
 
 CREATE_AUTOMATIONS = PROJECT_DIR / "deployments" / "create_automations.py"
 DEPLOYMENT = "rlhf/full"
@@ -100,6 +100,7 @@ class SoakSite:
     def __init__(self, workdir: Path, time_scale: float = 1.0, with_power_cut: bool = True):
         self.workdir, self.time_scale, self.with_power_cut = workdir, time_scale, with_power_cut
         self.trace_path = workdir / "trace.txt"
+        self.trace = Trace(self.trace_path)
         self.fault_state = workdir / "faults"  # RLHF_FAULT_STATE: where the soak arms a rank's fault action
         self.cleanups: list[Callable[[], None]] = []
         self.api_changes: list[str] = []  # every call this harness made that changes a flow run
@@ -210,21 +211,12 @@ class SoakSite:
 
     def flow_run_process(self):
         """The worker's child process running the current flow run; NotNow if there is none."""
-        import psutil
-
         from tests.soak.kinds import NotNow
 
-        try:
-            children = psutil.Process(self.worker.process.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            children = []
-        for child in children:
-            try:
-                if child.environ().get("PREFECT__FLOW_RUN_ID") == self.flow_run_id:
-                    return child
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-        raise NotNow("no flow-run process")
+        process = flow_run_process(self.worker.process.pid, self.flow_run_id)
+        if process is None:
+            raise NotNow("no flow-run process")
+        return process
 
     # ---------------------------------------------------------------------------------------------- power
     def power_cut(self) -> str:

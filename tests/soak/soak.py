@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from tests.integration.conftest import PROJECT_DIR
 from tests.soak.kinds import KINDS, NotNow
-from tests.soak.observe import Evidence, committed_steps, read_console, read_log, read_trace, training_now
+from tests.soak.observe import Evidence, committed_steps, read_console, read_log, training_now
 from tests.soak import report
 from tests.soak.report import FaultRow, LegTimes
 from tests.soak.site import BUCKET, SoakSite
@@ -140,7 +140,7 @@ class Injector:
     def tick(self) -> None:
         if not self.planned:
             return
-        steps = [step for step in read_trace(self.site.trace_path) if step.time >= self.started_at]
+        steps = [step for step in self.site.trace.read() if step.time >= self.started_at]
         if not steps:
             return
         self.first_step_at = self.first_step_at or steps[0].time
@@ -167,7 +167,7 @@ class Injector:
         and the nodes and the store that a fault took away are back."""
         wait_s = self.leg.recovered_after_s
         recovered = not last_injected_at or any(step.time > last_injected_at + wait_s for step in steps)
-        return recovered and training_now(self.site.trace_path) and not self.site.pending()
+        return recovered and training_now(steps) and not self.site.pending()
 
 
 def run_leg(site: SoakSite, leg: Leg, rng: random.Random, out: Path) -> tuple[LegTimes, list[FaultRow]]:
@@ -190,7 +190,7 @@ def run_leg(site: SoakSite, leg: Leg, rng: random.Random, out: Path) -> tuple[Le
     # The server's copy of the run's log, the run's log file (records logged outside a Prefect run's context reach
     # only it) and the worker's output (a power cut takes the last lines of the first two with it).
     log = site.run_logs() + read_log(driver_log(soak_ckpt)) + read_console(site.worker.log_path, started)
-    evidence = Evidence(read_trace(site.trace_path), sorted(log, key=lambda line: line.time), site.states(),
+    evidence = Evidence(list(site.trace.read()), sorted(log, key=lambda line: line.time), site.states(),
                         list(site.worker.restarts))
     for row, next_row in zip(injector.rows, [*injector.rows[1:], None]):
         row.measure(evidence, next_row.injected_at if next_row else float("inf"))

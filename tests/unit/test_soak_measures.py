@@ -73,3 +73,16 @@ def test_a_detection_is_looked_for_only_before_the_next_fault_and_console_lines_
     lines = read_console(log, since)
     assert [(round(line.time - since, 2), line.level, line.message) for line in lines] == [
         (0.5, "INFO", "before"), (2.25, "WARNING", "after midnight")]
+
+
+def test_the_trace_is_read_as_it_grows_and_a_half_written_line_waits_for_its_end(tmp_path):
+    from tests.soak.observe import Trace, read_trace
+
+    path = tmp_path / "trace.txt"
+    trace = Trace(path)
+    assert trace.read() == []  # not there yet
+    path.write_text("1.0 5 train_step@1 sft\n1.5 5 collective@2 -\n2.0 5 train_st")
+    assert [step.step for step in trace.read()] == [1]
+    with open(path, "a") as more:
+        more.write("ep@2 sft\n")
+    assert trace.read() == read_trace(path) and [step.step for step in trace.steps] == [1, 2]
