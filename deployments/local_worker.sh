@@ -39,4 +39,8 @@ fi
 echo "automations: a run whose worker dies is marked Crashed after 90 s without a heartbeat, and a crashed run is restarted by itself; alerts show in the UI"
 "$PYTHON" deployments/create_automations.py
 
+# A run of this pool that ran here and whose process is gone (a power cut, a reboot) is marked Crashed now, and
+# restarted, instead of after the heartbeat automation's 90 s (flows/orphans.py). A supervisor (systemd) that
+# restarts the worker runs these last two lines.
+"$PYTHON" -m flows.orphans --pool "$POOL"
 exec "$PREFECT" worker start --pool "$POOL"

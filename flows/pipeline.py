@@ -237,9 +237,7 @@ def rlhf(config: RunConfig) -> dict:
     Returns {stage: summary}; a stage stopped by a run budget has status "stopped-by-budget". A deployment's run
     that fails on a fault that passes, or is preempted, ends rescheduled instead (flows/restarts.py)."""
     run = resolve_paths(config)
-    held_back = restarts.restart_budget(run)  # a deployment's run starting again: back off, or no more
-    if held_back is not None:
-        restarts.leave_as(held_back)
+    restarts.start_attempt(run)  # a deployment's run: outlive its worker, label its process, back off or stop
     runner = StageRunner(run)
     try:
         with runner.signals.obeying(), runner:  # in place of Prefect's SIGTERM handler (Crashed)

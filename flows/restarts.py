@@ -10,8 +10,11 @@
 Each reschedule by the first two is a restart, marked in its state's message (RESTART_MARK). A run starting again
 counts its restarts within --restart_window_minutes (`restart_budget`): past --max_restarts it ends Crashed, named
 OutOfRestarts (which the automation leaves alone) with an alert naming the failures; otherwise the k-th restart
-waits BACKOFF_S(k) after the one before. Preemptions are not failures and count for neither. Runs without a
-deployment (`rlhf train` by hand, a notebook) stop and fail as before. docs/resuming-and-stopping.md has the table.
+waits until `backoff_s(k)` after the one before: restarts minutes apart wait for nothing, a crash loop is spaced
+out. A wait of up to IN_PROCESS_WAIT_S is spent in the process already started (a new one would take seconds to
+start, and the worker may start it early); a longer one reschedules the run. Preemptions are not failures and
+count for neither. Runs without a deployment (`rlhf train` by hand, a notebook) stop and fail as before.
+docs/resuming-and-stopping.md has the table; flows/orphans.py keeps a run alive when its worker dies.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import time
 from datetime import datetime, timedelta, timezone
 from typing import NoReturn
 
@@ -28,12 +32,14 @@ from prefect.states import Crashed, Scheduled, State, StateType
 from rlhf_core.config import RunConfig
 from rlhf_core.errors import RLHFError
 from rlhf_core.ops.alerts import ALERT_RESTARTS_EXHAUSTED, Alert, AlertLog
+from flows import orphans
 from tasks.chunks import emit_alert
 
 logger = logging.getLogger(__name__)
 RESTART_MARK = "rlhf: restarting after"  # the start of a restart's state message (the automation's too)
 OUT_OF_RESTARTS = "OutOfRestarts"
 PREEMPTED = "Preempted"
+IN_PROCESS_WAIT_S = 60.0
 
 
 def backoff_s(num_restarts: int) -> float:
@@ -45,6 +51,28 @@ def backoff_s(num_restarts: int) -> float:
 def deployment_run_id() -> str | None:
     """The flow run's id when it runs from a deployment (a worker will pick a rescheduled run up), else None."""
     return str(runtime.flow_run.id) if runtime.deployment.id else None
+
+
+def start_attempt(run: RunConfig) -> None:
+    """At the start of each attempt of a deployment's run: outlive its worker, label the run with this process
+    (for a sweep after a power cut), then wait out the restart backoff here, or end this attempt when the run must
+    wait longer or is out of restarts. Nothing for a run without a deployment."""
+    flow_run_id = deployment_run_id()
+    if flow_run_id is None:
+        return
+    orphans.outlive_the_worker()
+    with get_client(sync_client=True) as client:
+        orphans.record_process(client, flow_run_id)
+    held_back = restart_budget(run)
+    if held_back is None:
+        return
+    due = held_back.state_details.scheduled_time if held_back.type == StateType.SCHEDULED else None
+    wait_s = (due - datetime.now(timezone.utc)).total_seconds() if due is not None else None
+    if wait_s is not None and wait_s <= IN_PROCESS_WAIT_S:
+        logger.warning("%s: waiting %.0f s here", held_back.message, wait_s)
+        time.sleep(max(0.0, wait_s))
+        return
+    leave_as(held_back)
 
 
 def restart_budget(run: RunConfig) -> State | None:
@@ -62,8 +90,8 @@ def restart_budget(run: RunConfig) -> State | None:
                    f"newest: {causes}")
         _alert(run, message, [entry for _, entry in restarts])
         return Crashed(name=OUT_OF_RESTARTS, message=message)
-    if restarts:
-        due = restarts[-1][0] + timedelta(seconds=backoff_s(len(restarts)))
+    if len(restarts) > 1:
+        due = restarts[-2][0] + timedelta(seconds=backoff_s(len(restarts)))
         if datetime.now(timezone.utc) < due:
             return Scheduled(scheduled_time=due, name="AwaitingRetry",
                              message=f"rlhf: backing off until {due:%H:%M:%S} ({len(restarts)} restarts)")
@@ -76,8 +104,11 @@ def after_failure(run: RunConfig, error: BaseException) -> State | None:
     flow_run_id = deployment_run_id()
     if flow_run_id is None or not (isinstance(error, RLHFError) and error.retryable):
         return None
-    num_restarts = len(_restarts(flow_run_id, run.restart_window_minutes)) + 1
-    due = datetime.now(timezone.utc) + timedelta(seconds=backoff_s(num_restarts))
+    earlier = _restarts(flow_run_id, run.restart_window_minutes)
+    num_restarts = len(earlier) + 1
+    due = datetime.now(timezone.utc)
+    if earlier:
+        due = max(due, earlier[-1][0] + timedelta(seconds=backoff_s(num_restarts)))
     logger.warning("%s; the run is rescheduled (restart %d of --max_restarts %d)", error, num_restarts,
                    run.max_restarts)
     return Scheduled(scheduled_time=due, name="AwaitingRetry", message=f"{RESTART_MARK} {type(error).__name__}: {error}")

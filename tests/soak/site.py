@@ -137,7 +137,10 @@ class SoakSite:
             self.fault_state.mkdir(exist_ok=True)
             worker_env = {**env, "PREFECT_WORKER_QUERY_SECONDS": "2", "RAY_ADDRESS": self.cluster.gcs_address,
                           "RLHF_FAULT_TRACE": str(self.trace_path), "RLHF_FAULT_STATE": str(self.fault_state)}
-            self.worker = Supervisor([PREFECT, "worker", "start", "--pool", pool], worker_env,
+            # deployments/local_worker.sh's last two lines, as a supervisor runs them: the sweep, then the worker
+            start_worker = (f'cd "{PROJECT_DIR}" && "{sys.executable}" -m flows.orphans --pool "{pool}"; '
+                            f'cd "{self.workdir / "worker"}" && exec "{PREFECT}" worker start --pool "{pool}"')
+            self.worker = Supervisor(["bash", "-c", start_worker], worker_env,
                                      self.workdir / "logs" / "prefect-worker.log", self.workdir / "worker")
             self._stack.callback(self.worker.stop)
         except BaseException:

@@ -140,10 +140,11 @@ class Injector:
     def tick(self) -> None:
         if not self.planned:
             return
-        steps = [step for step in self.site.trace.read() if step.time >= self.started_at]
-        if not steps:
+        steps = self.site.trace.read()  # the whole soak's: only its newest step is looked at (the soak shares the CPUs)
+        if not steps or steps[-1].time < self.started_at:
             return
-        self.first_step_at = self.first_step_at or steps[0].time
+        if self.first_step_at is None:
+            self.first_step_at = next(step.time for step in steps if step.time >= self.started_at)
         due, kind = self.planned[0]
         now = time.time()
         last = self.rows[-1].injected_at if self.rows else 0.0
@@ -165,8 +166,7 @@ class Injector:
     def _trains_again(self, steps, last_injected_at: float) -> bool:
         """The run trains (a step in the last 5 s), one started the leg's `recovered_after_s` after the last fault,
         and the nodes and the store that a fault took away are back."""
-        wait_s = self.leg.recovered_after_s
-        recovered = not last_injected_at or any(step.time > last_injected_at + wait_s for step in steps)
+        recovered = not last_injected_at or steps[-1].time > last_injected_at + self.leg.recovered_after_s
         return recovered and training_now(steps) and not self.site.pending()
 
 

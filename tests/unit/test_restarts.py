@@ -96,6 +96,41 @@ def test_restarts_back_off_and_past_the_budget_the_run_stays_crashed_with_an_ale
     assert len(alerts[0]["details"]["failures"]) == 4
 
 
+def test_restarts_minutes_apart_wait_for_nothing_and_a_crash_loop_is_spaced_out(run, deployment_run):
+    """The k-th restart waits until backoff_s(k) after the one before, not after itself: a run that trained for
+    minutes between two faults starts again at once."""
+    now = datetime.now(timezone.utc)
+    deployment_run[:] = [(now - timedelta(minutes=6), f"{restarts.RESTART_MARK} a crash"),
+                         (now - timedelta(minutes=3), f"{restarts.RESTART_MARK} a crash"),
+                         (now, f"{restarts.RESTART_MARK} a crash")]
+    assert restarts.restart_budget(run) is None  # the 3rd restart, 3 minutes after the 2nd: 20 s have passed
+    failed_again = restarts.after_failure(run, WorkerLost("rank 1 was lost"))  # the 4th, at once after the 3rd
+    assert failed_again.state_details.scheduled_time >= now + timedelta(seconds=restarts.backoff_s(4) - 1)
+    deployment_run[-1] = (now - timedelta(minutes=2), f"{restarts.RESTART_MARK} a crash")
+    assert restarts.after_failure(run, WorkerLost("rank 1 was lost")).state_details.scheduled_time < \
+        datetime.now(timezone.utc) + timedelta(seconds=1)  # 2 minutes after the 3rd: at once
+
+
+def test_a_short_backoff_is_waited_out_in_the_process_and_a_long_one_reschedules(run, deployment_run, monkeypatch):
+    run = run.model_copy(update={"max_restarts": 10})
+    slept, left = [], []
+    monkeypatch.setattr(restarts.orphans, "outlive_the_worker", lambda: None)
+    monkeypatch.setattr(restarts.orphans, "record_process", lambda client, flow_run_id: None)
+    monkeypatch.setattr(restarts, "get_client", lambda sync_client: FakeClient())
+    monkeypatch.setattr(restarts, "time", SimpleNamespace(sleep=slept.append))
+    monkeypatch.setattr(restarts, "leave_as", left.append)
+    now = datetime.now(timezone.utc)
+    deployment_run[:] = [(now - timedelta(seconds=5), f"{restarts.RESTART_MARK} a crash"),
+                         (now - timedelta(seconds=4), f"{restarts.RESTART_MARK} a crash")]
+    restarts.start_attempt(run)  # the 2nd restart, 1 s after the 1st and 4 s ago: 5 s to go, here
+    assert len(slept) == 1 and 4 <= slept[0] <= 5 and not left
+    deployment_run.append((now, f"{restarts.RESTART_MARK} a crash"))
+    deployment_run.append((now, f"{restarts.RESTART_MARK} a crash"))
+    deployment_run.append((now, f"{restarts.RESTART_MARK} a crash"))  # the 5th waits 80 s: the run is rescheduled
+    restarts.start_attempt(run)
+    assert len(slept) == 1 and left[0].type == StateType.SCHEDULED
+
+
 def test_sigterm_without_a_cancel_is_a_preemption_and_with_one_a_stop(deployment_run, monkeypatch):
     server_state = SimpleNamespace(type=StateType.RUNNING)
 
