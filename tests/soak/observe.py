@@ -162,6 +162,9 @@ class Evidence:
         warnings = [line.time for line in after if line.level in ("WARNING", "ERROR")]
         return min(warnings, default=self._state_after(injected_at, until, lambda type_, _: type_ != "RUNNING"))
 
+    def crashed_between(self, since: float, until: float) -> bool:
+        return self._state_after(since, until, lambda type_, _: type_ == "CRASHED") is not None
+
     def _state_after(self, since: float, until: float, matches) -> float | None:
         return next((stamp for stamp, type_, name in self.states if since <= stamp < until and matches(type_, name)),
                     None)

@@ -33,7 +33,8 @@ class FaultRow:
         detected = evidence.detected_at(self.kind, self.injected_at, until)
         self.detect_s = None if detected is None else round(max(0.0, detected - self.injected_at), 1)
         before = evidence.last_step_before(self.injected_at)
-        keeps_ranks = self.kind in ("worker_kill", "store_outage")
+        keeps_ranks = self.kind == "store_outage" or (self.kind == "worker_kill" and not evidence.crashed_between(
+            self.injected_at, until))  # a run that died with its worker trains again only with new ranks
         after = evidence.next_step(max(self.injected_at, detected or self.injected_at), new_ranks_only=not keeps_ranks)
         if after is None:
             return

@@ -57,6 +57,15 @@ def test_a_preemption_is_seen_at_its_state_and_a_killed_worker_at_its_restart():
     assert (worker.detect_s, worker.next_step_s) == (2.5, 29.5)  # the first step after the restart
 
 
+def test_a_run_that_died_with_its_worker_trains_again_only_with_new_ranks():
+    """Ranks of the dead flow run may train a few steps on: they are not the run training again."""
+    evidence = Evidence(steps((10.0, 1, 5, "ppo"), (14.0, 1, 6, "ppo"), (40.0, 7, 6, "ppo")), [],
+                        [(15.0, "CRASHED", "Crashed"), (30.0, "RUNNING", "Running")], [11.0])
+    worker = FaultRow("disk", "worker_kill", "", 0.0, injected_at=10.5, stage="ppo")
+    worker.measure(evidence)
+    assert (worker.detect_s, worker.next_step_s) == (0.5, 29.5)
+
+
 def test_a_detection_is_looked_for_only_before_the_next_fault_and_console_lines_are_dated_past_midnight(tmp_path):
     evidence = Evidence(steps((10.0, 1, 5, "sft"), (200.0, 9, 5, "sft")),
                         [LogLine(150.0, "WARNING", "rank 1 hung ... Replaced the ranks in 9.0 s (...)")], [], [])
