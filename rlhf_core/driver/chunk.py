@@ -182,7 +182,8 @@ def ensure_checkpoint(runner: StageRunner, stage: str, target_step: int, lineage
     while True:
         # preflight reached the store: an outage now is waited out, as a commit's is
         listing = wait_out_outages(store.list, store.url, f"the chunk to step {target_step}",
-                                   f"the chunk to step {target_step} did not start", run.store_outage_s)
+                                   f"the chunk to step {target_step} did not start", run.store_outage_s,
+                                   waited=lambda seconds: runner.ledger.outage_waited(stage, seconds))
         infos = [info for info in listing if info.step <= target_step]
         newest = max((info.step for info in infos if info.is_committed), default=0)
         committed = _committed_result(runner, stage, plan, store, listing, infos, target_step)
@@ -319,7 +320,8 @@ def commit_chunk(runner: StageRunner, stage: str, plan: StagePlan, store: Checkp
 
     metadata, info, writer_seconds = wait_out_outages(
         store_part, store.url, f"the commit of step {step}", f"step {step} was not committed", run.store_outage_s,
-        meanwhile="training goes on from the snapshot")
+        meanwhile="training goes on from the snapshot",
+        waited=lambda seconds: runner.ledger.outage_waited(stage, seconds))
     committed = time.perf_counter()
     stall = (committed if run.sync_checkpoint else snapshotted) - started
     alerts = commit_alerts(run.run_name, stage, step, metadata, info.size_bytes,

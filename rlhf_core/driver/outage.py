@@ -26,12 +26,12 @@ def is_outage(error: BaseException) -> bool:
 
 def wait_out_outages(attempt: Callable[[], T], store_url: str, waiting: str, lost: str, limit_s: float,
                      sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic,
-                     meanwhile: str = "") -> T:
+                     meanwhile: str = "", waited: Callable[[float], None] | None = None) -> T:
     """`attempt()`, tried again while it fails on an outage (`is_outage`): after 1 s, doubling to MAX_BACKOFF_S,
     for at most `limit_s` from the first failure; one warning line when the outage begins, saying that `waiting`
     (`the commit of step 8`) waits, and what goes on `meanwhile`. Past the limit, StoreUnreachable (retryable: the
     run stops, and resumes from the last commit once the store is back), saying what was `lost` (`step 8 was not
-    committed`)."""
+    committed`). `waited(seconds)` is told how long an outage that passed was waited out (the goodput ledger)."""
     began: float | None = None
     delay = 1.0
     while True:
@@ -57,4 +57,6 @@ def wait_out_outages(attempt: Callable[[], T], store_url: str, waiting: str, los
         if began is not None:
             logger.info("--ckpt_path %s: the store is back after %.0f s; %s goes on", store_url, clock() - began,
                         waiting)
+            if waited is not None:
+                waited(clock() - began)
         return result

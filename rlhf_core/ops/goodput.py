@@ -59,7 +59,7 @@ def process_start_time() -> float:
 
 def _new_stage() -> dict[str, Any]:
     return {"chunks": 0, "steps": 0, "lost_chunks": 0, "lost_steps": 0, "attempts": 0, "wall_s": 0.0,
-            **{name: 0.0 for name in (*WALL_CATEGORIES, "commit_s")}, "seconds": {}, "lost_to": {}}
+            **{name: 0.0 for name in (*WALL_CATEGORIES, "commit_s", "outage_s")}, "seconds": {}, "lost_to": {}}
 
 
 def empty_ledger() -> dict[str, Any]:
@@ -219,6 +219,11 @@ def replace_ranks(doc: dict, stage: str, cause: str, seen_at: float, ready_at: f
     kept.append({"cause": cause, "seen_at": seen_at, "ready_at": ready_at, "first_step_s": first_step_s,
                  "recovery_s": max(0.0, ready_at - seen_at) + first_step_s})
     del kept[:-MAX_REPLACEMENTS_KEPT]
+
+
+def _add_outage(doc: dict, stage: str, seconds: float) -> None:
+    record = _stage(doc, stage)
+    record["outage_s"] = record.get("outage_s", 0.0) + seconds
 
 
 def finish_attempt(doc: dict, attempt: dict, now: float) -> None:
@@ -390,6 +395,12 @@ class GoodputLedger:
     @_best_effort
     def ranks_replaced(self, stage: str, cause: str, seen_at: float, ready_at: float, first_step_s: float) -> None:
         self._update(lambda doc, attempt: replace_ranks(doc, stage, cause, seen_at, ready_at, first_step_s))
+
+    @_best_effort
+    def outage_waited(self, stage: str, seconds: float) -> None:
+        """A chunk of `stage` waited `seconds` for the store to come back (rlhf_core.driver.outage): no work lost,
+        the time is inside the chunk's stall (a commit) or other (a chunk's start)."""
+        self._update(lambda doc, attempt: _add_outage(doc, stage, seconds))
 
     @_best_effort
     def attempt_finished(self) -> None:

@@ -24,6 +24,7 @@ class StageGoodput:
     load_s: float = 0.0
     plan_s: float = 0.0
     lost_s: float = 0.0
+    outage_s: float = 0.0  # store outages waited out: inside stall and other, no work lost
     chunks: int = 0
     steps: int = 0
     lost_chunks: int = 0
@@ -120,6 +121,9 @@ def format_summary(summary: GoodputSummary, run_url: str) -> str:
                      f"{_seconds(row.load_s):>8} {lost:>14} {_seconds(row.other_s):>8} {_seconds(row.commit_s):>8}")
     for cause, seconds in sorted(total.lost_to.items()):
         lines.append(f"lost to {cause}: {_seconds(seconds)}")
+    if total.outage_s:
+        lines.append(f"lost to store outages: {_seconds(total.outage_s)} waited out (in stall and other; training "
+                     "went on from the snapshot, nothing committed was lost)")
     if summary.num_replacements:
         recoveries = sorted(summary.recovery_s)
         lines.append(f"ranks replaced in place: {summary.num_replacements} time(s); from the loss to training again "

@@ -327,6 +327,20 @@ def test_rlhf_goodput_prints_a_few_lines_and_json(tmp_path, capsys):
     assert total["steps"] == 40 and total["goodput"] == pytest.approx(20 / 24)
 
 
+def test_a_store_outage_waited_out_is_its_own_line_of_rlhf_goodput(tmp_path, capsys):
+    clock, url = Clock(), str(tmp_path / "ckpt" / "exp")
+    ledger = GoodputLedger(url, clock=clock)
+    ledger.attempt_started()
+    ledger.chunk_started("sft", 0, 10)
+    clock.advance(126.0)
+    ledger.outage_waited("sft", 120.0)  # the commit waited 120 s for the store (rlhf_core.driver.outage)
+    ledger.chunk_committed("sft", 10, {"train": 5.0, "save_and_commit": 121.0})
+    ledger.attempt_finished()
+    assert main(["goodput", url]) == 0
+    assert "lost to store outages: 120.0 s waited out" in capsys.readouterr().out
+    assert summarize(ledger.read()).total.outage_s == 120.0
+
+
 @pytest.mark.parametrize("where, message", [("missing", "is not a folder"), ("empty", "has no goodput.json"),
                                             ("empty/sft", "sft is a stage folder: give its parent")])
 def test_rlhf_goodput_of_a_wrong_folder_is_one_sentence_and_exit_2(tmp_path, capsys, where, message):

@@ -46,8 +46,11 @@ def failing(times: int, error: Exception):
 def test_an_outage_is_waited_out_with_backoff_and_one_warning(error, caplog):
     clock = Clock()
     attempt, calls = failing(8, error)
+    waited = []
     with caplog.at_level(logging.INFO, logger="rlhf_core.driver.outage"):
-        assert wait_out_outages(attempt, "s3://b/run/sft", *COMMIT_8, 600, clock.sleep, clock) == "committed"
+        assert wait_out_outages(attempt, "s3://b/run/sft", *COMMIT_8, 600, clock.sleep, clock,
+                                waited=waited.append) == "committed"
+    assert waited == [75]  # for the goodput ledger
     assert len(calls) == 9 and clock.sleeps == [1, 2, 4, 8, MAX_BACKOFF_S, MAX_BACKOFF_S, MAX_BACKOFF_S, MAX_BACKOFF_S]
     warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
     assert len(warnings) == 1 and "the store is unreachable" in warnings[0] and "--store_outage_s 600" in warnings[0]
@@ -87,8 +90,10 @@ def test_an_outage_when_a_chunk_starts_is_waited_out_too(tmp_path, monkeypatch, 
     attempt, calls = failing(1, EndpointConnectionError("Could not connect"))
     monkeypatch.setattr(CheckpointStore, "list", lambda self, verify=False: attempt() and [later])
     run = RunConfig(sft=SFTConfig(pretrain="m", dataset="d.jsonl"), ckpt_path=str(tmp_path / "ckpt"))
-    runner = SimpleNamespace(run=run, plan=lambda stage: SimpleNamespace(total_steps=32))
+    waited = []
+    runner = SimpleNamespace(run=run, plan=lambda stage: SimpleNamespace(total_steps=32),
+                             ledger=SimpleNamespace(outage_waited=lambda stage, seconds: waited.append(stage)))
     with caplog.at_level(logging.WARNING, logger="rlhf_core.driver.outage"):
         result = ensure_checkpoint(runner, "sft", 8)
     assert len(calls) == 2 and (result.step, result.uri) == (8, later.uri)  # retention kept the later commit
-    assert "the chunk to step 8 waits for it" in caplog.text
+    assert "the chunk to step 8 waits for it" in caplog.text and waited == ["sft"]
