@@ -177,22 +177,27 @@ def sigkill_tree(root_pid: int) -> list[int]:
 
 
 
-def flow_run_process(worker_pid: int, flow_run_id: str):
-    """The worker's child process running `flow_run_id` (its environment names the run), or None (also when the
-    worker is gone)."""
+def flow_run_process(worker_pid: int | None, flow_run_id: str):
+    """The process running `flow_run_id` (its environment names the run): the worker's child or, when the worker
+    died and the run lives on (flows/orphans.py) or `worker_pid` is None, the topmost such process on the machine;
+    None when there is none."""
     import psutil
 
-    try:
-        children = psutil.Process(worker_pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return None
-    for child in children:
+    def runs_it(process) -> bool:
         try:
-            if child.environ().get("PREFECT__FLOW_RUN_ID") == flow_run_id:
-                return child
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return None
+            return process.environ().get("PREFECT__FLOW_RUN_ID") == flow_run_id
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            return False
+
+    try:
+        candidates = psutil.Process(worker_pid).children(recursive=True) if worker_pid else []
+    except psutil.NoSuchProcess:
+        candidates = []
+    found = [process for process in candidates if runs_it(process)]
+    if not found:
+        found = [process for process in psutil.process_iter() if runs_it(process)]
+    pids = {process.pid for process in found}
+    return next((process for process in found if process.ppid() not in pids), None)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -109,6 +109,7 @@ class SoakSite:
         self._timers: list[threading.Timer] = []
         self.store: MotoStore | None = None
         self.mount: PowerCutMount | None = None
+        self._client = None
 
     def __enter__(self) -> SoakSite:
         from rlhf_core.toy import init_toy
@@ -153,7 +154,13 @@ class SoakSite:
             timer.cancel()
         for cleanup in self.cleanups:
             cleanup()
+        self._kill_flow_run()  # the worker's stop ends its children, not a run that outlived an earlier worker
         self._stack.close()
+
+    def _kill_flow_run(self) -> None:
+        process = flow_run_process(None, self.flow_run_id) if self.flow_run_id else None
+        if process is not None:
+            sigkill_tree(process.pid)
 
     def pending(self) -> bool:
         """Whether something a fault took away (a node, the store) is still to come back."""
@@ -168,26 +175,27 @@ class SoakSite:
     # ------------------------------------------------------------------------------------------------- runs
     def submit(self, config: dict) -> str:
         """A new flow run of the deployment with `config`: the only call the soak makes that changes a run."""
-        from prefect.client.orchestration import SyncPrefectClient
-
-        with SyncPrefectClient(self.server.api_url) as client:
-            deployment = client.read_deployment_by_name(DEPLOYMENT)
-            flow_run = client.create_flow_run_from_deployment(deployment.id, parameters={"config": config})
+        client = self.client()
+        deployment = client.read_deployment_by_name(DEPLOYMENT)
+        flow_run = client.create_flow_run_from_deployment(deployment.id, parameters={"config": config})
         self.api_changes.append(f"create_flow_run_from_deployment {flow_run.id}")
         self.flow_run_id = str(flow_run.id)
         return self.flow_run_id
 
-    def flow_run(self):
-        from prefect.client.orchestration import SyncPrefectClient
+    def client(self):
+        """One client for the soak's calls, kept open: a client per call costs a version check and a connection,
+        at nice 0 beside ranks at Ray's nice 15, several times a second."""
+        if self._client is None:
+            from prefect.client.orchestration import SyncPrefectClient
 
-        with SyncPrefectClient(self.server.api_url) as client:
-            return client.read_flow_run(self.flow_run_id)
+            self._client = self._stack.enter_context(SyncPrefectClient(self.server.api_url))
+        return self._client
+
+    def flow_run(self):
+        return self.client().read_flow_run(self.flow_run_id)
 
     def states(self) -> list[tuple[float, str, str]]:
-        from prefect.client.orchestration import SyncPrefectClient
-
-        with SyncPrefectClient(self.server.api_url) as client:
-            states = client.read_flow_run_states(self.flow_run_id)
+        states = self.client().read_flow_run_states(self.flow_run_id)
         return sorted((state.timestamp.timestamp(), state.type.value, state.name) for state in states)
 
     def run_logs(self) -> list[LogLine]:
@@ -195,25 +203,25 @@ class SoakSite:
         subflows'): off the machine, so a power cut loses none that were sent."""
         import logging
 
-        from prefect.client.orchestration import SyncPrefectClient
         from prefect.client.schemas.filters import FlowRunFilter, LogFilter
         from prefect.client.schemas.sorting import LogSort
 
-        with SyncPrefectClient(self.server.api_url) as client:
-            children = client.read_flow_runs(
-                flow_run_filter=FlowRunFilter(parent_flow_run_id={"any_": [self.flow_run_id]}))
-            log_filter = LogFilter(flow_run_id={"any_": [self.flow_run_id, *(str(run.id) for run in children)]},
-                                   level={"ge_": logging.INFO})
-            records, page = [], 200
-            while batch := client.read_logs(log_filter, limit=page, offset=len(records), sort=LogSort.TIMESTAMP_ASC):
-                records += batch
-                if len(batch) < page:
-                    break
+        client = self.client()
+        children = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id={"any_": [self.flow_run_id]}))
+        log_filter = LogFilter(flow_run_id={"any_": [self.flow_run_id, *(str(run.id) for run in children)]},
+                               level={"ge_": logging.INFO})
+        records, page = [], 200
+        while batch := client.read_logs(log_filter, limit=page, offset=len(records), sort=LogSort.TIMESTAMP_ASC):
+            records += batch
+            if len(batch) < page:
+                break
         return [LogLine(record.timestamp.timestamp(), logging.getLevelName(record.level), record.message)
                 for record in records]
 
     def flow_run_process(self):
-        """The worker's child process running the current flow run; NotNow if there is none."""
+        """The process running the current flow run (the worker's child, or an orphan once its worker died);
+        NotNow if there is none."""
         from tests.soak.kinds import NotNow
 
         process = flow_run_process(self.worker.process.pid, self.flow_run_id)
@@ -229,6 +237,7 @@ class SoakSite:
         assert self.mount is not None
         self.worker.held.set()
         sigkill_tree(self.worker.process.pid)
+        self._kill_flow_run()  # one that outlived an earlier worker is not in the worker's tree
         for node in self.cluster.workers:
             if node.alive():
                 node.kill()
