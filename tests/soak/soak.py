@@ -50,10 +50,13 @@ SHORT = (Leg("disk", "disk", ("rank_kill", "preemption", "flow_run_kill"), num_f
              mean_interval_s=8, recovered_after_s=3, sft_epochs=16, sft_save_steps=32, ppo_prompts=32,
              ppo_episodes=1, ppo_save_steps=2),)
 DISK_KINDS = ("rank_kill", "rank_hang", "oom", "flow_run_kill", "worker_kill", "preemption", "node_loss", "power_cut")
-# The disk leg's uninterrupted run: about 20 minutes here (2 ranks on 2 cores train the toy SFT at ~37 steps/s
-# and its PPO at ~7 steps/s), in chunks of 5-10 s. The S3 leg's is about 2.5 minutes; its outage lasts 2.
+# The disk leg's uninterrupted run: about 24 minutes here (2 ranks on 2 cores train the toy SFT at ~43 steps/s
+# and its PPO at ~17 steps/s), in chunks of 4-7 s; long enough that the faulted run, which now takes about 1.2
+# times as long, is still training when its 12th fault is due (seed 0: about 1690 s after its first step; at 760
+# epochs and 100 episodes the faulted run of the 3rd full soak ended at 1265 s, after 9). The S3 leg's is about
+# 2 minutes; its outage lasts 2.
 FULL = (Leg("disk", "disk", DISK_KINDS, num_faults=12, first_fault_s=60, mean_interval_s=120, recovered_after_s=10,
-            sft_epochs=760, sft_save_steps=256, ppo_prompts=256, ppo_episodes=100, ppo_save_steps=64),
+            sft_epochs=1064, sft_save_steps=256, ppo_prompts=256, ppo_episodes=140, ppo_save_steps=64),
         Leg("s3", "s3", ("store_outage", "rank_kill"), num_faults=2, first_fault_s=20, mean_interval_s=150,
             recovered_after_s=10, sft_epochs=40, sft_save_steps=128, ppo_prompts=256, ppo_episodes=8,
             ppo_save_steps=32))
