@@ -21,6 +21,8 @@ import socket
 import sys
 from pathlib import Path
 
+from rlhf_core.processes import process_exists, process_started
+
 logger = logging.getLogger(__name__)
 HOST, BOOT, PID, STARTED, ATTEMPT = "rlhf.host", "rlhf.boot_id", "rlhf.pid", "rlhf.pid_started", "rlhf.attempt"
 
@@ -50,7 +52,7 @@ def _console_gone(console) -> None:
 
 def this_process() -> dict[str, str]:
     """The labels naming this process: host, boot and pid with its start time (a pid is reused, a start is not)."""
-    return {HOST: socket.gethostname(), BOOT: _boot_id(), PID: str(os.getpid()), STARTED: _started(os.getpid())}
+    return {HOST: socket.gethostname(), BOOT: _boot_id(), PID: str(os.getpid()), STARTED: process_started(os.getpid())}
 
 
 def record_process(client, flow_run_id: str) -> None:
@@ -69,8 +71,9 @@ def orphaned(labels: dict, run_count: int, here: dict[str, str]) -> str | None:
         return None
     if labels.get(BOOT) != here[BOOT]:
         return f"this machine restarted since its process {labels[PID]} started"
-    if _started(int(labels[PID])) != labels.get(STARTED):
-        return f"its process {labels[PID]} is gone"
+    pid = int(labels[PID])
+    if not process_exists(pid) or process_started(pid) != labels.get(STARTED):
+        return f"its process {pid} is gone"
     return None
 
 
@@ -98,14 +101,6 @@ def _boot_id() -> str:
     try:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
-        return ""
-
-
-def _started(pid: int) -> str:
-    """The process's start time in clock ticks since boot (Linux), or "" when there is no such process."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19]
-    except (OSError, IndexError):
         return ""
 
 

@@ -18,10 +18,23 @@ def process_exists(pid: int) -> bool:
     return not _is_zombie(pid)
 
 
+def process_started(pid: int) -> str:
+    """When the process started, in clock ticks since boot (Linux), or "" when that cannot be read: with the pid
+    it names one process, where a pid alone may name a later one (pids are reused)."""
+    fields = _stat_fields(pid)
+    return fields[19].decode() if len(fields) > 19 else ""
+
+
 def _is_zombie(pid: int) -> bool:
+    fields = _stat_fields(pid)
+    return bool(fields) and fields[0] == b"Z"
+
+
+def _stat_fields(pid: int) -> list[bytes]:
+    """The fields of /proc/PID/stat after the command name (the state first); none where it cannot be read."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
-            # the state follows the command name, which is in parentheses and may itself hold ") "
-            return stat.read().rpartition(b")")[2].split()[0] == b"Z"
-    except (OSError, IndexError):
-        return False
+            # the fields follow the command name, which is in parentheses and may itself hold ") "
+            return stat.read().rpartition(b")")[2].split()
+    except OSError:
+        return []
