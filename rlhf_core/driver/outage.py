@@ -55,8 +55,8 @@ def wait_out_outages(attempt: Callable[[], T], store_url: str, waiting: str, los
             delay = min(2 * delay, MAX_BACKOFF_S)
             continue
         if began is not None:
-            logger.info("--ckpt_path %s: the store is back after %.0f s; %s goes on", store_url, clock() - began,
-                        waiting)
+            outage_s = clock() - began
+            logger.info("--ckpt_path %s: the store is back after %.0f s; %s goes on", store_url, outage_s, waiting)
             if waited is not None:
-                waited(clock() - began)
+                waited(outage_s)
         return result
