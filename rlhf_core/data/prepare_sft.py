@@ -6,7 +6,7 @@ of `TokenizedSample`. docs/design-notes.md ("Prepared data") has the design.
 
 from __future__ import annotations
 
-from typing import Iterator
+from dataclasses import dataclass, field
 
 from rlhf_core.data.prepared import (Columns, PreparedRows, PreparedStore, preparation_key,
                                      source_versions, write_batches)
@@ -15,6 +15,7 @@ from rlhf_core.data.records import Record
 from rlhf_core.data.samples import (Renderer, TokenizedSample, assistant_spans, multiturn_conversation, require_text,
                                     sft_texts, tokenize_pretraining, tokenize_sft)
 from rlhf_core.data.stream import RecordStream
+from rlhf_core.data.workers import map_batches
 from rlhf_core.notices import warn_once
 
 COLUMNS = {"input_ids": "int32", "loss_mask": "int8"}
@@ -37,9 +38,15 @@ def prepared_sft_samples(cfg, run, tokenizer, evaluation: bool = False) -> Prepa
     found = store.open(key)
     if found is None:
         stream = RecordStream(url, run.storage_options, cfg.max_samples, split, probs, run.seed, flag)
+        job = SFTBatches(Renderer(tokenizer, url, cfg.apply_chat_template and not cfg.pretrain_mode,
+                                  cfg.input_template), cfg.input_key, cfg.output_key, cfg.max_len, cfg.multiturn,
+                         cfg.pretrain_mode)
 
         def write(path: str) -> dict:
-            rows = write_batches(path, COLUMNS, _tokenized(cfg, tokenizer, url, stream), f"{flag} {url}")
+            rows = write_batches(path, COLUMNS, map_batches(stream.blocks(), url, job, COLUMNS),
+                                 f"{flag} {url}", lambda: stream.position)
+            if rows == 0:
+                job.no_rows()
             return {"rows": rows, "inputs": inputs, "file_hashes": _file_hashes(url, versions, stream, run, split,
                                                                                   flag)}
 
@@ -65,26 +72,36 @@ def _file_hashes(url: str, versions: list, stream: RecordStream, run, split: str
     return hashes
 
 
-def _tokenized(cfg, tokenizer, url: str, stream: RecordStream) -> Iterator[Columns]:
-    """Each batch of records as prepared columns; no batch is kept past its write."""
-    if cfg.pretrain_mode:
-        renderer, encode = Renderer(tokenizer, url, False), BatchEncoder(tokenizer, cfg.max_len)
-        total = 0
-        for records in stream:
-            batch = _pretraining_batch(renderer, encode, records, cfg.input_key)
-            total += len(batch["input_ids"])
-            yield batch
-        if total == 0:
-            tokenize_pretraining(url, [], tokenizer, cfg.input_key, cfg.max_len)  # raises its one sentence
-        return
-    renderer = Renderer(tokenizer, url, cfg.apply_chat_template, cfg.input_template)
-    encode, total = BatchEncoder(tokenizer, cfg.max_len), 0
-    for records in stream:
-        batch = _sft_batch(renderer, encode, records, cfg.input_key, cfg.output_key, cfg.multiturn)
-        total += len(batch["input_ids"])
-        yield batch
-    if total == 0:
-        tokenize_sft(renderer, [], cfg.input_key, cfg.output_key, cfg.max_len, cfg.multiturn)  # raises its sentence
+@dataclass
+class SFTBatches:
+    """The job of a preparation's batches (`workers.map_batches`): a batch of records as SFT's columns, as
+    `samples.tokenize_sft` (or `tokenize_pretraining`) makes them, the texts tokenized as one call. Picklable: a
+    worker process gets it once."""
+
+    renderer: Renderer
+    input_key: str
+    output_key: str | None
+    max_len: int
+    multiturn: bool
+    pretrain_mode: bool
+    encode: BatchEncoder | None = field(default=None, repr=False)
+
+    def __call__(self, records: list[Record]) -> Columns:
+        if self.encode is None:
+            self.encode = BatchEncoder(self.renderer.tokenizer, self.max_len)
+        if self.pretrain_mode:
+            return _pretraining_batch(self.renderer, self.encode, records, self.input_key)
+        return _sft_batch(self.renderer, self.encode, records, self.input_key, self.output_key, self.multiturn)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "encode": None}  # a worker builds its own from the tokenizer
+
+    def no_rows(self) -> None:
+        """Raise the sentence today's per-row functions give for a dataset that leaves no sample."""
+        renderer = self.renderer
+        if self.pretrain_mode:
+            tokenize_pretraining(renderer.url, [], renderer.tokenizer, self.input_key, self.max_len)
+        tokenize_sft(renderer, [], self.input_key, self.output_key, self.max_len, self.multiturn)
 
 
 class BatchEncoder:

@@ -13,6 +13,7 @@ import logging
 import os
 import secrets
 import shutil
+import socket
 import time
 from collections.abc import Sequence
 from typing import Any, Callable, Iterable, Iterator, overload
@@ -23,20 +24,24 @@ import numpy as np
 from rlhf_core.data.fingerprints import HashLookup, file_version, fingerprint
 from rlhf_core.data.records import split_data_dir
 from rlhf_core.faults import fault_point
+from rlhf_core.processes import process_exists
 from rlhf_core.storage.locate import is_hub_id, is_local_url, local_path
 from rlhf_core.storage.manifest import DEFAULT_CHECKSUM, digest_of_local_file
 
 FORMAT_VERSION = 1  # of the samples' layout and of what the key holds: a change builds every preparation anew
 PREPARED_DIR = ".prepared"
 MARKER_NAME = "PREPARED.json"
+STAGING = ".tmp-"  # a preparation's folder while it is written: .tmp-{key}-{tag}-{pid}@{host}
 DATA_NAME = "samples.arrow"
 HASHES_DIR = "hashes"  # {version hash}.json: a data file's sha256 by its version, for the drift check
 CACHE_ENV_VAR = "RLHF_PREPARED_CACHE"  # the local cache in front of a remote store (default ~/.cache/rlhf/prepared)
-PROGRESS_EVERY_S = 10.0
+PROGRESS_EVERY_S = 10.0  # a log line this often while preparing
+PROGRESS_DELAY_S = 3.0  # a preparation shorter than this shows no bar
 
 logger = logging.getLogger(__name__)
 
 Columns = dict[str, list]  # a batch of prepared rows: column name -> one value (a list of ints) per row
+FlatColumns = dict[str, tuple[np.ndarray, np.ndarray]]  # the same as Arrow holds it: name -> (offsets, values)
 
 
 def tokenizer_identity(tokenizer) -> str:
@@ -135,7 +140,8 @@ class PreparedStore:
         into place whole; when another process published the same key first, its copy is kept."""
         parent = os.path.dirname(self.local_dir(key))
         os.makedirs(parent, exist_ok=True)
-        staging = os.path.join(parent, f".tmp-{key}-{secrets.token_hex(4)}")
+        remove_stale_staging(parent)
+        staging = os.path.join(parent, f"{STAGING}{key}-{_owner()}")
         os.makedirs(staging)
         try:
             data = os.path.join(staging, DATA_NAME)
@@ -190,7 +196,8 @@ class PreparedStore:
         remote = f"{self.root}/{key}"
         if not self.fs.exists(f"{remote}/{MARKER_NAME}"):
             return False
-        staging = f"{folder}.part-{secrets.token_hex(4)}"
+        remove_stale_staging(os.path.dirname(folder))
+        staging = os.path.join(os.path.dirname(folder), f"{STAGING}{key}-{_owner()}")
         os.makedirs(staging)
         try:
             for name in (MARKER_NAME, DATA_NAME):
@@ -202,6 +209,25 @@ class PreparedStore:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         return os.path.exists(folder)
+
+
+def _owner() -> str:
+    """The part of a staging folder's name that says whose it is: a random tag, this process's pid and host."""
+    return f"{secrets.token_hex(4)}-{os.getpid()}@{socket.gethostname()}"
+
+
+def remove_stale_staging(parent: str) -> list[str]:
+    """Remove the staging folders in `parent` of processes of this host that are gone (a preparation or a
+    download killed midway); another host's, on a shared filesystem, are left to that host."""
+    removed = []
+    for name in os.listdir(parent) if os.path.isdir(parent) else []:
+        head, _, host = name.rpartition("@")
+        pid = head.rpartition("-")[2]
+        if name.startswith(STAGING) and host == socket.gethostname() and pid.isdigit() \
+                and not process_exists(int(pid)):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+            removed.append(name)
+    return removed
 
 
 def _hash_name(version: list) -> str:
@@ -260,26 +286,56 @@ def _fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def write_batches(path: str, columns: dict[str, str], batches: Iterable[Columns], label: str) -> int:
+def write_batches(path: str, columns: dict[str, str], batches: Iterable[FlatColumns], label: str,
+                  position: Callable[[], tuple[int, int | None, str]] | None = None) -> int:
     """Write prepared rows into an Arrow file at `path` (`columns`: name -> "int32" or "int8", each a list
-    column), a batch at a time; the fault point `prepare@N` fires before batch N. The number of rows written."""
+    column), a batch of (offsets, values) at a time; the fault point `prepare@N` fires before batch N. The number
+    of rows written. `position` tells how far the source is read (done, total), for the progress shown."""
     import pyarrow as pa
 
     schema = pa.schema([(name, pa.list_(getattr(pa, kind)())) for name, kind in columns.items()])
-    rows, started, reported = 0, time.monotonic(), time.monotonic()
+    rows, progress = 0, Progress(label, position)
     with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
         for number, batch in enumerate(batches, start=1):
             fault_point("prepare", number)
-            if not batch[next(iter(columns))]:
+            num_rows = len(batch[next(iter(columns))][0]) - 1
+            if num_rows == 0:
                 continue
-            writer.write_batch(pa.record_batch([pa.array(batch[name], type=schema.field(name).type)
+            writer.write_batch(pa.record_batch([pa.ListArray.from_arrays(*batch[name], type=schema.field(name).type)
                                                 for name in columns], schema=schema))
-            rows += len(batch[next(iter(columns))])
-            if time.monotonic() - reported > PROGRESS_EVERY_S:
-                reported = time.monotonic()
-                logger.info("preparing %s: %d rows (%.0f rows/s)", label, rows, rows / (reported - started))
-    logger.info("prepared %s: %d rows in %.1f s", label, rows, time.monotonic() - started)
+            rows += num_rows
+            progress.update(rows)
+    progress.close(rows)
     return rows
+
+
+class Progress:
+    """A preparation's progress: a bar with rows per second on a terminal once it has taken PROGRESS_DELAY_S
+    (tqdm), and a log line every PROGRESS_EVERY_S for the log file and for runs without a terminal."""
+
+    def __init__(self, label: str, position: Callable[[], tuple[int, int | None, str]] | None):
+        from tqdm.auto import tqdm
+
+        self.label, self.position = label, position or (lambda: (0, None, "B"))
+        self.started = self.reported = time.monotonic()
+        _, total, unit = self.position()
+        self.bar = tqdm(total=total, desc=f"preparing {os.path.basename(label)}", unit=unit, unit_scale=True,
+                        delay=PROGRESS_DELAY_S, disable=None, leave=False, dynamic_ncols=True) if total else None
+
+    def update(self, rows: int) -> None:
+        now = time.monotonic()
+        if self.bar is not None:
+            self.bar.update(self.position()[0] - self.bar.n)
+            self.bar.set_postfix_str(f"{rows:,} rows, {rows / max(now - self.started, 1e-9):,.0f} rows/s",
+                                     refresh=False)
+        if now - self.reported > PROGRESS_EVERY_S:
+            self.reported = now
+            logger.info("preparing %s: %d rows (%.0f rows/s)", self.label, rows, rows / (now - self.started))
+
+    def close(self, rows: int) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        logger.info("prepared %s: %d rows in %.1f s", self.label, rows, time.monotonic() - self.started)
 
 
 class PreparedRows(Sequence):

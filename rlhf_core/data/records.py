@@ -15,7 +15,6 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Sized
 
 import fsspec
-import torch
 
 from rlhf_core.errors import UserError
 from rlhf_core.storage.locate import is_hub_id, is_local_url, load_tokenizer, local_path, not_cached, store_unreachable
@@ -299,6 +298,8 @@ def rank_micro_batches(global_indices: list[int], rank: int, world_size: int, mi
 
 def split_holdout(items: list, fraction: float, seed: int) -> tuple[list, list]:
     """A fixed (train, held-out) split: the held-out part is drawn by `seed`, the rest keeps its order."""
+    import torch  # here, not at the top: a preparation's worker processes import this module and need no torch
+
     from rlhf_core.data.determinism import generator
 
     num_held_out = int(len(items) * fraction)

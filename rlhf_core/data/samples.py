@@ -9,14 +9,16 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
-import torch
 
 from rlhf_core.data.records import Record
 from rlhf_core.notices import warn_once
 from rlhf_core.errors import UserError
+
+if TYPE_CHECKING:  # the collates import torch when called: a preparation's worker processes need none
+    import torch
 
 IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant", "tool")
@@ -296,6 +298,8 @@ def tokenize_pretraining(url: str, records: list[Record], tokenizer, input_key: 
 
 def collate_sft(samples: list[TokenizedSample], pad_token_id: int) -> dict[str, torch.Tensor]:
     """Right-padded input_ids, attention_mask and labels (IGNORE_INDEX outside the response)."""
+    import torch
+
     length = max(len(sample.input_ids) for sample in samples)
     input_ids = torch.full((len(samples), length), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((len(samples), length), dtype=torch.long)
@@ -350,6 +354,8 @@ def tokenize_pairs(renderer: Renderer, records: list[Record], prompt_key: str | 
 
 def collate_pairs(pairs: list[TokenizedPair], pad_token_id: int) -> dict[str, torch.Tensor]:
     """Chosen sequences first, then rejected ones, right-padded into one batch."""
+    import torch
+
     sequences = [pair.chosen_ids for pair in pairs] + [pair.rejected_ids for pair in pairs]
     length = max(map(len, sequences))
     input_ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)

@@ -157,9 +157,12 @@ def test_a_kill_mid_preparation_leaves_nothing_in_use(toy_assets, tmp_path):
                              str(tmp_path / "ckpt")], env=env, capture_output=True, timeout=120)
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert preparations(tmp_path) == set()  # only a staging folder, which no reader looks at
+    left = [name for name in os.listdir(tmp_path / "ckpt" / PREPARED_DIR) if name.startswith(".tmp-")]
+    assert len(left) == 1
     run = sft_run(tmp_path, toy_assets["model"], data)
     assert len(load_sft_samples(run, load_tokenizer(toy_assets["model"]))) == len(ROWS) * 250
     assert len(preparations(tmp_path)) == 1
+    assert sorted(os.listdir(tmp_path / "ckpt" / PREPARED_DIR)) == sorted(preparations(tmp_path) | {"hashes"})
 
 
 @pytest.mark.parametrize("content, message", [
