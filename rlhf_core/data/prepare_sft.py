@@ -8,68 +8,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlhf_core.data.prepared import (Columns, PreparedRows, PreparedStore, preparation_key,
-                                     source_versions, write_batches)
-from rlhf_core.data.fingerprints import fingerprint
+from rlhf_core.data.columns import Columns, PreparedRows
+from rlhf_core.data.preparation import prepared_rows, stage_source
 from rlhf_core.data.records import Record
 from rlhf_core.data.samples import (Renderer, TokenizedSample, assistant_spans, multiturn_conversation, require_text,
                                     sft_texts, tokenize_pretraining, tokenize_sft)
-from rlhf_core.data.stream import RecordStream
-from rlhf_core.data.workers import map_batches
 from rlhf_core.notices import warn_once
 
-COLUMNS = {"input_ids": "int32", "loss_mask": "int8"}
+COLUMNS = {"input_ids": "int32[]", "loss_mask": "int8[]"}
 
 
 def prepared_sft_samples(cfg, run, tokenizer, evaluation: bool = False) -> PreparedRows:
     """The SFT samples of `cfg` (its --dataset, or --eval_dataset), prepared once in the run's store and
     memory-mapped; the tokenizer's chat template must already be the stage's."""
-    url = cfg.eval_dataset if evaluation else cfg.dataset
-    flag = "--eval_dataset" if evaluation else "--dataset"
-    split = cfg.eval_split if evaluation else cfg.dataset_split
-    probs = None if evaluation else cfg.dataset_probs
+    source = stage_source(cfg, run.seed, evaluation)
     settings = {"input_key": cfg.input_key, "output_key": cfg.output_key, "input_template": cfg.input_template,
                 "apply_chat_template": cfg.apply_chat_template, "max_len": cfg.max_len, "multiturn": cfg.multiturn,
-                "pretrain_mode": cfg.pretrain_mode, "packing_samples": cfg.packing_samples,
-                "max_samples": cfg.max_samples, "split": split, "probs": probs, "seed": run.seed if probs else None}
-    versions = source_versions(url, run.storage_options, split, flag)
-    key, inputs = preparation_key("sft", versions, tokenizer, settings)
-    store = PreparedStore(run.ckpt_path, run.storage_options)
-    found = store.open(key)
-    if found is None:
-        stream = RecordStream(url, run.storage_options, cfg.max_samples, split, probs, run.seed, flag)
-        job = SFTBatches(Renderer(tokenizer, url, cfg.apply_chat_template and not cfg.pretrain_mode,
-                                  cfg.input_template), cfg.input_key, cfg.output_key, cfg.max_len, cfg.multiturn,
-                         cfg.pretrain_mode)
-
-        def write(path: str) -> dict:
-            rows = write_batches(path, COLUMNS, map_batches(stream.blocks(), url, job, COLUMNS),
-                                 f"{flag} {url}", lambda: stream.position)
-            if rows == 0:
-                job.no_rows()
-            return {"rows": rows, "inputs": inputs, "file_hashes": _file_hashes(url, versions, stream, run, split,
-                                                                                  flag)}
-
-        store.publish(key, write)
-        found = store.open(key)
-        for _, version, digest in (found or (None, {}))[1].get("file_hashes", []):
-            store.save_hash(version, digest)
-        if found is None:  # removed or damaged between publishing and reading: a store that keeps nothing
-            raise RuntimeError(f"prepared data {store.local_dir(key)} could not be read back after publishing")
-    return PreparedRows(found[0], TokenizedSample)
-
-
-def _file_hashes(url: str, versions: list, stream: RecordStream, run, split: str, flag: str) -> list:
-    """[url, version, sha256] of each plain file of `url`, for the drift check: the streamed file's hash was
-    taken as it was read; any other file is hashed once here."""
-    hashes = []
-    for kind, *version in versions:
-        if kind != "file":
-            continue
-        digest = stream.sha256 if stream.sha256 and version[0] == url else fingerprint(
-            version[0], run.storage_options, split=split, flag=flag)
-        hashes.append([version[0], version, digest])
-    return hashes
+                "pretrain_mode": cfg.pretrain_mode, "packing_samples": cfg.packing_samples}
+    job = SFTBatches(Renderer(tokenizer, source.url, cfg.apply_chat_template and not cfg.pretrain_mode,
+                              cfg.input_template), cfg.input_key, cfg.output_key, cfg.max_len, cfg.multiturn,
+                     cfg.pretrain_mode)
+    return prepared_rows("sft", source, run, tokenizer, settings, job, COLUMNS, TokenizedSample, job.no_rows)
 
 
 @dataclass

@@ -2,7 +2,7 @@
 `{ckpt_path}/.prepared/{key}/`, the key a hash of everything the tokens depend on (the data's cheap version, the
 tokenizer and its chat template, the stage's data flags, the format version). Published atomically (a folder
 renamed into place, `PREPARED.json` with the file's size and checksum last), verified at every open, rebuilt when
-damaged; ranks and restarts memory-map it. docs/design-notes.md ("Prepared data") has the design.
+damaged; ranks and restarts memory-map it (`rlhf_core.data.columns`). docs/design-notes.md ("Prepared data") has the design.
 """
 
 from __future__ import annotations
@@ -15,15 +15,12 @@ import secrets
 import shutil
 import socket
 import time
-from collections.abc import Sequence
-from typing import Any, Callable, Iterable, Iterator, overload
+from typing import Any, Callable
 
 import fsspec
-import numpy as np
 
 from rlhf_core.data.fingerprints import HashLookup, file_version, fingerprint
 from rlhf_core.data.records import split_data_dir
-from rlhf_core.faults import fault_point
 from rlhf_core.processes import process_exists
 from rlhf_core.storage.locate import is_hub_id, is_local_url, local_path
 from rlhf_core.storage.manifest import DEFAULT_CHECKSUM, digest_of_local_file
@@ -35,13 +32,9 @@ STAGING = ".tmp-"  # a preparation's folder while it is written: .tmp-{key}-{tag
 DATA_NAME = "samples.arrow"
 HASHES_DIR = "hashes"  # {version hash}.json: a data file's sha256 by its version, for the drift check
 CACHE_ENV_VAR = "RLHF_PREPARED_CACHE"  # the local cache in front of a remote store (default ~/.cache/rlhf/prepared)
-PROGRESS_EVERY_S = 10.0  # a log line this often while preparing
-PROGRESS_DELAY_S = 3.0  # a preparation shorter than this shows no bar
 
 logger = logging.getLogger(__name__)
 
-Columns = dict[str, list]  # a batch of prepared rows: column name -> one value (a list of ints) per row
-FlatColumns = dict[str, tuple[np.ndarray, np.ndarray]]  # the same as Arrow holds it: name -> (offsets, values)
 
 
 def tokenizer_identity(tokenizer) -> str:
@@ -284,104 +277,3 @@ def _fsync_path(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def write_batches(path: str, columns: dict[str, str], batches: Iterable[FlatColumns], label: str,
-                  position: Callable[[], tuple[int, int | None, str]] | None = None) -> int:
-    """Write prepared rows into an Arrow file at `path` (`columns`: name -> "int32" or "int8", each a list
-    column), a batch of (offsets, values) at a time; the fault point `prepare@N` fires before batch N. The number
-    of rows written. `position` tells how far the source is read (done, total), for the progress shown."""
-    import pyarrow as pa
-
-    schema = pa.schema([(name, pa.list_(getattr(pa, kind)())) for name, kind in columns.items()])
-    rows, progress = 0, Progress(label, position)
-    with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
-        for number, batch in enumerate(batches, start=1):
-            fault_point("prepare", number)
-            num_rows = len(batch[next(iter(columns))][0]) - 1
-            if num_rows == 0:
-                continue
-            writer.write_batch(pa.record_batch([pa.ListArray.from_arrays(*batch[name], type=schema.field(name).type)
-                                                for name in columns], schema=schema))
-            rows += num_rows
-            progress.update(rows)
-    progress.close(rows)
-    return rows
-
-
-class Progress:
-    """A preparation's progress: a bar with rows per second on a terminal once it has taken PROGRESS_DELAY_S
-    (tqdm), and a log line every PROGRESS_EVERY_S for the log file and for runs without a terminal."""
-
-    def __init__(self, label: str, position: Callable[[], tuple[int, int | None, str]] | None):
-        from tqdm.auto import tqdm
-
-        self.label, self.position = label, position or (lambda: (0, None, "B"))
-        self.started = self.reported = time.monotonic()
-        _, total, unit = self.position()
-        self.bar = tqdm(total=total, desc=f"preparing {os.path.basename(label)}", unit=unit, unit_scale=True,
-                        delay=PROGRESS_DELAY_S, disable=None, leave=False, dynamic_ncols=True) if total else None
-
-    def update(self, rows: int) -> None:
-        now = time.monotonic()
-        if self.bar is not None:
-            self.bar.update(self.position()[0] - self.bar.n)
-            self.bar.set_postfix_str(f"{rows:,} rows, {rows / max(now - self.started, 1e-9):,.0f} rows/s",
-                                     refresh=False)
-        if now - self.reported > PROGRESS_EVERY_S:
-            self.reported = now
-            logger.info("preparing %s: %d rows (%.0f rows/s)", self.label, rows, rows / (now - self.started))
-
-    def close(self, rows: int) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        logger.info("prepared %s: %d rows in %.1f s", self.label, rows, time.monotonic() - self.started)
-
-
-class PreparedRows(Sequence):
-    """The rows of a prepared Arrow file, memory-mapped: `make(columns of one row)` builds each item on demand;
-    nothing is held per row."""
-
-    def __init__(self, path: str, make: Callable[..., Any]):
-        import pyarrow as pa
-
-        self.path, self.make = path, make
-        table = pa.ipc.open_file(pa.memory_map(path, "r")).read_all()
-        self.names = table.column_names
-        self._chunks = [[_flat(batch.column(i)) for i in range(batch.num_columns)] for batch in table.to_batches()]
-        sizes = [batch.num_rows for batch in table.to_batches()]
-        self._starts = np.cumsum([0] + sizes)
-        self._length = int(self._starts[-1])
-
-    def __len__(self) -> int:
-        return self._length
-
-    @overload
-    def __getitem__(self, index: int) -> Any: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> list: ...
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(self._length))]
-        if index < 0:
-            index += self._length
-        if not 0 <= index < self._length:
-            raise IndexError(index)
-        chunk = int(np.searchsorted(self._starts, index, side="right")) - 1
-        row = index - int(self._starts[chunk])
-        return self.make(*(values[offsets[row]:offsets[row + 1]].tolist()
-                           for offsets, values in self._chunks[chunk]))
-
-    def __iter__(self) -> Iterator[Any]:
-        return (self[i] for i in range(self._length))
-
-    def __reduce__(self):
-        return PreparedRows, (self.path, self.make)
-
-
-def _flat(column) -> tuple[np.ndarray, np.ndarray]:
-    """(offsets, values) of a list column, as numpy views of the mapped file."""
-    offsets = column.offsets.to_numpy(zero_copy_only=True)
-    return offsets, column.values.to_numpy(zero_copy_only=True)

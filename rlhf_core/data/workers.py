@@ -20,9 +20,7 @@ from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any, Callable, Iterable, Iterator
 
-import numpy as np
-
-from rlhf_core.data.prepared import Columns, FlatColumns
+from rlhf_core.data.columns import Columns, FlatColumns, flatten
 from rlhf_core.data.records import Record
 from rlhf_core.data.stream import LineBlock
 from rlhf_core.processes import process_exists
@@ -44,21 +42,8 @@ def num_workers() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def flatten(columns: Columns, dtypes: dict[str, str]) -> FlatColumns:
-    """Each list column as (offsets, values) numpy arrays: what Arrow stores, and cheap to send between
-    processes."""
-    flat: FlatColumns = {}
-    for name, dtype in dtypes.items():
-        rows = columns[name]
-        offsets = np.zeros(len(rows) + 1, dtype=np.int32)
-        np.cumsum([len(row) for row in rows], out=offsets[1:])
-        values = np.fromiter((value for row in rows for value in row), dtype=dtype, count=int(offsets[-1]))
-        flat[name] = (offsets, values)
-    return flat
-
-
 def map_batches(batches: Iterable[list[Record] | LineBlock], url: str, job: Job,
-                dtypes: dict[str, str]) -> Iterator[FlatColumns]:
+                kinds: dict[str, str]) -> Iterator[FlatColumns]:
     """`job` of each batch, flattened, in order. The first IN_PROCESS_BATCHES run in this process; a dataset
     with more goes on over `num_workers()` worker processes. A batch's error is raised here when its turn comes,
     after every batch before it, as it would be in one process."""
@@ -67,13 +52,13 @@ def map_batches(batches: Iterable[list[Record] | LineBlock], url: str, job: Job,
         batch = next(batches, None)
         if batch is None:
             return
-        yield flatten(job(_records(batch, url)), dtypes)
+        yield flatten(job(_records(batch, url)), kinds)
     workers = num_workers()
     if workers <= 1:
         for batch in batches:
-            yield flatten(job(_records(batch, url)), dtypes)
+            yield flatten(job(_records(batch, url)), kinds)
         return
-    with _worker_pool(workers, job, url, dtypes) as pool:
+    with _worker_pool(workers, job, url, kinds) as pool:
         pending: deque[Future] = deque()
         try:
             for batch in batches:
@@ -88,13 +73,13 @@ def map_batches(batches: Iterable[list[Record] | LineBlock], url: str, job: Job,
                 future.cancel()
 
 
-def _worker_pool(workers: int, job: Job, url: str, dtypes: dict[str, str]) -> ProcessPoolExecutor:
+def _worker_pool(workers: int, job: Job, url: str, kinds: dict[str, str]) -> ProcessPoolExecutor:
     """Processes forked from multiprocessing's fork server, which has imported this module and transformers once
     (a tokenizer's class), so that each starts in a fraction of a second."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__, "transformers.tokenization_utils_fast"])
     return ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
-                               initargs=(job, url, dtypes, os.getpid()))
+                               initargs=(job, url, kinds, os.getpid()))
 
 
 @contextlib.contextmanager
@@ -137,7 +122,7 @@ class _Captured(logging.Handler):
 _WORKER: dict[str, Any] = {}
 
 
-def _start_worker(job: Job, url: str, dtypes: dict[str, str], driver_pid: int) -> None:
+def _start_worker(job: Job, url: str, kinds: dict[str, str], driver_pid: int) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already: no threads inside each
     threading.Thread(target=_end_with, args=(driver_pid,), daemon=True, name="end-with-driver").start()
     captured = _Captured()
@@ -145,7 +130,7 @@ def _start_worker(job: Job, url: str, dtypes: dict[str, str], driver_pid: int) -
     root.addHandler(captured)
     root.setLevel(logging.WARNING)
     root.propagate = False
-    _WORKER.update(job=job, url=url, dtypes=dtypes, captured=captured)
+    _WORKER.update(job=job, url=url, kinds=kinds, captured=captured)
 
 
 def _end_with(driver_pid: int) -> None:
@@ -159,5 +144,5 @@ def _end_with(driver_pid: int) -> None:
 def _run_batch(batch: list[Record] | LineBlock) -> tuple[FlatColumns, list]:
     captured: _Captured = _WORKER["captured"]
     captured.records = []
-    columns = flatten(_WORKER["job"](_records(batch, _WORKER["url"])), _WORKER["dtypes"])
+    columns = flatten(_WORKER["job"](_records(batch, _WORKER["url"])), _WORKER["kinds"])
     return columns, captured.records

@@ -1,0 +1,83 @@
+"""A stage's dataset prepared once: found in the run's store by its key, else streamed, turned into columns batch by
+batch (the stage's `job`, over worker processes when large), published, and read back memory-mapped. Each stage's
+data module (`prepare_sft`, `pairs`, `prompts`) names its job, its columns and how a row becomes an item; this
+module holds what they share. docs/design-notes.md ("Prepared data") has the design.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from rlhf_core.data.fingerprints import fingerprint
+from rlhf_core.data.columns import PreparedRows, write_batches
+from rlhf_core.data.prepared import PreparedStore, preparation_key, source_versions
+from rlhf_core.data.stream import RecordStream
+from rlhf_core.data.workers import Job, map_batches
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a stage's rows come from: a --dataset (mixture), --eval_dataset or --prompt_data and how to read it."""
+
+    url: str
+    flag: str
+    split: str = "train"
+    max_samples: int | None = None
+    probs: str | None = None
+    seed: int = 0
+
+    def settings(self) -> dict[str, Any]:
+        """What of the source, beyond its files' versions, the prepared rows depend on."""
+        return {"max_samples": self.max_samples, "split": self.split, "probs": self.probs,
+                "seed": self.seed if self.probs else None}
+
+
+def stage_source(cfg, seed: int, evaluation: bool = False) -> Source:
+    """An SFT, RM, DPO or PRM stage's --dataset mixture, or with `evaluation` its --eval_dataset."""
+    if evaluation:
+        return Source(cfg.eval_dataset, "--eval_dataset", cfg.eval_split, cfg.max_samples, None, seed)
+    return Source(cfg.dataset, "--dataset", cfg.dataset_split, cfg.max_samples, cfg.dataset_probs, seed)
+
+
+def prepared_rows(kind: str, source: Source, run, tokenizer, settings: dict[str, Any], job: Job,
+                  columns: dict[str, str], make: Callable[..., Any], no_rows: Callable[[], None]) -> PreparedRows:
+    """The rows of `source` as `job` makes them (`columns`: name -> kind, see `rlhf_core.data.columns`), prepared
+    once in the run's store under a key of `kind`, the files' versions, the tokenizer and `settings`, and
+    memory-mapped; `make` builds an item from a row's values. `no_rows` raises the stage's sentence for a dataset
+    that leaves nothing."""
+    versions = source_versions(source.url, run.storage_options, source.split, source.flag)
+    key, inputs = preparation_key(kind, versions, tokenizer, {**settings, **source.settings()})
+    store = PreparedStore(run.ckpt_path, run.storage_options)
+    found = store.open(key)
+    if found is None:
+        stream = RecordStream(source.url, run.storage_options, source.max_samples, source.split, source.probs,
+                              source.seed, source.flag)
+
+        def write(path: str) -> dict:
+            rows = write_batches(path, columns, map_batches(stream.blocks(), source.url, job, columns),
+                                 f"{source.flag} {source.url}", lambda: stream.position)
+            if rows == 0:
+                no_rows()
+            return {"rows": rows, "inputs": inputs, "file_hashes": _file_hashes(source, versions, stream, run)}
+
+        store.publish(key, write)
+        found = store.open(key)
+        for _, version, digest in (found or (None, {}))[1].get("file_hashes", []):
+            store.save_hash(version, digest)
+        if found is None:  # removed or damaged between publishing and reading: a store that keeps nothing
+            raise RuntimeError(f"prepared data {store.local_dir(key)} could not be read back after publishing")
+    return PreparedRows(found[0], make)
+
+
+def _file_hashes(source: Source, versions: list, stream: RecordStream, run) -> list:
+    """[url, version, sha256] of each plain file of the source, for the drift check: the streamed file's hash was
+    taken as it was read; any other file is hashed once here."""
+    hashes = []
+    for kind, *version in versions:
+        if kind != "file":
+            continue
+        digest = stream.sha256 if stream.sha256 and version[0] == source.url else fingerprint(
+            version[0], run.storage_options, split=source.split, flag=source.flag)
+        hashes.append([version[0], version, digest])
+    return hashes
