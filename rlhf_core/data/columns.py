@@ -2,8 +2,8 @@
 into one Arrow file batch by batch with the preparation's progress, and read back memory-mapped as a lazy sequence
 (`PreparedRows`), each item built on demand.
 
-A column's kind is "int32[]", "int8[]" or "float32[]" (a list of numbers per row), "int32", "int8" or "float32"
-(one number per row), or "json" (any JSON value per row, as written in the data: a prompt's messages, a label).
+A column's kind is a numpy type with "[]" ("int32[]": a list of numbers per row), a numpy type ("int32",
+"float64": one number per row), or "json" (any JSON value per row, as written in the data: a prompt's messages, a label).
 """
 
 from __future__ import annotations
@@ -177,3 +177,41 @@ class _ColumnReader:
             return self.values[row].item()
         return json.loads(self.column[row].as_py())
 
+
+
+class Subset(Sequence):
+    """Some items of a sequence, by index, in the indices' order: a held-out split or a filter of prepared rows
+    that builds no item to choose it."""
+
+    def __init__(self, base: Sequence, indices: np.ndarray):
+        self.base, self.indices = base, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self.base[int(i)] for i in self.indices[index]]
+        return self.base[int(self.indices[index])]
+
+    def column(self, name: str) -> np.ndarray:
+        return column(self.base, name)[self.indices]
+
+
+def subset(items: Sequence, indices: np.ndarray) -> Sequence:
+    """`items` at `indices` (ascending): `items` itself when that is all of them."""
+    if len(indices) == len(items):
+        return items
+    if isinstance(items, Subset):
+        return Subset(items.base, items.indices[indices])
+    return Subset(items, indices)
+
+
+def column(items: Sequence, name: str, value_of: Callable[[Any], Any] | None = None) -> np.ndarray:
+    """A number column of prepared rows (or of a subset of them) without building items; of any other sequence,
+    `value_of` each item."""
+    if hasattr(items, "column"):
+        return items.column(name)
+    if value_of is None:
+        raise TypeError(f"{type(items).__name__} has no column {name!r}")
+    return np.array([value_of(item) for item in items])

@@ -1,21 +1,28 @@
-"""PPO's prompts: each prompt of `--prompt_data` (or `--eval_dataset`) as the model sees it, with its label."""
+"""PPO's prompts: each prompt of `--prompt_data` (or `--eval_dataset`) as the model sees it, with its label,
+prepared once in the run's store."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from rlhf_core.agent import load_agent_executor
 from rlhf_core.config import RunConfig
 from rlhf_core.errors import UserError
-from rlhf_core.data.records import Record, read_records
+from rlhf_core.data.columns import Columns
+from rlhf_core.data.preparation import Source, prepared_rows
+from rlhf_core.data.records import Record
+from rlhf_core.data.stream import RecordStream
 from rlhf_core.data.samples import Renderer, tokenize_prompts
 from rlhf_core.rewards import check_reward_setup
 from rlhf_core.stages.ppo import PPOConfig, require_vllm
 from rlhf_core.storage.locate import load_tokenizer
 
 logger = logging.getLogger(__name__)
+
+COLUMNS = {"text": "json", "ids": "int32[]", "label": "json", "bos_added": "int8"}
 
 
 @dataclass(frozen=True)
@@ -40,23 +47,60 @@ def record_label(url: str, record: Record, label_key: str | None) -> Any:
     return record.fields[label_key]
 
 
-def load_prompts(run: RunConfig, tokenizer, eval_data: bool = False) -> list[PromptItem]:
-    """The prompts (or with `eval_data`, the evaluation prompts) with their labels."""
+def load_prompts(run: RunConfig, tokenizer, eval_data: bool = False) -> Sequence[PromptItem]:
+    """The prompts (or with `eval_data`, the evaluation prompts) with their labels: prepared once in the run's
+    store (`rlhf_core.data.preparation`) and memory-mapped."""
     cfg = run.section("ppo", PPOConfig)
+    source, job = _prompt_source(cfg, run, tokenizer, eval_data)
+    settings = {"input_key": cfg.input_key, "label_key": cfg.label_key, "apply_chat_template": cfg.apply_chat_template,
+                "input_template": cfg.input_template, "prompt_max_len": cfg.prompt_max_len}
+    return prepared_rows("prompts", source, run, tokenizer, settings, job, COLUMNS, make_prompt, job.no_rows)
+
+
+def first_prompt(run: RunConfig, tokenizer) -> PromptItem:
+    """The first training prompt, read and tokenized alone: for checks that must pass before anything is
+    written (the reward function's)."""
+    source, job = _prompt_source(run.section("ppo", PPOConfig), run, tokenizer, False)
+    stream = RecordStream(source.url, run.storage_options, 1, source.split, source.probs, source.seed, source.flag)
+    records = next(iter(stream))[:1]
+    columns = job(records)
+    return make_prompt(*(columns[name][0] for name in COLUMNS))
+
+
+def _prompt_source(cfg: PPOConfig, run: RunConfig, tokenizer, eval_data: bool) -> tuple[Source, PromptBatches]:
     if eval_data:
         if cfg.eval_dataset is None:
             raise UserError("--eval_dataset: no dataset given.")
-        url = cfg.eval_dataset
-        records = read_records(url, run.storage_options, split=cfg.eval_split, flag="--eval_dataset")
+        source = Source(cfg.eval_dataset, "--eval_dataset", cfg.eval_split, seed=run.seed)
     else:
-        url = cfg.prompt_data
-        records = read_records(url, run.storage_options, cfg.max_samples, split=cfg.prompt_split,
-                               probs=cfg.dataset_probs, seed=run.seed, flag="--prompt_data")
-    renderer = Renderer(tokenizer, url, cfg.apply_chat_template, cfg.input_template)
-    tokenized = tokenize_prompts(renderer, records, cfg.input_key, cfg.prompt_max_len)
-    assert len(tokenized) == len(records), "tokenize_prompts must keep one prompt per record"
-    return [PromptItem(prompt.value, prompt.ids, record_label(url, record, cfg.label_key), prompt.bos_added)
-            for prompt, record in zip(tokenized, records)]
+        source = Source(cfg.prompt_data, "--prompt_data", cfg.prompt_split, cfg.max_samples, cfg.dataset_probs,
+                        run.seed)
+    return source, PromptBatches(Renderer(tokenizer, source.url, cfg.apply_chat_template, cfg.input_template),
+                                 cfg.input_key, cfg.prompt_max_len, cfg.label_key)
+
+
+@dataclass
+class PromptBatches:
+    """A batch of prompt records as prepared columns (`samples.tokenize_prompts`, and each one's label)."""
+
+    renderer: Renderer
+    input_key: str
+    prompt_max_len: int
+    label_key: str | None
+
+    def __call__(self, records: list[Record]) -> Columns:
+        prompts = tokenize_prompts(self.renderer, records, self.input_key, self.prompt_max_len)
+        assert len(prompts) == len(records), "tokenize_prompts must keep one prompt per record"
+        return {"text": [prompt.value for prompt in prompts], "ids": [prompt.ids for prompt in prompts],
+                "label": [record_label(self.renderer.url, record, self.label_key) for record in records],
+                "bos_added": [prompt.bos_added for prompt in prompts]}
+
+    def no_rows(self) -> None:
+        raise UserError(f"{self.renderer.url}: the dataset is empty.")
+
+
+def make_prompt(text: Any, ids: list[int], label: Any, bos_added: int) -> PromptItem:
+    return PromptItem(text, ids, label, bool(bos_added))
 
 
 def count_ppo_prompts(run: RunConfig) -> int:
@@ -65,13 +109,12 @@ def count_ppo_prompts(run: RunConfig) -> int:
     cfg = run.section("ppo", PPOConfig)
     require_vllm(cfg.vllm_num_engines)
     tokenizer = load_tokenizer(cfg.start_model, run.storage_options)
-    prompts = load_prompts(run, tokenizer)
-    if cfg.eval_dataset:
-        load_prompts(run, tokenizer, eval_data=True)
-    check_reward_setup(cfg, tokenizer, prompts[0])
+    check_reward_setup(cfg, tokenizer, first_prompt(run, tokenizer))
     if cfg.agent_func_path:
         load_agent_executor(cfg.agent_func_path)
         if cfg.normalize_reward:
             logger.warning("--normalize_reward has no effect with --agent_func_path: as in OpenRLHF, only "
                            "reward-model scores are normalized; the environment's rewards are used as they are.")
-    return len(prompts)
+    if cfg.eval_dataset:
+        load_prompts(run, tokenizer, eval_data=True)
+    return len(load_prompts(run, tokenizer))

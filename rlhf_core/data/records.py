@@ -12,10 +12,13 @@ import logging
 import os
 import re
 from dataclasses import dataclass, replace
+from collections.abc import Sequence
 from typing import Any, Callable, Sized
 
 import fsspec
+import numpy as np
 
+from rlhf_core.data.columns import subset
 from rlhf_core.errors import UserError
 from rlhf_core.storage.locate import is_hub_id, is_local_url, load_tokenizer, local_path, not_cached, store_unreachable
 
@@ -296,16 +299,17 @@ def rank_micro_batches(global_indices: list[int], rank: int, world_size: int, mi
     return micro_batches[rank::world_size]
 
 
-def split_holdout(items: list, fraction: float, seed: int) -> tuple[list, list]:
-    """A fixed (train, held-out) split: the held-out part is drawn by `seed`, the rest keeps its order."""
+def split_holdout(items: Sequence, fraction: float, seed: int) -> tuple[Sequence, Sequence]:
+    """A fixed (train, held-out) split: the held-out part is drawn by `seed`; both keep the items' order. Views
+    by index (`columns.subset`): no item is built to split them."""
     import torch  # here, not at the top: a preparation's worker processes import this module and need no torch
 
     from rlhf_core.data.determinism import generator
 
     num_held_out = int(len(items) * fraction)
-    held_out = set(torch.randperm(len(items), generator=generator(seed, "holdout")).tolist()[:num_held_out])
-    return ([item for i, item in enumerate(items) if i not in held_out],
-            [item for i, item in enumerate(items) if i in held_out])
+    held_out = np.zeros(len(items), dtype=bool)
+    held_out[torch.randperm(len(items), generator=generator(seed, "holdout")).numpy()[:num_held_out]] = True
+    return subset(items, np.flatnonzero(~held_out)), subset(items, np.flatnonzero(held_out))
 
 
 def count_with_eval(run, cfg, load: Callable[[Any, Any, bool], Sized]) -> int:
