@@ -7,10 +7,10 @@ module holds what they share. docs/design-notes.md ("Prepared data") has the des
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 from rlhf_core.data.fingerprints import fingerprint
-from rlhf_core.data.columns import PreparedRows, write_batches
+from rlhf_core.data.columns import FlatColumns, PreparedRows, write_batches
 from rlhf_core.data.prepared import PreparedStore, preparation_key, source_versions
 from rlhf_core.data.stream import RecordStream
 from rlhf_core.data.workers import Job, map_batches
@@ -41,11 +41,12 @@ def stage_source(cfg, seed: int, evaluation: bool = False) -> Source:
 
 
 def prepared_rows(kind: str, source: Source, run, tokenizer, settings: dict[str, Any], job: Job,
-                  columns: dict[str, str], make: Callable[..., Any], no_rows: Callable[[], None]) -> PreparedRows:
+                  columns: dict[str, str], make: Callable[..., Any], no_rows: Callable[[], None],
+                  check: Callable[[FlatColumns], None] | None = None) -> PreparedRows:
     """The rows of `source` as `job` makes them (`columns`: name -> kind, see `rlhf_core.data.columns`), prepared
     once in the run's store under a key of `kind`, the files' versions, the tokenizer and `settings`, and
     memory-mapped; `make` builds an item from a row's values. `no_rows` raises the stage's sentence for a dataset
-    that leaves nothing."""
+    that leaves nothing; `check` sees every batch's columns, in order, in this process (a rule across batches)."""
     versions = source_versions(source.url, run.storage_options, source.split, source.flag)
     key, inputs = preparation_key(kind, versions, tokenizer, {**settings, **source.settings()})
     store = PreparedStore(run.ckpt_path, run.storage_options)
@@ -55,7 +56,8 @@ def prepared_rows(kind: str, source: Source, run, tokenizer, settings: dict[str,
                               source.seed, source.flag)
 
         def write(path: str) -> dict:
-            rows = write_batches(path, columns, map_batches(stream.blocks(), source.url, job, columns),
+            batches = map_batches(stream.blocks(), source.url, job, columns)
+            rows = write_batches(path, columns, batches if check is None else _checked(batches, check),
                                  f"{source.flag} {source.url}", lambda: stream.position)
             if rows == 0:
                 no_rows()
@@ -68,6 +70,12 @@ def prepared_rows(kind: str, source: Source, run, tokenizer, settings: dict[str,
         if found is None:  # removed or damaged between publishing and reading: a store that keeps nothing
             raise RuntimeError(f"prepared data {store.local_dir(key)} could not be read back after publishing")
     return PreparedRows(found[0], make)
+
+
+def _checked(batches: Iterable[FlatColumns], check: Callable[[FlatColumns], None]) -> Iterator[FlatColumns]:
+    for batch in batches:
+        check(batch)
+        yield batch
 
 
 def _file_hashes(source: Source, versions: list, stream: RecordStream, run) -> list:

@@ -1,15 +1,23 @@
 """The process reward model's data: texts whose steps end at a placeholder token, each step labelled (a reward
-token, or a soft label in [0, 1]); tokenized as OpenRLHF's `train_prm` does, and counted for the planner."""
+token, or a soft label in [0, 1]); tokenized as OpenRLHF's `train_prm` does, prepared once in the run's store,
+and counted for the planner."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Callable
 
 from rlhf_core.config import RunConfig
-from rlhf_core.data.records import count_with_eval, read_stage_dataset
+from rlhf_core.data.columns import Columns, FlatColumns
+from rlhf_core.data.preparation import prepared_rows, stage_source
+from rlhf_core.data.records import Record, count_with_eval, read_stage_dataset
 from rlhf_core.data.samples import IGNORE_INDEX, field_value
 from rlhf_core.errors import UserError
 from rlhf_core.stages.prm import PRMConfig
+
+
+COLUMNS = {"input_ids": "int32[]", "labels": "float64[]", "soft": "int8"}
 
 
 @dataclass(frozen=True)
@@ -62,11 +70,60 @@ def _label_value(url, record, value, cfg, tokenizer, reward_ids: dict[str, int])
                     "two --reward_tokens (soft labels).")
 
 
-def load_step_labelled(run: RunConfig, tokenizer, evaluation: bool = False) -> list[StepLabelledSample]:
-    """The training samples, or with `evaluation` those of --eval_dataset."""
+def load_step_labelled(run: RunConfig, tokenizer, evaluation: bool = False) -> Sequence[StepLabelledSample]:
+    """The training samples, or with `evaluation` those of --eval_dataset: prepared once in the run's store
+    (`rlhf_core.data.preparation`) and memory-mapped."""
     cfg = run.section("prm", PRMConfig)
-    url, records = read_stage_dataset(cfg, run.storage_options, run.seed, evaluation)
-    return tokenize_step_labels(url, records, tokenizer, cfg)
+    source = stage_source(cfg, run.seed, evaluation)
+    job = StepLabelBatches(source.url, tokenizer, cfg)
+    settings = {"input_key": cfg.input_key, "label_key": cfg.label_key, "max_len": cfg.max_len,
+                "placeholder_token": cfg.placeholder_token, "reward_tokens": cfg.reward_tokens}
+    return prepared_rows("step_labels", source, run, tokenizer, settings, job, COLUMNS, make_sample, job.no_rows,
+                         OneLabelKind(lambda: job.todays_error(run, evaluation)))
+
+
+@dataclass
+class StepLabelBatches:
+    """A batch of step-labelled records as prepared columns (`tokenize_step_labels`)."""
+
+    url: str
+    tokenizer: Any
+    cfg: Any
+
+    def __call__(self, records: list[Record]) -> Columns:
+        samples = tokenize_step_labels(self.url, records, self.tokenizer, self.cfg)
+        return {"input_ids": [sample.input_ids for sample in samples], "labels": [sample.labels for sample in samples],
+                "soft": [sample.soft for sample in samples]}
+
+    def no_rows(self) -> None:
+        raise UserError(f"{self.url}: the dataset is empty.")
+
+    def todays_error(self, run: RunConfig, evaluation: bool) -> None:
+        """Read the whole dataset as one batch, in this process: `tokenize_step_labels` raises its sentence for
+        the first record whose labels are of the other kind."""
+        _, records = read_stage_dataset(self.cfg, run.storage_options, run.seed, evaluation)
+        tokenize_step_labels(self.url, records, self.tokenizer, self.cfg)
+
+
+class OneLabelKind:
+    """The rule across batches: all reward tokens or all soft labels. A batch of the other kind than the first
+    calls `fail`, which names the row."""
+
+    def __init__(self, fail: Callable[[], None]):
+        self.fail, self.soft = fail, None
+
+    def __call__(self, batch: FlatColumns) -> None:
+        soft = batch["soft"][1]
+        if not len(soft):
+            return
+        self.soft = bool(soft[0]) if self.soft is None else self.soft
+        if (soft != self.soft).any():
+            self.fail()
+            raise AssertionError("step labels of two kinds, but no record named")  # fail raises first
+
+
+def make_sample(input_ids: list[int], labels: list[float], soft: int) -> StepLabelledSample:
+    return StepLabelledSample(input_ids, labels, bool(soft))
 
 
 def count_step_labelled(run: RunConfig) -> int:

@@ -95,3 +95,30 @@ def test_a_changed_label_key_prepares_the_prompts_again(toy_assets, tmp_path):
         run = RunConfig(stages=["ppo"], ckpt_path=str(tmp_path / "ckpt"), ppo=cfg)
         labels.append(load_prompts(run, load_tokenizer(toy_assets["model"]))[0].label)
     assert labels == [[0, 2], "[0, 2]"] and len(preparations(tmp_path)) == 2
+
+
+@pytest.mark.parametrize("in_workers", [False, True])
+def test_step_labels_of_two_kinds_across_batches_name_the_row(toy_assets, tmp_path, monkeypatch, in_workers):
+    """PRM's rule that a dataset's labels are all reward tokens or all numbers holds across batches (10,000 rows:
+    two), with today's sentence naming the first row of the other kind."""
+    from rlhf_core.data import workers
+    from rlhf_core.data.step_labels import load_step_labelled, tokenize_step_labels
+    from rlhf_core.errors import UserError
+    from rlhf_core.stages.prm import PRMConfig
+    from rlhf_core.toy import STEP_BAD, STEP_GOOD, STEP_PLACEHOLDER, step_labelled_rows
+
+    rows = step_labelled_rows(10_000, seed=0)
+    rows[8_192:] = [{**row, "value": [1.0] * len(row["value"])} for row in rows[8_192:]]  # the second batch: soft
+    data = write_rows(tmp_path / "steps.jsonl", rows)
+    cfg = PRMConfig(pretrain=toy_assets["model"], dataset=data, input_key="input", label_key="value",
+                    placeholder_token=STEP_PLACEHOLDER, reward_tokens=[STEP_GOOD, STEP_BAD])
+    run = RunConfig(stages=["prm"], ckpt_path=str(tmp_path / "ckpt"), prm=cfg)
+    if in_workers:
+        monkeypatch.setattr(workers, "IN_PROCESS_BATCHES", 0)
+        monkeypatch.setenv(workers.WORKERS_ENV_VAR, "2")
+    with pytest.raises(UserError) as prepared:
+        load_step_labelled(run, load_tokenizer(toy_assets["model"]))
+    with pytest.raises(UserError) as todays:
+        tokenize_step_labels(data, read_records(data), load_tokenizer(toy_assets["model"]), cfg)
+    assert str(prepared.value) == str(todays.value) and "line 8193" in str(todays.value)
+    assert preparations(tmp_path) == set()
