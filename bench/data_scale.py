@@ -12,8 +12,9 @@ process on Prefect's ephemeral server with a private home:
 - kill: the first run goes on to commit step 8 (`after_commit@8`), is SIGKILLed as a whole (its process group),
   and the same command runs again: command to the end of its first newly trained step (step 9: `train_step@10`).
 
-Peak memory: the highest VmHWM of the driver (the command's process) and of the rank (the Ray worker whose command
-line names the rank actor), read from /proc every 0.2 s. Nothing here asserts a timing; the numbers land in
+Peak memory: the highest VmHWM of the driver (the command's process), of the rank (the Ray worker whose command
+line names the rank actor) and of each preparation worker (`rlhf_core.data.workers`, forked from multiprocessing's
+fork server), read from /proc every 0.2 s. Nothing here asserts a timing; the numbers land in
 bench/.cache/data-scale.json and as one table on stdout.
 """
 
@@ -33,6 +34,7 @@ BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 CACHE_DIR = os.path.join(BENCH_DIR, ".cache")
 RLHF = os.path.join(os.path.dirname(sys.executable), "rlhf")
 RANK_MARKERS = ("ray::TrainWorker",)  # how a rank's command line reads under Ray
+WORKER_MARKER = "multiprocessing.forkserver"  # a preparation's worker processes (and their fork server)
 
 
 def write_rows(path: str, num_rows: int) -> None:
@@ -74,13 +76,16 @@ def _descendants(pid: int) -> list[int]:
         return []
 
 
-def _is_rank(pid: int) -> bool:
+def _command(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as handle:
-            command = handle.read().decode(errors="replace")
+            return handle.read().decode(errors="replace")
     except OSError:
-        return False
-    return any(marker in command for marker in RANK_MARKERS)
+        return ""
+
+
+def _is_rank(pid: int) -> bool:
+    return any(marker in _command(pid) for marker in RANK_MARKERS)
 
 
 class Watched:
@@ -91,7 +96,7 @@ class Watched:
         self.launched = time.time()
         self.process = subprocess.Popen(command, env=env, stdout=self.log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
-        self.driver_kib = self.rank_kib = 0
+        self.driver_kib = self.rank_kib = self.worker_kib = 0
         self.seconds: float | None = None  # launch to the moment it was waited for (`wait_for`)
 
     def sample(self) -> None:
@@ -99,6 +104,8 @@ class Watched:
         for pid in _descendants(self.process.pid):
             if _is_rank(pid):
                 self.rank_kib = max(self.rank_kib, _read_hwm_kib(pid))
+            elif WORKER_MARKER in _command(pid):
+                self.worker_kib = max(self.worker_kib, _read_hwm_kib(pid))
 
     def wait_for(self, path: str, timeout_s: float) -> float:
         """Seconds from launch to the mtime of `path` (a fault hook's marker)."""
@@ -150,7 +157,8 @@ def measure(num_rows: int, workdir: str, model: str, env: dict[str, str], timeou
             first.wait_for(os.path.join(state, "after_commit@8"), timeout_s)
     finally:
         first.kill()
-    result.update(driver_peak_mb=first.driver_kib / 1024, rank_peak_mb=first.rank_kib / 1024)
+    result.update(driver_peak_mb=first.driver_kib / 1024, rank_peak_mb=first.rank_kib / 1024,
+                  worker_peak_mb=first.worker_kib / 1024)
     if kill:
         resumed = _time_to_step(model, data, ckpt, os.path.join(folder, "out1"), "first", env, folder, "resume",
                                 "train_step@10", log, timeout_s)
@@ -180,12 +188,13 @@ def format_rows(results: list[dict]) -> str:
     def cell(value, unit=""):
         return "-" if value is None else f"{value:.1f}{unit}"
 
-    lines = ["| rows | file | first prep + step 1 | warm: step 1 | kill -> next step | driver peak | rank peak |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| rows | file | first prep + step 1 | warm: step 1 | kill -> next step | driver peak | rank peak | "
+             "preparation worker peak (each) |", "|---|---|---|---|---|---|---|---|"]
     for row in results:
         lines.append(f"| {row['rows']:,} | {cell(row['file_mb'], ' MB')} | {cell(row.get('first_s'), ' s')} | "
                      f"{cell(row.get('warm_s'), ' s')} | {cell(row.get('kill_to_next_step_s'), ' s')} | "
-                     f"{cell(row.get('driver_peak_mb'), ' MB')} | {cell(row.get('rank_peak_mb'), ' MB')} |")
+                     f"{cell(row.get('driver_peak_mb'), ' MB')} | {cell(row.get('rank_peak_mb'), ' MB')} | "
+                     f"{cell(row.get('worker_peak_mb'), ' MB')} |")
     return "\n".join(lines)
 
 
