@@ -43,6 +43,11 @@ class RankHung(RLHFError, RuntimeError):
         return (type(self), (str(self), self.rank, self.stacks_path, self.alert))
 
 
+class PreparationWorkerDied(RLHFError, RuntimeError):
+    """A worker process preparing a dataset ended mid-batch (killed, out of memory); nothing was published, and
+    the next run prepares it again."""
+
+
 class PlacementFailed(RLHFError, RuntimeError):
     """The cluster has the resources in total, but they stayed taken for the whole timeout; the chunk is retried."""
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from rlhf_core.config import RunConfig
 from rlhf_core.data.columns import Columns, column, subset
-from rlhf_core.data.preparation import prepared_rows, stage_source
+from rlhf_core.data.preparation import Preparation, prepared_rows, stage_source
 from rlhf_core.data.records import Record, split_holdout
 from rlhf_core.data.samples import Renderer, TokenizedPair, tokenize_pairs
 from rlhf_core.errors import UserError
@@ -42,7 +42,7 @@ def read_pairs(cfg: PreferenceConfig, run: RunConfig, tokenizer, evaluation: boo
     settings = {"prompt_key": cfg.prompt_key, "chosen_key": cfg.chosen_key, "rejected_key": cfg.rejected_key,
                 "apply_chat_template": cfg.apply_chat_template, "input_template": cfg.input_template,
                 "max_len": cfg.max_len, "margin_loss": margin_loss}
-    return prepared_rows("pairs", source, run, tokenizer, settings, job, COLUMNS, make_pair, job.no_rows)
+    return prepared_rows(Preparation("pairs", settings, job, COLUMNS, make_pair, job.no_rows), source, run, tokenizer)
 
 
 @dataclass

@@ -40,15 +40,38 @@ def stage_source(cfg, seed: int, evaluation: bool = False) -> Source:
     return Source(cfg.dataset, "--dataset", cfg.dataset_split, cfg.max_samples, cfg.dataset_probs, seed)
 
 
-def prepared_rows(kind: str, source: Source, run, tokenizer, settings: dict[str, Any], job: Job,
-                  columns: dict[str, str], make: Callable[..., Any], no_rows: Callable[[], None],
-                  check: Callable[[FlatColumns], None] | None = None) -> PreparedRows:
-    """The rows of `source` as `job` makes them (`columns`: name -> kind, see `rlhf_core.data.columns`), prepared
-    once in the run's store under a key of `kind`, the files' versions, the tokenizer and `settings`, and
-    memory-mapped; `make` builds an item from a row's values. `no_rows` raises the stage's sentence for a dataset
-    that leaves nothing; `check` sees every batch's columns, in order, in this process (a rule across batches)."""
-    versions = source_versions(source.url, run.storage_options, source.split, source.flag)
-    key, inputs = preparation_key(kind, versions, tokenizer, {**settings, **source.settings()})
+@dataclass(frozen=True)
+class Preparation:
+    """What a stage prepares from its source: the kind and settings in the key, the batch job, the columns, how a
+    row becomes an item, the sentence for a dataset that leaves nothing, and an optional rule across batches
+    (`check` sees every batch's columns, in order, in this process)."""
+
+    kind: str
+    settings: dict[str, Any]
+    job: Job
+    columns: dict[str, str]  # name -> kind, see `rlhf_core.data.columns`
+    make: Callable[..., Any]
+    no_rows: Callable[[], None]
+    check: Callable[[FlatColumns], None] | None = None
+
+    def key(self, source: Source, run, tokenizer) -> tuple[str, dict, list]:
+        """(key, what it hashes, the files' versions) of this preparation of `source`."""
+        versions = source_versions(source.url, run.storage_options, source.split, source.flag)
+        key, inputs = preparation_key(self.kind, versions, tokenizer, {**self.settings, **source.settings()})
+        return key, inputs, versions
+
+
+def existing_rows(preparation: Preparation, source: Source, run, tokenizer) -> PreparedRows | None:
+    """The prepared rows when a valid preparation is in the run's store already, else None (nothing is built)."""
+    key, _, _ = preparation.key(source, run, tokenizer)
+    found = PreparedStore(run.ckpt_path, run.storage_options).open(key)
+    return None if found is None else PreparedRows(found[0], preparation.make)
+
+
+def prepared_rows(preparation: Preparation, source: Source, run, tokenizer) -> PreparedRows:
+    """The rows of `source` as the preparation's job makes them, prepared once in the run's store under its key
+    (the kind, the files' versions, the tokenizer and the settings) and memory-mapped."""
+    key, inputs, versions = preparation.key(source, run, tokenizer)
     store = PreparedStore(run.ckpt_path, run.storage_options)
     found = store.open(key)
     if found is None:
@@ -56,11 +79,12 @@ def prepared_rows(kind: str, source: Source, run, tokenizer, settings: dict[str,
                               source.seed, source.flag)
 
         def write(path: str) -> dict:
-            batches = map_batches(stream.blocks(), source.url, job, columns)
+            columns, check = preparation.columns, preparation.check
+            batches = map_batches(stream.blocks(), source.url, preparation.job, columns)
             rows = write_batches(path, columns, batches if check is None else _checked(batches, check),
                                  f"{source.flag} {source.url}", lambda: stream.position)
             if rows == 0:
-                no_rows()
+                preparation.no_rows()
             return {"rows": rows, "inputs": inputs, "file_hashes": _file_hashes(source, versions, stream, run)}
 
         store.publish(key, write)
@@ -69,7 +93,7 @@ def prepared_rows(kind: str, source: Source, run, tokenizer, settings: dict[str,
             store.save_hash(version, digest)
         if found is None:  # removed or damaged between publishing and reading: a store that keeps nothing
             raise RuntimeError(f"prepared data {store.local_dir(key)} could not be read back after publishing")
-    return PreparedRows(found[0], make)
+    return PreparedRows(found[0], preparation.make)
 
 
 def _checked(batches: Iterable[FlatColumns], check: Callable[[FlatColumns], None]) -> Iterator[FlatColumns]:

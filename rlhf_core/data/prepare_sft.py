@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlhf_core.data.columns import Columns, PreparedRows
-from rlhf_core.data.preparation import prepared_rows, stage_source
+from rlhf_core.data.preparation import Preparation, prepared_rows, stage_source
 from rlhf_core.data.records import Record
 from rlhf_core.data.samples import (Renderer, TokenizedSample, assistant_spans, multiturn_conversation, require_text,
                                     sft_texts, tokenize_pretraining, tokenize_sft)
@@ -28,7 +28,8 @@ def prepared_sft_samples(cfg, run, tokenizer, evaluation: bool = False) -> Prepa
     job = SFTBatches(Renderer(tokenizer, source.url, cfg.apply_chat_template and not cfg.pretrain_mode,
                               cfg.input_template), cfg.input_key, cfg.output_key, cfg.max_len, cfg.multiturn,
                      cfg.pretrain_mode)
-    return prepared_rows("sft", source, run, tokenizer, settings, job, COLUMNS, TokenizedSample, job.no_rows)
+    return prepared_rows(Preparation("sft", settings, job, COLUMNS, TokenizedSample, job.no_rows), source, run,
+                         tokenizer)
 
 
 @dataclass

@@ -12,7 +12,7 @@ from rlhf_core.agent import load_agent_executor
 from rlhf_core.config import RunConfig
 from rlhf_core.errors import UserError
 from rlhf_core.data.columns import Columns
-from rlhf_core.data.preparation import Source, prepared_rows
+from rlhf_core.data.preparation import Preparation, Source, existing_rows, prepared_rows
 from rlhf_core.data.records import Record
 from rlhf_core.data.stream import RecordStream
 from rlhf_core.data.samples import Renderer, tokenize_prompts
@@ -50,24 +50,24 @@ def record_label(url: str, record: Record, label_key: str | None) -> Any:
 def load_prompts(run: RunConfig, tokenizer, eval_data: bool = False) -> Sequence[PromptItem]:
     """The prompts (or with `eval_data`, the evaluation prompts) with their labels: prepared once in the run's
     store (`rlhf_core.data.preparation`) and memory-mapped."""
-    cfg = run.section("ppo", PPOConfig)
-    source, job = _prompt_source(cfg, run, tokenizer, eval_data)
-    settings = {"input_key": cfg.input_key, "label_key": cfg.label_key, "apply_chat_template": cfg.apply_chat_template,
-                "input_template": cfg.input_template, "prompt_max_len": cfg.prompt_max_len}
-    return prepared_rows("prompts", source, run, tokenizer, settings, job, COLUMNS, make_prompt, job.no_rows)
+    return prepared_rows(*_preparation(run.section("ppo", PPOConfig), run, tokenizer, eval_data), run, tokenizer)
 
 
 def first_prompt(run: RunConfig, tokenizer) -> PromptItem:
-    """The first training prompt, read and tokenized alone: for checks that must pass before anything is
-    written (the reward function's)."""
-    source, job = _prompt_source(run.section("ppo", PPOConfig), run, tokenizer, False)
-    stream = RecordStream(source.url, run.storage_options, 1, source.split, source.probs, source.seed, source.flag)
-    records = next(iter(stream))[:1]
-    columns = job(records)
+    """The first training prompt, for checks that must pass before anything is written (the reward
+    function's): from the prepared prompts when they are there, else its record read and tokenized alone (the
+    file read no further than its first row)."""
+    preparation, source = _preparation(run.section("ppo", PPOConfig), run, tokenizer, False)
+    prepared = existing_rows(preparation, source, run, tokenizer)
+    if prepared is not None:
+        return prepared[0]
+    stream = RecordStream(source.url, run.storage_options, 1, source.split, source.probs, source.seed, source.flag,
+                          hash_whole_file=False)
+    columns = preparation.job(next(iter(stream))[:1])
     return make_prompt(*(columns[name][0] for name in COLUMNS))
 
 
-def _prompt_source(cfg: PPOConfig, run: RunConfig, tokenizer, eval_data: bool) -> tuple[Source, PromptBatches]:
+def _preparation(cfg: PPOConfig, run: RunConfig, tokenizer, eval_data: bool) -> tuple[Preparation, Source]:
     if eval_data:
         if cfg.eval_dataset is None:
             raise UserError("--eval_dataset: no dataset given.")
@@ -75,8 +75,11 @@ def _prompt_source(cfg: PPOConfig, run: RunConfig, tokenizer, eval_data: bool) -
     else:
         source = Source(cfg.prompt_data, "--prompt_data", cfg.prompt_split, cfg.max_samples, cfg.dataset_probs,
                         run.seed)
-    return source, PromptBatches(Renderer(tokenizer, source.url, cfg.apply_chat_template, cfg.input_template),
-                                 cfg.input_key, cfg.prompt_max_len, cfg.label_key)
+    job = PromptBatches(Renderer(tokenizer, source.url, cfg.apply_chat_template, cfg.input_template), cfg.input_key,
+                        cfg.prompt_max_len, cfg.label_key)
+    settings = {"input_key": cfg.input_key, "label_key": cfg.label_key, "apply_chat_template": cfg.apply_chat_template,
+                "input_template": cfg.input_template, "prompt_max_len": cfg.prompt_max_len}
+    return Preparation("prompts", settings, job, COLUMNS, make_prompt, job.no_rows), source
 
 
 @dataclass

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from rlhf_core.config import RunConfig
 from rlhf_core.data.columns import Columns, FlatColumns
-from rlhf_core.data.preparation import prepared_rows, stage_source
+from rlhf_core.data.preparation import Preparation, prepared_rows, stage_source
 from rlhf_core.data.records import Record, count_with_eval, read_stage_dataset
 from rlhf_core.data.samples import IGNORE_INDEX, field_value
 from rlhf_core.errors import UserError
@@ -78,8 +78,9 @@ def load_step_labelled(run: RunConfig, tokenizer, evaluation: bool = False) -> S
     job = StepLabelBatches(source.url, tokenizer, cfg)
     settings = {"input_key": cfg.input_key, "label_key": cfg.label_key, "max_len": cfg.max_len,
                 "placeholder_token": cfg.placeholder_token, "reward_tokens": cfg.reward_tokens}
-    return prepared_rows("step_labels", source, run, tokenizer, settings, job, COLUMNS, make_sample, job.no_rows,
-                         OneLabelKind(lambda: job.todays_error(run, evaluation)))
+    preparation = Preparation("step_labels", settings, job, COLUMNS, make_sample, job.no_rows,
+                              OneLabelKind(lambda: job.todays_error(run, evaluation)))
+    return prepared_rows(preparation, source, run, tokenizer)
 
 
 @dataclass

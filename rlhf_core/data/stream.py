@@ -38,7 +38,8 @@ def streams_line_by_line(url: str) -> bool:
 @dataclass
 class RecordStream:
     """The records of a stage's dataset in batches of `batch_rows`; after iterating, `sha256` holds the sha256
-    of a streamed file's bytes (all of them, past `max_samples` too), else None."""
+    of a streamed file's bytes (all of them, past `max_samples` too), else None. With `hash_whole_file` False a
+    streamed file is read only as far as `max_samples` (a first look at its rows), and `sha256` stays None."""
 
     url: str
     storage_options: dict | None
@@ -48,6 +49,7 @@ class RecordStream:
     seed: int = 0
     flag: str = "--dataset"
     batch_rows: int = BATCH_ROWS
+    hash_whole_file: bool = True
     sha256: str | None = field(default=None, init=False)
     position: tuple[int, int | None, str] = field(default=(0, None, "B"), init=False)  # done, total, unit read
 
@@ -87,6 +89,8 @@ class RecordStream:
                 cut = len(data) if not piece else data.rfind(b"\n") + 1
                 data, rest = data[:cut], data[cut:]
                 if self.max_samples and count >= self.max_samples:
+                    if not self.hash_whole_file:
+                        break
                     data = b""  # hashed to the end: the fingerprint is the whole file's
                 if data:
                     text = _decode_block(self.url, data, offset, byte_lines)
@@ -105,7 +109,7 @@ class RecordStream:
                 self.position = (offset + len(rest), total, "B")
                 if not piece:
                     break
-        self.sha256 = digest.hexdigest()
+        self.sha256 = digest.hexdigest() if not piece else None
         if block.texts:
             yield block
         if count == 0:

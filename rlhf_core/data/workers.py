@@ -12,17 +12,21 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import signal
 import sys
 import threading
 import time
 import types
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, Iterable, Iterator
 
 from rlhf_core.data.columns import Columns, FlatColumns, flatten
 from rlhf_core.data.records import Record
 from rlhf_core.data.stream import LineBlock
+from rlhf_core.errors import PreparationWorkerDied
+from rlhf_core.faults import fault_point
 from rlhf_core.processes import process_exists
 
 Job = Callable[[list[Record]], Columns]  # a batch of records -> its prepared rows
@@ -61,13 +65,13 @@ def map_batches(batches: Iterable[list[Record] | LineBlock], url: str, job: Job,
     with _worker_pool(workers, job, url, kinds) as pool:
         pending: deque[Future] = deque()
         try:
-            for batch in batches:
+            for number, batch in enumerate(batches, start=IN_PROCESS_BATCHES + 1):
                 with _without_main() if len(pending) < workers else contextlib.nullcontext():
-                    pending.append(pool.submit(_run_batch, batch))  # the first `workers` start the processes
+                    pending.append(pool.submit(_run_batch, batch, number))  # the first `workers` start them
                 if len(pending) >= workers * IN_FLIGHT_PER_WORKER:
-                    yield _result(pending.popleft())
+                    yield _result(pending.popleft(), url)
             while pending:
-                yield _result(pending.popleft())
+                yield _result(pending.popleft(), url)
         finally:
             for future in pending:
                 future.cancel()
@@ -99,9 +103,14 @@ def _records(batch: list[Record] | LineBlock, url: str) -> list[Record]:
     return batch.records(url) if isinstance(batch, LineBlock) else batch
 
 
-def _result(future: Future) -> FlatColumns:
+def _result(future: Future, url: str) -> FlatColumns:
     """A batch's columns, its warnings logged here (each once per key, as `warn_once` would here)."""
-    columns, warnings = future.result()
+    try:
+        columns, warnings = future.result()
+    except BrokenProcessPool:
+        raise PreparationWorkerDied(f"a worker process preparing {url} died (the kernel's OOM killer ends processes this way "
+                         f"when memory runs short); run again, or set {WORKERS_ENV_VAR}=1 to prepare it in this "
+                         "process alone.") from None
     for name, level, message, once in warnings:
         logging.getLogger(name).log(level, message, extra={"rlhf_once": once} if once else None)
     return columns
@@ -124,6 +133,7 @@ _WORKER: dict[str, Any] = {}
 
 def _start_worker(job: Job, url: str, kinds: dict[str, str], driver_pid: int) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already: no threads inside each
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle; a worker ends with it
     threading.Thread(target=_end_with, args=(driver_pid,), daemon=True, name="end-with-driver").start()
     captured = _Captured()
     root = logging.getLogger("rlhf_core")
@@ -141,7 +151,8 @@ def _end_with(driver_pid: int) -> None:
     os._exit(1)
 
 
-def _run_batch(batch: list[Record] | LineBlock) -> tuple[FlatColumns, list]:
+def _run_batch(batch: list[Record] | LineBlock, number: int) -> tuple[FlatColumns, list]:
+    fault_point("prepare_worker", number)
     captured: _Captured = _WORKER["captured"]
     captured.records = []
     columns = flatten(_WORKER["job"](_records(batch, _WORKER["url"])), _WORKER["kinds"])

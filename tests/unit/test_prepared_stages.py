@@ -5,6 +5,7 @@ today's without building an item per row, and a second load does not read the ra
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -122,3 +123,37 @@ def test_step_labels_of_two_kinds_across_batches_name_the_row(toy_assets, tmp_pa
         tokenize_step_labels(data, read_records(data), load_tokenizer(toy_assets["model"]), cfg)
     assert str(prepared.value) == str(todays.value) and "line 8193" in str(todays.value)
     assert preparations(tmp_path) == set()
+
+
+def test_the_first_prompt_for_preflight_reads_no_raw_file_once_prepared(toy_assets, tmp_path, monkeypatch):
+    from rlhf_core.data.prompts import first_prompt
+
+    data = write_rows(tmp_path / "prompts.jsonl", CHAT_PROMPTS)
+    cfg = PPOConfig(pretrain=toy_assets["model"], prompt_data=data, input_key="messages", label_key="answer",
+                    apply_chat_template=True, rollout_batch_size=4, train_batch_size=4, micro_train_batch_size=4,
+                    advantage_estimator="reinforce", reward_pretrain=toy_assets["model"], save_path=str(tmp_path / "out"))
+    run = RunConfig(stages=["ppo"], ckpt_path=str(tmp_path / "ckpt"), ppo=cfg)
+    alone = first_prompt(run, load_tokenizer(toy_assets["model"]))
+    assert preparations(tmp_path) == set()  # read alone, nothing written
+    prepared = load_prompts(run, load_tokenizer(toy_assets["model"]))
+    no_raw_reads(monkeypatch)
+    assert first_prompt(run, load_tokenizer(toy_assets["model"])) == alone == prepared[0]
+
+
+def test_staging_folders_of_dead_processes_on_this_host_are_removed(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    from rlhf_core.data.prepared import remove_stale_staging
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = socket.gethostname()
+    names = {"dead": f".tmp-{'a' * 32}-0badc0de-{gone.stdout.strip()}@{host}",
+             "alive": f".tmp-{'b' * 32}-0badc0de-{os.getpid()}@{host}",
+             "elsewhere": f".tmp-{'c' * 32}-0badc0de-{gone.stdout.strip()}@another-host-1",
+             "published": "d" * 32}
+    for name in names.values():
+        (tmp_path / name).mkdir()
+    assert remove_stale_staging(str(tmp_path)) == [names["dead"]]
+    assert sorted(os.listdir(tmp_path)) == sorted(names[kind] for kind in ("alive", "elsewhere", "published"))

@@ -95,6 +95,27 @@ def test_a_kill_mid_preparation_leaves_no_worker_behind(toy_assets, tmp_path):
     assert preparations(tmp_path) == set()
 
 
+DIES_IN_A_WORKER = KILLED_IN_WORKERS.replace("load_sft_samples(run, load_tokenizer(model))", """
+from rlhf_core.errors import PreparationWorkerDied
+try:
+    load_sft_samples(run, load_tokenizer(model))
+except PreparationWorkerDied as error:
+    print(error)
+    sys.exit(3)
+""")
+
+
+def test_a_worker_that_dies_is_one_sentence_and_nothing_is_published(toy_assets, tmp_path):
+    """In a process of its own: the fork server keeps the environment it started with (the fault's variables)."""
+    data = write_rows(tmp_path / "sft.jsonl", ROWS * 750)
+    env = {**os.environ, "RLHF_FAULT_INJECT": "prepare_worker@2=kill", workers.WORKERS_ENV_VAR: "2"}
+    died = subprocess.run([sys.executable, "-c", DIES_IN_A_WORKER, toy_assets["model"], data, str(tmp_path / "ckpt")],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert died.returncode == 3, died.stderr[-2000:]
+    assert died.stdout.strip().startswith(f"a worker process preparing {data} died")
+    assert preparations(tmp_path) == set()
+
+
 def marked_processes(marker: str) -> list[int]:
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
