@@ -1,7 +1,8 @@
 """SFT's prepared samples: the dataset streamed in batches, each batch's texts rendered per record (today's checks
-and one-sentence errors, `rlhf_core.data.samples`) and tokenized as a batch (the fast tokenizer spreads a batch
-over every core), written once into the run's store (`rlhf_core.data.prepared`) and read back as a lazy sequence
-of `TokenizedSample`. docs/design-notes.md ("Prepared data") has the design.
+and one-sentence errors, `rlhf_core.data.samples`) and tokenized as one call of the fast tokenizer, in the driver
+or in a worker process per core (`rlhf_core.data.workers`), written once into the run's store
+(`rlhf_core.data.preparation`) and read back as a lazy sequence of `TokenizedSample`. docs/design-notes.md
+("Prepared data") has the design.
 """
 
 from __future__ import annotations
