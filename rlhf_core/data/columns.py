@@ -106,7 +106,10 @@ class Progress:
     def close(self, rows: int) -> None:
         if self.bar is not None:
             self.bar.close()
-        logger.info("prepared %s: %d rows in %.1f s", self.label, rows, time.monotonic() - self.started)
+        elapsed = time.monotonic() - self.started
+        # a short one is for the log file only: preflight's console (Prefect's handler, before ours) shows INFO
+        logger.log(logging.INFO if elapsed >= PROGRESS_DELAY_S else logging.DEBUG, "prepared %s: %d rows in %.1f s",
+                   self.label, rows, elapsed)
 
 
 class PreparedRows(Sequence):
