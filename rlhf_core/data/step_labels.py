@@ -111,7 +111,8 @@ class OneLabelKind:
     calls `fail`, which names the row."""
 
     def __init__(self, fail: Callable[[], None]):
-        self.fail, self.soft = fail, None
+        self.fail = fail
+        self.soft: bool | None = None  # the first batch's kind
 
     def __call__(self, batch: FlatColumns) -> None:
         soft = batch["soft"][1]

@@ -35,13 +35,29 @@ DROP_ROOT_WRITES = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", 
 
 
 def tree_state(root: Path) -> dict[str, tuple]:
-    """Every folder and file below `root`: ("dir",) or (size, sha256)."""
+    """Every folder and file below `root`: ("dir",) or (size, sha256). A complete preparation of the data
+    (`.prepared/{key}/` with its marker, and the hashes beside it) is left out: a refusal that needs the count
+    (fewer prompts than a step) comes after the data was prepared, and the corrected run reuses it. Anything else
+    under `.prepared` (a staging folder) still counts."""
     state = {}
     for path in sorted(root.rglob("*")):
+        if _published_preparation(path):
+            continue
         relative = str(path.relative_to(root))
         state[relative] = ("dir",) if path.is_dir() else (path.stat().st_size,
                                                           hashlib.sha256(path.read_bytes()).hexdigest())
     return state
+
+
+def _published_preparation(path: Path) -> bool:
+    parts = path.parts
+    if ".prepared" not in parts:
+        return False
+    below = parts[parts.index(".prepared") + 1:]
+    if not below:
+        return True
+    folder = path.parents[len(below) - 2] if len(below) > 1 else path  # .prepared/{key or hashes}
+    return below[0] == "hashes" or (folder / "PREPARED.json").exists()
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ docs/design-notes.md ("The DPO trainer") has the losses and the evaluation.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
@@ -126,7 +127,7 @@ class DPOTrainer(DeepSpeedTrainer[DPOConfig]):
             metrics["nll_loss"] = nll.item()
         return loss, metrics
 
-    def eval_items(self) -> list[Pair]:
+    def eval_items(self) -> Sequence[Pair]:
         return self.eval_pairs
 
     def eval_sums(self, pairs: list[Pair]) -> dict[str, float]:

@@ -6,6 +6,7 @@ docs/design-notes.md ("PPO, one rank's share") has OpenRLHF's options as built h
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import contextlib
 import logging
 import math
@@ -321,7 +322,7 @@ class PPOTrainer(DeepSpeedTrainer[PPOConfig]):
         entropy = ppo_math.token_entropy(logits if coef else logits.detach())
         return ppo_math.token_logprobs(logits, tokens), entropy
 
-    def eval_items(self) -> list[PromptItem]:
+    def eval_items(self) -> Sequence[PromptItem]:
         return self.eval_prompts
 
     @torch.no_grad()

@@ -6,6 +6,7 @@ docs/design-notes.md ("The PRM trainer") has the tokenization and the loss.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
@@ -88,7 +89,7 @@ class PRMTrainer(DeepSpeedTrainer[PRMConfig]):
         loss, accuracy = self.loss(samples)
         return loss, {"accuracy": accuracy.item()}
 
-    def eval_items(self) -> list[StepLabelledSample]:
+    def eval_items(self) -> Sequence[StepLabelledSample]:
         return self.eval_samples
 
     def eval_sums(self, samples: list[StepLabelledSample]) -> dict[str, float]:

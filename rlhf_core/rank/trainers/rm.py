@@ -6,6 +6,7 @@ docs/design-notes.md ("The reward-model trainer") has the details.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
@@ -66,7 +67,7 @@ class RewardModelTrainer(DeepSpeedTrainer[RMConfig]):
         chosen, rejected = self.rewards(pairs)
         return self.loss(pairs, chosen, rejected), {"accuracy": (chosen > rejected).float().mean().item()}
 
-    def eval_items(self) -> list[Pair]:
+    def eval_items(self) -> Sequence[Pair]:
         return self.eval_pairs or self.train_pairs
 
     def eval_sums(self, pairs: list[Pair]) -> dict[str, float]:
