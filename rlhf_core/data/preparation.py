@@ -27,6 +27,12 @@ class Source:
     probs: str | None = None
     seed: int = 0
 
+    def stream(self, storage_options: dict | None, max_samples: int | None = None,
+               hash_whole_file: bool = True) -> RecordStream:
+        """Its records in batches (`max_samples` overrides the source's, for a first look at its rows)."""
+        return RecordStream(self.url, storage_options, max_samples or self.max_samples, self.split, self.probs,
+                            self.seed, self.flag, hash_whole_file=hash_whole_file)
+
     def settings(self) -> dict[str, Any]:
         """What of the source, beyond its files' versions, the prepared rows depend on."""
         return {"max_samples": self.max_samples, "split": self.split, "probs": self.probs,
@@ -75,8 +81,7 @@ def prepared_rows(preparation: Preparation, source: Source, run, tokenizer) -> P
     store = PreparedStore(run.ckpt_path, run.storage_options)
     found = store.open(key)
     if found is None:
-        stream = RecordStream(source.url, run.storage_options, source.max_samples, source.split, source.probs,
-                              source.seed, source.flag)
+        stream = source.stream(run.storage_options)
 
         def write(path: str) -> dict:
             columns, check = preparation.columns, preparation.check

@@ -14,7 +14,6 @@ from rlhf_core.errors import UserError
 from rlhf_core.data.columns import Columns
 from rlhf_core.data.preparation import Preparation, Source, existing_rows, prepared_rows
 from rlhf_core.data.records import Record
-from rlhf_core.data.stream import RecordStream
 from rlhf_core.data.samples import Renderer, tokenize_prompts
 from rlhf_core.rewards import check_reward_setup
 from rlhf_core.stages.ppo import PPOConfig, require_vllm
@@ -61,9 +60,7 @@ def first_prompt(run: RunConfig, tokenizer) -> PromptItem:
     prepared = existing_rows(preparation, source, run, tokenizer)
     if prepared is not None:
         return prepared[0]
-    stream = RecordStream(source.url, run.storage_options, 1, source.split, source.probs, source.seed, source.flag,
-                          hash_whole_file=False)
-    columns = preparation.job(next(iter(stream))[:1])
+    columns = preparation.job(next(iter(source.stream(run.storage_options, 1, hash_whole_file=False)))[:1])
     return make_prompt(*(columns[name][0] for name in COLUMNS))
 
 

@@ -89,16 +89,6 @@ def read_records(url: str, storage_options: dict | None = None, max_samples: int
     return records[:max_samples] if max_samples else records
 
 
-def read_stage_dataset(cfg, storage_options: dict | None, seed: int,
-                       evaluation: bool = False) -> tuple[str, list[Record]]:
-    """(url, records) of an SFT or RM stage: its --dataset mixture, or with `evaluation` its --eval_dataset."""
-    url = cfg.eval_dataset if evaluation else cfg.dataset
-    return url, read_records(url, storage_options, cfg.max_samples, seed=seed,
-                             split=cfg.eval_split if evaluation else cfg.dataset_split,
-                             probs=None if evaluation else cfg.dataset_probs,
-                             flag="--eval_dataset" if evaluation else "--dataset")
-
-
 def _parse_probs(probs: str | None, num_sources: int) -> list[float] | None:
     if probs is None or (isinstance(probs, str) and not probs.strip()):
         return None

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from rlhf_core.config import RunConfig
 from rlhf_core.data.columns import Columns, FlatColumns
 from rlhf_core.data.preparation import Preparation, prepared_rows, stage_source
-from rlhf_core.data.records import Record, count_with_eval, read_stage_dataset
+from rlhf_core.data.records import Record, count_with_eval
 from rlhf_core.data.samples import IGNORE_INDEX, field_value
 from rlhf_core.errors import UserError
 from rlhf_core.stages.prm import PRMConfig
@@ -79,7 +79,7 @@ def load_step_labelled(run: RunConfig, tokenizer, evaluation: bool = False) -> S
     settings = {"input_key": cfg.input_key, "label_key": cfg.label_key, "max_len": cfg.max_len,
                 "placeholder_token": cfg.placeholder_token, "reward_tokens": cfg.reward_tokens}
     preparation = Preparation("step_labels", settings, job, COLUMNS, make_sample, job.no_rows,
-                              OneLabelKind(lambda: job.todays_error(run, evaluation)))
+                              OneLabelKind(lambda: job.todays_error(source.stream(run.storage_options))))
     return prepared_rows(preparation, source, run, tokenizer)
 
 
@@ -99,11 +99,10 @@ class StepLabelBatches:
     def no_rows(self) -> None:
         raise UserError(f"{self.url}: the dataset is empty.")
 
-    def todays_error(self, run: RunConfig, evaluation: bool) -> None:
+    def todays_error(self, records: Iterable[list[Record]]) -> None:
         """Read the whole dataset as one batch, in this process: `tokenize_step_labels` raises its sentence for
         the first record whose labels are of the other kind."""
-        _, records = read_stage_dataset(self.cfg, run.storage_options, run.seed, evaluation)
-        tokenize_step_labels(self.url, records, self.tokenizer, self.cfg)
+        tokenize_step_labels(self.url, [record for batch in records for record in batch], self.tokenizer, self.cfg)
 
 
 class OneLabelKind:
