@@ -38,6 +38,7 @@ class RankProgress:
     moved_at: float = 0.0
     answered_at: float = 0.0
     asking: Any = None  # the heartbeat in flight (an ObjectRef)
+    pieces: dict[str, tuple[int, int]] = field(default_factory=dict)  # long work in a step: (done, total) by phase
 
 
 @dataclass(frozen=True)
@@ -120,12 +121,16 @@ class HangWatch:
     def _take(progress: RankProgress, answer: Any, now: float) -> None:
         progress.asking, progress.answered_at = None, now
         try:
-            count, phases, slowest_step_s = ray.get(answer)
+            count, phases, slowest_step_s, pieces = ray.get(answer)
         except ray.exceptions.RayError:
             return  # the rank is gone: the wait itself reports that (WorkerLost)
         if count != progress.count:
             progress.count, progress.moved_at = count, now
-        progress.phases, progress.slowest_step_s = tuple(phases), slowest_step_s
+        progress.phases, progress.slowest_step_s, progress.pieces = tuple(phases), slowest_step_s, dict(pieces)
+
+    def pieces(self) -> dict[str, tuple[int, int]]:
+        """The long work inside the step under way, as the first rank last told it: (done, total) by phase."""
+        return dict(self.ranks[0].pieces) if self.ranks else {}
 
 
 # --------------------------------------------------------------------------- the stacks of a hung group

@@ -24,6 +24,7 @@ import ray
 
 from rlhf_core.config import RunConfig
 from rlhf_core.errors import TransientStoreError
+from rlhf_core.rank.signals import RankSignals
 from rlhf_core.stages.base import StageConfig
 
 if TYPE_CHECKING:
@@ -89,9 +90,19 @@ class Progress:
     def __init__(self) -> None:
         self.count, self.slowest_step_s = 0, 0.0
         self._busy: dict[str, int] = {}
+        self._pieces: dict[str, tuple[int, int]] = {}  # long work inside a step: (done, total) by phase
 
-    def report(self) -> tuple[int, tuple[str, ...], float]:
-        return self.count, tuple(name for name, num in list(self._busy.items()) if num), self.slowest_step_s
+    def report(self) -> tuple[int, tuple[str, ...], float, dict[str, tuple[int, int]]]:
+        return (self.count, tuple(name for name, num in list(self._busy.items()) if num), self.slowest_step_s,
+                dict(self._pieces))
+
+    def piece_done(self, phase: str, done: int, total: int) -> None:
+        """A piece of long work inside a step (an evaluation or generation batch) is progress too."""
+        self.count += 1
+        if done >= total:
+            self._pieces.pop(phase, None)
+        else:
+            self._pieces[phase] = (done, total)
 
     @contextlib.contextmanager
     def working_on(self, phase: str) -> Iterator[None]:
@@ -105,6 +116,20 @@ class Progress:
     def step_done(self, seconds: float) -> None:
         self.count += 1
         self.slowest_step_s = max(self.slowest_step_s, seconds)
+
+
+class WorkerSignals(RankSignals):
+    """A trainer's signals inside a rank: its pieces of work move the rank's progress, and it may ask whether
+    every rank agrees to stop."""
+
+    def __init__(self, worker: "TrainWorker") -> None:
+        self._worker = worker
+
+    def work_done(self, phase: str, done: int, total: int) -> None:
+        self._worker._progress.piece_done(phase, done, total)
+
+    def stop_agreed(self) -> bool:
+        return self._worker.any_rank_asked_to_stop()
 
 
 class TrainWorker:
@@ -125,9 +150,10 @@ class TrainWorker:
         self._progress = Progress()
 
     @ray.method(concurrency_group="control")
-    def heartbeat(self) -> tuple[int, tuple[str, ...], float]:
-        """This rank's progress count, the work in progress ("setup", "load", "train", "snapshot", "write") and
-        its slowest step in seconds (rlhf_core.driver.hang)."""
+    def heartbeat(self) -> tuple[int, tuple[str, ...], float, dict[str, tuple[int, int]]]:
+        """This rank's progress count, the work in progress ("setup", "load", "train", "snapshot", "write"), its
+        slowest step in seconds, and the long work inside the step under way as (done, total) pieces by phase
+        ("eval", "generate") (rlhf_core.driver.hang)."""
         return self._progress.report()
 
     @property
@@ -209,6 +235,7 @@ class TrainWorker:
         self._stage = stage
         with self._progress.working_on("setup"):
             self._trainer = trainer_class(stage)(run, chunk_ends, self.rank, self.world_size, load_universal)
+            self._trainer.signals = WorkerSignals(self)
 
     def train_until(self, target_step: int) -> tuple[list[dict[str, float]], float, int, list[tuple[float, bool]]]:
         """The metrics of each step up to `target_step`, the seconds this rank spent in its step loop, the
@@ -243,8 +270,18 @@ class TrainWorker:
         from rlhf_core.faults import fault_point
         from rlhf_core.rank.collectives import max_over_ranks
 
-        device = f"cuda:{torch.cuda.current_device()}" if self.trainer.on_gpu else "cpu"
         fault_point("collective", self.trainer.step + 1)  # a rank stopped here leaves the others in the collective
+        return self.any_rank_asked_to_stop()
+
+    def any_rank_asked_to_stop(self) -> bool:
+        """Whether any rank has been asked to stop (a collective: every rank asks at the same point)."""
+        if self.world_size == 1:
+            return self._stop_requested
+        import torch
+
+        from rlhf_core.rank.collectives import max_over_ranks
+
+        device = f"cuda:{torch.cuda.current_device()}" if self.trainer.on_gpu else "cpu"
         return max_over_ranks([float(self._stop_requested)], device=device)[0] > 0
 
     @ray.method(concurrency_group="control")  # asked while the ranks train ahead: shapes and dtypes only

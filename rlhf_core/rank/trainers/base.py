@@ -21,6 +21,7 @@ from rlhf_core.data.determinism import derive_seed, step_sample_indices
 from rlhf_core.data.records import rank_micro_batches
 from rlhf_core.errors import UserError
 from rlhf_core.rank.collectives import mean_over_ranks, sum_over_ranks
+from rlhf_core.rank.signals import RankSignals
 from rlhf_core.rank.ds_config import deepspeed_config, lr_scheduler_factory
 from rlhf_core.models.precision import resolve_precision
 from rlhf_core.notices import warn_once
@@ -103,6 +104,7 @@ class DeepSpeedTrainer(abc.ABC, Generic[ConfigT]):
         self.precision = resolve_precision(self.cfg.param_dtype, self.on_gpu)
         self.engines: dict[str, DeepSpeedEngine] = {}
         self.step = 0
+        self.signals = RankSignals()  # the rank's own, set by its host once this trainer is made
 
     def autocast(self):
         """The context for forward passes: bf16 autocast on a CPU run with --param_dtype bf16, else nothing."""
