@@ -27,6 +27,7 @@ from rlhf_core.driver.ray_start import ensure_ray, forwarded_environment, thread
 from rlhf_core.driver.hang import HangWatch, dump_rank_stacks, save_stacks, stuck_frame
 from rlhf_core.errors import RankHung, RLHFError, UserError, WorkerLost
 from rlhf_core.ops.alerts import ALERT_HANG, Alert, AlertLog
+from rlhf_core.ops.console import show_work
 from rlhf_core.ops.run_log import log_file_for
 from rlhf_core.ops.step_time import writer_slowdown
 from rlhf_core.rank.worker import RankLocation, TrainWorker
@@ -236,6 +237,8 @@ class WorkerGroup:
     def _check_progress(self) -> None:
         """Raise RankHung, with every rank's stacks saved and an alert recorded, once a rank is past its deadline."""
         hung = self._watch.poll()
+        for phase, (done, total) in self._watch.pieces().items():
+            show_work(self._stage, phase, done, total)
         if hung is None:
             return
         run_url, run_name, storage_options = self._run_where

@@ -281,6 +281,28 @@ def show_step(stage: str, step: int, total_steps: int, metrics: dict[str, Any]) 
         console.live_bar.draw_step(stage, step, total_steps, metrics)
 
 
+WORK_LINE_EVERY_S = 10.0  # without a terminal, long work inside a step is logged this often
+_WORK_NAMES = {"eval": "evaluating", "generate": "generating"}
+_last_work_line: dict[tuple[str, str], float] = {}
+
+
+def show_work(stage: str, phase: str, done: int, total: int) -> None:
+    """Long work inside a step (an evaluation of 100,000 pairs, a rollout): a bar on a terminal, else an INFO line
+    every WORK_LINE_EVERY_S in the run's log (`rm: evaluating 12000/100000 (12%)`)."""
+    import time
+
+    what = _WORK_NAMES.get(phase, phase)
+    console = current_console()
+    if console is not None and console.live_bar is not None:
+        console.live_bar.draw_work(stage, what, done, total)
+        return
+    now = time.monotonic()
+    if now - _last_work_line.get((stage, phase), float("-inf")) >= WORK_LINE_EVERY_S:
+        _last_work_line[(stage, phase)] = now
+        logging.getLogger("rlhf_core.progress").info(
+            "%s: %s %d/%d (%.0f%%)", stage, what, done, total, 100.0 * done / max(total, 1))
+
+
 # Each rank prints rlhf_core's own warnings (a flag with no effect here, a fallback) with this prefix
 # (`rank_warnings`), so quiet mode can show them on the console, once each, among the actors' output.
 RANK_WARNING_PREFIX = WARNING_PREFIX

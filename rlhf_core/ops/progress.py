@@ -72,6 +72,13 @@ class LiveBar:
             self._switch_to(stage)
             self._draw(render_live_bar(stage, step, total_steps, self.chunks, tail))
 
+    def draw_work(self, stage: str, what: str, done: int, total: int) -> None:
+        """Draw long work inside a step as the bar: `rm evaluating [#####-----] 12000/100000`."""
+        filled = min(LIVE_BAR_WIDTH, round(LIVE_BAR_WIDTH * done / max(total, 1)))
+        with self._lock:
+            self._switch_to(stage)
+            self._draw(f"{stage} {what} [{'#' * filled}{'-' * (LIVE_BAR_WIDTH - filled)}] {done}/{total}")
+
     def _switch_to(self, stage: str) -> None:
         if stage != self.stage:
             self.end_line()
