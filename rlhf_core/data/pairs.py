@@ -4,7 +4,7 @@ run's store, split into train and eval; and their count for the planner."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -12,9 +12,10 @@ from rlhf_core.config import RunConfig
 from rlhf_core.data.columns import Columns, column, subset
 from rlhf_core.data.preparation import Preparation, prepared_rows, stage_source
 from rlhf_core.data.records import Record, split_holdout
-from rlhf_core.data.samples import Renderer, TokenizedPair, tokenize_pairs
+from rlhf_core.data.encoding import BatchEncoder
+from rlhf_core.data.samples import Renderer, TokenizedPair, pair_texts, warn_unused_prompt
 from rlhf_core.errors import UserError
-from rlhf_core.notices import warn_once
+from rlhf_core.notices import note_once, warn_once
 from rlhf_core.stages.base import PreferenceConfig
 from rlhf_core.stages.dpo import DPOConfig
 from rlhf_core.stages.rm import RMConfig
@@ -47,7 +48,9 @@ def read_pairs(cfg: PreferenceConfig, run: RunConfig, tokenizer, evaluation: boo
 
 @dataclass
 class PairBatches:
-    """A batch of preference records as prepared columns (`samples.tokenize_pairs`, and each pair's margin)."""
+    """A batch of preference records as prepared columns: `samples.tokenize_pairs`' tokens (each record's texts
+    rendered, with its checks, then every chosen, every rejected and every prompt text tokenized as one call each),
+    and each pair's margin. Picklable: a worker process gets it once and builds its own encoder."""
 
     renderer: Renderer
     prompt_key: str | None
@@ -55,17 +58,37 @@ class PairBatches:
     rejected_key: str
     max_len: int
     margin_loss: bool
+    encode: BatchEncoder | None = field(default=None, repr=False)
 
     def __call__(self, records: list[Record]) -> Columns:
-        pairs = tokenize_pairs(self.renderer, records, self.prompt_key, self.chosen_key, self.rejected_key,
-                               self.max_len)
-        return {"chosen_ids": [pair.chosen_ids for pair in pairs],
-                "rejected_ids": [pair.rejected_ids for pair in pairs],
-                "prompt_len": [pair.prompt_len for pair in pairs],
-                "margin": [pair_margin(self.renderer.url, record, self.margin_loss) for record in records]}
+        renderer = self.renderer
+        if self.encode is None:
+            self.encode = BatchEncoder(renderer.tokenizer, self.max_len)
+        prompts, chosen, rejected = [], [], []
+        for record in records:
+            warn_unused_prompt(renderer, record, self.prompt_key)
+            prompt, chosen_text, rejected_text = pair_texts(renderer, record, self.prompt_key, self.chosen_key,
+                                                            self.rejected_key)
+            prompts.append(renderer.begin(prompt))
+            chosen.append(renderer.begin(prompt + chosen_text))
+            rejected.append(renderer.begin(prompt + rejected_text))
+        return {"chosen_ids": self.encode.sequences(chosen), "rejected_ids": self.encode.sequences(rejected),
+                "prompt_len": _prompt_lengths(self.encode, prompts),
+                "margin": [pair_margin(renderer.url, record, self.margin_loss) for record in records]}
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "encode": None}  # a worker builds its own from the tokenizer
 
     def no_rows(self) -> None:
         raise UserError(f"{self.renderer.url}: the dataset is empty.")
+
+
+def _prompt_lengths(encode: BatchEncoder, prompts: list[str]) -> list[int]:
+    """Each prompt's own token count, each distinct text tokenized once: without --prompt_key every prompt is the
+    same (empty, or the BOS alone)."""
+    distinct = list(dict.fromkeys(prompts))
+    lengths = dict(zip(distinct, map(len, encode(distinct))))
+    return [lengths[prompt] for prompt in prompts]
 
 
 def make_pair(chosen_ids: list[int], rejected_ids: list[int], prompt_len: int, margin: float) -> Pair:
@@ -83,11 +106,28 @@ def pair_margin(url: str, record, required: bool) -> float:
 
 
 def load_pairs(cfg: PreferenceConfig, run: RunConfig, tokenizer) -> tuple[Sequence[Pair], Sequence[Pair]]:
-    """(train, eval) preference pairs: eval from --eval_dataset, else held out of the training data."""
+    """(train, eval) preference pairs: eval from --eval_dataset; else a fraction held out of the training data when
+    --eval_holdout asks for one (said once, with the count); else none, as OpenRLHF (`eval_pairs_of_rm` is the
+    reward model's own evaluation then)."""
     pairs = read_pairs(cfg, run, tokenizer)
     if cfg.eval_dataset:
         return pairs, read_pairs(cfg, run, tokenizer, evaluation=True)
-    return split_holdout(pairs, cfg.eval_holdout, run.seed)
+    if cfg.eval_holdout <= 0:
+        return pairs, []
+    train, held_out = split_holdout(pairs, cfg.eval_holdout, run.seed)
+    note_once(f"--eval_holdout {cfg.eval_holdout:g}: {len(held_out)} of {len(pairs)} pairs are held out of "
+              "training to evaluate on.")
+    return train, held_out
+
+
+RM_EVAL_FRACTION = 0.01  # OpenRLHF's train_rm without --eval_dataset
+
+
+def eval_pairs_of_rm(train_pairs: Sequence[Pair]) -> Sequence[Pair]:
+    """What the reward model evaluates on without an eval set, as OpenRLHF's train_rm: the first 1% of its
+    training pairs, which stay in training (none under 100 pairs). That evaluation sets the rewards' mean and std
+    in the model's config, which PPO's --normalize_reward reads."""
+    return subset(train_pairs, np.arange(int(len(train_pairs) * RM_EVAL_FRACTION)))
 
 
 def trainable_pairs(pairs: Sequence[Pair], max_len: int, where: str) -> Sequence[Pair]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlhf_core.data.columns import Columns, PreparedRows
+from rlhf_core.data.encoding import BatchEncoder
 from rlhf_core.data.preparation import Preparation, prepared_rows, stage_source
 from rlhf_core.data.records import Record
 from rlhf_core.data.samples import (Renderer, TokenizedSample, assistant_spans, multiturn_conversation, require_text,
@@ -65,33 +66,10 @@ class SFTBatches:
         tokenize_sft(renderer, [], self.input_key, self.output_key, self.max_len, self.multiturn)
 
 
-class BatchEncoder:
-    """`samples.token_ids` of many texts as one call: a fast tokenizer's own `encode_batch` (what transformers
-    calls, less its per-text Python wrapping) on a copy truncating at `max_len` as transformers sets it (longest
-    first, stride 0, no padding), the tokenizer's own left as it is; a slow tokenizer through transformers."""
-
-    def __init__(self, tokenizer, max_len: int):
-        self.tokenizer, self.max_len, self.backend = tokenizer, max_len, None
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is not None:
-            from tokenizers import Tokenizer
-
-            self.backend = Tokenizer.from_str(backend.to_str())
-            self.backend.no_padding()
-            self.backend.enable_truncation(max_length=max_len, stride=0, strategy="longest_first")
-
-    def __call__(self, texts: list[str]) -> list[list[int]]:
-        if not texts:
-            return []
-        if self.backend is None:
-            return self.tokenizer(texts, add_special_tokens=False, truncation=True, max_length=self.max_len).input_ids
-        return [encoding.ids for encoding in self.backend.encode_batch(texts, add_special_tokens=False)]
-
-
 def _sft_batch(renderer: Renderer, encode: BatchEncoder, records: list[Record], input_key: str,
                output_key: str | None, multiturn: bool) -> Columns:
     """`samples.tokenize_sft` of a batch of records, the texts tokenized as one call."""
-    tokenizer, max_len = renderer.tokenizer, encode.max_len
+    max_len = encode.max_len
     keys = (input_key,) if output_key is None else (input_key, output_key)  # named by a template's refusal
     texts, conversations, kept = [], [], []
     for record in records:
@@ -106,16 +84,12 @@ def _sft_batch(renderer: Renderer, encode: BatchEncoder, records: list[Record], 
             conversations.append(conversation)
             kept.append(record)
     prompt_ids = encode([prompt for prompt, _ in texts])
-    eos = tokenizer.eos_token
-    whole = [_sequence_text(eos, prompt + response) for prompt, response in texts]
-    whole_ids = encode(whole)
+    whole_ids = encode.sequences([prompt + response for prompt, response in texts])
     columns: Columns = {"input_ids": [], "loss_mask": []}
-    eos_id = tokenizer.eos_token_id
     for record, conversation, own_ids, input_ids in zip(kept, conversations, prompt_ids, whole_ids):
         num_prompt = len(own_ids)
         if num_prompt >= max_len - 2:
             continue
-        input_ids[-1] = eos_id
         if input_ids[:num_prompt] != own_ids:
             _warn_merge(renderer, record)
         spans = (assistant_spans(renderer, conversation, max_len, record, keys) if conversation is not None
@@ -126,12 +100,6 @@ def _sft_batch(renderer: Renderer, encode: BatchEncoder, records: list[Record], 
         columns["input_ids"].append(input_ids)
         columns["loss_mask"].append(loss_mask)
     return columns
-
-
-def _sequence_text(eos: str, text: str) -> str:
-    """`samples.sequence_ids`' text: newlines stripped, " " + EOS unless present."""
-    text = text.rstrip("\n")
-    return text if text.endswith(eos) else text + " " + eos
 
 
 def _warn_merge(renderer: Renderer, record: Record) -> None:

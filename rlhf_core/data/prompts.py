@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf_core.agent import load_agent_executor
@@ -14,7 +14,8 @@ from rlhf_core.errors import UserError
 from rlhf_core.data.columns import Columns
 from rlhf_core.data.preparation import Preparation, Source, existing_rows, prepared_rows
 from rlhf_core.data.records import Record
-from rlhf_core.data.samples import Renderer, tokenize_prompts
+from rlhf_core.data.encoding import BatchEncoder
+from rlhf_core.data.samples import Renderer, prompt_text
 from rlhf_core.rewards import check_reward_setup
 from rlhf_core.stages.ppo import PPOConfig, require_vllm
 from rlhf_core.storage.locate import load_tokenizer
@@ -81,19 +82,32 @@ def _preparation(cfg: PPOConfig, run: RunConfig, tokenizer, eval_data: bool) -> 
 
 @dataclass
 class PromptBatches:
-    """A batch of prompt records as prepared columns (`samples.tokenize_prompts`, and each one's label)."""
+    """A batch of prompt records as prepared columns: `samples.tokenize_prompts`' prompts (each record's text
+    rendered, with its checks, then the batch's texts tokenized as one call), and each one's label. Picklable: a
+    worker process gets it once and builds its own encoder."""
 
     renderer: Renderer
     input_key: str
     prompt_max_len: int
     label_key: str | None
+    encode: BatchEncoder | None = field(default=None, repr=False)
 
     def __call__(self, records: list[Record]) -> Columns:
-        prompts = tokenize_prompts(self.renderer, records, self.input_key, self.prompt_max_len)
-        assert len(prompts) == len(records), "tokenize_prompts must keep one prompt per record"
-        return {"text": [prompt.value for prompt in prompts], "ids": [prompt.ids for prompt in prompts],
-                "label": [record_label(self.renderer.url, record, self.label_key) for record in records],
-                "bos_added": [prompt.bos_added for prompt in prompts]}
+        renderer = self.renderer
+        if self.encode is None:
+            self.encode = BatchEncoder(renderer.tokenizer, None)  # a long prompt keeps its end: cut below
+        texts = [prompt_text(renderer, record, self.input_key) for record in records]
+        bos_id, ids = renderer.tokenizer.bos_token_id, []
+        bos_added = [renderer.begin(text) != text for text in texts]
+        for text_ids, bos in zip(self.encode(texts), bos_added):
+            room = self.prompt_max_len - bos
+            ids.append([bos_id] * bos + text_ids[max(len(text_ids) - room, 0):])
+        return {"text": [record.fields[self.input_key] for record in records], "ids": ids,
+                "label": [record_label(renderer.url, record, self.label_key) for record in records],
+                "bos_added": bos_added}
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "encode": None}  # a worker builds its own from the tokenizer
 
     def no_rows(self) -> None:
         raise UserError(f"{self.renderer.url}: the dataset is empty.")

@@ -336,15 +336,19 @@ def pair_texts(renderer: Renderer, record: Record, prompt_key: str | None, chose
     return prompt_text, chosen, rejected
 
 
+def warn_unused_prompt(renderer: Renderer, record: Record, prompt_key: str | None) -> None:
+    if prompt_key is None and isinstance(record.fields.get("prompt"), str):
+        warn_once(f"{renderer.url}: the records have a 'prompt' field, but --prompt_key is not set (OpenRLHF's "
+                  "default): chosen and rejected are scored without it; pass --prompt_key prompt to use it.")
+
+
 def tokenize_pairs(renderer: Renderer, records: list[Record], prompt_key: str | None, chosen_key: str,
                    rejected_key: str, max_len: int) -> list[TokenizedPair]:
     """Prompt + chosen and prompt + rejected, each ending in EOS (the reward is read there), and the prompt's own
     token count (as OpenRLHF's DPO counts it: the prompt tokenized alone, truncated to max_len)."""
     pairs = []
     for record in records:
-        if prompt_key is None and isinstance(record.fields.get("prompt"), str):
-            warn_once(f"{renderer.url}: the records have a 'prompt' field, but --prompt_key is not set (OpenRLHF's "
-                      "default): chosen and rejected are scored without it; pass --prompt_key prompt to use it.")
+        warn_unused_prompt(renderer, record, prompt_key)
         prompt, chosen, rejected = pair_texts(renderer, record, prompt_key, chosen_key, rejected_key)
         pairs.append(TokenizedPair(sequence_ids(renderer.tokenizer, renderer.begin(prompt + chosen), max_len),
                                    sequence_ids(renderer.tokenizer, renderer.begin(prompt + rejected), max_len),

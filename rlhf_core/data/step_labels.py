@@ -5,11 +5,12 @@ and counted for the planner."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from rlhf_core.config import RunConfig
 from rlhf_core.data.columns import Columns, FlatColumns
+from rlhf_core.data.encoding import BatchEncoder
 from rlhf_core.data.preparation import Preparation, prepared_rows, stage_source
 from rlhf_core.data.records import Record, count_with_eval
 from rlhf_core.data.samples import IGNORE_INDEX, field_value
@@ -36,16 +37,27 @@ def single_token_id(tokenizer, token: str, flag: str) -> int:
 
 def tokenize_step_labels(url: str, records, tokenizer, cfg) -> list[StepLabelledSample]:
     """One sample per record: its token ids, and its step labels on its placeholder positions."""
+    return step_labelled_batch(url, records, tokenizer, cfg, lambda texts: [
+        tokenizer(text, add_special_tokens=False, truncation=True, max_length=cfg.max_len).input_ids
+        for text in texts])
+
+
+def step_labelled_batch(url: str, records, tokenizer, cfg,
+                        encode: Callable[[list[str]], list[list[int]]]) -> list[StepLabelledSample]:
+    """`tokenize_step_labels` with the texts tokenized by `encode` (one call for the batch): each record is
+    checked, then the texts of those before the first bad one are tokenized and labelled in order, so the error
+    raised is the first bad record's, as one record at a time would raise it."""
     placeholder = single_token_id(tokenizer, cfg.placeholder_token, "--placeholder_token")
     reward_ids = {token: single_token_id(tokenizer, token, "--reward_tokens") for token in cfg.reward_tokens or ()}
-    samples, kinds = [], set()
+    checked, bad = [], None
     for record in records:
-        text = field_value(url, record, cfg.input_key, "--input_key")
-        values = field_value(url, record, cfg.label_key, "--label_key")
-        if not isinstance(text, str) or not isinstance(values, list) or not values:
-            raise UserError(f"{record.where(url)}: --input_key {cfg.input_key!r} must be a string and --label_key "
-                            f"{cfg.label_key!r} a non-empty list of step labels.")
-        ids = tokenizer(text, add_special_tokens=False, truncation=True, max_length=cfg.max_len).input_ids
+        try:
+            checked.append((record, *_text_and_labels(url, record, cfg)))
+        except UserError as error:
+            bad = error
+            break
+    samples, kinds = [], set()
+    for (record, text, values), ids in zip(checked, encode([text for _, text, _ in checked])):
         positions = [index for index, token in enumerate(ids) if token == placeholder]
         labels = [float(IGNORE_INDEX)] * len(ids)
         for position, value in zip(positions, values):
@@ -55,7 +67,18 @@ def tokenize_step_labels(url: str, records, tokenizer, cfg) -> list[StepLabelled
             raise UserError(f"{record.where(url)}: step labels must all be reward tokens or all numbers in one "
                             "dataset; this record's differ from the ones before.")
         samples.append(StepLabelledSample(ids, labels, soft=not isinstance(values[0], str)))
+    if bad is not None:
+        raise bad
     return samples
+
+
+def _text_and_labels(url: str, record: Record, cfg) -> tuple[str, list]:
+    text = field_value(url, record, cfg.input_key, "--input_key")
+    values = field_value(url, record, cfg.label_key, "--label_key")
+    if not isinstance(text, str) or not isinstance(values, list) or not values:
+        raise UserError(f"{record.where(url)}: --input_key {cfg.input_key!r} must be a string and --label_key "
+                        f"{cfg.label_key!r} a non-empty list of step labels.")
+    return text, values
 
 
 def _label_value(url, record, value, cfg, tokenizer, reward_ids: dict[str, int]) -> float:
@@ -85,16 +108,23 @@ def load_step_labelled(run: RunConfig, tokenizer, evaluation: bool = False) -> S
 
 @dataclass
 class StepLabelBatches:
-    """A batch of step-labelled records as prepared columns (`tokenize_step_labels`)."""
+    """A batch of step-labelled records as prepared columns (`tokenize_step_labels`, the batch's texts tokenized
+    as one call). Picklable: a worker process gets it once and builds its own encoder."""
 
     url: str
     tokenizer: Any
     cfg: Any
+    encode: BatchEncoder | None = field(default=None, repr=False)
 
     def __call__(self, records: list[Record]) -> Columns:
-        samples = tokenize_step_labels(self.url, records, self.tokenizer, self.cfg)
+        if self.encode is None:
+            self.encode = BatchEncoder(self.tokenizer, self.cfg.max_len)
+        samples = step_labelled_batch(self.url, records, self.tokenizer, self.cfg, self.encode)
         return {"input_ids": [sample.input_ids for sample in samples], "labels": [sample.labels for sample in samples],
                 "soft": [sample.soft for sample in samples]}
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "encode": None}  # a worker builds its own from the tokenizer
 
     def no_rows(self) -> None:
         raise UserError(f"{self.url}: the dataset is empty.")

@@ -33,17 +33,20 @@ Job = Callable[[list[Record]], Columns]  # a batch of records -> its prepared ro
 IN_PROCESS_BATCHES = 2  # a dataset this small is done before worker processes (seconds to start) could help
 IN_FLIGHT_PER_WORKER = 2  # batches handed out ahead per worker: enough to keep it busy, few to hold
 WATCH_S = 0.5  # how often a worker looks whether the process it works for is still there
-WORKERS_ENV_VAR = "RLHF_PREPARE_WORKERS"  # the number of worker processes (default: the cores this process may use)
+WORKERS_ENV_VAR = "RLHF_PREPARE_WORKERS"  # the number of worker processes (default: the cores, at most MAX_WORKERS)
+MAX_WORKERS = 8  # the default's cap: each worker holds a tokenizer and its batches, so a 64-core head node's
+# memory stays bounded (OpenRLHF's datasets.map uses num_proc=8 too); RLHF_PREPARE_WORKERS goes past it
 
 logger = logging.getLogger(__name__)
 
 
 def num_workers() -> int:
     """The worker processes a large preparation uses: RLHF_PREPARE_WORKERS, else one per core this process may
-    run on; 1 means none (the batches run in this process)."""
+    run on, at most MAX_WORKERS; 1 means none (the batches run in this process)."""
     if os.environ.get(WORKERS_ENV_VAR):
         return max(1, int(os.environ[WORKERS_ENV_VAR]))
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(cores, MAX_WORKERS)
 
 
 def map_batches(batches: Iterable[list[Record] | LineBlock], url: str, job: Job,
