@@ -35,3 +35,9 @@ def warn_once(message: str, key: str | None = None) -> None:
     """One warning line per process for a setting that has no effect (or a reduced one) here; with `key`, one
     per key (a message naming the first of many rows it applies to)."""
     logger.warning(message, extra={"rlhf_once": key or message})
+
+
+def note_once(message: str, key: str | None = None) -> None:
+    """One `rlhf: note:`-level line per process (INFO) for something a run does that the user should know of (data
+    held out of training, a default that departs from OpenRLHF's)."""
+    logger.info(message, extra={"rlhf_once": key or message})

@@ -88,6 +88,7 @@ class WorkerGroup:
         self.zero_stage: int | None = None  # resolved by setup
         self._ahead: tuple[int, list] | None = None
         self._step_loop_seconds = 0.0  # rank 0's, since the last take_step_loop_seconds()
+        self._eval_seconds = 0.0  # the part of them rank 0 spent evaluating
         self._step_times: list[tuple[float, bool]] = []  # rank 0's (seconds, beside a write), since then too
         self._clean_step_seconds: float | None = None  # the last known median step with no write beside it
         self.write_seconds: dict[str, float] = {}  # rank 0's writer timers of the last finished write
@@ -139,9 +140,10 @@ class WorkerGroup:
         return metrics
 
     def _collect(self, trainings: list) -> list[dict[str, float]]:
-        metrics, seconds, self.step, step_times = self._gather(trainings)[0]
+        metrics, seconds, self.step, step_times, eval_seconds = self._gather(trainings)[0]
         self._watch.steps_returned([step_seconds for step_seconds, _ in step_times])
         self._step_loop_seconds += seconds
+        self._eval_seconds += eval_seconds
         self._step_times += step_times
         return metrics
 
@@ -153,11 +155,12 @@ class WorkerGroup:
     def take_step_loop_seconds(self) -> dict[str, float]:
         """For the steps collected since the last call (the goodput ledger's; training ahead runs while the
         driver waits for a commit, so the driver cannot time it): `step_loop`, the seconds rank 0 spent in its
-        step loop, and `writer_slowdown`, the part of them lost to the background checkpoint writer, whose
-        serialisation, hashing and writes take CPU from the ranks (`goodput.writer_slowdown`)."""
+        step loop, `writer_slowdown`, the part of them lost to the background checkpoint writer, whose
+        serialisation, hashing and writes take CPU from the ranks (`goodput.writer_slowdown`), and `eval`, the part
+        spent evaluating."""
         slowdown, self._clean_step_seconds = writer_slowdown(self._step_times, self._clean_step_seconds)
-        seconds = {"step_loop": self._step_loop_seconds, "writer_slowdown": slowdown}
-        self._step_loop_seconds, self._step_times = 0.0, []
+        seconds = {"step_loop": self._step_loop_seconds, "writer_slowdown": slowdown, "eval": self._eval_seconds}
+        self._step_loop_seconds, self._step_times, self._eval_seconds = 0.0, [], 0.0
         return seconds
 
     def snapshot(self) -> tuple[list[str], list[str]]:

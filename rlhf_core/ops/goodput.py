@@ -37,12 +37,12 @@ RUNNING, FINISHED, CRASHED = "running", "finished", "crashed"
 OVERRIDDEN_BY = {"save_and_commit": "stall", "train": "step_loop"}
 SECONDS_CATEGORIES = {"step_loop": "useful_s", "train": "useful_s", "stall": "stall_s", "save_and_commit": "stall_s",
                       "commit": "commit_s", "workers": "startup_s", "load": "load_s", "workers_and_load": "load_s",
-                      "plan": "plan_s", "writer_slowdown": "stall_s"}
+                      "plan": "plan_s", "writer_slowdown": "stall_s", "eval": "eval_s"}
 # Timers that are a part of another timer's time, taken out of that timer's category: the step loop's
 # slowdown beside the background writer is inside "step_loop" (or "train"), but is not useful time.
-PART_OF = {"writer_slowdown": "useful_s"}
+PART_OF = {"writer_slowdown": "useful_s", "eval": "useful_s"}  # evaluation is inside the ranks' step loop
 # Categories that are part of the wall time (commit_s runs in the background, beside training).
-WALL_CATEGORIES = ("useful_s", "stall_s", "startup_s", "load_s", "plan_s", "lost_s")
+WALL_CATEGORIES = ("useful_s", "eval_s", "stall_s", "startup_s", "load_s", "plan_s", "lost_s")
 
 MAX_REPLACEMENTS_KEPT = 50  # per stage: each in-place replacement of the ranks, for `rlhf goodput` and the bench
 

@@ -18,6 +18,7 @@ class StageGoodput:
     stage: str
     wall_s: float = 0.0
     useful_s: float = 0.0
+    eval_s: float = 0.0  # evaluations inside the ranks' step loop, not in useful
     stall_s: float = 0.0
     commit_s: float = 0.0
     startup_s: float = 0.0
@@ -121,6 +122,9 @@ def format_summary(summary: GoodputSummary, run_url: str) -> str:
                      f"{_seconds(row.load_s):>8} {lost:>14} {_seconds(row.other_s):>8} {_seconds(row.commit_s):>8}")
     for cause, seconds in sorted(total.lost_to.items()):
         lines.append(f"lost to {cause}: {_seconds(seconds)}")
+    if total.eval_s:
+        lines.append(f"evaluation: {_seconds(total.eval_s)} (" + ", ".join(
+            f"{row.stage} {_seconds(row.eval_s)}" for row in summary.stages if row.eval_s) + "; not in useful)")
     if total.outage_s:
         lines.append(f"lost to store outages: {_seconds(total.outage_s)} waited out (in stall and other; training "
                      "went on from the snapshot, nothing committed was lost)")

@@ -237,23 +237,28 @@ class TrainWorker:
             self._trainer = trainer_class(stage)(run, chunk_ends, self.rank, self.world_size, load_universal)
             self._trainer.signals = WorkerSignals(self)
 
-    def train_until(self, target_step: int) -> tuple[list[dict[str, float]], float, int, list[tuple[float, bool]]]:
+    def train_until(self, target_step: int) -> tuple[list[dict[str, float]], float, int, list[tuple[float, bool]],
+                                                     float]:
         """The metrics of each step up to `target_step`, the seconds this rank spent in its step loop, the
-        step it reached (fewer when a stop was requested (`request_stop`), at a step all ranks agree on), and
-        each step's (seconds, whether a background checkpoint write ran beside it)."""
+        step it reached (fewer when a stop was requested (`request_stop`), at a step all ranks agree on), each
+        step's (seconds, whether a background checkpoint write ran beside it), its evaluation left out, and the
+        seconds spent evaluating."""
         from rlhf_core.faults import fault_point
 
         started, metrics, step_times = time.perf_counter(), [], []
+        eval_seconds_before = self.trainer.eval_seconds
         with self._progress.working_on("train"):
             while self.trainer.step < target_step and not self._stop_agreed():
                 fault_point("train_step", self.trainer.step + 1, tag=self._stage)
-                step_started = time.perf_counter()
+                step_started, evaluated_before = time.perf_counter(), self.trainer.eval_seconds
                 writes_before = (self._num_writes_in_flight, self._num_writes_started)
                 metrics.append(self.trainer.train_step())
                 beside_write = writes_before[0] > 0 or self._num_writes_started != writes_before[1]
-                step_times.append((time.perf_counter() - step_started, beside_write))
+                evaluating = self.trainer.eval_seconds - evaluated_before  # not the step's: the watch's steady pace
+                step_times.append((time.perf_counter() - step_started - evaluating, beside_write))
                 self._progress.step_done(step_times[-1][0])
-        return metrics, time.perf_counter() - started, self.trainer.step, step_times
+        return (metrics, time.perf_counter() - started, self.trainer.step, step_times,
+                self.trainer.eval_seconds - eval_seconds_before)
 
     @ray.method(concurrency_group="control")
     def request_stop(self) -> None:

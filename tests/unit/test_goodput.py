@@ -13,7 +13,7 @@ from flows.cli import main
 from rlhf_core.ops.goodput import (CRASHED, FINISHED, LEASE_HEARTBEAT_S, GoodputLedger, begin_attempt, commit_chunk,
                                    empty_ledger, finish_attempt, start_chunk)
 from rlhf_core.ops.step_time import writer_slowdown
-from rlhf_core.ops.goodput_summary import expected_goodput, measured_costs, plan_interval, summarize
+from rlhf_core.ops.goodput_summary import expected_goodput, format_summary, measured_costs, plan_interval, summarize
 
 
 class Clock:
@@ -174,6 +174,17 @@ def test_the_step_loops_slowdown_beside_the_writer_is_stall_not_useful_time():
     sft = summarize(doc).stages[0]
     assert sft.useful_s == pytest.approx(8.8) and sft.stall_s == pytest.approx(0.9)
     assert sft.useful_s + sft.stall_s == pytest.approx(9.7)  # moved, not added: the wall time is unchanged
+
+
+def test_an_evaluation_inside_the_step_loop_has_its_own_line_not_useful_time():
+    clock, doc = Clock(), empty_ledger()
+    attempt = begin_attempt(doc, "a", clock.now)
+    start_chunk(doc, attempt, "rm", 0, 10, clock.advance(0.1))
+    commit_chunk(doc, attempt, "rm", 10, {"step_loop": 60.0, "eval": 57.0, "stall": 0.2}, clock.advance(61.0))
+    summary = summarize(doc)
+    rm = summary.stages[0]
+    assert rm.useful_s == pytest.approx(3.0) and rm.eval_s == pytest.approx(57.0)
+    assert "evaluation: 57.0 s (rm 57.0 s; not in useful)" in format_summary(summary, "file:///run")
 
 
 def test_writer_slowdown_is_what_steps_beside_a_write_took_beyond_the_median_clean_step():

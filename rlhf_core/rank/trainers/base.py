@@ -11,6 +11,7 @@ import contextlib
 import glob
 import json
 import os
+import time
 from typing import TYPE_CHECKING, Any, Generic, Sequence, TypeVar
 
 import torch
@@ -81,6 +82,8 @@ class DeepSpeedTrainer(abc.ABC, Generic[ConfigT]):
     """
 
     stage: str = ""
+    evaluates_each_epoch = True  # --eval_steps -1 evaluates at each epoch's end (PPO: never, as OpenRLHF)
+    evaluates_at_epoch_end = False  # with --eval_steps N too (OpenRLHF's reward model)
     config_class: type[ConfigT]  # the stage's config class (`Stage.config`): `self.cfg` is its section of the run
     tokenizer: PreTrainedTokenizerBase
     engine: DeepSpeedEngine  # a stage training one model (`train_on`); PPO has `actor` and `critic` instead
@@ -105,6 +108,8 @@ class DeepSpeedTrainer(abc.ABC, Generic[ConfigT]):
         self.engines: dict[str, DeepSpeedEngine] = {}
         self.step = 0
         self.signals = RankSignals()  # the rank's own, set by its host once this trainer is made
+        self.steps_per_epoch = 0  # optimizer steps in one pass over the training items (`train_on` knows them)
+        self.eval_seconds = 0.0  # spent evaluating so far, for the goodput ledger (`evaluation`)
 
     def autocast(self):
         """The context for forward passes: bf16 autocast on a CPU run with --param_dtype bf16, else nothing."""
@@ -219,9 +224,14 @@ class DeepSpeedTrainer(abc.ABC, Generic[ConfigT]):
         return (self.step if step is None else step) in self._chunk_ends
 
     def is_eval_step(self) -> bool:
-        """Evaluate every eval_steps steps (if > 0) and at each checkpoint step (as OpenRLHF's trainers)."""
+        """OpenRLHF's schedule: every --eval_steps steps; with -1, once per epoch, at its last step (never for a
+        stage that does not evaluate per epoch, PPO); the reward model also at every epoch's end. Not tied to the
+        checkpoints: OpenRLHF evaluates and saves independently (`save_logs_and_checkpoints`)."""
         cfg, step = self.cfg, self.step
-        return (cfg.eval_steps > 0 and step % cfg.eval_steps == 0) or self.is_chunk_end()
+        epoch_end = self.steps_per_epoch > 0 and step % self.steps_per_epoch == 0
+        if cfg.eval_steps > 0:
+            return step % cfg.eval_steps == 0 or (self.evaluates_at_epoch_end and epoch_end)
+        return self.evaluates_each_epoch and epoch_end
 
     def train_on(self, items: Sequence) -> dict[str, float]:
         """One optimizer step of `self.engine` on this step's global batch of `items` (`step_sample_indices`), its
@@ -230,13 +240,16 @@ class DeepSpeedTrainer(abc.ABC, Generic[ConfigT]):
         the LR, and the evaluation's when due (`evaluation`)."""
         cfg = self.cfg
         torch.manual_seed(derive_seed(self.run.seed, self.stage, self.step, self.rank, "dropout"))
+        self.steps_per_epoch = len(items) // cfg.train_batch_size
         indices = step_sample_indices(self.step, cfg.train_batch_size, len(items), self.run.seed)
         self.engine.train()
         logs: dict[str, list[float]] = {}
-        for micro_batch in rank_micro_batches(indices, self.rank, self.world_size, cfg.micro_train_batch_size):
+        micro_batches = rank_micro_batches(indices, self.rank, self.world_size, cfg.micro_train_batch_size)
+        for number, micro_batch in enumerate(micro_batches, 1):
             loss, values = self.train_loss([items[i] for i in micro_batch])
             self.engine.backward(loss)
             self.engine.step()
+            self.signals.work_done("train", number, len(micro_batches))  # a step of many micro-batches moves too
             for name, value in {"loss": loss.item(), **values}.items():
                 logs.setdefault(name, []).append(value)
         self.step += 1
@@ -254,19 +267,38 @@ class DeepSpeedTrainer(abc.ABC, Generic[ConfigT]):
         return []
 
     def evaluation(self) -> dict[str, float]:
-        """The evaluation's metrics when one is due (`is_eval_step`) and the stage has eval items, else none."""
-        return self.evaluate() if self.eval_items() and self.is_eval_step() else {}
+        """The evaluation's metrics when one is due (`is_eval_step`) and the stage has eval items, else none; its
+        time goes to `eval_seconds`."""
+        if not (self.is_eval_step() and self.eval_items()):
+            return {}
+        started = time.perf_counter()
+        try:
+            return self.evaluate()
+        finally:
+            self.eval_seconds += time.perf_counter() - started
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """The eval metrics (`eval_metrics`) of the sums `eval_sums` gives for the eval items, over every rank."""
+        """The eval metrics (`eval_metrics`) of the sums `eval_sums` gives for the eval items, over every rank.
+        Each batch is progress for the hang watch and the driver's bar; a stop agreed by the ranks (Ctrl-C,
+        SIGTERM) ends it at once, with no metrics, so that the emergency commit of the steps trained fits in
+        --stop_grace_s."""
         for engine in self.engines.values():
             engine.eval()
+        items = self.eval_items()
+        batches = self.eval_micro_batches(items)
+        per_round = self.cfg.micro_train_batch_size * self.world_size
         totals: dict[str, float] = {}
-        for batch, counted in self.eval_micro_batches(self.eval_items()):
+        for done, (batch, counted) in enumerate(batches, start=1):
+            if self.signals.stop_agreed():
+                if self.rank == 0:
+                    warn_once(f"the evaluation at step {self.step} was stopped after {done - 1} of {len(batches)} "
+                              "batches (a stop was requested): no eval metrics for that step.")
+                return {}
             sums = self.eval_sums(batch)  # every pass runs, counted or not: see eval_micro_batches
             for name, value in sums.items():
                 totals[name] = totals.get(name, 0.0) + (value if counted else 0.0)
+            self.signals.work_done("eval", min(done * per_round, len(items)), len(items))
         return self.eval_metrics(dict(zip(totals, sum_over_ranks(*totals.values()))))
 
     def eval_sums(self, batch: list) -> dict[str, float]:

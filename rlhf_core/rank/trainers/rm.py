@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from rlhf_core.config import RunConfig
-from rlhf_core.data.pairs import Pair, load_pairs
+from rlhf_core.data.pairs import Pair, eval_pairs_of_rm, load_pairs
 from rlhf_core.data.determinism import derive_seed
 from rlhf_core.notices import warn_once
 from rlhf_core.models.load import load_scalar_model, sequence_scores
@@ -29,11 +29,14 @@ def pairwise_loss(kind: str, chosen: torch.Tensor, rejected: torch.Tensor, margi
 
 class RewardModelTrainer(DeepSpeedTrainer[RMConfig]):
     stage, config_class = "rm", RMConfig
+    evaluates_at_epoch_end = True  # as OpenRLHF's RewardModelTrainer, with --eval_steps N too
 
     def __init__(self, run: RunConfig, chunk_ends: list[int], rank: int, world_size: int, load_universal: bool = False):
         super().__init__(run, chunk_ends, rank, world_size, load_universal)
         self.tokenizer = load_tokenizer(self.cfg.start_model, run.storage_options)
         self.train_pairs, self.eval_pairs = load_pairs(self.cfg, run, self.tokenizer)
+        # Without an eval set, OpenRLHF evaluates on the first 1% of the training pairs, for the rewards' mean/std.
+        self.normalisation_pairs = self.eval_pairs or eval_pairs_of_rm(self.train_pairs)
         if self.cfg.margin_loss and self.cfg.loss == "logexploss":
             warn_once("--margin_loss has no effect with --loss logexploss (as in OpenRLHF).")
         torch.manual_seed(derive_seed(run.seed, self.stage, "init"))  # the new score head starts identical everywhere
@@ -68,7 +71,7 @@ class RewardModelTrainer(DeepSpeedTrainer[RMConfig]):
         return self.loss(pairs, chosen, rejected), {"accuracy": (chosen > rejected).float().mean().item()}
 
     def eval_items(self) -> Sequence[Pair]:
-        return self.eval_pairs or self.train_pairs
+        return self.normalisation_pairs
 
     def eval_sums(self, pairs: list[Pair]) -> dict[str, float]:
         chosen, rejected = self.rewards(pairs)
