@@ -87,6 +87,9 @@ class DeepSpeedTrainer(abc.ABC, Generic[ConfigT]):
     config_class: type[ConfigT]  # the stage's config class (`Stage.config`): `self.cfg` is its section of the run
     tokenizer: PreTrainedTokenizerBase
     engine: DeepSpeedEngine  # a stage training one model (`train_on`); PPO has `actor` and `critic` instead
+    signals: RankSignals = RankSignals()  # nobody listens, until the rank hosting it sets its own
+    steps_per_epoch = 0  # optimizer steps in one pass over the training items (`train_on` knows them)
+    eval_seconds = 0.0  # spent evaluating so far, for the goodput ledger (`evaluation`)
 
     @property
     def export_model_dir(self) -> str:
@@ -107,9 +110,6 @@ class DeepSpeedTrainer(abc.ABC, Generic[ConfigT]):
         self.precision = resolve_precision(self.cfg.param_dtype, self.on_gpu)
         self.engines: dict[str, DeepSpeedEngine] = {}
         self.step = 0
-        self.signals = RankSignals()  # the rank's own, set by its host once this trainer is made
-        self.steps_per_epoch = 0  # optimizer steps in one pass over the training items (`train_on` knows them)
-        self.eval_seconds = 0.0  # spent evaluating so far, for the goodput ledger (`evaluation`)
 
     def autocast(self):
         """The context for forward passes: bf16 autocast on a CPU run with --param_dtype bf16, else nothing."""
@@ -290,6 +290,7 @@ class DeepSpeedTrainer(abc.ABC, Generic[ConfigT]):
         per_round = self.cfg.micro_train_batch_size * self.world_size
         totals: dict[str, float] = {}
         for done, (batch, counted) in enumerate(batches, start=1):
+            fault_point("eval_batch", done, tag=self.stage)  # entering the evaluation's batch `done`
             if self.signals.stop_agreed():
                 if self.rank == 0:
                     warn_once(f"the evaluation at step {self.step} was stopped after {done - 1} of {len(batches)} "

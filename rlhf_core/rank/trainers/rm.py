@@ -35,8 +35,6 @@ class RewardModelTrainer(DeepSpeedTrainer[RMConfig]):
         super().__init__(run, chunk_ends, rank, world_size, load_universal)
         self.tokenizer = load_tokenizer(self.cfg.start_model, run.storage_options)
         self.train_pairs, self.eval_pairs = load_pairs(self.cfg, run, self.tokenizer)
-        # Without an eval set, OpenRLHF evaluates on the first 1% of the training pairs, for the rewards' mean/std.
-        self.normalisation_pairs = self.eval_pairs or eval_pairs_of_rm(self.train_pairs)
         if self.cfg.margin_loss and self.cfg.loss == "logexploss":
             warn_once("--margin_loss has no effect with --loss logexploss (as in OpenRLHF).")
         torch.manual_seed(derive_seed(run.seed, self.stage, "init"))  # the new score head starts identical everywhere
@@ -71,7 +69,8 @@ class RewardModelTrainer(DeepSpeedTrainer[RMConfig]):
         return self.loss(pairs, chosen, rejected), {"accuracy": (chosen > rejected).float().mean().item()}
 
     def eval_items(self) -> Sequence[Pair]:
-        return self.normalisation_pairs
+        """The eval pairs; without any, as OpenRLHF, the first 1% of the training pairs, for the rewards' mean/std."""
+        return self.eval_pairs or eval_pairs_of_rm(self.train_pairs)
 
     def eval_sums(self, pairs: list[Pair]) -> dict[str, float]:
         chosen, rejected = self.rewards(pairs)
