@@ -37,6 +37,7 @@ def demo_config(workdir: str, num_workers: int, stages: list[str] | None = None)
         rm=RMConfig(
             dataset=os.path.join(toy, "prefs.jsonl"), prompt_key="prompt", max_len=64, train_batch_size=16,
             micro_train_batch_size=8, max_epochs=3, learning_rate=1e-3, save_steps=16, save_path=os.path.join(out, "rm"),
+            eval_holdout=0.1, eval_steps=16,  # accuracy on held-out pairs at each chunk: the demo shows it
         ),
         ppo=PPOConfig(
             prompt_data=os.path.join(toy, "prompts.jsonl"), input_key="prompt", reward_fn="rlhf_core.toy:gold_reward",

@@ -29,10 +29,11 @@ KILLED_AT = 19  # paused inside step 19, after step 16 committed (chunks end at 
 
 
 def dpo_run(toy: dict[str, str], root: Path, num_workers: int = 2, **settings) -> RunConfig:
-    """48 DPO steps on 192 of the toy's 256 preference pairs (64 held out), in chunks of 16, from the toy model."""
+    """48 DPO steps on 192 of the toy's 256 preference pairs (64 held out, as asked), in chunks of 16, each evaluated,
+    from the toy model."""
     dpo = DPOConfig(**{"pretrain": toy["model"], "dataset": toy["prefs"], "prompt_key": "prompt",
                        "eval_holdout": 0.25, "max_len": 64, "train_batch_size": 8, "micro_train_batch_size": 4,
-                       "max_epochs": 2, "learning_rate": 5e-4, "beta": 0.1, "save_steps": 16,
+                       "max_epochs": 2, "learning_rate": 5e-4, "beta": 0.1, "save_steps": 16, "eval_steps": 16,
                        "save_path": str(root / "out"), **settings})
     return resolve_paths(RunConfig(stages=["dpo"], ckpt_path=str(root / "ckpt"), load_checkpoint=True,
                                    max_ckpt_num=0, num_workers=num_workers, seed=11, dpo=dpo))
@@ -101,7 +102,7 @@ def test_resuming_with_another_beta_is_refused_in_one_sentence(reference, toy_as
     refused = run_rlhf(["train", "dpo", "--pretrain", cfg.pretrain, "--dataset", cfg.dataset, "--prompt_key", "prompt",
                         "--eval_holdout", "0.25", "--max_len", "64", "--train_batch_size", "8",
                         "--micro_train_batch_size", "4", "--max_epochs", "2", "--learning_rate", "5e-4",
-                        "--save_steps", "16", "--save_path", cfg.save_path, "--ckpt_path", reference.ckpt_path,
+                        "--save_steps", "16", "--eval_steps", "16", "--save_path", cfg.save_path, "--ckpt_path", reference.ckpt_path,
                         "--num_workers", "2", "--seed", "11", "--load_checkpoint", "--beta", "0.2"], rlhf_env)
     assert refused.returncode == 2, refused.stderr[-3000:]
     lines = [line for line in refused.stderr.splitlines() if line.startswith("rlhf: error:")]
@@ -112,7 +113,7 @@ def test_resuming_with_another_beta_is_refused_in_one_sentence(reference, toy_as
 
 def test_lora_with_packed_samples_exports_an_adapter(toy_assets, rlhf_env, tmp_path):
     run = dpo_run(toy_assets, tmp_path, num_workers=1, lora_rank=8, lora_alpha=16, packing_samples=True,
-                  max_samples=64, max_epochs=1, save_steps=-1)
+                  max_samples=64, max_epochs=1, save_steps=-1, eval_steps=-1)  # evaluated at the epoch's end
     done = fault_driver_job(run, rlhf_env)
     assert done.returncode == 0, done.stderr[-3000:]
     out = Path(run.dpo.save_path)

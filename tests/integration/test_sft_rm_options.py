@@ -56,7 +56,7 @@ def hf_weights(run: RunConfig, step: int) -> dict:
 def test_bf16_autocast_packed_run_resumed_equals_one_uninterrupted_chunk(toy_assets, tmp_path):
     eval_data = tmp_path / "eval.jsonl"
     eval_data.write_text("".join(Path(toy_assets["sft"]).read_text().splitlines(keepends=True)[:24]))
-    settings = {"param_dtype": "bf16", "packing_samples": True, "eval_dataset": str(eval_data), "eval_steps": 3,
+    settings = {"param_dtype": "bf16", "packing_samples": True, "eval_dataset": str(eval_data), "eval_steps": 5,
                 "lr_scheduler": "cosine", "adam_betas": (0.8, 0.99)}
     chunked = sft_run(toy_assets, tmp_path / "chunked", **settings)
     first, second = train(chunked, "sft", 5, 10)
@@ -98,7 +98,7 @@ def write_prefs_with_margins(source: str, target: Path) -> str:
 def test_reward_model_packed_with_margins_reports_eval_and_records_reward_stats(toy_assets, tmp_path):
     prefs = write_prefs_with_margins(toy_assets["prefs"], tmp_path / "prefs.jsonl")
     rm = RMConfig(pretrain=toy_assets["model"], dataset=prefs, prompt_key="prompt", eval_dataset=prefs, max_samples=48, max_len=64,
-                  train_batch_size=8, micro_train_batch_size=4, learning_rate=1e-3, save_steps=3, eval_steps=2,
+                  train_batch_size=8, micro_train_batch_size=4, learning_rate=1e-3, save_steps=3, eval_steps=3,
                   packing_samples=True, margin_loss=True)
     run = RunConfig(rm=rm, stages=["rm"], ckpt_path=str(tmp_path / "ckpt"), max_ckpt_num=0, load_checkpoint=True)
     (result,) = train(run, "rm", 3)

@@ -260,3 +260,31 @@ def test_sigterm_while_the_run_starts_stops_it_before_training_with_nothing_left
                                     "command to start"), output[-3000:]
     assert "Traceback" not in output
     assert _session_left(run.pid) == []
+
+
+def test_ctrl_c_during_a_long_evaluation_stops_it_and_commits_the_steps_trained(toy_assets, rlhf_env, tmp_path):
+    """An evaluation of 40,000 rows at step 7 (its batch 2 paused, so the ^C lands inside it): its progress shows
+    as a bar, and the ^C ends it at the next batch, so the step commits within --stop_grace_s 10 (the whole
+    evaluation takes longer than that here; without the stop inside it the step is abandoned)."""
+    ckpt, out, faults = tmp_path / "ckpt", tmp_path / "out", tmp_path / "faults"
+    rows = Path(toy_assets["sft"]).read_text().splitlines(keepends=True)
+    eval_data = tmp_path / "eval.jsonl"
+    eval_data.write_text("".join(rows[index % len(rows)] for index in range(40_000)))
+    faults.mkdir()
+    env = {**rlhf_env, "RLHF_FAULT_INJECT": "eval_batch@2=sleep:3", "RLHF_FAULT_STATE": str(faults), "TERM": "xterm"}
+    terminal = Terminal([RLHF, *train_sft_args(toy_assets, ckpt, out), *PAUSED_ON_PURPOSE, "--eval_dataset",
+                         str(eval_data), "--eval_steps", "7", "--stop_grace_s", "10"], env)
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not (faults / "eval_batch@2").exists():
+        assert terminal.process.poll() is None, f"the run ended before its evaluation:\n{terminal.text[-3000:]}"
+        assert time.monotonic() < deadline, "the run never evaluated"
+        terminal.read(0.1)
+    terminal.wait_for("sft evaluating [")
+    terminal.ctrl_c()
+    rc, seconds_to_exit = terminal.wait_exit()
+    print(f"Ctrl-C during the evaluation to exit: {seconds_to_exit:.1f} s")
+    assert rc == 130, terminal.text[-3000:]
+    assert (f"rlhf: stopped by SIGINT at step 7; committed step_7 in {ckpt / 'rlhf' / 'sft'}; run the same "
+            "command to continue") in terminal.text, terminal.text[-3000:]
+    assert "Traceback" not in terminal.text
+    assert _committed_steps(ckpt) == [5, 7]

@@ -77,6 +77,14 @@ def test_headline_metric_prefers_held_out_then_chunk_mean_then_last_step(stage, 
     assert headline_metric(stage, metrics) == expected
 
 
+def test_a_commit_without_an_evaluation_is_judged_by_the_chunks_mean_loss_over_every_commit():
+    """Evaluation runs once per epoch, not at each commit: the commits between carry mean_loss, which the
+    stagnation check falls back to, over the whole line (the epoch-end commit's mean_loss included)."""
+    entries = [{"step": 8, "mean_loss": 2.0}, {"step": 16, "mean_loss": 1.9, "eval_loss": 2.5},
+               {"step": 24, "mean_loss": 1.8}]
+    assert metric_history("rm", entries) == ("mean_loss", False, [(8, 2.0), (16, 1.9), (24, 1.8)])
+
+
 def _history(*values, first_step=4, every=4):
     return [(first_step + index * every, value) for index, value in enumerate(values)]
 
