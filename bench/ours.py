@@ -45,9 +45,9 @@ def stage_config(stage: str, toy: dict[str, str], model_dir: str, out_dir: str, 
                          train_batch_size=BATCH, micro_train_batch_size=BATCH, max_epochs=num_epochs,
                          max_samples=num_steps * BATCH if num_epochs == 1 else None, **common)
     if stage == "rm":
-        # eval_holdout keeps 10% of the pairs out of training: ask for enough pairs to fill num_steps.
-        return RMConfig(dataset=toy["prefs"], prompt_key="prompt", max_len=MAX_LEN, train_batch_size=BATCH, micro_train_batch_size=BATCH,
-                        max_samples=int(num_steps * BATCH / 0.9) + 1, **common)
+        # No pair held out (OpenRLHF's default): num_steps batches of pairs fill num_steps.
+        return RMConfig(dataset=toy["prefs"], prompt_key="prompt", max_len=MAX_LEN, train_batch_size=BATCH,
+                        micro_train_batch_size=BATCH, max_samples=num_steps * BATCH, **common)
     samples = grpo["prompts"] * grpo["generations"]
     return PPOConfig(prompt_data=toy["prompts"], input_key="prompt", reward_fn="rlhf_core.toy:gold_reward",
                      advantage_estimator="group_norm", n_samples_per_prompt=grpo["generations"],
