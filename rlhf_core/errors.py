@@ -5,6 +5,7 @@ exceptions outside it.
 """
 
 import errno
+from dataclasses import dataclass
 from typing import ClassVar
 
 
@@ -21,26 +22,62 @@ class UserError(RLHFError):
     exit_code = 2
 
 
+@dataclass(frozen=True)
+class FailedAt:
+    """Where a rank failed: the step it was at and, for a hang, the frame it stood in and the deadline it missed.
+    The same place on every try is a failure new ranks do not cure (`StallRepeats`)."""
+
+    rank: int
+    step: int
+    frame: str = ""  # a hang's `stuck_frame`; "" for a lost rank
+    deadline_s: float = 0.0  # a hang's
+
+
 class WorkerLost(RLHFError, RuntimeError):
-    """A rank's actor or node died mid-chunk; the chunk is retried from the last commit."""
+    """A rank's actor or node died mid-chunk; the chunk is retried from the last commit. `where`: the lost rank
+    and the step it was at, when known."""
 
     retryable = True
     lost_to: ClassVar[str] = "lost ranks"  # the goodput ledger's name for the time it cost
 
+    def __init__(self, message: str, where: FailedAt | None = None):
+        super().__init__(message)
+        self.where = where
+
+    def __reduce__(self):  # picklable with its fields (Ray and Prefect may persist it)
+        return (type(self), (str(self), self.where))
+
 
 class RankHung(RLHFError, RuntimeError):
     """A rank made no progress within its deadline (`rlhf_core.driver.hang`): the ranks are killed and the chunk
-    is retried from the last commit."""
+    is retried from the last commit. `where`: the hung rank, its step, frame and deadline."""
 
     retryable = True
     lost_to: ClassVar[str] = "hangs"
 
-    def __init__(self, message: str, rank: int = 0, stacks_path: str | None = None, alert: dict | None = None):
+    def __init__(self, message: str, rank: int = 0, stacks_path: str | None = None, alert: dict | None = None,
+                 where: FailedAt | None = None):
         super().__init__(message)
         self.rank, self.stacks_path, self.alert = rank, stacks_path, alert  # alert: its rlhf.alert.hang, as JSON
+        self.where = where
 
     def __reduce__(self):  # picklable with its fields (Ray and Prefect may persist it)
-        return (type(self), (str(self), self.rank, self.stacks_path, self.alert))
+        return (type(self), (str(self), self.rank, self.stacks_path, self.alert, self.where))
+
+
+class StallRepeats(RLHFError, RuntimeError):
+    """The same hang (same step, same frame) or the same loss (same step) came back on new ranks after every
+    replacement a chunk allows (`rlhf_core.driver.repeats`): neither a new rank nor a new process cures it, so no
+    Prefect retry and no restart of a deployment's run is spent on it; the run ends Failed with the one sentence."""
+
+    lost_to: ClassVar[str] = "hangs"
+
+    def __init__(self, message: str, alert: dict | None = None):
+        super().__init__(message)
+        self.alert = alert  # the last hang's rlhf.alert.hang, as JSON (None after lost ranks)
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.alert))
 
 
 class PreparationWorkerDied(RLHFError, RuntimeError):

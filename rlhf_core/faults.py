@@ -12,6 +12,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 from rlhf_core.processes import process_exists
 
@@ -21,6 +22,7 @@ JOB_PID_ENV_VAR = "RLHF_FAULT_JOB_PID"
 TRACE_ENV_VAR = "RLHF_FAULT_TRACE"
 OOM_BLOCK_BYTES = 64 << 20
 OOM_MAX_BYTES = 4 << 30  # with no memory limit to meet, `oom` gives up here with a MemoryError
+SLOW_PIECE_S = 0.5  # `slow:S` works in pieces this long, each reported as a long evaluation reports its batches
 
 
 def _first_time(point: str) -> bool:
@@ -72,14 +74,14 @@ def _armed_action() -> str | None:
     return action
 
 
-def fault_point(name: str, step: int, tag: str = "") -> None:
+def fault_point(name: str, step: int, tag: str = "", signals: Any = None) -> None:
     """Act on this process's armed action, else on the rules for `name@step`; `tag` (a rank's stage) only goes to
-    the trace."""
+    the trace; `signals`: the rank's trainer's (`RankSignals`), which `slow:S` reports its pieces to."""
     point = f"{name}@{step}"
     _trace(point, tag)
     armed = _armed_action()
     if armed:
-        _act(armed)
+        _act(armed, signals)
         return
     spec = os.environ.get(ENV_VAR)
     if not spec:
@@ -89,10 +91,20 @@ def fault_point(name: str, step: int, tag: str = "") -> None:
     for rule in spec.split(","):
         where, _, action = rule.strip().partition("=")
         if where == point and _first_time(point):
-            _act(action)
+            _act(action, signals)
 
 
-def _act(action: str) -> None:
+def _work_slowly(seconds: float, signals: Any) -> None:
+    """Long work that progresses: S seconds in pieces of SLOW_PIECE_S, each told to `signals` as an evaluation
+    batch (phase "eval"), as a long evaluation or rollout does. Without signals, or unheard, it is a stall."""
+    pieces = max(1, round(seconds / SLOW_PIECE_S))
+    for done in range(1, pieces + 1):
+        time.sleep(seconds / pieces)
+        if signals is not None:
+            signals.work_done("eval", done, pieces)
+
+
+def _act(action: str, signals: Any = None) -> None:
     if action == "kill":
         job_pid = int(os.environ.get(JOB_PID_ENV_VAR, "0"))
         if job_pid and job_pid != os.getpid():
@@ -100,8 +112,10 @@ def _act(action: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif action == "hang":  # as a stuck collective or a dead mount: the process stops, answering nothing
         os.kill(os.getpid(), signal.SIGSTOP)
-    elif action.startswith("sleep:"):
+    elif action.startswith("sleep:"):  # a stall that still answers heartbeats: a loop, a wait on a lock
         time.sleep(float(action.split(":", 1)[1]))
+    elif action.startswith("slow:"):
+        _work_slowly(float(action.split(":", 1)[1]), signals)
     elif action == "oom":  # a step whose memory outgrows the limit: the kernel's OOM killer ends the process
         blocks: list[bytearray] = []
         while len(blocks) * OOM_BLOCK_BYTES < OOM_MAX_BYTES:

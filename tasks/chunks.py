@@ -26,7 +26,7 @@ from rlhf_core.driver.plan import StagePlan
 from rlhf_core.driver.runner import StageRunner
 from rlhf_core.driver.stage_driver import export_stage
 from rlhf_core.config import RunConfig, semantic_hash
-from rlhf_core.errors import RankHung, is_retryable
+from rlhf_core.errors import RankHung, StallRepeats, is_retryable
 from rlhf_core.driver.export import export_final, merge_lora
 from rlhf_core.driver.resume import Lineage
 from rlhf_core.driver.stop import StoppedBySignal
@@ -108,7 +108,7 @@ def train_chunk(runner: StageRunner, stage: str, target_step: int, upstream_dige
     never retried, never cached."""
     try:
         return ensure_checkpoint(runner, stage, target_step, lineage, train_ahead, plan).to_dict()
-    except RankHung as hung:
+    except (RankHung, StallRepeats) as hung:  # StallRepeats: the last hang's alert (is_retryable: no retry)
         if hung.alert:
             emit_alert(hung.alert)
         raise

@@ -25,7 +25,7 @@ from rlhf_core.config import RunConfig
 from rlhf_core.rank.ds_config import resolve_zero_stage
 from rlhf_core.driver.ray_start import ensure_ray, forwarded_environment, threads_asked
 from rlhf_core.driver.hang import HangWatch, dump_rank_stacks, save_stacks, stuck_frame
-from rlhf_core.errors import RankHung, RLHFError, UserError, WorkerLost
+from rlhf_core.errors import FailedAt, RankHung, RLHFError, UserError, WorkerLost
 from rlhf_core.ops.alerts import ALERT_HANG, Alert, AlertLog
 from rlhf_core.ops.console import show_work
 from rlhf_core.ops.run_log import log_file_for
@@ -228,14 +228,14 @@ class WorkerGroup:
         try:
             return gather(refs, self.signals, self._check_progress)
         except ray.exceptions.RayActorError as error:  # ActorDiedError, ActorUnavailableError
-            raise WorkerLost(self._describe_loss(error)) from None
+            raise self._loss(error) from None
         except ray.exceptions.RayTaskError as error:
             # A rank whose peer died usually fails first, inside a collective (gloo: "Connection closed by
             # peer"), before Ray has marked the peer's node dead: report the peer's loss, not the symptom.
             lost = self._first_lost_rank(LOSS_DETECTION_TIMEOUT_S)
             if lost is None:
                 raise
-            raise WorkerLost(self._describe_loss(lost)) from error
+            raise self._loss(lost) from error
 
     def _check_progress(self) -> None:
         """Raise RankHung, with every rank's stacks saved and an alert recorded, once a rank is past its deadline."""
@@ -251,14 +251,15 @@ class WorkerGroup:
                             f"hang-{time.strftime('%Y%m%d-%H%M%S')}-rank{hung.rank}.txt")
         save_stacks(path, dumps)
         node = f" on node {location.describe()}" if location else ""
-        frame = stuck_frame(dumps.get(hung.rank, "")) or "a frame py-spy could not read"
-        message = (f"rank {hung.rank}{node} {hung.describe()}, stuck in {frame}; its stacks and the driver's are in "
-                   f"{path}.")
-        alert = Alert(ALERT_HANG, run_name, self._stage, self.step, message,
-                      {"rank": hung.rank, "stacks_path": path})
+        frame = stuck_frame(dumps.get(hung.rank, "")) or ""
+        message = (f"rank {hung.rank}{node} {hung.describe()} at step {hung.step}, stuck in "
+                   f"{frame or 'a frame py-spy could not read'}; its stacks and the driver's are in {path}.")
+        alert = Alert(ALERT_HANG, run_name, self._stage, hung.step, message,
+                      {"rank": hung.rank, "stacks_path": path, "frame": frame})
         with contextlib.suppress(Exception):  # the alert must not hide the hang
             AlertLog(run_url, storage_options).append(alert, announced=False)  # the chunk's failure says it
-        raise RankHung(message, hung.rank, path, json.loads(alert.to_json()))
+        raise RankHung(message, hung.rank, path, json.loads(alert.to_json()),
+                       FailedAt(hung.rank, hung.step, frame, hung.deadline_s))
 
     def _first_lost_rank(self, timeout_s: float) -> Exception | None:
         """Ping every rank: the RayActorError of the first one that is gone, None if none is known lost."""
@@ -273,16 +274,19 @@ class WorkerGroup:
                 continue  # busy (still in a collective): not known to be lost
         return None
 
-    def _describe_loss(self, error: Exception) -> str:
+    def _loss(self, error: Exception) -> WorkerLost:
+        """The WorkerLost for `error`: the lost rank, its node, and the step it was at as its last heartbeat said
+        (a loss at the same step on every try stops the run, `driver/repeats.py`)."""
         actor_id = getattr(error, "actor_id", None)
         ranks = [rank for rank, worker in enumerate(self.workers)
                  if actor_id and worker._actor_id.hex() == actor_id and rank < len(self.locations)]
         if not ranks:
-            return f"a rank of the worker group died mid-chunk ({type(error).__name__})."
-        location = self.locations[ranks[0]]
+            return WorkerLost(f"a rank of the worker group died mid-chunk ({type(error).__name__}).")
+        location, step = self.locations[ranks[0]], self._watch.step_of(ranks[0])
         alive = {node["NodeID"]: node["Alive"] for node in ray.nodes()}
         cause = "its node is gone" if not alive.get(location.node_id, False) else "its actor died"
-        return f"rank {ranks[0]} on node {location.describe()} was lost mid-chunk ({cause})."
+        return WorkerLost(f"rank {ranks[0]} on node {location.describe()} was lost mid-chunk at step {step} ({cause}).",
+                          FailedAt(ranks[0], step))
 
     def _check_store_visible(self, run: RunConfig) -> None:
         """A local --ckpt_path must be the same folder on every node: ranks write into it directly."""

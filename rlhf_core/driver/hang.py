@@ -39,6 +39,12 @@ class RankProgress:
     answered_at: float = 0.0
     asking: Any = None  # the heartbeat in flight (an ObjectRef)
     pieces: dict[str, tuple[int, int]] = field(default_factory=dict)  # long work in a step: (done, total) by phase
+    steps_done: int = 0  # the last step the rank finished
+
+    @property
+    def step(self) -> int:
+        """The step the rank is at: the one it trains while training, else the last it finished (being saved)."""
+        return self.steps_done + 1 if "train" in self.phases else self.steps_done
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,7 @@ class HungRank:
     phases: tuple[str, ...]  # as the rank last said
     deadline_s: float
     answering: bool  # whether it still answers heartbeats (a rank waiting in a collective) or not (stopped)
+    step: int = 0  # the step it was at (`RankProgress.step`)
 
     def describe(self) -> str:
         """`made no progress for ...`, for the hang's sentence."""
@@ -115,18 +122,23 @@ class HangWatch:
         rank = min(late, key=lambda late_rank: self.ranks[late_rank].answered_at)
         progress = self.ranks[rank]
         return HungRank(rank, now - progress.moved_at, progress.phases, allowed[rank],
-                        answering=now - progress.answered_at <= 3 * HEARTBEAT_S)
+                        answering=now - progress.answered_at <= 3 * HEARTBEAT_S, step=progress.step)
 
     @staticmethod
     def _take(progress: RankProgress, answer: Any, now: float) -> None:
         progress.asking, progress.answered_at = None, now
         try:
-            count, phases, slowest_step_s, pieces = ray.get(answer)
+            count, phases, slowest_step_s, pieces, steps_done = ray.get(answer)
         except ray.exceptions.RayError:
             return  # the rank is gone: the wait itself reports that (WorkerLost)
         if count != progress.count:
             progress.count, progress.moved_at = count, now
         progress.phases, progress.slowest_step_s, progress.pieces = tuple(phases), slowest_step_s, dict(pieces)
+        progress.steps_done = steps_done
+
+    def step_of(self, rank: int) -> int:
+        """The step `rank` was at when it last answered (a lost rank's step, for `WorkerLost`)."""
+        return self.ranks[rank].step if 0 <= rank < len(self.ranks) else 0
 
     def pieces(self) -> dict[str, tuple[int, int]]:
         """The long work inside the step under way, as the first rank last told it: (done, total) by phase."""

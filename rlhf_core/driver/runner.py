@@ -17,6 +17,7 @@ from typing import Callable, Iterator
 from rlhf_core.config import RunConfig, semantic_hash
 from rlhf_core.driver.engine import WorkerGroup, group_settings
 from rlhf_core.driver.plan import Checked, StagePlan, plan_stage
+from rlhf_core.driver.repeats import ChunkTries
 from rlhf_core.driver.spares import SPARES_AFTER_S, SparePool, num_spares
 from rlhf_core.driver.stop import StopSignals
 from rlhf_core.errors import RankHung, WorkerLost
@@ -30,7 +31,7 @@ from rlhf_core.stages.base import StageConfig
 
 logger = logging.getLogger(__name__)
 # How many times one chunk replaces its ranks in place before the failure goes to the chunk task's retries (which
-# wait between tries): a rank that dies at the same step every time is not helped by a sixth replacement.
+# wait between tries); after as many, the same failure at the same place stops the run (`driver/repeats.py`).
 MAX_REPLACEMENTS_PER_CHUNK = 3
 
 @dataclass
@@ -112,7 +113,7 @@ class StageRunner:
     # Slots, not a __dict__: a Prefect flow stores its parameters' JSON, and an object it cannot encode it stores
     # as its type name only (the runner is a subflow's and a task's argument; it holds processes, not data).
     __slots__ = ("run", "checked", "signals", "ledger", "trackers", "lease", "announce", "spares", "_warm",
-                 "_prestart", "_plans", "_replacements")
+                 "_prestart", "_plans", "_tries")
 
     def __init__(self, run: RunConfig, checked: Checked | None = None, command_started: float | None = None,
                  signals: StopSignals | None = None):
@@ -129,7 +130,7 @@ class StageRunner:
         # Where an alert raised inside a chunk goes at once (the flow's Prefect event); None: only its log.
         self.announce: Callable[[dict], None] | None = None
         self.spares = SparePool()
-        self._replacements: dict[tuple[str, int], int] = {}  # per chunk (stage, target step)
+        self._tries = ChunkTries()  # each chunk's failed tries (stage, target step)
         self._warm: WarmGroup | None = None
         self._prestart: Prestart | None = None
         self._plans: dict[tuple, StagePlan] = {}
@@ -216,6 +217,7 @@ class StageRunner:
         """A worker group holding the state of the newest good checkpoint in `infos` (or the pretrained model),
         and that checkpoint (None when the warm group of the last chunk already holds it)."""
         run = self.run
+        self._tries.try_starts()
         identity = (run.stage_url(stage), semantic_hash(run, stage), run.num_workers,
                     run.section(stage, StageConfig).zero_stage, tuple(plan.targets))
         warm = self._warm
@@ -241,13 +243,16 @@ class StageRunner:
         """Whether the chunk to `target_step` trains again at once, on new ranks, after `error`: yes for a lost or
         hung rank (`WorkerLost`, `RankHung`; the failed group is released already) up to MAX_REPLACEMENTS_PER_CHUNK
         times, with no stop requested. Then the hang's alert is announced; the console line comes once the new
-        ranks train (`ranks_replaced`)."""
+        ranks train (`ranks_replaced`). Raises StallRepeats when the failure after the last replacement is the
+        same as every one before it (same step, same frame): no retry or restart is spent on it."""
         if not isinstance(error, (WorkerLost, RankHung)) or self.signals.requested():
             return False
-        key = (stage, target_step)
-        if self._replacements.get(key, 0) >= MAX_REPLACEMENTS_PER_CHUNK:
+        num_failed = self._tries.failed(error, stage, target_step)
+        repeated = self._tries.repeated(stage, target_step, MAX_REPLACEMENTS_PER_CHUNK + 1)
+        if repeated is not None:
+            raise repeated from error
+        if num_failed > MAX_REPLACEMENTS_PER_CHUNK:
             return False
-        self._replacements[key] = self._replacements.get(key, 0) + 1
         logger.debug("replacing the ranks of %s after: %s", stage, error)
         if isinstance(error, RankHung) and error.alert and self.announce is not None:
             with contextlib.suppress(Exception):  # the alert must not stop the recovery

@@ -11,7 +11,7 @@ import random
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -59,6 +59,7 @@ class TransformersEngine:
     def __init__(self, model, tokenizer, stop_token_id: int):
         self.model, self.tokenizer, self.stop_token_id = model, tokenizer, stop_token_id
         self.prompt: tuple[str, list[int]] = ("", [])  # this episode's prompt text and the tokens the model sees
+        self.on_tokens: Callable[[int], None] | None = None  # told a turn's new tokens by blocks (`generate`)
 
     def begin_episode(self, prompt_text: str, prompt_ids: list[int], seed: int) -> None:
         self.prompt = (prompt_text, prompt_ids)
@@ -69,7 +70,7 @@ class TransformersEngine:
 
     def sample(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
         return generate(self.model, [prompt_ids], self.tokenizer.pad_token_id, self.stop_token_id, params.max_tokens,
-                        params.temperature, params.top_p)[0]
+                        params.temperature, params.top_p, on_tokens=self.on_tokens)[0]
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
         tokens = self.sample(list(prompt_ids), params)
@@ -105,8 +106,9 @@ class AgentRollout:
         self.loop = asyncio.new_event_loop()
 
     def run(self, engine: TransformersEngine, prompts: list[tuple[str, list[int], Any]], seeds: list[int],
-            temperature: float) -> list[Episode]:
-        """One episode per (prompt text, prompt tokens, label), each seeded with its seed."""
+            temperature: float, on_episode: Callable[[], None] | None = None) -> list[Episode]:
+        """One episode per (prompt text, prompt tokens, label), each seeded with its seed; `on_episode()` told at
+        each episode's end (progress for the hang watch)."""
         queue: asyncio.Queue = asyncio.Queue()
         executor = self.executor_class(max_steps=MAX_TURNS, max_length=self.max_length, llm_engine=engine,
                                        hf_tokenizer=self.tokenizer, result_queue=queue)
@@ -126,6 +128,8 @@ class AgentRollout:
                 raise UserError(f"--agent_func_path {self.path}: AgentExecutor.execute put {queue.qsize()} results "
                                 f"on result_queue for one prompt; put exactly one (OpenRLHF's final_response).")
             episodes.append(self.episode(queue.get_nowait()))
+            if on_episode is not None:
+                on_episode()
         return episodes
 
     def episode(self, result: dict) -> Episode:

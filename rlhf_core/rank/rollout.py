@@ -5,10 +5,16 @@ step, rank). docs/design-notes.md ("Rollouts with transformers") has the details
 
 from __future__ import annotations
 
+from typing import Callable
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from rlhf_core.rank.ppo_math import token_logprobs
+
+# A generation tells its progress every this many new tokens: often enough that a block takes a fraction of a step,
+# seldom enough to cost nothing (one Python call per block; the heartbeat reads it once a second).
+TOKEN_BLOCK = 8
 
 
 def collate_sequences(prompts: list[list[int]], responses: list[list[int]], pad_token_id: int) -> dict:
@@ -56,17 +62,54 @@ def stop_token_ids(model, eos_token_id: int) -> list[int]:
     return list(dict.fromkeys([eos_token_id, *configured]))
 
 
+class GenerationPieces:
+    """A rollout's generation as pieces of work for the rank (`RankSignals.work_done`, phase "generate"): `parts`
+    parts (micro-batches, episodes, vLLM requests) of up to `tokens_per_part` new tokens each. Done counts the
+    tokens of the finished parts and those out in the part under way; the last part's end clears the phase."""
+
+    def __init__(self, signals, parts: int, tokens_per_part: int):
+        self.signals, self.per_part, self.finished = signals, max(tokens_per_part, 1), 0
+        self.total = parts * self.per_part
+
+    def tokens(self, count: int) -> None:
+        """`count` new tokens of the part under way are out (`generate`'s `on_tokens`)."""
+        self.signals.work_done("generate", self.finished * self.per_part + min(count, self.per_part - 1), self.total)
+
+    def part_done(self) -> None:
+        self.finished += 1
+        self.signals.work_done("generate", self.finished * self.per_part, self.total)
+
+
+class TokenBlocks(StoppingCriteria):
+    """A stopping criterion that never stops: every TOKEN_BLOCK new tokens it tells `on_tokens` how many are out,
+    so a long generation is progress (the hang watch's, the driver's bar). It draws no random number and changes no
+    row, so the samples are the same with it or without it."""
+
+    def __init__(self, prompt_len: int, on_tokens: Callable[[int], None]):
+        self.prompt_len, self.on_tokens, self.told = prompt_len, on_tokens, 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.BoolTensor:
+        new_tokens = input_ids.shape[1] - self.prompt_len
+        if new_tokens - self.told >= TOKEN_BLOCK:
+            self.told = new_tokens
+            self.on_tokens(new_tokens)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)  # type: ignore[return-value]
+
+
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], pad_token_id: int, eos_token_id: int, max_new_tokens: int,
-             temperature: float, top_p: float) -> list[list[int]]:
-    """One sampled response per prompt (token ids, ending at the first EOS of `stop_token_ids`)."""
+             temperature: float, top_p: float, on_tokens: Callable[[int], None] | None = None) -> list[list[int]]:
+    """One sampled response per prompt (token ids, ending at the first EOS of `stop_token_ids`). `on_tokens(n)`:
+    told every TOKEN_BLOCK tokens how many new tokens each row has so far (`TokenBlocks`)."""
     batch = on_device(collate_sequences(prompts, [[] for _ in prompts], pad_token_id), model.device)
     prompt_len = batch["prompt_len"]
     stop = stop_token_ids(model, eos_token_id)
+    progress = StoppingCriteriaList([TokenBlocks(prompt_len, on_tokens)]) if on_tokens is not None else None
     output = model.generate(input_ids=batch["input_ids"][:, :prompt_len],
                             attention_mask=batch["attention_mask"][:, :prompt_len],
                             do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
-                            max_new_tokens=max_new_tokens, eos_token_id=stop, pad_token_id=pad_token_id)
+                            max_new_tokens=max_new_tokens, eos_token_id=stop, pad_token_id=pad_token_id,
+                            stopping_criteria=progress)
     responses = []
     for row in output[:, prompt_len:].tolist():
         cut = next((index + 1 for index, token in enumerate(row) if token in stop), len(row))

@@ -6,9 +6,10 @@ equal, not exact. docs/design-notes.md ("vLLM engines, colocated") says why.
 
 from __future__ import annotations
 
+import functools
 import os
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -58,6 +59,28 @@ def _engine_model_dir(pretrain: str) -> str:
     return local_model_dir(PeftConfig.from_pretrained(directory).base_model_name_or_path)
 
 
+class FinishedRequests:
+    """What vLLM's `generate(use_tqdm=...)` takes in place of tqdm: each request it finishes tells `on_finished`
+    (a piece of work for the hang watch); nothing is drawn. vLLM's offline loop gives no per-token hook, so a piece
+    is a finished request. Some versions also wrap the requests they add with it: then it only iterates."""
+
+    def __init__(self, iterable: Iterable | None = None, *, on_finished: Callable[[], None], **_tqdm_options: Any):
+        self.iterable, self.on_finished, self.postfix = iterable, on_finished, ""
+
+    def __iter__(self) -> Iterator:
+        return iter(self.iterable or ())
+
+    def update(self, count: int = 1) -> None:
+        for _ in range(count):
+            self.on_finished()
+
+    def set_postfix(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class VLLMGenerator:
     """A colocated vLLM engine that samples responses for one rank's prompts."""
 
@@ -100,22 +123,24 @@ class VLLMGenerator:
             if self.cfg.vllm_enable_sleep:
                 self.llm.sleep(level=2)
 
-    def generate(self, actor: torch.nn.Module, prompts: list[list[int]], step: int,
-                 eos_token_id: int) -> list[list[int]]:
-        """One response per prompt, sampled with the actor's current weights; each ends at its first EOS."""
+    def generate(self, actor: torch.nn.Module, prompts: list[list[int]], step: int, eos_token_id: int,
+                 on_finished: Callable[[], None] | None = None) -> list[list[int]]:
+        """One response per prompt, sampled with the actor's current weights; each ends at its first EOS.
+        `on_finished()`: told as each request finishes."""
         seeds = [derive_seed(self.seed, "ppo", step, self.rank, "vllm", index) % 2**31 for index in range(len(prompts))]
         with self.serving(actor):
             return self.sample(prompts, seeds, self.cfg.max_new_tokens, self.cfg.temperature, self.cfg.top_p,
-                               eos_token_id)
+                               eos_token_id, on_finished)
 
     def sample(self, prompts: list[list[int]], seeds: list[int], max_tokens: int, temperature: float, top_p: float,
-               eos_token_id: int) -> list[list[int]]:
+               eos_token_id: int, on_finished: Callable[[], None] | None = None) -> list[list[int]]:
         """One response per prompt from the loaded weights (inside `serving`), one seed per prompt."""
         from vllm import SamplingParams
 
         params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                                  stop_token_ids=[eos_token_id], detokenize=False, seed=seed) for seed in seeds]
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+        progress = functools.partial(FinishedRequests, on_finished=on_finished) if on_finished else False
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=progress)
         responses = []
         for output in outputs:
             completion = output.outputs[0]

@@ -150,11 +150,11 @@ class TrainWorker:
         self._progress = Progress()
 
     @ray.method(concurrency_group="control")
-    def heartbeat(self) -> tuple[int, tuple[str, ...], float, dict[str, tuple[int, int]]]:
+    def heartbeat(self) -> tuple[int, tuple[str, ...], float, dict[str, tuple[int, int]], int]:
         """This rank's progress count, the work in progress ("setup", "load", "train", "snapshot", "write"), its
-        slowest step in seconds, and the long work inside the step under way as (done, total) pieces by phase
-        ("eval", "generate") (rlhf_core.driver.hang)."""
-        return self._progress.report()
+        slowest step in seconds, the long work inside the step under way as (done, total) pieces by phase
+        ("eval", "generate"), and the last step it finished: a hang names its step (rlhf_core.driver.hang)."""
+        return (*self._progress.report(), self._trainer.step if self._trainer is not None else 0)
 
     @property
     def trainer(self) -> DeepSpeedTrainer[StageConfig]:
@@ -249,7 +249,7 @@ class TrainWorker:
         eval_seconds_before = self.trainer.eval_seconds
         with self._progress.working_on("train"):
             while self.trainer.step < target_step and not self._stop_agreed():
-                fault_point("train_step", self.trainer.step + 1, tag=self._stage)
+                fault_point("train_step", self.trainer.step + 1, tag=self._stage, signals=self.trainer.signals)
                 step_started, evaluated_before = time.perf_counter(), self.trainer.eval_seconds
                 writes_before = (self._num_writes_in_flight, self._num_writes_started)
                 metrics.append(self.trainer.train_step())

@@ -48,7 +48,7 @@ class FakeWorker:
         self.heartbeat = self
 
     def remote(self):
-        return FakeRef(None if self.stopped else (self.count, ("train",), 1.0, {}))
+        return FakeRef(None if self.stopped else (self.count, ("train",), 1.0, {}, 0))
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from rlhf_core.rank.collectives import (agreed, all_reduce_sum, max_over_ranks, 
                                         mean_over_ranks, sum_over_ranks)
 from rlhf_core.rank.experience import Experience, episode_rewards, pad_rows
 from rlhf_core.rewards import RewardBatch, reward_function, reward_inputs
-from rlhf_core.rank.rollout import (collate_sequences, generate, on_device, response_logits,
+from rlhf_core.rank.rollout import (GenerationPieces, collate_sequences, generate, on_device, response_logits,
                                     response_logprobs)
 from rlhf_core.data.prompts import PromptItem, load_prompts
 from rlhf_core.rank.trainers.base import DeepSpeedTrainer, chained_model, gathered
@@ -170,6 +170,7 @@ class PPOTrainer(DeepSpeedTrainer[PPOConfig]):
             for start in range(0, len(prompts), cfg.micro_rollout_batch_size):
                 part = slice(start, start + cfg.micro_rollout_batch_size)
                 self.score_micro_batch(prompts[part], responses[part], rows)
+                self.signals.work_done("score", min(part.stop, len(prompts)), len(prompts))  # progress too
         rewarded = self.rollout_rewards(items, responses, episodes)
         lengths = [len(response) for response in responses]
         # A model's rows (None: not scored), cut to each response's length.
@@ -197,20 +198,28 @@ class PPOTrainer(DeepSpeedTrainer[PPOConfig]):
         with self.whole(self.actor), vllm.serving(self.actor.module) if vllm is not None else contextlib.nullcontext():
             engine = (VLLMEngine(vllm, self.tokenizer, eos_token_id) if vllm is not None
                       else TransformersEngine(self.actor.module, self.tokenizer, eos_token_id))
-            episodes = agreed(lambda: agent.run(engine, prompt_texts(self.tokenizer, items), seeds, temperature))
+            pieces = GenerationPieces(self.signals, len(items), agent.max_length)  # an episode, told by token blocks
+            engine.on_tokens = pieces.tokens
+            episodes = agreed(lambda: agent.run(engine, prompt_texts(self.tokenizer, items), seeds, temperature,
+                                                on_episode=pieces.part_done))
         return ([e.prompt for e in episodes], [e.response for e in episodes], [e.action_mask for e in episodes],
                 episodes)
 
     def sample(self, prompts: list[list[int]], temperature: float, use_vllm: bool) -> list[list[int]]:
-        cfg, eos_token_id = self.cfg, self.tokenizer.eos_token_id
+        """One response per prompt. Each block of TOKEN_BLOCK tokens of a micro-batch (with vLLM: each finished
+        request) is progress for the hang watch and the driver's bar: a rollout of minutes is no hang."""
+        cfg, eos_token_id, batch_size = self.cfg, self.tokenizer.eos_token_id, self.cfg.micro_rollout_batch_size
         with self.whole(self.actor):
             if self.vllm is not None and use_vllm:
-                return self.vllm.generate(self.actor.module, prompts, self.step, eos_token_id)
+                requests = GenerationPieces(self.signals, len(prompts), 1)
+                return self.vllm.generate(self.actor.module, prompts, self.step, eos_token_id, requests.part_done)
+            pieces = GenerationPieces(self.signals, math.ceil(len(prompts) / batch_size), cfg.max_new_tokens)
             responses = []
-            for start in range(0, len(prompts), cfg.micro_rollout_batch_size):
-                responses += generate(self.actor.module, prompts[start : start + cfg.micro_rollout_batch_size],
+            for start in range(0, len(prompts), batch_size):
+                responses += generate(self.actor.module, prompts[start : start + batch_size],
                                       self.tokenizer.pad_token_id, eos_token_id, cfg.max_new_tokens, temperature,
-                                      cfg.top_p)
+                                      cfg.top_p, on_tokens=pieces.tokens)
+                pieces.part_done()
         return responses
 
     def score_micro_batch(self, prompts, responses, rows: dict) -> None:
@@ -249,6 +258,7 @@ class PPOTrainer(DeepSpeedTrainer[PPOConfig]):
             inputs = on_device(collate_sequences(prompts[part], responses[part], self.tokenizer.pad_token_id),
                                self.reward_model.device)
             scores += sequence_scores(self.reward_model, inputs["input_ids"], inputs["attention_mask"]).float().tolist()
+            self.signals.work_done("score", len(scores), len(prompts))
         if self.reward_normalization is not None:
             mean, std = self.reward_normalization
             scores = [(score - mean) / std for score in scores]
@@ -263,13 +273,15 @@ class PPOTrainer(DeepSpeedTrainer[PPOConfig]):
             ["critic_loss"] if self.critic else [])
         losses: dict[str, list[float]] = {name: [] for name in names}
         self.actor.train()
+        per_epoch = math.ceil(num_rows / cfg.micro_train_batch_size)
         for epoch in range(cfg.max_epochs):
             order = torch.randperm(num_rows, generator=generator(self.run.seed, self.stage, self.step, self.rank,
                                                                   epoch)).tolist()
-            for start in range(0, num_rows, cfg.micro_train_batch_size):
+            for number, start in enumerate(range(0, num_rows, cfg.micro_train_batch_size), 1):
                 rows = order[start : start + cfg.micro_train_batch_size]
                 for name, value in self.update_micro_batch(experience, rows, train_actor).items():
                     losses[name].append(value)
+                self.signals.work_done("train", epoch * per_epoch + number, cfg.max_epochs * per_epoch)
         return losses
 
     def update_micro_batch(self, experience: Experience, rows: list[int], train_actor: bool) -> dict[str, float]:
