@@ -11,9 +11,9 @@ import json
 import logging
 import os
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from collections.abc import Sequence
-from typing import Any, Callable, Sized
+from typing import Any, Callable, Iterator, Sized
 
 import fsspec
 import numpy as np
@@ -66,30 +66,15 @@ def read_records(url: str, storage_options: dict | None = None, max_samples: int
                  split: str = "train", probs: str | None = None, seed: int = 0,
                  flag: str = "--dataset") -> list[Record]:
     """All records of the dataset(s) at `url` (comma-separated for a mixture, weighted by `probs`);
-    raises UserError on anything unreadable, naming `flag` where no file can be named."""
-    sources = [part.strip() for part in url.split(",") if part.strip()]
-    if not sources:
-        raise UserError(f"{flag}: no dataset given.")
-    weights = _parse_probs(probs, len(sources))
-    per_source = []
-    for source in sources:
-        try:
-            records = _read_source(source, storage_options, max_samples, split, flag)
-        except Exception as error:  # noqa: BLE001 - translated when understood, else re-raised as is
-            raise as_user_error(error, source, flag, storage_options) from None
-        if not records:
-            raise UserError(f"{source}: the dataset is empty.")
-        per_source.append([replace(record, source=source) for record in records] if len(sources) > 1 else records)
-    if len(per_source) == 1:
-        records = per_source[0]
-    elif weights is None:  # OpenRLHF concatenates when no probabilities are given
-        records = [record for records in per_source for record in records]
-    else:
-        records = _interleave(per_source, weights, seed)
-    return records[:max_samples] if max_samples else records
+    raises UserError on anything unreadable, naming `flag` where no file can be named. The records of
+    `stream.RecordStream`, which a preparation reads batch by batch, held in one list."""
+    from rlhf_core.data.stream import RecordStream  # the stream builds on this module's readers
+
+    stream = RecordStream(url, storage_options, max_samples, split, probs, seed, flag)
+    return [record for batch in stream for record in batch]
 
 
-def _parse_probs(probs: str | None, num_sources: int) -> list[float] | None:
+def parse_probs(probs: str | None, num_sources: int) -> list[float] | None:
     if probs is None or (isinstance(probs, str) and not probs.strip()):
         return None
     try:
@@ -104,15 +89,17 @@ def _parse_probs(probs: str | None, num_sources: int) -> list[float] | None:
     return [weight / sum(weights) for weight in weights]
 
 
-def _interleave(per_source: list[list[Record]], weights: list[float], seed: int) -> list[Record]:
+def interleaved_order(lengths: list[int], weights: list[float], seed: int):
     """OpenRLHF's mixture: `interleave_datasets` with these probabilities, run on (source, row) indices so
-    that sources with different columns mix."""
+    that sources with different columns mix; (source, row) of each mixed row as numpy arrays. Each source's rows
+    come in their order, from the first again once it is exhausted, until every source is."""
     import datasets
 
-    indices = [datasets.Dataset.from_dict({"source": [k] * len(records), "row": list(range(len(records)))})
-               for k, records in enumerate(per_source)]
-    mixed = datasets.interleave_datasets(indices, probabilities=weights, seed=seed, stopping_strategy="all_exhausted")
-    return [per_source[source][row] for source, row in zip(mixed["source"], mixed["row"])]
+    indices = [datasets.Dataset.from_dict({"source": np.full(length, k), "row": np.arange(length)})
+               for k, length in enumerate(lengths)]
+    mixed = datasets.interleave_datasets(indices, probabilities=weights, seed=seed,
+                                         stopping_strategy="all_exhausted").with_format("numpy")
+    return mixed["source"], mixed["row"]
 
 
 def split_data_dir(source: str, flag: str) -> tuple[str, str | None]:
@@ -126,29 +113,81 @@ def split_data_dir(source: str, flag: str) -> tuple[str, str | None]:
     return name, data_dir
 
 
-def _read_source(source: str, storage_options: dict | None, max_samples: int | None, split: str,
-                 flag: str) -> list[Record]:
+@dataclass
+class SourceRows:
+    """One source's records: how many (after `max_samples`, for a dataset read through datasets), and the records
+    in batches, read as they are asked for (`batches(batch_rows)`) so that no record is held for the whole."""
+
+    length: int
+    batches: Callable[[int], Iterator[list[Record]]]
+
+
+def source_rows(source: str, storage_options: dict | None, max_samples: int | None, split: str,
+                flag: str) -> SourceRows:
+    """The records of one source (a hub name, name@data_dir, a folder or a file), streamed where its format
+    allows: a dataset (memory-mapped Arrow) a slice at a time, a Parquet file a batch of its row groups at a time;
+    CSV and JSON files are read whole (a JSON Lines file streams through `stream.RecordStream` instead)."""
     name, data_dir = split_data_dir(source, flag)
     if data_dir is not None:
         dataset = (_load_dataset(name, split, flag, data_dir=data_dir) if os.path.isdir(name)
                    else hub_dataset(name, split, flag, data_dir))
-        return _dataset_records(dataset, max_samples)
+        return _dataset_rows(dataset, max_samples)
     path = local_path(source)
     if path is not None and not os.path.exists(path) and is_hub_id(source):
-        return _dataset_records(hub_dataset(source, split, flag), max_samples)
+        return _dataset_rows(hub_dataset(source, split, flag), max_samples)
     filesystem, fs_path = fsspec.core.url_to_fs(source, **(storage_options or {}))
     if filesystem.isdir(fs_path):
-        return _dataset_records(_folder_dataset(source, filesystem, fs_path, split, storage_options, flag),
-                                max_samples)
-    return _read_file(source, storage_options, flag)
+        return _dataset_rows(_folder_dataset(source, filesystem, fs_path, split, storage_options, flag), max_samples)
+    if source.lower().endswith(".parquet"):
+        return _parquet_rows(source, storage_options)
+    records = _read_file(source, storage_options, flag)
+    return SourceRows(len(records), lambda size: (records[start:start + size]
+                                                  for start in range(0, len(records), size)))
+
+
+def _dataset_rows(dataset, max_samples: int | None) -> SourceRows:
+    """A datasets Dataset's rows a slice at a time, each slice as `Dataset.to_list` makes it."""
+    length = min(max_samples, len(dataset)) if max_samples else len(dataset)
+
+    def batches(size: int) -> Iterator[list[Record]]:
+        for start in range(0, length, size):
+            rows = dataset.select(range(start, min(start + size, length))).to_list()
+            yield [Record(start + index, row, "row") for index, row in enumerate(rows, start=1)]
+
+    return SourceRows(length, batches)
+
+
+def _parquet_rows(url: str, storage_options: dict | None) -> SourceRows:
+    """A Parquet file's rows a batch at a time (pyarrow's `iter_batches`): the file is never held whole."""
+    import pyarrow.parquet
+
+    def unreadable(error: Exception) -> UserError:
+        return UserError(f"{url}: not a readable Parquet file ({error}).")
+
+    with open_data(url, storage_options) as handle:
+        try:
+            length = pyarrow.parquet.ParquetFile(handle).metadata.num_rows
+        except Exception as error:  # pyarrow raises several unrelated types for a bad file
+            raise unreadable(error) from None
+
+    def batches(size: int) -> Iterator[list[Record]]:
+        with open_data(url, storage_options) as handle:
+            done = 0
+            try:
+                for batch in pyarrow.parquet.ParquetFile(handle).iter_batches(batch_size=size):
+                    rows = batch.to_pylist()
+                    yield [Record(done + index, row, "row") for index, row in enumerate(rows, start=1)]
+                    done += len(rows)
+            except (OSError, ValueError, pyarrow.ArrowException) as error:
+                raise unreadable(error) from None
+
+    return SourceRows(length, batches)
 
 
 def _read_file(url: str, storage_options: dict | None, flag: str) -> list[Record]:
     lower = url.lower()
-    if lower.endswith(".parquet"):
-        return _read_table(url, storage_options, "parquet")
     if lower.endswith(".csv"):
-        return _read_table(url, storage_options, "csv")
+        return _read_csv(url, storage_options)
     with open_data(url, storage_options, flag=flag) as handle:
         text = _decode(url, handle.read())
     if lower.endswith(".json") and text.lstrip().startswith("["):
@@ -204,22 +243,15 @@ def object_record(url: str, value: object, index: int, unit: str) -> Record:
     return Record(index, value, unit)
 
 
-def _read_table(url: str, storage_options: dict | None, kind: str) -> list[Record]:
+def _read_csv(url: str, storage_options: dict | None) -> list[Record]:
     import pyarrow.csv
-    import pyarrow.parquet
 
     with open_data(url, storage_options) as handle:
         try:
-            table = pyarrow.parquet.read_table(handle) if kind == "parquet" else pyarrow.csv.read_csv(handle)
+            table = pyarrow.csv.read_csv(handle)
         except Exception as error:  # pyarrow raises several unrelated types for a bad file
-            raise UserError(f"{url}: not a readable {kind.capitalize()} file ({error}).") from None
+            raise UserError(f"{url}: not a readable Csv file ({error}).") from None
     return [Record(index, row, "row") for index, row in enumerate(table.to_pylist(), start=1)]
-
-
-def _dataset_records(dataset, max_samples: int | None) -> list[Record]:
-    if max_samples:
-        dataset = dataset.select(range(min(max_samples, len(dataset))))
-    return [Record(index, row, "row") for index, row in enumerate(dataset.to_list(), start=1)]
 
 
 def _pick_split(name: str, dataset, split: str, flag: str):

@@ -1,7 +1,8 @@
 """A dataset's records in batches, streamed: a JSON Lines file is read line by line (the sha256 of its bytes taken on
 the way, its drift fingerprint), each line checked as `records.read_records` checks it, with the same one-sentence
-errors; any other source (mixtures, folders, hub names, CSV, Parquet, JSON arrays) is read whole by `read_records`
-and handed on in batches. docs/design-notes.md ("Prepared data") has the design.
+errors; a Parquet file a batch of rows at a time, a dataset read through datasets (hub names, folders) a slice at a
+time, a mixture as its sources' streams interleaved; CSV and JSON arrays are read whole and handed on in batches.
+docs/design-notes.md ("Prepared data") has the design.
 """
 
 from __future__ import annotations
@@ -9,11 +10,14 @@ from __future__ import annotations
 import codecs
 import hashlib
 import os
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
-from rlhf_core.data.records import (Record, as_user_error, json_line_record, not_utf8, open_data, read_records,
-                                    split_data_dir)
+import numpy as np
+
+from rlhf_core.data.records import (Record, as_user_error, interleaved_order, json_line_record, not_utf8, open_data,
+                                    parse_probs, source_rows, split_data_dir)
 from rlhf_core.errors import UserError
 from rlhf_core.storage.locate import is_hub_id, local_path
 
@@ -50,6 +54,7 @@ class RecordStream:
     flag: str = "--dataset"
     batch_rows: int = BATCH_ROWS
     hash_whole_file: bool = True
+    dataset_max_samples: int | None = None  # a mixture's source: max_samples that cuts a dataset, not a file
     sha256: str | None = field(default=None, init=False)
     position: tuple[int, int | None, str] = field(default=(0, None, "B"), init=False)  # done, total, unit read
 
@@ -59,21 +64,80 @@ class RecordStream:
 
     def blocks(self) -> Iterator[list[Record] | LineBlock]:
         """The dataset in batches: a JSON Lines file's as `LineBlock`s, its lines not yet parsed (a worker process
-        may parse them); any other source's as records, read whole by `read_records`."""
-        if not streams_line_by_line(self.url) or _starts_with_array(self.url, self.storage_options, self.flag):
-            records = read_records(self.url, self.storage_options, self.max_samples, split=self.split,
-                                   probs=self.probs, seed=self.seed, flag=self.flag)
-            for start in range(0, len(records), self.batch_rows):
-                self.position = (min(start + self.batch_rows, len(records)), len(records), "rows")
-                yield records[start:start + self.batch_rows]
-            return
+        may parse them); any other source's as records, read a batch at a time (`records.source_rows`); a mixture's
+        as its sources' records, interleaved as OpenRLHF mixes them."""
+        sources = [part.strip() for part in self.url.split(",") if part.strip()]
+        if not sources:
+            raise UserError(f"{self.flag}: no dataset given.")
+        weights = parse_probs(self.probs, len(sources))  # checked for one dataset too, as read_records did
+        if len(sources) > 1:
+            yield from self._mixed(sources, weights)
+        elif streams_line_by_line(self.url) and not _starts_with_array(self.url, self.storage_options, self.flag):
+            yield from self._guarded(self._line_blocks())
+        else:
+            yield from self._guarded(self._row_blocks())
+
+    def _guarded(self, blocks: Iterator) -> Iterator:
         try:
-            yield from self._line_blocks()
+            yield from blocks
         except UserError:
             raise
         except Exception as error:  # noqa: BLE001 - a store's own error types: translated when understood
             raise as_user_error(error, self.url, self.flag, self.storage_options) from None
 
+    def _source_rows(self):
+        return source_rows(self.url, self.storage_options, self.max_samples or self.dataset_max_samples, self.split,
+                           self.flag)
+
+    def _row_blocks(self) -> Iterator[list[Record]]:
+        rows = self._source_rows()
+        if rows.length == 0:
+            raise UserError(f"{self.url}: the dataset is empty.")
+        total = min(rows.length, self.max_samples) if self.max_samples else rows.length
+        done = 0
+        for batch in rows.batches(self.batch_rows):
+            batch = batch[:total - done]
+            done += len(batch)
+            self.position = (done, total, "rows")
+            if batch:
+                yield batch
+            if done >= total:
+                return
+
+    def count(self) -> int:
+        """How many records a pass yields (a JSON Lines file is read once to count its lines, nothing parsed)."""
+        if streams_line_by_line(self.url) and not _starts_with_array(self.url, self.storage_options, self.flag):
+            return sum(len(block.texts) for block in self._guarded(self._line_blocks()))
+        try:
+            return self._source_rows().length
+        except UserError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a store's own error types: translated when understood
+            raise as_user_error(error, self.url, self.flag, self.storage_options) from None
+
+    def _mixed(self, sources: list[str], weights: list[float] | None) -> Iterator[list[Record]]:
+        """A mixture as `read_records` mixed it whole: each source read as far as it goes (a dataset read through
+        datasets to `max_samples`), concatenated, or interleaved by `probs` (`records.interleaved_order`), the
+        mixture cut at `max_samples`; each record names its source. Every source is opened and counted first, so
+        one that cannot be read stops the run before anything is prepared."""
+        parts = [RecordStream(source, self.storage_options, None, self.split, flag=self.flag,
+                              batch_rows=self.batch_rows, dataset_max_samples=self.max_samples) for source in sources]
+        lengths = [part.count() for part in parts]
+        for part, length in zip(parts, lengths):
+            if length == 0:
+                raise UserError(f"{part.url}: the dataset is empty.")
+        if weights is None:  # OpenRLHF concatenates when no probabilities are given
+            order = np.repeat(np.arange(len(parts)), lengths), np.concatenate([np.arange(n) for n in lengths])
+        else:
+            order = interleaved_order(lengths, weights, self.seed)
+        total = min(len(order[0]), self.max_samples) if self.max_samples else len(order[0])
+        readers = [_Cycling(part) for part in parts]
+        for start in range(0, total, self.batch_rows):
+            end = min(start + self.batch_rows, total)
+            batch = [readers[k].next_record(row) for k, row in zip(order[0][start:end].tolist(),
+                                                                    order[1][start:end].tolist())]
+            self.position = (end, total, "rows")
+            yield batch
     def _line_blocks(self) -> Iterator[LineBlock]:
         """The file read in large pieces cut after a newline, hashed whole; each piece's text split into lines as
         `read_records` splits the whole text (str.splitlines), numbered, blank ones skipped."""
@@ -125,6 +189,27 @@ class LineBlock:
 
     def records(self, url: str) -> list[Record]:
         return [json_line_record(url, text, number) for number, text in zip(self.numbers, self.texts)]
+
+
+class _Cycling:
+    """One source of a mixture read in order, from its start again once exhausted (as `interleave_datasets`
+    takes a source's rows), each record naming its source."""
+
+    def __init__(self, stream: RecordStream):
+        self.stream, self.batches, self.pending, self.next_row = stream, iter(()), deque(), 0
+
+    def next_record(self, row: int) -> Record:
+        if row == 0 and self.next_row != 0:  # exhausted: read it again from the start (rows come in order)
+            self.batches, self.pending = iter(()), deque()
+        while not self.pending:
+            block = next(self.batches, None)
+            if block is None:
+                self.batches = iter(self.stream)
+                continue
+            self.pending.extend(block)
+        record = self.pending.popleft()
+        self.next_row = row + 1
+        return replace(record, source=self.stream.url)
 
 
 def _file_size(handle) -> int | None:
