@@ -14,6 +14,7 @@ from rlhf_core.data.columns import FlatColumns, PreparedRows, write_batches
 from rlhf_core.data.prepared import PreparedStore, preparation_key, source_versions
 from rlhf_core.data.stream import RecordStream
 from rlhf_core.data.workers import Job, map_batches
+from rlhf_core.notices import note_once
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,8 @@ class Source:
 def stage_source(cfg, seed: int, evaluation: bool = False) -> Source:
     """An SFT, RM, DPO or PRM stage's --dataset mixture, or with `evaluation` its --eval_dataset."""
     if evaluation:
-        return Source(cfg.eval_dataset, "--eval_dataset", cfg.eval_split, cfg.max_samples, None, seed)
+        # Whole, as OpenRLHF's trainers read it: --max_samples cuts the training data only.
+        return Source(cfg.eval_dataset, "--eval_dataset", cfg.eval_split, None, None, seed)
     return Source(cfg.dataset, "--dataset", cfg.dataset_split, cfg.max_samples, cfg.dataset_probs, seed)
 
 
@@ -90,7 +92,8 @@ def prepared_rows(preparation: Preparation, source: Source, run, tokenizer) -> P
                                  f"{source.flag} {source.url}", lambda: stream.position)
             if rows == 0:
                 preparation.no_rows()
-            return {"rows": rows, "inputs": inputs, "file_hashes": _file_hashes(source, versions, stream, run)}
+            return {"rows": rows, "inputs": inputs, "file_hashes": _file_hashes(source, versions, stream, run),
+                    "max_samples_cut": stream.cut}
 
         store.publish(key, write)
         found = store.open(key)
@@ -98,7 +101,17 @@ def prepared_rows(preparation: Preparation, source: Source, run, tokenizer) -> P
             store.save_hash(version, digest)
         if found is None:  # removed or damaged between publishing and reading: a store that keeps nothing
             raise RuntimeError(f"prepared data {store.local_dir(key)} could not be read back after publishing")
+    _say_cut(source, found[1].get("max_samples_cut"))
     return PreparedRows(found[0], preparation.make)
+
+
+def _say_cut(source: Source, cut: list | None) -> None:
+    """One line per process when --max_samples left rows of the data out (said again by a run that finds the
+    preparation made: the data it trains on is still cut)."""
+    if cut:
+        kept, dropped = cut
+        note_once(f"--max_samples {source.max_samples}: {source.flag} {source.url} is cut to its first {kept:,} rows; "
+                  f"{dropped:,} of its {kept + dropped:,} rows are dropped.", key=f"max-samples-cut:{source.url}")
 
 
 def _checked(batches: Iterable[FlatColumns], check: Callable[[FlatColumns], None]) -> Iterator[FlatColumns]:
