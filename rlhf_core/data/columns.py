@@ -82,35 +82,32 @@ def write_batches(path: str, kinds: dict[str, str], batches: Iterable[FlatColumn
 
 class Progress:
     """A preparation's progress: a bar with rows per second on a terminal once it has taken PROGRESS_DELAY_S
-    (tqdm), and a log line every PROGRESS_EVERY_S for the log file and for runs without a terminal."""
+    (tqdm), and a log line every PROGRESS_EVERY_S for the log file and for runs without a terminal. The bar is
+    made at the first batch: a stream knows its size (bytes of a file, rows of a table) only once it is read."""
 
     def __init__(self, label: str, position: Position | None):
-        from tqdm.auto import tqdm
-
         self.label, self.position = label, position or (lambda: (0, None, "B"))
         self.started = self.reported = time.monotonic()
-        _, total, unit = self.position()
-        self.bar = tqdm(total=total, desc=f"preparing {os.path.basename(label)}", unit=unit, unit_scale=True,
-                        delay=PROGRESS_DELAY_S, disable=None, leave=False, dynamic_ncols=True) if total else None
+        self.bar: Any = None
+
+    def _make_bar(self, total: int, unit: str):
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=f"preparing {os.path.basename(self.label)}", unit=unit, unit_scale=True,
+                    delay=PROGRESS_DELAY_S, disable=None, leave=False, dynamic_ncols=True)
 
     def update(self, rows: int) -> None:
         now = time.monotonic()
+        done, total, unit = self.position()
+        if self.bar is None and total:
+            self.bar = self._make_bar(total, unit)
         if self.bar is not None:
-            self.bar.update(self.position()[0] - self.bar.n)
             self.bar.set_postfix_str(f"{rows:,} rows, {rows / max(now - self.started, 1e-9):,.0f} rows/s",
                                      refresh=False)
+            self.bar.update(done - self.bar.n)
         if now - self.reported > PROGRESS_EVERY_S:
             self.reported = now
             logger.info("preparing %s: %d rows (%.0f rows/s)", self.label, rows, rows / (now - self.started))
-
-    def close(self, rows: int) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        elapsed = time.monotonic() - self.started
-        # a short one is for the log file only: preflight's console (Prefect's handler, before ours) shows INFO
-        logger.log(logging.INFO if elapsed >= PROGRESS_DELAY_S else logging.DEBUG, "prepared %s: %d rows in %.1f s",
-                   self.label, rows, elapsed)
-
 
 class PreparedRows(Sequence):
     """The rows of a prepared Arrow file, memory-mapped: `make(values of one row)` builds each item on demand;

@@ -120,6 +120,10 @@ class SourceRows:
 
     length: int
     batches: Callable[[int], Iterator[list[Record]]]
+    available: int = -1  # rows before `max_samples` cut a dataset (-1: `length`, none cut)
+
+    def __post_init__(self) -> None:
+        self.available = max(self.available, self.length)
 
 
 def source_rows(source: str, storage_options: dict | None, max_samples: int | None, split: str,
@@ -154,7 +158,7 @@ def _dataset_rows(dataset, max_samples: int | None) -> SourceRows:
             rows = dataset.select(range(start, min(start + size, length))).to_list()
             yield [Record(start + index, row, "row") for index, row in enumerate(rows, start=1)]
 
-    return SourceRows(length, batches)
+    return SourceRows(length, batches, len(dataset))
 
 
 def _parquet_rows(url: str, storage_options: dict | None) -> SourceRows:

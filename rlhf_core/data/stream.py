@@ -57,6 +57,7 @@ class RecordStream:
     dataset_max_samples: int | None = None  # a mixture's source: max_samples that cuts a dataset, not a file
     sha256: str | None = field(default=None, init=False)
     position: tuple[int, int | None, str] = field(default=(0, None, "B"), init=False)  # done, total, unit read
+    cut: tuple[int, int] | None = field(default=None, init=False)  # (kept, dropped) when max_samples cut rows
 
     def __iter__(self) -> Iterator[list[Record]]:
         for block in self.blocks():
@@ -94,6 +95,8 @@ class RecordStream:
         if rows.length == 0:
             raise UserError(f"{self.url}: the dataset is empty.")
         total = min(rows.length, self.max_samples) if self.max_samples else rows.length
+        if rows.available > total:
+            self.cut = (total, rows.available - total)
         done = 0
         for batch in rows.batches(self.batch_rows):
             batch = batch[:total - done]
@@ -131,6 +134,8 @@ class RecordStream:
         else:
             order = interleaved_order(lengths, weights, self.seed)
         total = min(len(order[0]), self.max_samples) if self.max_samples else len(order[0])
+        if len(order[0]) > total:
+            self.cut = (total, len(order[0]) - total)
         readers = [_Cycling(part) for part in parts]
         for start in range(0, total, self.batch_rows):
             end = min(start + self.batch_rows, total)
@@ -141,7 +146,7 @@ class RecordStream:
     def _line_blocks(self) -> Iterator[LineBlock]:
         """The file read in large pieces cut after a newline, hashed whole; each piece's text split into lines as
         `read_records` splits the whole text (str.splitlines), numbered, blank ones skipped."""
-        digest, count, byte_lines, line_number, offset, rest = hashlib.sha256(), 0, 0, 0, 0, b""
+        digest, count, byte_lines, line_number, offset, rest, dropped = hashlib.sha256(), 0, 0, 0, 0, b"", 0
         block = LineBlock([], [])
         with open_data(self.url, self.storage_options, flag=self.flag) as handle:
             size = getattr(handle, "size", None)
@@ -155,12 +160,17 @@ class RecordStream:
                 if self.max_samples and count >= self.max_samples:
                     if not self.hash_whole_file:
                         break
-                    data = b""  # hashed to the end: the fingerprint is the whole file's
+                    # hashed to the end (the fingerprint is the whole file's), its rows only counted
+                    dropped += sum(1 for line in data.splitlines() if line.strip())
+                    data = b""
                 if data:
                     text = _decode_block(self.url, data, offset, byte_lines)
                     for line in text.splitlines():
                         line_number += 1
-                        if not line.strip() or (self.max_samples and count >= self.max_samples):
+                        if not line.strip():
+                            continue
+                        if self.max_samples and count >= self.max_samples:
+                            dropped += 1
                             continue
                         block.numbers.append(line_number)
                         block.texts.append(line)
@@ -174,6 +184,8 @@ class RecordStream:
                 if not piece:
                     break
         self.sha256 = digest.hexdigest() if not piece else None
+        if dropped and not piece:
+            self.cut = (count, dropped)
         if block.texts:
             yield block
         if count == 0:

@@ -94,3 +94,20 @@ def test_a_mixture_streams_in_interleave_datasets_order(tmp_path, toy_assets, li
         expected = mixed["id"]
     assert got == expected and len(got) >= len(first) + len(second)
     assert live.peak <= 4 * BATCH_ROWS  # a batch being mixed, a read-ahead block of each source, the last batch
+
+
+@pytest.mark.parametrize("name", ["d.jsonl", "d.parquet"])
+def test_max_samples_that_cuts_the_data_says_so_once(tmp_path, toy_assets, caplog, name):
+    path = tmp_path / name
+    if name.endswith(".jsonl"):
+        path.write_text("".join(json.dumps(row) + "\n" + "\n" * (i % 2) for i, row in enumerate(rows(0, 30))))
+    else:
+        write_parquet(path, rows(0, 30))
+    run = SimpleNamespace(ckpt_path=str(tmp_path / "ckpt"), storage_options=None)
+    preparation = Preparation("ids", {}, ids_of, {"id": "int64"}, lambda value: value, no_rows)
+    tokenizer = load_tokenizer(toy_assets["model"])
+    with caplog.at_level("INFO", logger="rlhf_core"):
+        for _ in range(2):  # prepared, then found prepared: one line
+            assert len(prepared_rows(preparation, Source(str(path), "--dataset", max_samples=20), run, tokenizer)) == 20
+    said = [record.getMessage() for record in caplog.records if "--max_samples" in record.getMessage()]
+    assert said == [f"--max_samples 20: --dataset {path} is cut to its first 20 rows; 10 of its 30 rows are dropped."]
