@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 from pydantic import ValidationError
 
-from flows.cli_flags import add_openrlhf_flags, apply_openrlhf_flags
+from flows.cli_flags import add_openrlhf_flags, apply_openrlhf_flags, dotted_defaults, say_departures
 from flows.cli_inspect import cmd_ckpt, cmd_goodput, cmd_plan, cmd_status
 from rlhf_core.config import RunConfig
 from rlhf_core.config_file import describe_validation_error, load_run_config
@@ -115,14 +115,19 @@ def add_plan_parser(commands) -> None:
 
 
 def run_config_from_flags(stage: str, flags: dict[str, Any]) -> RunConfig:
-    flags = apply_openrlhf_flags(stage, flags, (RunConfig, STAGE_CONFIGS[stage]), RUN_FLAGS_EXCLUDED)
+    """The run a `rlhf train STAGE` command line (`flags`, as parsed) asks for, with OpenRLHF's defaults (0.11's
+    where it spells a flag the 0.11 way); each default that departs from OpenRLHF's and matters is said once."""
+    values = apply_openrlhf_flags(stage, flags, (RunConfig, STAGE_CONFIGS[stage]), RUN_FLAGS_EXCLUDED)
+    values = {**dotted_defaults(stage, flags, values), **values}
     stage_fields = STAGE_CONFIGS[stage].model_fields
-    stage_values = {name: value for name, value in flags.items() if name in stage_fields}
-    run_values = {name: value for name, value in flags.items() if name in RunConfig.model_fields}
+    stage_values = {name: value for name, value in values.items() if name in stage_fields}
+    run_values = {name: value for name, value in values.items() if name in RunConfig.model_fields}
     try:
-        return RunConfig(stages=[stage], **run_values, **{stage: STAGE_CONFIGS[stage](**stage_values)})
+        run = RunConfig(stages=[stage], **run_values, **{stage: STAGE_CONFIGS[stage](**stage_values)})
     except ValidationError as error:
         raise UserError(describe_validation_error(error, f"rlhf train {stage}", flag_style=True)) from None
+    say_departures(stage, values, run)
+    return run
 
 
 def cmd_lora_combiner(flags: dict[str, Any]) -> None:

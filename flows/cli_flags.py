@@ -52,6 +52,21 @@ def add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel], exc
 
 
 OPENRLHF_DEST = "openrlhf:"
+# Where a parsed command line lists the 0.11 (dotted) spellings it used: they select 0.11's defaults.
+DOTTED_SPELLINGS = f"{OPENRLHF_DEST}dotted"
+
+
+def _noting_dotted_spellings(action_class: type[argparse.Action]) -> type[argparse.Action]:
+    """`action_class` that also lists a dotted option string it was given under DOTTED_SPELLINGS: argparse gives an
+    action the spelling used, and nothing else keeps it."""
+
+    class NotingDottedSpellings(action_class):  # type: ignore[valid-type, misc]
+        def __call__(self, parser, namespace, values, option_string=None):
+            if option_string and "." in option_string:
+                setattr(namespace, DOTTED_SPELLINGS, [*getattr(namespace, DOTTED_SPELLINGS, []), option_string])
+            super().__call__(parser, namespace, values, option_string)
+
+    return NotingDottedSpellings
 
 
 _TAKES = {"switch": {"action": "store_true"}, "value": {}, "pair": {"nargs": 2}, "list": {"nargs": "*"}}
@@ -61,6 +76,9 @@ def add_openrlhf_flags(parser: argparse.ArgumentParser, cli: str, models: Sequen
                        exclude: set[str] = frozenset()) -> None:
     """Our fields' flags, with OpenRLHF's spellings (0.9 and 0.11's dotted ones) from `openrlhf_flags` as aliases,
     and one flag per OpenRLHF flag that is mapped, refused or converted (checked in `apply_openrlhf_flags`)."""
+    for name, action_class in (("store", argparse._StoreAction), (None, argparse._StoreAction),
+                               ("store_true", argparse._StoreTrueAction)):
+        parser.register("action", name, _noting_dotted_spellings(action_class))
     aliases: dict[str, list[str]] = {}
     own_flags = _own_openrlhf_flags(cli, _field_names(models, exclude))
     for flag in flags_for(cli):
@@ -110,3 +128,33 @@ def apply_openrlhf_flags(cli: str, flags: dict[str, Any], models: Sequence[type[
     if (nodes or gpus) and "num_workers" not in values:
         values["num_workers"] = (nodes or 1) * (gpus or 1)
     return values
+
+
+def dotted_defaults(cli: str, flags: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """OpenRLHF 0.11's defaults where they differ from 0.9.10's, for the fields `values` (a command line's) leaves
+    unset, when that command line spelled any flag the 0.11 way (`flags`, as parsed); said once."""
+    spelled = flags.get(DOTTED_SPELLINGS)
+    if not spelled:
+        return {}
+    changed = {flag.field: (flag.dotted_names(cli)[0], flag.dotted_default[cli]) for flag in flags_for(cli)
+               if cli in flag.dotted_default and flag.field not in values}
+    if changed:
+        print(f"rlhf: note: {spelled[0]} is OpenRLHF 0.11's spelling, so 0.11's defaults apply: "
+              + ", ".join(f"--{name} {value}" for name, value in changed.values()) + ".", file=sys.stderr)
+    return {field: value for field, (_, value) in changed.items()}
+
+
+def say_departures(cli: str, values: dict[str, Any], run: Any) -> None:
+    """One note naming each flag whose default here is not OpenRLHF's, that the command line (its `values`) leaves
+    out, where it matters to `run`, with the value it gets; the table (docs/openrlhf-flags.md) says why."""
+    section = run.stage_config(cli)
+    departed = [f"--{flag.spellings(cli)[0]} {_shown(getattr(section, flag.field, getattr(run, flag.field, None)))}"
+                for flag in flags_for(cli) if flag.departure(cli) and flag.field not in values
+                and (flag.departs_if is None or flag.departs_if(run))]
+    if departed:
+        print(f"rlhf: note: defaults that are not OpenRLHF's here (docs/openrlhf-flags.md says why): "
+              f"{', '.join(departed)}.", file=sys.stderr)
+
+
+def _shown(value: Any) -> str:
+    return "unset" if value is None else str(value)

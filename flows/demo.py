@@ -30,7 +30,7 @@ def demo_config(workdir: str, num_workers: int, stages: list[str] | None = None)
         num_workers=num_workers,
         sft=SFTConfig(
             pretrain=os.path.join(toy, "model"), dataset=os.path.join(toy, "sft.jsonl"),
-            input_key="prompt", output_key="response", max_len=64,
+            input_key="prompt", output_key="response", input_template=None, max_len=64,  # the prompts as written
             train_batch_size=16, micro_train_batch_size=8, max_epochs=6, learning_rate=3e-3,
             lr_warmup_ratio=0.05, save_steps=16, save_path=os.path.join(out, "sft"),
         ),
@@ -43,6 +43,7 @@ def demo_config(workdir: str, num_workers: int, stages: list[str] | None = None)
             prompt_data=os.path.join(toy, "prompts.jsonl"), input_key="prompt", reward_fn="rlhf_core.toy:gold_reward",
             advantage_estimator="gae", n_samples_per_prompt=8, rollout_batch_size=8, micro_rollout_batch_size=32,
             train_batch_size=32, micro_train_batch_size=8, max_new_tokens=8, temperature=0.7, init_kl_coef=0.01,
+            value_clip=0.2, lambd=0.95,  # the demo's tuning (OpenRLHF's defaults: 0.5 and 1)
             learning_rate=3e-3, critic_learning_rate=1e-3, lora_rank=8, lora_alpha=16, num_episodes=2,
             save_steps=16, save_path=os.path.join(out, "ppo_lora"),
         ),

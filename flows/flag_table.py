@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field as dataclass_field
 from typing import Any, Callable
 
 from rlhf_core.stages import STAGES, TRAINING_STAGES
@@ -41,6 +41,12 @@ class Flag:
     value_type: Callable[[str], Any] = str
     default: Any = None  # OpenRLHF's default: a refused flag given at this value is accepted silently
     convert: Callable[[Any], dict[str, Any]] | None = None  # value -> {field: value} (default: {field: value})
+    # Why our default is not OpenRLHF's (per command when it differs): shown in the docs, and said once on the
+    # console when a command leaves the flag out; "" when the default is OpenRLHF's.
+    departs: str | dict[str, str] = ""
+    departs_if: Callable[[Any], bool] | None = None  # run config -> whether the departure matters (else unsaid)
+    # OpenRLHF 0.11's default, per command, where it changed 0.9.10's: a command line with a dotted spelling gets it.
+    dotted_default: dict[str, Any] = dataclass_field(default_factory=dict)
 
     def dotted_names(self, cli: str) -> list[str]:
         spelled = self.dotted.get(cli, "") if isinstance(self.dotted, dict) else self.dotted
@@ -49,6 +55,10 @@ class Flag:
     def spellings(self, cli: str) -> list[str]:
         names = ([self.name] if self.name else []) + self.dotted_names(cli)
         return list(dict.fromkeys(names))
+
+    def departure(self, cli: str) -> str:
+        """Why `cli`'s default for this flag is not OpenRLHF's; "" when it is."""
+        return self.departs.get(cli, "") if isinstance(self.departs, dict) else self.departs
 
     def updates(self, value: Any) -> dict[str, Any]:
         """The config values a given flag value sets."""

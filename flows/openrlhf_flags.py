@@ -19,15 +19,22 @@ from flows.flag_table import (IMPLEMENTED, MAPPED, REFUSED, SFT, RM, PPO, DPO, P
                               Flag, same, noop, refuse, dotted_in, wandb_key_to_env, target_modules_value,
                               dataset_probs_value, TRAIN_LR_SCHEDULE, COLOCATED, VLLM_ONLY)
 
+FP32_HERE = ("OpenRLHF's default is bf16; fp32 here, where most runs train on CPUs: bf16 there is an autocast, "
+             "slower and less exact; give --param_dtype bf16 on GPUs, as OpenRLHF's scripts do")
+
 FLAGS: tuple[Flag, ...] = (
     # checkpoints and outputs
-    same("save_path", dotted_in("ckpt.output_dir", SFT, RM, DPO, PPO), (SFT, RM, DPO, PPO, PRM)),
+    same("save_path", dotted_in("ckpt.output_dir", SFT, RM, DPO, PPO), (SFT, RM, DPO, PPO, PRM),
+          departs="OpenRLHF's default is ./ckpt; here each stage exports to its own folder (./out/sft, ./out/rm, "
+                  "...), apart from the checkpoints, so that the stages of a pipeline feed each other and overwrite "
+                  "nothing"),
     same("save_steps", "ckpt.save_steps", value_type=int),
     same("save_hf_ckpt", "ckpt.save_hf", takes="switch"),
     same("disable_ds_ckpt", "ckpt.disable_ds", takes="switch"),
     same("logging_steps", "logger.logging_steps", value_type=int),
     same("eval_steps", "eval.steps", value_type=int),
-    same("ckpt_path", "ckpt.path", note="the checkpoint root: stages write {ckpt_path}/{run_name}/{stage}/step_N; a "
+    same("ckpt_path", "ckpt.path", departs="OpenRLHF's default is ./ckpt/checkpoints_{command}; here ./ckpt is the "
+          "root, under which each run and stage has its folder (./ckpt/rlhf/sft with --run_name rlhf)", note="the checkpoint root: stages write {ckpt_path}/{run_name}/{stage}/step_N; a "
                                          "path ending in .../{run_name}/{stage}/step_N resumes that step"),
     same("max_ckpt_num", "ckpt.max_num", value_type=int),
     same("max_ckpt_mem", "ckpt.max_mem", value_type=float, note="in GB, as OpenRLHF"),
@@ -37,7 +44,7 @@ FLAGS: tuple[Flag, ...] = (
     noop("best_metric_key", "ckpt.best_metric_key", "every chunk commits its checkpoint; retention keeps the newest "
           "--max_ckpt_num, not the best", (PPO,)),
     # batches and optimisation
-    same("micro_train_batch_size", "train.micro_batch_size", value_type=int),
+    same("micro_train_batch_size", "train.micro_batch_size", value_type=int, dotted_default={PPO: 1}),
     same("train_batch_size", "train.batch_size", value_type=int),
     same("max_norm", {SFT: "max_norm", RM: "max_norm", DPO: "max_norm", PPO: "actor.max_norm|critic.max_norm"},
           value_type=float,
@@ -76,14 +83,17 @@ FLAGS: tuple[Flag, ...] = (
                PPO: "actor.muon.nesterov|critic.muon.nesterov|actor.muon.no_nesterov|critic.muon.no_nesterov"},
           "a Muon setting; only AdamW is built here", takes="switch"),
     # DeepSpeed and precision
-    same("zero_stage", "ds.zero_stage", value_type=int, note="same stages; unset, 0 on one rank (nothing to partition) "
-          "and 2 (OpenRLHF's default) on more, and a resume keeps its checkpoints' stage"),
-    same("param_dtype", "ds.param_dtype",
+    same("zero_stage", "ds.zero_stage", value_type=int, note="same stages", departs_if=lambda run: run.num_workers == 1,
+          departs="OpenRLHF's default is 2; unset here: 0 on one rank, where ZeRO has nothing to partition (the same "
+                  "training), 2 on more, and a resume keeps its checkpoints' stage"),
+    same("param_dtype", "ds.param_dtype", departs={cli: FP32_HERE for cli in (SFT, RM, DPO, PPO)},  # train_prm: fp32
           note="bf16 is bf16 autocast on a CPU with bf16 support (fp32 with a warning otherwise); fp16 needs a GPU"),
     same("bf16", "", (COMBINER,), takes="switch", note="the seed's spelling; OpenRLHF 0.9 says --param_dtype bf16"),
     Flag("bf16", MAPPED, TRAIN, takes="switch", note="the seed's spelling of --param_dtype bf16",
          convert=lambda value: {"param_dtype": "bf16"} if value else {}),
     same("attn_implementation", "ds.attn_implementation",
+          departs="OpenRLHF's default, flash_attention_2, needs a GPU and the flash-attn package; unset here: "
+                  "transformers' choice (sdpa where the model has it)",
           note="flash_attention_* without flash-attn (or a GPU) falls back to sdpa with a warning"),
     Flag("flash_attn", MAPPED, TRAIN, takes="switch", note="the seed's spelling of --attn_implementation "
          "flash_attention_2", convert=lambda value: {"attn_implementation": "flash_attention_2"} if value else {}),
@@ -174,8 +184,12 @@ FLAGS: tuple[Flag, ...] = (
               "'True' uses the logged-in key"),
     same("wandb_org", "logger.wandb.org"),
     same("wandb_group", "logger.wandb.group"),
-    same("wandb_project", "logger.wandb.project"),
-    same("wandb_run_name", "logger.wandb.run_name"),
+    same("wandb_project", "logger.wandb.project", departs_if=lambda run: run.use_wandb,
+          departs="OpenRLHF's default is openrlhf_train_{command}; here one project, rlhf, holds every stage of a "
+                  "pipeline"),
+    same("wandb_run_name", "logger.wandb.run_name", departs_if=lambda run: run.use_wandb,
+          departs="OpenRLHF's default is {command}_{the start's date and time}; here {run_name}-{stage}, so that "
+                  "a resumed run continues its wandb run"),
     same("use_tensorboard", "logger.tensorboard_dir"),
     refuse("use_ms", "use_ms", "ModelScope's hub is not reachable; give a local folder or a Hugging Face cache id",
             takes="switch", default=False),
@@ -239,8 +253,10 @@ FLAGS: tuple[Flag, ...] = (
     noop("train_max_tokens_per_gpu", "train.max_tokens_per_gpu", "see --use_dynamic_batch", (PPO,), value_type=int),
     same("num_episodes", "train.num_episodes", (PPO,), value_type=int),
     same("rollout_batch_size", "rollout.batch_size", (PPO,), value_type=int),
-    same("micro_rollout_batch_size", "rollout.micro_batch_size", (PPO,), value_type=int),
-    same("max_new_tokens", "rollout.max_new_tokens", (PPO,), value_type=int),
+    same("micro_rollout_batch_size", "rollout.micro_batch_size", (PPO,), value_type=int, dotted_default={PPO: 1}),
+    same("max_new_tokens", "rollout.max_new_tokens", (PPO,), value_type=int,
+          departs="OpenRLHF's default (none: up to --max_len minus the prompt's length) is not built; 64 here, "
+                  "which keeps a CPU's generation short"),
     Flag("generate_max_len", MAPPED, (PPO,), field="max_new_tokens", value_type=int,
          note="the seed's spelling of --max_new_tokens"),
     same("prompt_max_len", "", (PPO,), value_type=int, note="OpenRLHF <= 0.9.0's prompt cap; kept here"),
@@ -291,9 +307,9 @@ FLAGS: tuple[Flag, ...] = (
     same("dynamic_filtering", "algo.dynamic_filtering_enable", (PPO,), takes="switch"),
     same("dynamic_filtering_reward_range", "algo.dynamic_filtering_range", (PPO,), takes="pair", value_type=float),
     noop("perf", "", "timings are printed per chunk and written to the metrics", (PPO,), takes="switch"),
-    refuse("", "data.image_key", "vision-language models are not built", (PPO,)),
+    refuse("", "data.image_key", "vision-language models are not built", (PPO,), default="images"),
     refuse("", "data.max_images_per_prompt", "vision-language models are not built", (PPO,), value_type=int,
-            default=1),
+            default=0),
     refuse("", "actor.freeze_visual_encoder", "vision-language models are not built", (PPO,), takes="switch",
             default=False),
     # lora_combiner
@@ -318,7 +334,13 @@ def render_markdown() -> str:
              "Generated from `flows/openrlhf_flags.py` (`python -m flows.openrlhf_flags > docs/openrlhf-flags.md`); "
              "a test keeps them equal. Classes: **implemented** (OpenRLHF's meaning), **mapped** (accepted; the "
              "note says what it does here, printed once when given), **refused** (only OpenRLHF's default is "
-             "accepted; anything else exits 2 with the reason).", ""]
+             "accepted; anything else exits 2 with the reason).", "",
+             "Defaults are OpenRLHF's: v0.9.10's (`train_prm`'s: v0.9.0's). OpenRLHF 0.11 changed two, PPO's micro "
+             "batch sizes (to 1): a command line that spells any flag the 0.11 way (dotted, as `--ckpt.save_steps`) "
+             "gets 0.11's defaults, even when its other flags keep their 0.9 names; one in 0.9 names only gets "
+             "0.9.10's. A value given always wins. A YAML run config (`rlhf run`) and a deployment's parameters name "
+             "our fields, not OpenRLHF's flags, and get 0.9.10's. Where our default departs from OpenRLHF's, the row "
+             "says why, and `rlhf train` says it once (`rlhf: note:`) when the command leaves the flag out.", ""]
     for cli in (*TRAIN, COMBINER):
         flags = flags_for(cli)
         counts = {kind: sum(flag.kind == kind for flag in flags) for kind in (IMPLEMENTED, MAPPED, REFUSED)}
@@ -331,6 +353,10 @@ def render_markdown() -> str:
             old = f"`--{flag.name}`" if flag.name else "(0.11 only)"
             dotted = " ".join(f"`--{name}`" for name in flag.dotted_names(cli)) or "(none)"
             here = flag.note or (f"`{flag.field}`" if flag.field and flag.field != flag.name else "same")
+            if flag.departure(cli):
+                here += f"; **default departs:** {flag.departure(cli)}"
+            if cli in flag.dotted_default:
+                here += f"; default {flag.dotted_default[cli]} with 0.11's spellings (0.11's)"
             lines.append(f"| {old} | {dotted} | {flag.kind} | {here} |")
         lines.append("")
     return "\n".join(lines)

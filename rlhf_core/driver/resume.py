@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from rlhf_core.storage.checkpoint import CheckpointStore
 from rlhf_core.storage.manifest import METADATA_NAME, CheckpointInfo
@@ -23,6 +24,19 @@ from rlhf_core.storage.locate import input_model_fingerprints
 logger = logging.getLogger(__name__)
 
 LINEAGE_MARKER = "RESUMED_FROM.json"
+
+# The defaults of semantic settings before `rlhf` took OpenRLHF's (issue 44), per stage. A run whose checkpoints
+# recorded one of them, resumed by a command or config that leaves the setting out, keeps the recorded value
+# (`keep_recorded_defaults`): it goes on training what it started, neither refused as drifted nor changed.
+EARLIER_DEFAULTS: dict[str, dict[str, Any]] = {
+    "sft": {"max_epochs": 1, "max_samples": None, "input_template": None},
+    "rm": {"learning_rate": 5e-6, "micro_train_batch_size": 8, "max_len": 2048, "max_samples": None,
+           "eval_holdout": 0.1},
+    "dpo": {"learning_rate": 5e-6, "max_len": 2048, "max_samples": None, "eval_holdout": 0.1},
+    "prm": {"learning_rate": 5e-6, "micro_train_batch_size": 8, "max_samples": None},
+    "ppo": {"learning_rate": 5e-6, "micro_train_batch_size": 8, "max_samples": None, "rollout_batch_size": 16,
+            "value_clip": 0.2, "lambd": 0.95, "vllm_gpu_memory_utilization": 0.5},
+}
 
 
 @dataclass(frozen=True)
@@ -78,7 +92,33 @@ def config_drift(run: RunConfig, stage: str, metadata: dict) -> list[str]:
     return changes
 
 
+def keep_recorded_defaults(run: RunConfig, stage: str, metadata: dict) -> None:
+    """Give each setting of `stage` in `run` that its command or config left out, and whose default changed since
+    (EARLIER_DEFAULTS), the value the checkpoint's metadata recorded when that was the earlier default; said once.
+    `run` changes in place (as `RunSettings` fills its sections), before anything reads it for training: the CLI's
+    preflight and a deployment's flow both check the resume first."""
+    cfg = run.stage_config(stage)
+    saved = metadata.get("config", {})
+    kept = {name: saved[name] for name, earlier in EARLIER_DEFAULTS.get(stage, {}).items()
+            if name in saved and saved[name] == earlier and name not in cfg.model_fields_set
+            and name in type(cfg).model_fields and getattr(cfg, name) != earlier}
+    if not kept:
+        return
+    try:
+        resumed = type(cfg).model_validate({**dict(cfg), **kept})
+        resumed.check_in_run(stage, run.num_workers)
+    except ValueError:  # the recorded values no longer fit the settings given: the drift check says which differ
+        return
+    logger.warning("%s: its checkpoints were trained with %s, the default%s before rlhf took OpenRLHF's; the run "
+                   "keeps %s (set %s to change %s, with --allow_config_change).", stage,
+                   ", ".join(f"{name} {value!r}" for name, value in kept.items()), "s" if len(kept) > 1 else "",
+                   "them" if len(kept) > 1 else "it", " ".join(f"--{name}" for name in kept),
+                   "them" if len(kept) > 1 else "it")
+    setattr(run, stage, resumed)
+
+
 def check_drift(run: RunConfig, stage: str, info: CheckpointInfo, metadata: dict) -> None:
+    keep_recorded_defaults(run, stage, metadata)
     changes = config_drift(run, stage, metadata)
     if changes and not run.allow_config_change:
         raise UserError(

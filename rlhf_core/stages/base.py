@@ -133,7 +133,8 @@ class StageConfig(StageSettings):
     # Required, but a stage may default it to an earlier stage's output (`chained`): read it as `start_model`.
     pretrain: str | None = Field(**input_location(PRETRAIN_HELP, role="model"))
     max_len: int = Field(2048, ge=8, description="Maximum tokens per sample; longer samples are truncated.")
-    max_samples: int | None = Field(None, ge=1, description="Use at most this many samples of the dataset.")
+    max_samples: int | None = Field(1_000_000, ge=1, description="Use at most this many samples of the dataset "
+                                                                "(the first ones); none: all of them.")
     train_batch_size: int = Field(128, ge=1, description="Global batch size: samples per optimizer step, all ranks.")
     micro_train_batch_size: int = Field(8, ge=1, description="Samples per rank per forward/backward pass.")
     max_epochs: int = Field(1, ge=1, description="Passes over the dataset.")
@@ -174,7 +175,7 @@ class StageConfig(StageSettings):
     )
     input_template: str | None = Field(
         None, description="Template with one '{}' that wraps each prompt when no chat template is applied "
-                          "(e.g. 'User: {}\\nAssistant: '); default: the prompt as is.")
+                          "(e.g. 'User: {}\\nAssistant: ', SFT's default as in OpenRLHF); none: the prompt as is.")
     dataset_probs: str | None = Field(None, description="Sampling weights of several comma-separated datasets "
                                                         "(e.g. '0.7,0.3'), interleaved until each is exhausted; "
                                                         "default: concatenated.")
@@ -242,11 +243,21 @@ class StageConfig(StageSettings):
                              f"micro_train_batch_size x num_workers ({per_pass})")
 
 
+def restated(name: str, default: Any) -> Any:
+    """StageConfig's field `name` with another default, for a stage whose OpenRLHF command has its own (train_rm's
+    learning rate is 9e-6, train_sft's 5e-6): the same description and bounds, written once, in StageConfig."""
+    shared = StageConfig.model_fields[name]
+    bounds = {bound: getattr(item, bound) for item in shared.metadata for bound in ("ge", "gt", "le", "lt")
+              if hasattr(item, bound)}
+    return Field(default, description=shared.description, json_schema_extra=shared.json_schema_extra, **bounds)
+
+
 class PreferenceConfig(StageConfig):
     """The preference data a stage trains on (the reward model, DPO): OpenRLHF's reward dataset and its keys."""
 
     dataset: str = Field(**input_location("Preference data (prompt, chosen, rejected), in any form --dataset of SFT takes.",
                                   role="data"))
+    max_len: int = restated("max_len", 512)  # train_rm's and train_dpo's
     prompt_key: str | None = Field(None, description="Key of the prompt in each sample; none (OpenRLHF's default): "
                                                      "chosen and rejected each hold the whole text or conversation.")
     chosen_key: str = Field("chosen", description="Key of the preferred response (a string, or messages).")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from rlhf_core.stages.base import Earlier, PreferenceConfig, Stage, input_location, operational
+from rlhf_core.stages.base import Earlier, PreferenceConfig, Stage, input_location, operational, restated
 
 
 class DPOConfig(PreferenceConfig):
@@ -16,6 +16,7 @@ class DPOConfig(PreferenceConfig):
     ref_pretrain: str | None = Field(None, **input_location("Frozen reference model; default: the policy's start "
                                                             "(--pretrain).", role="model"))
     ref_offload: bool = Field(False, **operational("Keep the reference model on the CPU (it only scores, never trains)."))
+    learning_rate: float = restated("learning_rate", 1e-5)  # train_dpo's
     beta: float = Field(0.1, gt=0, description="DPO's beta: how far the policy may move from the reference (the "
                                                "reward is beta x the log-ratio to it).")
     ipo: bool = Field(False, description="IPO's squared loss (logits - 1/(2 beta))^2 instead of DPO's sigmoid.")

@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from rlhf_core.errors import UserError
-from rlhf_core.stages.base import Earlier, Stage, StageConfig, input_location, operational
+from rlhf_core.stages.base import Earlier, Stage, StageConfig, input_location, operational, restated
 
 
 class PPOConfig(StageConfig):
@@ -35,9 +35,13 @@ class PPOConfig(StageConfig):
         "gae", description="gae (PPO with a critic), reinforce (REINFORCE++), rloo, reinforce_baseline, group_norm "
                            "(GRPO), dr_grpo (GRPO without std normalization).")
     n_samples_per_prompt: int = Field(1, ge=1, description="Responses sampled per prompt.")
-    rollout_batch_size: int = Field(16, ge=1, description="Prompts per PPO step (all ranks).")
+    rollout_batch_size: int = Field(1024, ge=1, description="Prompts per PPO step (all ranks).")
     micro_rollout_batch_size: int = Field(8, ge=1, description="Sequences per generation / scoring pass per rank.")
     num_episodes: int = Field(1, ge=1, description="Passes over the prompt data.")
+    # train_ppo_ray's (the actor's learning rate; 0.11's micro batch is 1, see flows.openrlhf_flags)
+    learning_rate: float = restated("learning_rate", 1e-6)
+    micro_train_batch_size: int = restated("micro_train_batch_size", 4)
+    max_samples: int | None = restated("max_samples", 100_000_000)
     max_epochs: int = Field(1, ge=1, description="Optimisation passes over each rollout.")
     prompt_max_len: int = Field(128, ge=1, description="Prompts are truncated to this many tokens (from the left).")
     max_new_tokens: int = Field(64, ge=1, description="Maximum tokens generated per response.")
@@ -56,9 +60,9 @@ class PPOConfig(StageConfig):
         description="Entropy bonus of the actor loss (OpenRLHF's): unset, none; 0, the policy's mean entropy over "
                     "the response tokens is logged as entropy_loss and the loss is unchanged; otherwise the loss "
                     "minus coef x that entropy.")
-    value_clip: float = Field(0.2, gt=0, description="PPO value clip (gae).")
+    value_clip: float = Field(0.5, gt=0, description="PPO value clip (gae).")
     gamma: float = Field(1.0, gt=0, le=1, description="Discount factor.")
-    lambd: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
+    lambd: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
     critic_learning_rate: float = Field(9e-6, gt=0, description="Critic learning rate (gae).")
     remote_rm_url: str | None = Field(None, **input_location("OpenRLHF's reward function: a .py file defining "
                                                         "reward_func(queries, prompts, labels, **kwargs) (or "
@@ -84,12 +88,12 @@ class PPOConfig(StageConfig):
     freezing_actor_steps: int = Field(-1, description="Train only the critic for the first N PPO steps (gae).")
     save_value_network: bool = Field(False, **operational("Also export the critic, to {save_path}_critic."))
     eval_temperature: float = Field(0.6, gt=0, **operational("Sampling temperature of the evaluation rollouts."))
-    eval_n_samples_per_prompt: int = Field(1, ge=1, **operational("Samples per evaluation prompt."))
+    eval_n_samples_per_prompt: int = Field(4, ge=1, **operational("Samples per evaluation prompt."))
     vllm_num_engines: int = Field(0, ge=0, description="vLLM engines for generation (GPU, `[vllm]` extra), one per rank: "
                                                         "equal to num_workers; 0: transformers generate.")
     vllm_tensor_parallel_size: int = Field(1, ge=1, description="Tensor parallel size of each vLLM engine "
                                                                       "(1: engines are colocated one per rank).")
-    vllm_gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="GPU memory fraction vLLM may take.")
+    vllm_gpu_memory_utilization: float = Field(0.95, gt=0, le=1, description="GPU memory fraction vLLM may take.")
     enable_prefix_caching: bool = Field(False, description="vLLM's prefix caching (with vllm_num_engines): a "
                                                           "multi-turn agent's every turn repeats the episode so far.")
     vllm_enable_sleep: bool = Field(False, description="Let vLLM release GPU memory while the models train.")

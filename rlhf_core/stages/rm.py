@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from rlhf_core.stages.base import Earlier, PreferenceConfig, Stage, input_location, operational
+from rlhf_core.stages.base import Earlier, PreferenceConfig, Stage, input_location, operational, restated
 
 
 class RMConfig(PreferenceConfig):
@@ -18,6 +18,8 @@ class RMConfig(PreferenceConfig):
     loss: Literal["sigmoid", "logexploss"] = Field("sigmoid", description="Pairwise loss: sigmoid (Bradley-Terry, "
                                                                          "-log sigmoid(r_c - r_r)) or logexploss "
                                                                          "(log(1 + exp(r_r - r_c))).")
+    learning_rate: float = restated("learning_rate", 9e-6)  # train_rm's
+    micro_train_batch_size: int = restated("micro_train_batch_size", 1)  # train_rm's
     margin_loss: bool = Field(False, description="Subtract each pair's 'margin' field from r_c - r_r in the loss.")
     save_path: str = Field("./out/rm", **operational("Where the final reward model is exported (any fsspec URL).",
                                                       role="output"))

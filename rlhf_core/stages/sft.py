@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from rlhf_core.stages.base import PRETRAIN_HELP, Stage, StageConfig, input_location, operational
+from rlhf_core.stages.base import PRETRAIN_HELP, Stage, StageConfig, input_location, operational, restated
 
 
 class SFTConfig(StageConfig):
@@ -27,6 +27,9 @@ class SFTConfig(StageConfig):
                                                                   "tokenizer's own (with apply_chat_template).")
     pretrain_mode: bool = Field(False, description="Continued pre-training: the loss covers every token of each "
                                                    "sample's input_key text (no template, output_key unused).")
+    max_epochs: int = restated("max_epochs", 2)  # train_sft's
+    # train_sft's: applied when no chat template is (OpenRLHF's); unused with apply_chat_template or pretrain_mode
+    input_template: str | None = restated("input_template", "User: {}\nAssistant: ")
     save_path: str = Field("./out/sft", **operational("Where the final Hugging Face model is exported (any fsspec "
                                                        "URL).", role="output"))
 

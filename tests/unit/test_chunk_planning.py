@@ -17,7 +17,8 @@ from rlhf_core.errors import UserError
 
 def toy_run(toy_assets, **overrides) -> RunConfig:
     settings = {"pretrain": toy_assets["model"], "dataset": toy_assets["sft"], "input_key": "prompt",
-                "output_key": "response", "max_len": 64, "train_batch_size": 8, "micro_train_batch_size": 4}
+                "output_key": "response", "max_len": 64, "train_batch_size": 8, "micro_train_batch_size": 4,
+                "max_epochs": 1}  # the plans below count one pass (OpenRLHF's SFT default is 2)
     sft = SFTConfig(**{**settings, **overrides.pop("sft", {})})
     return RunConfig(sft=sft, **overrides)
 

@@ -6,7 +6,9 @@ v0.9.0 (extracted with ast), and dotted_names.json the 0.9 -> 0.11 renames; see 
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -180,3 +182,158 @@ def test_train_prm_flags_have_no_invented_dotted_spelling():
         assert rows[name].spellings(PRM) == [name]
     assert rows["label_key"].spellings("ppo") == ["label_key", "data.label_key"]
     assert rows["input_key"].spellings("sft") == ["input_key", "data.input_key"]
+
+
+# --------------------------------------------------------------------------------------------------- defaults
+# Every flag's default here is OpenRLHF's (v0.9.10's; 0.11's for a command line with a dotted spelling; train_prm's
+# v0.9.0's), or its row says why not (`Flag.departs`). The defaults are read from what `rlhf train` builds for a
+# command line that gives only the required flags, so the CLI's own rules (0.11's defaults) are held too.
+
+# Fields another change owns: the evaluation settings (issue 44, item 2), whose defaults change with how evaluation
+# works. Empty this set when that change lands.
+EXCLUDED = {"eval_holdout", "eval_steps", "eval_split", "eval_dataset"}  # owned by the evaluation change
+# The flags each command needs (OpenRLHF's None there means "give it"), by field.
+REQUIRED = {"sft": {"pretrain": "m", "dataset": "d.jsonl"}, "rm": {"pretrain": "m", "dataset": "d.jsonl"},
+            "dpo": {"pretrain": "m", "dataset": "d.jsonl"},
+            "ppo": {"pretrain": "m", "prompt_data": "p.jsonl", "remote_rm_url": "reward.py"},
+            "prm": {"pretrain": "m", "dataset": "d.jsonl", "placeholder_token": "ки"}}
+# OpenRLHF defaults that our field spells otherwise, with the same effect: field -> (OpenRLHF's values, ours).
+SAME_MEANING = {
+    "max_ckpt_mem": ({1e8, float("inf")}, None),  # 1e8 GB (PPO: inf) keeps every checkpoint, as no limit (None)
+    "vllm_num_engines": ({None}, 0),  # None starts no vLLM engine ("set to 0 to disable vLLM"), as 0
+    "use_wandb": ({None}, False),  # no wandb key: nothing goes to wandb
+}
+# OpenRLHF's None there means another flag's model, and ours is filled from that flag the same way: DPO's reference
+# is the policy's --pretrain; a gae critic starts from the reward model, or from the actor when a function rewards.
+FROM_ANOTHER_FLAG = {"ref_pretrain": "pretrain", "critic_pretrain": "pretrain"}
+GENERATIONS = [(cli, tag) for cli in REFERENCE_CLIS if cli != COMBINER for tag in ("v0.9.10", "v0.11.0")] + \
+              [(PRM, "v0.9.0")]
+
+
+def _openrlhf_default(option: dict):
+    """An option's default as OpenRLHF's parser holds it (flags.json keeps the source text)."""
+    text = option["default"]
+    if text is None:
+        return {"store_true": False, "store_false": True}.get(option["action"])
+    try:
+        return ast.literal_eval(text)
+    except ValueError:
+        called = re.fullmatch(r"(int|float)\((.*)\)", text)  # int(1e8), float('inf')
+        return {"int": int, "float": float}[called[1]](ast.literal_eval(called[2])) if called else text
+
+
+def _what_we_make_of(flag, value) -> dict:
+    """The config values a command line giving `value` for this flag sets here."""
+    if value is None or flag.convert is None:
+        return {flag.field: value} if flag.field else {}
+    if flag.takes == "list" and isinstance(value, str):
+        value = [value]
+    return {name: given for name, given in flag.updates(value).items() if not name.startswith("_")}
+
+
+def _run_with_only_required_flags(cli: str, dotted: bool):
+    from flows.cli import _own_flags, run_config_from_flags
+
+    argv = ["train", cli]
+    for field, value in REQUIRED[cli].items():
+        row = next(flag for flag in flags_for(cli) if flag.kind == IMPLEMENTED and flag.field == field)
+        argv += [f"--{(row.dotted_names(cli) if dotted else [row.name])[0]}", value]
+    return run_config_from_flags(cli, _own_flags(build_parser().parse_args(argv), "stage"))
+
+
+def _ours(run, cli: str, field: str):
+    section = run.stage_config(cli)
+    return getattr(section, field) if field in type(section).model_fields else getattr(run, field)
+
+
+def _same(field: str, theirs, ours, cli: str = "") -> bool:
+    if isinstance(theirs, (list, tuple)) and isinstance(ours, (list, tuple)):
+        return list(theirs) == list(ours)
+    if theirs is None and field in FROM_ANOTHER_FLAG:
+        return ours == REQUIRED[cli][FROM_ANOTHER_FLAG[field]]
+    spelled, as_here = SAME_MEANING.get(field, (set(), object()))
+    return theirs == ours or (theirs in spelled and ours == as_here)
+
+
+def _defaults_compared(cli: str, tag: str, capsys) -> list[tuple]:
+    """(flag, spelling, field, OpenRLHF's default, ours) for every flag of `cli` OpenRLHF `tag` has."""
+    dotted = tag == "v0.11.0"
+    run = _run_with_only_required_flags(cli, dotted)
+    capsys.readouterr()  # the departures' notes
+    options = {option["flag"]: option for option in json.loads((DATA / "flags.json").read_text())[tag][
+        OPENRLHF_MODULES[cli]]}
+    compared = []
+    for flag in flags_for(cli):
+        if flag.kind == REFUSED:
+            continue
+        for name in (flag.dotted_names(cli) if dotted else [flag.name]):
+            if name not in options:
+                continue
+            for field, theirs in _what_we_make_of(flag, _openrlhf_default(options[name])).items():
+                if field not in EXCLUDED and field not in REQUIRED[cli]:
+                    compared.append((flag, name, field, theirs, _ours(run, cli, field)))
+    return compared
+
+
+@pytest.mark.parametrize("cli, tag", GENERATIONS)
+def test_every_default_is_openrlhfs_or_a_departure_with_its_reason(cli, tag, capsys):
+    compared = _defaults_compared(cli, tag, capsys)
+    assert len(compared) > 30
+    wrong = [f"--{name} ({field}): OpenRLHF {theirs!r}, here {ours!r}" for flag, name, field, theirs, ours in compared
+             if not _same(field, theirs, ours, cli) and not flag.departure(cli)]
+    assert not wrong, f"rlhf train {cli}'s defaults that are not OpenRLHF {tag}'s and no row says why: {wrong}"
+
+
+@pytest.mark.parametrize("cli", [cli for cli, _ in GENERATIONS[::2]] + [PRM])
+def test_a_departure_is_a_real_one(cli, capsys):
+    """A row marked as departing from OpenRLHF's default does differ from it (else the mark and its note mislead)."""
+    compared = [entry for tag in (tag for each, tag in GENERATIONS if each == cli)
+                for entry in _defaults_compared(cli, tag, capsys)]
+    differing = {flag.name or str(flag.dotted) for flag, _, field, theirs, ours in compared
+                 if not _same(field, theirs, ours, cli)}
+    marked = {flag.name or str(flag.dotted) for flag in flags_for(cli) if flag.departure(cli)}
+    assert marked <= differing, f"marked as departures but equal to OpenRLHF's: {sorted(marked - differing)}"
+
+
+@pytest.mark.parametrize("tag", ["v0.9.10", "v0.11.0"])
+def test_refused_flags_accept_openrlhfs_default(tag):
+    """A script that gives a refused flag at OpenRLHF's default is accepted: the row's default is OpenRLHF's."""
+    wrong = []
+    for cli in REFERENCE_CLIS:
+        options = {option["flag"]: option for option in json.loads((DATA / "flags.json").read_text())[tag][
+            OPENRLHF_MODULES[cli]]}
+        for flag in (flag for flag in flags_for(cli) if flag.kind == REFUSED):
+            for name in (flag.dotted_names(cli) if tag == "v0.11.0" else [flag.name]):
+                if name in options and not _same("", _openrlhf_default(options[name]), flag.default):
+                    wrong.append(f"{cli} --{name}: {_openrlhf_default(options[name])!r} vs {flag.default!r}")
+    assert not wrong, wrong
+
+
+def test_a_departure_is_said_once_when_the_command_leaves_the_flag_out(capsys):
+    from flows.cli import _own_flags, run_config_from_flags
+
+    run = _run_with_only_required_flags("sft", dotted=False)
+    notes = [line for line in capsys.readouterr().err.splitlines() if "not OpenRLHF's" in line]
+    assert len(notes) == 1 and notes[0].startswith("rlhf: note:") and run.sft.param_dtype == "fp32"
+    assert notes[0].count("--param_dtype fp32") == 1 and "docs/openrlhf-flags.md" in notes[0]
+    assert "--wandb_project" not in notes[0]  # it departs only where it matters: with --use_wandb
+    given = build_parser().parse_args(["train", "sft", "--pretrain", "m", "--dataset", "d", "--param_dtype", "bf16"])
+    run_config_from_flags("sft", _own_flags(given, "stage"))
+    assert "--param_dtype" not in capsys.readouterr().err
+
+
+def test_a_dotted_spelling_anywhere_selects_0_11s_defaults(capsys):
+    """OpenRLHF 0.11 changed PPO's micro batch sizes (8 and 4 -> 1 and 1): a command line that spells any flag the
+    0.11 way gets 0.11's, one in 0.9's spellings only gets 0.9.10's, and a value given wins over either."""
+    from flows.cli import _own_flags, run_config_from_flags
+
+    def ppo(*argv: str):
+        args = build_parser().parse_args(["train", "ppo", "--pretrain", "m", "--remote_rm_url", "r.py", *argv])
+        section = run_config_from_flags("ppo", _own_flags(args, "stage")).ppo
+        return section.micro_train_batch_size, section.micro_rollout_batch_size
+
+    assert ppo("--prompt_data", "p.jsonl") == (4, 8)
+    assert ppo("--data.prompt_dataset", "p.jsonl") == (1, 1)
+    assert ppo("--data.prompt_dataset", "p.jsonl", "--micro_train_batch_size", "2") == (2, 1)
+    assert ppo("--prompt_data", "p.jsonl", "--rollout.micro_batch_size", "16") == (1, 16)
+    assert "0.11" in capsys.readouterr().err

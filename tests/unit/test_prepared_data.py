@@ -34,7 +34,8 @@ def write_rows(path: Path, rows: list[dict]) -> str:
 
 
 def sft_run(tmp_path: Path, model: str, dataset: str, **settings) -> RunConfig:
-    fields = {"input_key": "prompt", "output_key": "response", "max_len": 64, **settings}
+    # no input template: the expected samples are rendered without one (OpenRLHF's SFT default has one)
+    fields = {"input_key": "prompt", "output_key": "response", "max_len": 64, "input_template": None, **settings}
     return RunConfig(ckpt_path=str(tmp_path / "ckpt"), sft=SFTConfig(pretrain=model, dataset=dataset, **fields))
 
 
