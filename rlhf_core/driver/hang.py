@@ -1,9 +1,11 @@
-"""Hang detection: every wait on the ranks has a progress deadline. Each rank counts its progress (a step, the end
-of a load, a snapshot, a write); while the driver waits, it asks every rank for that count about once a second, on
+"""Hang detection: every wait on the ranks has a progress deadline. Each rank counts its progress (a step, a piece of
+long work inside one: a micro-batch, an evaluation batch, a block of generated tokens; the end of a load, a
+snapshot, a write); while the driver waits, it asks every rank for that count about once a second, on
 the rank's control thread. A rank whose count has not moved for the deadline (`--hang_timeout_s`, by default
 max(60 s, 5x the slowest step so far), and 900 s before its first step and during a write), or that no longer
 answers (SIGSTOP, a dead mount in the kernel), is hung: its Python stacks are saved (py-spy) and the chunk
-fails with `RankHung`, retried from the last commit. docs/design-notes.md ("Hangs") says why this way.
+fails with `RankHung` (its step and frame in `where`), retried from the last commit; the same hang on every try
+stops the run (`driver/repeats.py`). docs/design-notes.md ("Hangs") says why this way.
 """
 
 from __future__ import annotations

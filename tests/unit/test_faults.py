@@ -80,3 +80,23 @@ def test_an_armed_oom_is_killed_by_the_kernel_under_a_memory_limit(tmp_path):
         assert child.returncode == -9 and "survived" not in output  # SIGKILL: the kernel's OOM killer
     finally:
         group.rmdir()
+
+
+class HeardPieces:
+    def __init__(self):
+        self.pieces: list[tuple[str, int, int]] = []
+
+    def work_done(self, phase: str, done: int, total: int) -> None:
+        self.pieces.append((phase, done, total))
+
+
+def test_slow_work_tells_its_pieces_to_the_trainers_signals(monkeypatch):
+    """`slow:S`: S seconds of work that moves, in pieces of SLOW_PIECE_S told as a long evaluation tells its
+    batches (the hang watch's progress); `sleep:S` is a stall that tells nothing."""
+    monkeypatch.setenv(faults.ENV_VAR, "train_step@3=slow:0.2,train_step@4=sleep:0")
+    monkeypatch.setattr(faults, "SLOW_PIECE_S", 0.05)
+    heard = HeardPieces()
+    faults.fault_point("train_step", 3, signals=heard)
+    assert heard.pieces == [("eval", done, 4) for done in range(1, 5)]
+    faults.fault_point("train_step", 4, signals=heard)
+    assert len(heard.pieces) == 4

@@ -41,14 +41,15 @@ class FakeRef:
 
 
 class FakeWorker:
-    """A rank whose heartbeat answers with its count, or never (`stopped`)."""
+    """A rank whose heartbeat answers with its count, or never (`stopped`), the pieces of long work in its step
+    and the last step it finished."""
 
     def __init__(self):
-        self.count, self.stopped = 0, False
+        self.count, self.stopped, self.pieces, self.steps_done = 0, False, {}, 0
         self.heartbeat = self
 
     def remote(self):
-        return FakeRef(None if self.stopped else (self.count, ("train",), 1.0, {}, 0))
+        return FakeRef(None if self.stopped else (self.count, ("train",), 1.0, dict(self.pieces), self.steps_done))
 
 
 @pytest.fixture
@@ -128,3 +129,54 @@ def test_the_time_of_a_chunk_lost_to_a_hang_is_its_own_line_in_rlhf_goodput():
     summary = summarize(doc)
     assert summary.total.lost_to == {"hangs": 65.0}
     assert "lost to hangs: 65.0 s" in format_summary(summary, "/ckpt/rlhf")
+
+
+def test_a_rank_working_past_the_timeout_in_pieces_is_not_hung_and_a_hang_names_its_step(fake_ray):
+    """An evaluation (or a rollout) of 30 s inside step 5, under a 10-s deadline: each piece it finishes moves the
+    rank's count, so it is no hang. When its pieces stop coming, it is, at step 5."""
+    now = [0.0]
+    worker = FakeWorker()
+    watch = hang.HangWatch([worker], timeout_s=10.0, clock=lambda: now[0])
+    watch.restart()
+    worker.steps_done = 4
+    for second in range(1, 31):
+        now[0] = float(second)
+        worker.count += 1  # a piece (`Progress.piece_done`), no step
+        worker.pieces = {"eval": (second, 100)}
+        assert watch.poll() is None, f"taken for hung at {second} s while its pieces moved"
+    assert watch.pieces() == {"eval": (29, 100)}  # the answer of the second before (a heartbeat's round trip)
+    now[0] = 31.0
+    assert watch.poll() is None  # its last piece's answer comes in
+    now[0] = 42.0
+    hung = watch.poll()
+    assert hung is not None and hung.step == 5 and hung.answering and watch.step_of(0) == 5
+
+
+def test_a_rollout_tells_its_token_blocks_and_samples_the_same_tokens(tmp_path):
+    """PPO's generation with transformers: every TOKEN_BLOCK new tokens of a micro-batch is a piece of work
+    (`GenerationPieces`, phase "generate"), the last one clears it; the samples are those drawn without it."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from rlhf_core.rank import rollout
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_positions=64, n_embd=16, n_layer=1, n_head=2)).eval()
+    prompts, heard = [[5, 6, 7], [8, 9]], []
+
+    class Signals:
+        def work_done(self, phase, done, total):
+            heard.append((phase, done, total))
+
+    def sample(on_tokens=None):
+        torch.manual_seed(1)
+        return rollout.generate(model, prompts, 0, 39, 20, 1.0, 1.0, on_tokens=on_tokens)
+
+    pieces = rollout.GenerationPieces(Signals(), parts=2, tokens_per_part=20)
+    with_pieces = sample(pieces.tokens)
+    pieces.part_done()
+    assert with_pieces == sample() and max(map(len, with_pieces)) == 20  # no EOS (39 is never likelier here)
+    assert heard == [("generate", 8, 40), ("generate", 16, 40), ("generate", 20, 40)]
+    pieces.tokens(8)
+    pieces.part_done()
+    assert heard[-2:] == [("generate", 28, 40), ("generate", 40, 40)]  # done == total: the phase ends

@@ -5,6 +5,7 @@ The replacement itself, on real Ray ranks, is in tests/integration/test_chunk_re
 from __future__ import annotations
 
 import json
+import pickle
 import signal
 
 import pytest
@@ -12,7 +13,10 @@ import pytest
 from rlhf_core.config import RunConfig
 from rlhf_core.driver.runner import MAX_REPLACEMENTS_PER_CHUNK, StageRunner
 from rlhf_core.driver.spares import num_spares
-from rlhf_core.errors import PlacementFailed, RankHung, TransientStoreError, UserError, WorkerLost
+from prefect.states import Failed
+
+from rlhf_core.errors import (FailedAt, PlacementFailed, RankHung, StallRepeats, TransientStoreError, UserError,
+                              WorkerLost, exit_code_of, is_retryable)
 from rlhf_core.ops import console, ray_output
 from rlhf_core.ops.goodput import begin_attempt, empty_ledger, replace_ranks
 from rlhf_core.ops.goodput_summary import format_summary, summarize
@@ -84,3 +88,72 @@ def test_spares_default_to_one_per_cpu_rank_none_for_gpu_ranks_and_the_flag_over
     monkeypatch.setattr("rlhf_core.driver.spares.placement_bundle", lambda run: bundle)  # no cluster to ask here
     assert [num_spares(make_run(tmp_path, **flag), 2) for flag in ({}, {"num_spare_workers": 0},
                                                                    {"num_spare_workers": 1})] == expected
+
+
+def hung_at(step: int, frame: str = "DPOTrainer.logps (rank/trainers/dpo.py:88)") -> RankHung:
+    alert = {"name": "rlhf.alert.hang", "run_name": "rlhf", "stage": "dpo", "step": step}
+    return RankHung(f"rank 0 made no progress at step {step}", 0, "/logs/hang-1-rank0.txt", alert,
+                    FailedAt(0, step, frame, 60.0))
+
+
+def test_the_same_stall_after_every_replacement_stops_the_run_with_one_sentence_and_no_retry(tmp_path, monkeypatch):
+    """A hang at the same step in the same frame on new ranks, after the 3 replacements a chunk allows: the run
+    stops (StallRepeats) with the step, the frame, each try's time and the flag to raise; neither the chunk's
+    Prefect retries nor a deployment's restarts take it up."""
+    from flows import restarts
+    from tasks.chunks import _retry_if_retryable
+
+    now = [1000.0]
+    monkeypatch.setattr("rlhf_core.driver.repeats.time.monotonic", lambda: now[0])
+    runner = StageRunner(make_run(tmp_path))
+    announced = []
+    runner.announce = announced.append
+    for try_seconds in (75, 71, 72):
+        runner._tries.try_starts()  # as `group_at` does at each try's start
+        now[0] += try_seconds
+        assert runner.replaces_ranks_after(hung_at(7), "dpo", 8)
+    runner._tries.try_starts()
+    now[0] += 70
+    with pytest.raises(StallRepeats) as stopped:
+        runner.replaces_ranks_after(hung_at(7), "dpo", 8)
+    assert str(stopped.value) == (
+        "dpo stalled at step 7 in DPOTrainer.logps (rank/trainers/dpo.py:88) on 4 tries in a row, each on new ranks "
+        "(they ran 75 s, 71 s, 72 s, 70 s): new ranks, retries and restarts do not cure it, so the run stops here. If "
+        "that work is only slow, raise --hang_timeout_s above 60 s and run the same command again; its stacks are in "
+        "/logs/hang-1-rank0.txt.")
+    assert len(announced) == 3 and stopped.value.alert == hung_at(7).alert  # the chunk task emits the 4th's
+    assert not is_retryable(stopped.value) and exit_code_of(stopped.value) == 1
+    assert not _retry_if_retryable(None, None, Failed(data=stopped.value))  # no Prefect retry of the chunk
+    monkeypatch.setattr(restarts, "deployment_run_id", lambda: "00000000-0000-0000-0000-000000000001")
+    assert restarts.after_failure(runner.run, stopped.value) is None  # a deployment's run ends Failed, no restart
+    assert pickle.loads(pickle.dumps(stopped.value)).alert == stopped.value.alert
+
+
+def test_a_lost_rank_at_the_same_step_every_time_stops_the_run_too(tmp_path):
+    """A rank killed at the same step on every try (a deterministic OOM kill): the same stop, with its remedy."""
+    runner = StageRunner(make_run(tmp_path))
+    lost = WorkerLost("rank 1 on node 10.0.0.2 was lost mid-chunk at step 12 (its actor died).", FailedAt(1, 12))
+    for _ in range(MAX_REPLACEMENTS_PER_CHUNK):
+        assert runner.replaces_ranks_after(lost, "sft", 15)
+    with pytest.raises(StallRepeats, match=r"^sft: rank 1 was lost at step 12 on 4 tries in a row, each on new "
+                                           r"ranks \(they ran \d+ s, \d+ s, \d+ s, \d+ s\): .* lower "
+                                           r"--micro_train_batch_size"):
+        runner.replaces_ranks_after(lost, "sft", 15)
+
+
+@pytest.mark.parametrize("fourth", [hung_at(8), hung_at(7, "TrainWorker.write_snapshot (rank/worker.py:300)"),
+                                    WorkerLost("rank 0 was lost mid-chunk at step 7", FailedAt(0, 7)),
+                                    RankHung("rank 0 made no progress")])
+def test_failures_at_other_places_go_to_prefects_retries_as_before(tmp_path, fourth):
+    """A failure after the 3 replacements at another step, in another frame, of another kind, or at a place not
+    known: not the same stall, so the chunk's Prefect retries take it, as before."""
+    runner = StageRunner(make_run(tmp_path))
+    for _ in range(MAX_REPLACEMENTS_PER_CHUNK):
+        assert runner.replaces_ranks_after(hung_at(7), "sft", 10)
+    assert not runner.replaces_ranks_after(fourth, "sft", 10)
+
+
+def test_a_hang_and_a_loss_keep_where_they_happened_through_pickling():
+    for error in (hung_at(7), WorkerLost("lost", FailedAt(1, 3))):
+        copy = pickle.loads(pickle.dumps(error))
+        assert (type(copy), str(copy), copy.where) == (type(error), str(error), error.where)
