@@ -1,10 +1,11 @@
-"""Issue 33's scale table: `rlhf train sft` on the toy's SFT rows at 1k, 100k, 1M and 4M rows, as a user runs it.
+"""Issue 33's and 44's scale table: `rlhf train {sft,rm,dpo,ppo,prm}` on each stage's hub-shaped data at 1k and 1M
+rows (bench/data_scale_stages.py: a local Hugging Face cache, parquet shards, message lists and
+--apply_chat_template where the stage takes them), as a user runs it.
 
-    .venv/bin/python bench/data_scale.py [--rows 1000,100000] [--workdir DIR] [--skip_kill]
+    .venv/bin/python bench/data_scale.py [--stages sft,rm,dpo,ppo,prm] [--rows 1000,1000000] [--workdir DIR]
+                                         [--skip_kill]
 
-For each row count the toy's 256 SFT rows are repeated with a row number appended (`{"prompt", "response",
-"row"}`, generated here, never committed) and the README's SFT command runs with `--save_steps 8`, each run a fresh
-process on Prefect's ephemeral server with a private home:
+Each run is a fresh process on Prefect's ephemeral server with a private home, `--save_steps 8`:
 
 - first: a new run name, nothing prepared: command to the end of step 1 (the rank's test hook `train_step@2`
   touches a marker in RLHF_FAULT_STATE; its mtime is the time);
@@ -15,7 +16,8 @@ process on Prefect's ephemeral server with a private home:
 Peak memory: the highest VmHWM of the driver (the command's process), of the rank (the Ray worker whose command
 line names the rank actor) and of each preparation worker (`rlhf_core.data.workers`, forked from multiprocessing's
 fork server), read from /proc every 0.2 s. Nothing here asserts a timing; the numbers land in
-bench/.cache/data-scale.json and as one table on stdout.
+bench/.cache/data-scale.json and as one table on stdout. The preparation's rows/s against OpenRLHF's datasets.map:
+bench/prep_side_by_side.py.
 """
 
 from __future__ import annotations
@@ -32,28 +34,10 @@ import time
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 CACHE_DIR = os.path.join(BENCH_DIR, ".cache")
-RLHF = os.path.join(os.path.dirname(sys.executable), "rlhf")
+sys.path.insert(0, os.path.dirname(BENCH_DIR))
+from bench.data_scale_stages import SHAPES, STAGES, command, write_hub_dataset  # noqa: E402
 RANK_MARKERS = ("ray::TrainWorker",)  # how a rank's command line reads under Ray
 WORKER_MARKER = "multiprocessing.forkserver"  # a preparation's worker processes (and their fork server)
-
-
-def write_rows(path: str, num_rows: int) -> None:
-    """The toy's SFT rows, repeated to `num_rows`, each with its row number appended."""
-    from rlhf_core.toy import make_datasets
-
-    toy_rows = make_datasets(0)["sft"]
-    with open(path, "w") as handle:
-        for start in range(0, num_rows, 65536):
-            handle.write("".join(json.dumps({**toy_rows[i % len(toy_rows)], "row": i}) + "\n"
-                                 for i in range(start, min(start + 65536, num_rows))))
-
-
-def sft_command(model: str, data: str, ckpt: str, out: str, run_name: str) -> list[str]:
-    """The README's SFT command with `--save_steps 8`."""
-    return [RLHF, "train", "sft", "--pretrain", model, "--dataset", data, "--input_key", "prompt",
-            "--output_key", "response", "--max_len", "128", "--train_batch_size", "8", "--micro_train_batch_size", "4",
-            "--max_epochs", "1", "--learning_rate", "1e-3", "--save_steps", "8", "--ckpt_path", ckpt,
-            "--max_ckpt_num", "3", "--save_path", out, "--seed", "42", "--load_checkpoint", "--run_name", run_name]
 
 
 def _read_hwm_kib(pid: int) -> int:
@@ -141,16 +125,21 @@ def hooked_env(base: dict[str, str], state: str, rules: str) -> dict[str, str]:
     return {**base, "RLHF_FAULT_INJECT": rules, "RLHF_FAULT_STATE": state}
 
 
-def measure(num_rows: int, workdir: str, model: str, env: dict[str, str], timeout_s: float, kill: bool) -> dict:
-    """first, warm and kill-to-next-step seconds, and the peak memory of driver and rank, at `num_rows`."""
-    folder = os.path.join(workdir, f"rows-{num_rows}")
+def measure(stage: str, num_rows: int, workdir: str, model: str, env: dict[str, str], timeout_s: float,
+            kill: bool) -> dict:
+    """first, warm and kill-to-next-step seconds, and the peak memory of driver and rank, of `stage` at `num_rows`."""
+    folder = os.path.join(workdir, f"{stage}-{num_rows}")
     os.makedirs(folder, exist_ok=True)
-    data, ckpt, log = os.path.join(folder, "sft.jsonl"), os.path.join(folder, "ckpt"), os.path.join(folder, "run.log")
-    write_rows(data, num_rows)
-    result: dict = {"rows": num_rows, "file_mb": os.path.getsize(data) / 1e6}
-    state = os.path.join(folder, "state-first")
-    first = Watched(sft_command(model, data, ckpt, os.path.join(folder, "out1"), "first"),
-                    hooked_env(env, state, "train_step@2=sleep:0,after_commit@8=sleep:0"), log)
+    ckpt, log = os.path.join(folder, "ckpt"), os.path.join(folder, "run.log")
+    data = write_hub_dataset(env["HF_HOME"], SHAPES[stage], num_rows)
+
+    def run(run_name: str, out: str, rules: str, label: str) -> tuple[Watched, str]:
+        state = os.path.join(folder, f"state-{label}")
+        return Watched(command(stage, model, data, num_rows, ckpt, os.path.join(folder, out), run_name),
+                       hooked_env(env, state, rules), log), state
+
+    result: dict = {"stage": stage, "rows": num_rows}
+    first, state = run("first", "out1", "train_step@2=sleep:0,after_commit@8=sleep:0", "first")
     try:
         result["first_s"] = first.wait_for(os.path.join(state, "train_step@2"), timeout_s)
         if kill:
@@ -160,38 +149,31 @@ def measure(num_rows: int, workdir: str, model: str, env: dict[str, str], timeou
     result.update(driver_peak_mb=first.driver_kib / 1024, rank_peak_mb=first.rank_kib / 1024,
                   worker_peak_mb=first.worker_kib / 1024)
     if kill:
-        resumed = _time_to_step(model, data, ckpt, os.path.join(folder, "out1"), "first", env, folder, "resume",
-                                "train_step@10", log, timeout_s)
-        result["kill_to_next_step_s"] = resumed.seconds
-    warm = _time_to_step(model, data, ckpt, os.path.join(folder, "out2"), "warm", env, folder, "warm",
-                         "train_step@2", log, timeout_s)
-    result["warm_s"] = warm.seconds
+        resumed, state = run("first", "out1", "train_step@10=sleep:0", "resume")
+        result["kill_to_next_step_s"] = _time_to(resumed, os.path.join(state, "train_step@10"), timeout_s)
+    warm, state = run("warm", "out2", "train_step@2=sleep:0", "warm")
+    result["warm_s"] = _time_to(warm, os.path.join(state, "train_step@2"), timeout_s)
     result.update(driver_peak_mb=max(result["driver_peak_mb"], warm.driver_kib / 1024),
                   rank_peak_mb=max(result["rank_peak_mb"], warm.rank_kib / 1024))
     return result
 
 
-def _time_to_step(model: str, data: str, ckpt: str, out: str, run_name: str, env: dict, folder: str, label: str,
-                  point: str, log: str, timeout_s: float) -> Watched:
-    """Run the SFT command until it is about to train the step of `point` (`train_step@N`), then kill it; its
-    `seconds` is the command's start to that moment."""
-    state = os.path.join(folder, f"state-{label}")
-    watched = Watched(sft_command(model, data, ckpt, out, run_name), hooked_env(env, state, f"{point}=sleep:0"), log)
+def _time_to(watched: Watched, marker: str, timeout_s: float) -> float:
+    """Seconds from the command's start to `marker` (a fault hook's), then the command is killed."""
     try:
-        watched.seconds = watched.wait_for(os.path.join(state, point), timeout_s)
+        return watched.wait_for(marker, timeout_s)
     finally:
         watched.kill()
-    return watched
 
 
 def format_rows(results: list[dict]) -> str:
     def cell(value, unit=""):
         return "-" if value is None else f"{value:.1f}{unit}"
 
-    lines = ["| rows | file | first prep + step 1 | warm: step 1 | kill -> next step | driver peak | rank peak | "
+    lines = ["| stage | rows | first prep + step 1 | warm: step 1 | kill -> next step | driver peak | rank peak | "
              "preparation worker peak (each) |", "|---|---|---|---|---|---|---|---|"]
     for row in results:
-        lines.append(f"| {row['rows']:,} | {cell(row['file_mb'], ' MB')} | {cell(row.get('first_s'), ' s')} | "
+        lines.append(f"| {row['stage']} | {row['rows']:,} | {cell(row.get('first_s'), ' s')} | "
                      f"{cell(row.get('warm_s'), ' s')} | {cell(row.get('kill_to_next_step_s'), ' s')} | "
                      f"{cell(row.get('driver_peak_mb'), ' MB')} | {cell(row.get('rank_peak_mb'), ' MB')} | "
                      f"{cell(row.get('worker_peak_mb'), ' MB')} |")
@@ -200,7 +182,8 @@ def format_rows(results: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", default="1000,100000,1000000,4000000", help="Comma-separated row counts.")
+    parser.add_argument("--stages", default=",".join(STAGES), help="Comma-separated stages.")
+    parser.add_argument("--rows", default="1000,1000000", help="Comma-separated row counts.")
     parser.add_argument("--workdir", default=None, help="Where data and checkpoints go (default: a temp folder).")
     parser.add_argument("--timeout_s", type=float, default=3600.0, help="Longest wait for one marker.")
     parser.add_argument("--skip_kill", action="store_true", help="Skip the kill-and-rerun measure.")
@@ -212,13 +195,18 @@ def main() -> None:
     os.makedirs(workdir, exist_ok=True)
     model = init_toy(os.path.join(workdir, "toy"))["model"]
     env = {key: value for key, value in os.environ.items() if not key.startswith(("PREFECT_API", "RLHF_FAULT"))}
-    env.update(PREFECT_HOME=os.path.join(workdir, "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    env.update(PREFECT_HOME=os.path.join(workdir, "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               HF_HOME=os.path.join(workdir, "hf"), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     print(f"load average at start: {os.getloadavg()}", flush=True)
     results = []
     try:
-        for num_rows in (int(part) for part in args.rows.split(",") if part.strip()):
-            results.append(measure(num_rows, workdir, model, env, args.timeout_s, not args.skip_kill))
-            print(json.dumps(results[-1]), flush=True)
+        for stage in args.stages.split(","):
+            for num_rows in (int(part) for part in args.rows.split(",") if part.strip()):
+                try:
+                    results.append(measure(stage, num_rows, workdir, model, env, args.timeout_s, not args.skip_kill))
+                except (RuntimeError, TimeoutError) as error:  # one stage's failure leaves the others' rows
+                    results.append({"stage": stage, "rows": num_rows, "error": str(error)})
+                print(json.dumps(results[-1]), flush=True)
     finally:
         os.makedirs(CACHE_DIR, exist_ok=True)
         with open(os.path.join(CACHE_DIR, "data-scale.json"), "w") as handle:

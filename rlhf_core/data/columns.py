@@ -107,7 +107,24 @@ class Progress:
             self.bar.update(done - self.bar.n)
         if now - self.reported > PROGRESS_EVERY_S:
             self.reported = now
-            logger.info("preparing %s: %d rows (%.0f rows/s)", self.label, rows, rows / (now - self.started))
+            with self._above_bar():
+                logger.info("preparing %s: %d rows (%.0f rows/s)", self.label, rows, rows / (now - self.started))
+
+    def _above_bar(self):
+        """The log line printed above the bar (tqdm clears it, then draws it again), not through it."""
+        import contextlib
+
+        if self.bar is None or self.bar.disable:
+            return contextlib.nullcontext()
+        return self.bar.external_write_mode()
+
+    def close(self, rows: int) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        elapsed = time.monotonic() - self.started
+        # a short one is for the log file only: preflight's console (Prefect's handler, before ours) shows INFO
+        logger.log(logging.INFO if elapsed >= PROGRESS_DELAY_S else logging.DEBUG, "prepared %s: %d rows in %.1f s",
+                   self.label, rows, elapsed)
 
 class PreparedRows(Sequence):
     """The rows of a prepared Arrow file, memory-mapped: `make(values of one row)` builds each item on demand;
