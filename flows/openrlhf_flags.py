@@ -217,7 +217,10 @@ FLAGS: tuple[Flag, ...] = (
           note="one colocated engine per rank (0 or --num_workers); needs a GPU and the [vllm] extra"),
     same("vllm_tensor_parallel_size", "vllm.tensor_parallel_size", (PPO,), value_type=int,
           note="only 1 with vLLM engines (each rank hosts a whole engine); ignored without them"),
-    same("vllm_gpu_memory_utilization", "vllm.gpu_memory_utilization", (PPO,), value_type=float),
+    same("vllm_gpu_memory_utilization", "vllm.gpu_memory_utilization", (PPO,), value_type=float,
+          departs_if=lambda run: run.ppo.vllm_num_engines > 0,
+          departs="OpenRLHF's default, 0.95, is for engines on GPUs of their own; here each engine shares its rank's "
+                  "GPU with the models it trains (as OpenRLHF's hybrid-engine scripts, which set 0.5 to 0.8), so 0.5"),
     same("vllm_enable_sleep", "vllm.enable_sleep", (PPO,), takes="switch"),
     noop("vllm_sync_backend", "vllm.sync_backend", "weights reach the colocated engine in process, with no "
           "collective to choose", (PPO,)),

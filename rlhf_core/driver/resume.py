@@ -35,7 +35,7 @@ EARLIER_DEFAULTS: dict[str, dict[str, Any]] = {
     "dpo": {"learning_rate": 5e-6, "max_len": 2048, "max_samples": None, "eval_holdout": 0.1},
     "prm": {"learning_rate": 5e-6, "micro_train_batch_size": 8, "max_samples": None},
     "ppo": {"learning_rate": 5e-6, "micro_train_batch_size": 8, "max_samples": None, "rollout_batch_size": 16,
-            "value_clip": 0.2, "lambd": 0.95, "vllm_gpu_memory_utilization": 0.5},
+            "value_clip": 0.2, "lambd": 0.95},
 }
 
 

@@ -93,7 +93,7 @@ class PPOConfig(StageConfig):
                                                         "equal to num_workers; 0: transformers generate.")
     vllm_tensor_parallel_size: int = Field(1, ge=1, description="Tensor parallel size of each vLLM engine "
                                                                       "(1: engines are colocated one per rank).")
-    vllm_gpu_memory_utilization: float = Field(0.95, gt=0, le=1, description="GPU memory fraction vLLM may take.")
+    vllm_gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="GPU memory fraction vLLM may take.")
     enable_prefix_caching: bool = Field(False, description="vLLM's prefix caching (with vllm_num_engines): a "
                                                           "multi-turn agent's every turn repeats the episode so far.")
     vllm_enable_sleep: bool = Field(False, description="Let vLLM release GPU memory while the models train.")

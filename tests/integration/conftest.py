@@ -429,7 +429,7 @@ def train_sft_args(toy: dict[str, str], ckpt: Path, out: Path) -> list[str]:
     """The SFT command of the README, as an OpenRLHF user would type it."""
     return [
         "train", "sft", "--pretrain", toy["model"], "--dataset", toy["sft"],
-        "--input_key", "prompt", "--output_key", "response", "--max_len", "128",
+        "--input_key", "prompt", "--output_key", "response", "--input_template", "{}", "--max_len", "128",
         "--train_batch_size", "8", "--micro_train_batch_size", "4", "--max_epochs", "1",
         "--learning_rate", "1e-3", "--save_steps", "5", "--ckpt_path", str(ckpt), "--max_ckpt_num", "3",
         "--save_path", str(out), "--seed", "42", "--load_checkpoint",

@@ -36,8 +36,8 @@ def test_sft_from_a_hub_model_and_a_hub_dataset(tmp_path, toy_assets, rlhf_env):
     env = {**on_local_ray(rlhf_env), "HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     command = [RLHF, "train", "sft", "--pretrain", "toy-org/toy-base", "--dataset", "toy-org/toy-sft",
                "--input_key", "prompt", "--output_key", "response", "--max_len", "64", "--train_batch_size", "8",
-               "--micro_train_batch_size", "8", "--save_steps", "3", "--ckpt_path", str(tmp_path / "ckpt"),
-               "--save_path", str(tmp_path / "out"), "--run_name", "hub"]
+               "--micro_train_batch_size", "8", "--max_epochs", "1", "--save_steps", "3",  # 6 steps, commits at 3, 6
+               "--ckpt_path", str(tmp_path / "ckpt"), "--save_path", str(tmp_path / "out"), "--run_name", "hub"]
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert (tmp_path / "out" / "model.safetensors").exists()

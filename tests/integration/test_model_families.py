@@ -110,7 +110,7 @@ def pipeline_config(family: str, data: dict[str, str], root: Path, ray_address: 
         "run_name": family, "stages": ["sft", "rm", "ppo", "merge", "export"], "ckpt_path": str(root / "ckpt"),
         "load_checkpoint": True, "ray_address": ray_address,
         "sft": {"pretrain": FAMILIES[family].repo_id, "dataset": data["sft"], **keys["sft"], "max_len": 96,
-                "max_samples": 8 * steps["sft"], "train_batch_size": 8, "micro_train_batch_size": 8,
+                "max_samples": 8 * steps["sft"], "max_epochs": 1, "train_batch_size": 8, "micro_train_batch_size": 8,
                 "learning_rate": 1e-3, "save_steps": 2, "save_path": str(out / "sft")},
         "rm": {"dataset": data["prefs"], **keys["rm"], "max_len": 96, "max_samples": 20, "train_batch_size": 8,
                "micro_train_batch_size": 8, "learning_rate": 1e-3, "save_steps": 2, "save_path": str(out / "rm")},

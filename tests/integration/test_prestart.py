@@ -32,7 +32,7 @@ def local_ray():
 
 def make_run(toy, ckpt: Path, **overrides) -> RunConfig:
     sft = SFTConfig(pretrain=toy["model"], dataset=toy["sft"], input_key="prompt", output_key="response", max_len=64,
-                    train_batch_size=8, micro_train_batch_size=4, learning_rate=1e-3, save_steps=2)
+                    train_batch_size=8, micro_train_batch_size=4, max_epochs=1, learning_rate=1e-3, save_steps=2)
     return RunConfig(sft=sft, ckpt_path=str(ckpt), **overrides)
 
 

@@ -35,7 +35,7 @@ def local_ray():
 
 def make_run(toy, ckpt: Path, **overrides) -> RunConfig:
     sft = {"pretrain": toy["model"], "dataset": toy["sft"], "input_key": "prompt", "output_key": "response",
-           "max_len": 64, "train_batch_size": 8, "micro_train_batch_size": 4, "learning_rate": 1e-3,
+           "max_len": 64, "train_batch_size": 8, "micro_train_batch_size": 4, "max_epochs": 1, "learning_rate": 1e-3,
            "save_steps": 5, **overrides.pop("sft", {})}
     settings = {"ckpt_path": str(ckpt), "max_ckpt_num": 0, "load_checkpoint": True, **overrides}
     return RunConfig(sft=SFTConfig(**sft), **settings)

@@ -34,7 +34,7 @@ def local_ray():
 
 def sft_run(toy, ckpt: Path, **sft_overrides) -> RunConfig:
     sft = {"pretrain": toy["model"], "dataset": toy["sft"], "input_key": "prompt", "output_key": "response",
-           "max_len": 64, "train_batch_size": 8, "micro_train_batch_size": 4, "learning_rate": 1e-3,
+           "max_len": 64, "train_batch_size": 8, "micro_train_batch_size": 4, "max_epochs": 1, "learning_rate": 1e-3,
            "save_steps": 5, **sft_overrides}
     return RunConfig(sft=SFTConfig(**sft), ckpt_path=str(ckpt), max_ckpt_num=0, load_checkpoint=True)
 

@@ -55,7 +55,7 @@ def test_killed_run_resumes_the_same_tracker_runs_and_logs_each_step_once(toy_as
         use_tensorboard=str(tb_root), use_wandb=True, wandb_project="toy",
         sft=SFTConfig(pretrain=toy_assets["model"], dataset=toy_assets["sft"], input_key="prompt",
                       output_key="response", max_len=64, max_samples=80, train_batch_size=8,
-                      micro_train_batch_size=4, learning_rate=1e-3, save_steps=5, logging_steps=2,
+                      micro_train_batch_size=4, max_epochs=1, learning_rate=1e-3, save_steps=5, logging_steps=2,
                       save_path=str(tmp_path / "out")),
     )
     # Steps 2 and 4 logged and step_5 committed; step 6 logged; killed about to train step 8.
