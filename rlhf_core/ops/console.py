@@ -282,7 +282,7 @@ def show_step(stage: str, step: int, total_steps: int, metrics: dict[str, Any]) 
 
 
 WORK_LINE_EVERY_S = 10.0  # without a terminal, long work inside a step is logged this often
-_WORK_NAMES = {"eval": "evaluating", "generate": "generating"}
+_WORK_NAMES = {"eval": "evaluating", "generate": "generating"}  # the long work inside a step shown as its own bar
 _last_work_line: dict[tuple[str, str], float] = {}
 
 
@@ -291,7 +291,9 @@ def show_work(stage: str, phase: str, done: int, total: int) -> None:
     every WORK_LINE_EVERY_S in the run's log (`rm: evaluating 12000/100000 (12%)`)."""
     import time
 
-    what = _WORK_NAMES.get(phase, phase)
+    what = _WORK_NAMES.get(phase)
+    if what is None:  # a step's own micro-batches ("train", "score"): the step bar says enough
+        return
     console = current_console()
     if console is not None and console.live_bar is not None:
         console.live_bar.draw_work(stage, what, done, total)
