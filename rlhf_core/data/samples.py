@@ -128,6 +128,9 @@ class Renderer:
         it raises (its raise_exception, as Gemma's on a system message) is about their data or template, so a
         UserError naming the row, not a traceback."""
         try:
+            plain = _plain_render(self.tokenizer, messages, generation_prompt)
+            if plain is not None:
+                return plain
             return self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                       add_generation_prompt=generation_prompt)
         except jinja2.TemplateSyntaxError as error:  # the template itself: every row would fail alike
@@ -170,6 +173,39 @@ class Renderer:
                       "is cut where OpenRLHF cuts it (at the prompt's length) and may be wrong.",
                       key=f"template-rewrites-prompt:{self.url}")
         return prompt_text, whole_text[len(prompt_text):]
+
+
+def _plain_render(tokenizer, messages: list[dict], generation_prompt: bool) -> str | None:
+    """`apply_chat_template(messages, tokenize=False)` of plain {role, content} string messages, rendered by the same
+    compiled template with the same variables (the special tokens, no tools or documents), less transformers'
+    conversion of rich message objects, which costs more than the render itself and leaves plain strings as
+    they are. None for anything else (other keys, other types; a template transformers has no compiler for):
+    transformers renders those."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str) or not all(type(message) is dict and len(message) == 2 and
+                                                type(message.get("role")) is str and
+                                                type(message.get("content")) is str for message in messages):
+        return None
+    compiled = _compiled_template(template)
+    if compiled is None:
+        return None
+    return compiled.render(messages=[dict(message) for message in messages], tools=None, documents=None,
+                           add_generation_prompt=generation_prompt, **_template_tokens(tokenizer))
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_template(template: str):
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # a transformers without it: every render through apply_chat_template
+        return None
+    return _compile_jinja_template(template)
+
+
+def _template_tokens(tokenizer) -> dict:
+    """The special tokens apply_chat_template hands the template (its `special_tokens_map`), as plain values."""
+    return {key: list(value) if isinstance(value, (list, tuple)) else str(value)
+            for key, value in tokenizer.special_tokens_map.items()}
 
 
 # ---------------------------------------------------------------------------------------------- tokens

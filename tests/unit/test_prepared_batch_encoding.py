@@ -92,3 +92,16 @@ def test_the_encoder_is_transformers_call(tokenizer):
         limits = {} if max_len is None else {"truncation": True, "max_length": max_len}
         assert BatchEncoder(tokenizer, max_len)(texts) == [
             tokenizer(one, add_special_tokens=False, **limits).input_ids for one in texts]
+
+
+def test_plain_messages_render_as_apply_chat_template(tokenizer):
+    """The renderer's own render of plain {role, content} messages (transformers' conversion skipped) equals
+    apply_chat_template, with and without the generation prompt; other messages go through transformers."""
+    renderer = Renderer(tokenizer, "d.jsonl", True)
+    conversations = [[user(text(i)), assistant(text(i + 1))] for i in range(5)] + [[SYSTEM, user("a b")],
+                                                                                   [user("x"), {**assistant("y"),
+                                                                                                "name": "n"}]]
+    for conversation in conversations:
+        for generation_prompt in (False, True):
+            assert renderer.chat(conversation, generation_prompt) == tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=generation_prompt)
