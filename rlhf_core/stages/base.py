@@ -181,9 +181,10 @@ class StageConfig(StageSettings):
                                                         "default: concatenated.")
     dataset_split: str = Field("train", description="Split of a dataset given by hub name (or a dataset dict).")
     eval_dataset: str | None = Field(None, **operational("Evaluation data (path, URL or hub name); evaluated every "
-                                                          "eval_steps and at each checkpoint.", role="data"))
+                                                          "eval_steps steps.", role="data"))
     eval_split: str = Field("train", **operational("Split of eval_dataset to evaluate on."))
-    eval_steps: int = Field(-1, **operational("Evaluate every N steps; -1: at each checkpoint only."))
+    eval_steps: int = Field(-1, **operational("Evaluate every N steps; -1: once per epoch, at its last step (PPO: "
+                                              "never), as OpenRLHF. Independent of save_steps."))
     save_steps: int = Field(
         -1, description="Optimizer steps per chunk; each chunk ends with a committed checkpoint. -1: one chunk."
     )
@@ -266,5 +267,6 @@ class PreferenceConfig(StageConfig):
                                                          "template, as OpenRLHF does.")
     tokenizer_chat_template: str | None = Field(None, description="A Jinja chat template that replaces the "
                                                                   "tokenizer's own (with apply_chat_template).")
-    eval_holdout: float = Field(0.1, ge=0, lt=1, description="Without eval_dataset: fraction of the pairs held out "
-                                                             "to measure accuracy.")
+    eval_holdout: float = Field(0.0, ge=0, lt=1, description="Without eval_dataset: fraction of the pairs held out "
+                                                             "of training to evaluate on (0: none, as OpenRLHF; the "
+                                                             "reward model then evaluates on its first 1%).")

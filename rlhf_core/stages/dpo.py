@@ -24,6 +24,7 @@ class DPOConfig(PreferenceConfig):
                                                                   "labels (0: plain DPO; ignored with ipo, as in OpenRLHF).")
     nll_loss_coef: float = Field(0.0, ge=0, description="Weight of the chosen responses' NLL (mean per token) added "
                                                         "to the loss (Llama 3.1's regulariser).")
+    eval_split: str = restated("eval_split", "test")  # train_dpo's and train_prm's
     save_path: str = Field("./out/dpo", **operational("Where the final policy is exported (an adapter if LoRA).",
                                                        role="output"))
 

@@ -24,6 +24,7 @@ class PRMConfig(StageConfig):
                                                "token of the tokenizer.")
     reward_tokens: list[str] | None = Field(None, description="The label tokens the loss chooses between (e.g. + -); "
                                                               "none: the whole vocabulary (hard labels only).")
+    eval_split: str = restated("eval_split", "test")  # train_dpo's and train_prm's
     learning_rate: float = restated("learning_rate", 1e-6)  # train_prm's (v0.9.0)
     micro_train_batch_size: int = restated("micro_train_batch_size", 1)  # train_prm's (v0.9.0)
     save_path: str = Field("./out/prm", **operational("Where the final process reward model is exported.",

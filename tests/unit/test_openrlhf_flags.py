@@ -189,9 +189,7 @@ def test_train_prm_flags_have_no_invented_dotted_spelling():
 # v0.9.0's), or its row says why not (`Flag.departs`). The defaults are read from what `rlhf train` builds for a
 # command line that gives only the required flags, so the CLI's own rules (0.11's defaults) are held too.
 
-# Fields another change owns: the evaluation settings (issue 44, item 2), whose defaults change with how evaluation
-# works. Empty this set when that change lands.
-EXCLUDED = {"eval_holdout", "eval_steps", "eval_split", "eval_dataset"}  # owned by the evaluation change
+EXCLUDED: set[str] = set()  # every default is held, the evaluation settings too
 # The flags each command needs (OpenRLHF's None there means "give it"), by field.
 REQUIRED = {"sft": {"pretrain": "m", "dataset": "d.jsonl"}, "rm": {"pretrain": "m", "dataset": "d.jsonl"},
             "dpo": {"pretrain": "m", "dataset": "d.jsonl"},

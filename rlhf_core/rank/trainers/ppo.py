@@ -46,6 +46,7 @@ def optimizer_steps_per_ppo_step(cfg: PPOConfig) -> int:
 
 class PPOTrainer(DeepSpeedTrainer[PPOConfig]):
     stage, config_class = "ppo", PPOConfig
+    evaluates_each_epoch = False  # OpenRLHF's PPO: --eval_steps -1 never evaluates
 
     def __init__(self, run: RunConfig, chunk_ends: list[int], rank: int, world_size: int, load_universal: bool = False):
         super().__init__(run, chunk_ends, rank, world_size, load_universal)
