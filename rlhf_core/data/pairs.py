@@ -38,11 +38,14 @@ def read_pairs(cfg: PreferenceConfig, run: RunConfig, tokenizer, evaluation: boo
         tokenizer.chat_template = cfg.tokenizer_chat_template
     source = stage_source(cfg, run.seed, evaluation)
     margin_loss = getattr(cfg, "margin_loss", False)
+    # DPO cuts whole conversations after their prompt (OpenRLHF's is_dpo); the RM scores them whole.
+    split_prompt = isinstance(cfg, DPOConfig) and cfg.prompt_key is None and cfg.apply_chat_template
     job = PairBatches(Renderer(tokenizer, source.url, cfg.apply_chat_template, cfg.input_template), cfg.prompt_key,
-                      cfg.chosen_key, cfg.rejected_key, cfg.max_len, margin_loss)
+                      cfg.chosen_key, cfg.rejected_key, cfg.max_len, margin_loss, split_prompt)
     settings = {"prompt_key": cfg.prompt_key, "chosen_key": cfg.chosen_key, "rejected_key": cfg.rejected_key,
                 "apply_chat_template": cfg.apply_chat_template, "input_template": cfg.input_template,
-                "max_len": cfg.max_len, "margin_loss": margin_loss}
+                "max_len": cfg.max_len, "margin_loss": margin_loss,
+                **({"split_prompt": True} if split_prompt else {})}  # earlier preparations keep their key
     return prepared_rows(Preparation("pairs", settings, job, COLUMNS, make_pair, job.no_rows), source, run, tokenizer)
 
 
@@ -58,6 +61,7 @@ class PairBatches:
     rejected_key: str
     max_len: int
     margin_loss: bool
+    split_prompt: bool = False  # see samples.pair_texts
     encode: BatchEncoder | None = field(default=None, repr=False)
 
     def __call__(self, records: list[Record]) -> Columns:
@@ -68,7 +72,7 @@ class PairBatches:
         for record in records:
             warn_unused_prompt(renderer, record, self.prompt_key)
             prompt, chosen_text, rejected_text = pair_texts(renderer, record, self.prompt_key, self.chosen_key,
-                                                            self.rejected_key)
+                                                            self.rejected_key, self.split_prompt)
             prompts.append(renderer.begin(prompt))
             chosen.append(renderer.begin(prompt + chosen_text))
             rejected.append(renderer.begin(prompt + rejected_text))

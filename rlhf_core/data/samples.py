@@ -350,8 +350,10 @@ def collate_sft(samples: list[TokenizedSample], pad_token_id: int) -> dict[str, 
 
 # -------------------------------------------------------------------------------------------------- RM
 def pair_texts(renderer: Renderer, record: Record, prompt_key: str | None, chosen_key: str,
-               rejected_key: str) -> tuple[str, str, str]:
-    """(prompt, chosen, rejected) text of one preference record (OpenRLHF's reward `preprocess_data`)."""
+               rejected_key: str, split_prompt: bool = False) -> tuple[str, str, str]:
+    """(prompt, chosen, rejected) text of one preference record (OpenRLHF's reward `preprocess_data`). With
+    `split_prompt` (DPO's `is_dpo`), whole conversations without --prompt_key are cut after their prompt: every
+    message of chosen but the last, rendered with the generation prompt, so the loss covers the replies only."""
     url = renderer.url
     if not renderer.apply_chat_template:
         prompt = "" if prompt_key is None else renderer.plain_prompt(require_text(url, record, prompt_key,
@@ -359,6 +361,12 @@ def pair_texts(renderer: Renderer, record: Record, prompt_key: str | None, chose
         chosen, rejected = (require_text(url, record, chosen_key, "--chosen_key"),
                             require_text(url, record, rejected_key, "--rejected_key"))
         return prompt, chosen, rejected
+    if prompt_key is None and split_prompt:
+        chosen_messages = require_messages(url, record, chosen_key, "--chosen_key")
+        prompt_text, chosen = renderer.split(record, chosen_messages[:-1], chosen_messages, (chosen_key,))
+        rejected = renderer.chat(require_messages(url, record, rejected_key, "--rejected_key"), record=record,
+                                 keys=(rejected_key,))
+        return prompt_text, chosen, rejected[len(prompt_text):]  # cut at the same length, as OpenRLHF
     if prompt_key is None:  # each reply is a whole conversation, rendered whole
         chosen = renderer.chat(require_messages(url, record, chosen_key, "--chosen_key"), record=record,
                                keys=(chosen_key,))
@@ -379,13 +387,14 @@ def warn_unused_prompt(renderer: Renderer, record: Record, prompt_key: str | Non
 
 
 def tokenize_pairs(renderer: Renderer, records: list[Record], prompt_key: str | None, chosen_key: str,
-                   rejected_key: str, max_len: int) -> list[TokenizedPair]:
+                   rejected_key: str, max_len: int, *, split_prompt: bool = False) -> list[TokenizedPair]:
     """Prompt + chosen and prompt + rejected, each ending in EOS (the reward is read there), and the prompt's own
-    token count (as OpenRLHF's DPO counts it: the prompt tokenized alone, truncated to max_len)."""
+    token count (as OpenRLHF's DPO counts it: the prompt tokenized alone, truncated to max_len); `split_prompt`:
+    see `pair_texts`."""
     pairs = []
     for record in records:
         warn_unused_prompt(renderer, record, prompt_key)
-        prompt, chosen, rejected = pair_texts(renderer, record, prompt_key, chosen_key, rejected_key)
+        prompt, chosen, rejected = pair_texts(renderer, record, prompt_key, chosen_key, rejected_key, split_prompt)
         pairs.append(TokenizedPair(sequence_ids(renderer.tokenizer, renderer.begin(prompt + chosen), max_len),
                                    sequence_ids(renderer.tokenizer, renderer.begin(prompt + rejected), max_len),
                                    len(token_ids(renderer.tokenizer, renderer.begin(prompt), max_len))))

@@ -163,6 +163,22 @@ def test_reward_pairs_match_openrlhf(tokenizer, prompt_key):
     assert pair.chosen_ids.count(tokenizer.bos_token_id) == (tokenizer.bos_token_id is not None)
 
 
+def test_dpo_pairs_of_whole_conversations_are_cut_after_their_prompt_as_openrlhf(tokenizer):
+    """OpenRLHF's train_dpo_llama.sh: conversations without --prompt_key. OpenRLHF's `is_dpo` renders every message
+    of chosen but the last with the generation prompt as the prompt, and cuts both replies at its length: the
+    loss covers the replies only (the RM scores the conversations whole)."""
+    question = [SYSTEM, user("sort : 3 1 2 =")]
+    row = {"chosen": question + [assistant("1 2 3")], "rejected": question + [assistant("3 2 1")]}
+    apply = tokenizer.apply_chat_template
+    prompt = apply(row["chosen"][:-1], tokenize=False, add_generation_prompt=True)
+    chosen, rejected = (apply(row[key], tokenize=False)[len(prompt):] for key in ("chosen", "rejected"))
+    [pair] = tokenize_pairs(Renderer(tokenizer, "prefs.parquet", True), records_of(row), None, "chosen", "rejected",
+                            MAX_LEN, split_prompt=True)
+    assert (pair.chosen_ids, pair.rejected_ids) == (_openrlhf_sequence(tokenizer, prompt + chosen, MAX_LEN),
+                                                    _openrlhf_sequence(tokenizer, prompt + rejected, MAX_LEN))
+    assert pair.prompt_len == len(_ids(tokenizer, prompt)) > 0
+
+
 def test_reward_pairs_of_strings_through_the_chat_template(tokenizer):
     """Strings with --prompt_key and --apply_chat_template: each string is one message (OpenRLHF would hand the
     template a concatenated string), so the pair equals the conversation form token for token."""

@@ -32,8 +32,10 @@ def records(rows: list[dict]) -> list[Record]:
     return [Record(line, row) for line, row in enumerate(rows, start=1)]
 
 
-@pytest.mark.parametrize("chat,prompt_key", [(False, "prompt"), (False, None), (True, None), (True, "prompt")])
-def test_pairs_are_tokenize_pairs(tokenizer, chat, prompt_key):
+@pytest.mark.parametrize("chat,prompt_key,split_prompt", [(False, "prompt", False), (False, None, False),
+                                                        (True, None, False), (True, None, True),
+                                                        (True, "prompt", False)])
+def test_pairs_are_tokenize_pairs(tokenizer, chat, prompt_key, split_prompt):
     if chat and prompt_key is None:
         rows = [{"chosen": [SYSTEM, user(text(i)), assistant(text(i + 1))],
                  "rejected": [user(text(i)), assistant(text(i + 2))]} for i in range(40)]
@@ -43,8 +45,8 @@ def test_pairs_are_tokenize_pairs(tokenizer, chat, prompt_key):
     else:
         rows = [{"prompt": text(i), "chosen": text(i + 1), "rejected": text(i + 2), "margin": i} for i in range(40)]
     renderer = Renderer(tokenizer, "prefs.jsonl", chat, None if chat else "Q: {} A:")
-    columns = PairBatches(renderer, prompt_key, "chosen", "rejected", 24, False)(records(rows))
-    todays = tokenize_pairs(renderer, records(rows), prompt_key, "chosen", "rejected", 24)
+    columns = PairBatches(renderer, prompt_key, "chosen", "rejected", 24, False, split_prompt)(records(rows))
+    todays = tokenize_pairs(renderer, records(rows), prompt_key, "chosen", "rejected", 24, split_prompt=split_prompt)
     assert columns["chosen_ids"] == [pair.chosen_ids for pair in todays]
     assert columns["rejected_ids"] == [pair.rejected_ids for pair in todays]
     assert columns["prompt_len"] == [pair.prompt_len for pair in todays]

@@ -157,3 +157,23 @@ def test_staging_folders_of_dead_processes_on_this_host_are_removed(tmp_path):
         (tmp_path / name).mkdir()
     assert remove_stale_staging(str(tmp_path)) == [names["dead"]]
     assert sorted(os.listdir(tmp_path)) == sorted(names[kind] for kind in ("alive", "elsewhere", "published"))
+
+
+def test_dpo_cuts_whole_conversations_after_their_prompt_where_the_rm_scores_them_whole(toy_assets, tmp_path):
+    """OpenRLHF's train_dpo_llama.sh gives no --prompt_key: DPO's prepared pairs carry the prompt's length (every
+    message but the last), so its loss covers the replies only; the RM's the same conversations whole."""
+    from rlhf_core.data.pairs import read_pairs
+    from rlhf_core.stages.dpo import DPOConfig
+    from tests.hub_cache import QWEN2_CHATML, assistant, build_tokenizer, user
+
+    rows = [{"chosen": [user(f"sort : {a} 2 ="), assistant(f"{min(a, 2)} {max(a, 2)}")],
+             "rejected": [user(f"sort : {a} 2 ="), assistant(f"{a} 2")]} for a in range(8)]
+    data = write_rows(tmp_path / "conversations.jsonl", rows)
+    settings = {"pretrain": toy_assets["model"], "dataset": data, "apply_chat_template": True, "max_len": 64}
+    pairs = {}
+    for stage, config in (("dpo", DPOConfig(**settings)), ("rm", RMConfig(**settings))):
+        run = RunConfig(stages=[stage], ckpt_path=str(tmp_path / "ckpt"), **{stage: config})
+        pairs[stage] = list(read_pairs(config, run, build_tokenizer(QWEN2_CHATML)))
+    assert [pair.tokens.chosen_ids for pair in pairs["dpo"]] == [pair.tokens.chosen_ids for pair in pairs["rm"]]
+    assert all(pair.tokens.prompt_len == 0 for pair in pairs["rm"])
+    assert all(0 < pair.tokens.prompt_len < len(pair.tokens.chosen_ids) for pair in pairs["dpo"])
