@@ -8,8 +8,9 @@ OpenRLHF's per-row function, rewritten here from v0.9.10's `reward_dataset.py` a
 - ppo: prompts' `preprocess_data` (OpenRLHF runs it in a Python loop; as a map here, on the same processes);
 - prm: `ProcessRewardDataset.__getitem__`'s tokenization and labels (OpenRLHF does it per item during training).
 
-OpenRLHF's RM and PPO preprocessing only renders text (their tokens are made per item at training time); ours
-renders and tokenizes. The time of theirs excludes `load_dataset`; ours includes reading the parquet shards. The
+OpenRLHF's RM and PPO preprocessing only renders text (their tokens are made per item at training time, every
+epoch); ours renders and tokenizes. So a second column adds the tokens OpenRLHF makes per item, once per row
+(`openrlhf_item_tokens`): the same output, tokens, on both sides. Both ratios are reported. The time of theirs excludes `load_dataset`; ours includes reading the parquet shards. The
 two are timed alternately, `--rounds` times each, and the best time of each side is kept.
 
     .venv/bin/python bench/prep_side_by_side.py --rows 200000 [--stages rm,dpo,ppo,prm] [--rounds 2]
@@ -74,6 +75,33 @@ def openrlhf_map(stage: str, dataset, tokenizer, max_len: int):
     return mapped
 
 
+def openrlhf_item_tokens(stage: str, mapped, tokenizer, max_len: int):
+    """What OpenRLHF tokenizes later, per item, from `mapped`: RewardDataset.__getitem__'s prompt + chosen and
+    prompt + reject (RM, DPO), the prompts as PPO's rollout tokenizes them (a batch at a time there; one call per
+    row here, on the map's processes). PRM's map above is already its __getitem__. Run once over every row, as a map
+    with the same processes: the cost of having each row as tokens once (an epoch pays it again)."""
+    eos = tokenizer.eos_token
+
+    def sequence(text: str) -> list[int]:
+        text = text.rstrip("\n")
+        text = text if text.endswith(eos) else text + " " + eos
+        return tokenizer(text, max_length=max_len, padding=False, truncation=True, return_tensors="pt",
+                         add_special_tokens=False)["input_ids"][0].tolist()
+
+    def pair(data):
+        return {"chosen_ids": sequence(data["prompt"] + data["chosen"]),
+                "reject_ids": sequence(data["prompt"] + data["reject"])}
+
+    def prompt(data):
+        return {"ids": tokenizer(data["prompt"], max_length=max_len, truncation=True,
+                                 add_special_tokens=False)["input_ids"]}
+
+    if stage == "prm":
+        return mapped
+    return mapped.map(pair if stage in ("rm", "dpo") else prompt, remove_columns=mapped.column_names,
+                      num_proc=NUM_PROC, load_from_cache_file=False)
+
+
 def ours(stage: str, name: str, model: str, ckpt: str, tokenizer):
     """The stage's own preparation of the hub dataset `name`, into a fresh store."""
     from rlhf_core.config import RunConfig
@@ -111,24 +139,31 @@ def compare(stage: str, num_rows: int, workdir: str, model: str, rounds: int) ->
     name = write_hub_dataset(os.environ["HF_HOME"], SHAPES[stage], num_rows)
     tokenizer = load_tokenizer(model)
     dataset = hub_dataset(name, "train", "--dataset")  # datasets.load_dataset of the cached snapshot, untimed
-    theirs_s = ours_s = float("inf")
+    theirs_s = ours_s = tokens_s = float("inf")
     for _ in range(rounds):  # alternated, the best of each: a machine shared with other work slows either side
         started = time.perf_counter()
-        theirs_rows = len(openrlhf_map(stage, dataset, tokenizer, 64 if stage != "prm" else 32))
-        theirs_s = min(theirs_s, time.perf_counter() - started)
+        mapped = openrlhf_map(stage, dataset, tokenizer, 64 if stage != "prm" else 32)
+        theirs_rows, mapped_at = len(mapped), time.perf_counter()
+        theirs_s = min(theirs_s, mapped_at - started)
+        openrlhf_item_tokens(stage, mapped, tokenizer, 64 if stage != "prm" else 32)
+        tokens_s = min(tokens_s, time.perf_counter() - started)
         started = time.perf_counter()
         ours_rows = len(ours(stage, name, model, tempfile.mkdtemp(dir=workdir), tokenizer))
         ours_s = min(ours_s, time.perf_counter() - started)
     return {"stage": stage, "rows": num_rows, "ours_rows_per_s": ours_rows / ours_s,
             "openrlhf_map_rows_per_s": theirs_rows / theirs_s, "ratio": (ours_rows / ours_s) / (theirs_rows / theirs_s),
-            "ours_s": ours_s, "openrlhf_map_s": theirs_s, "num_proc": NUM_PROC}
+            "openrlhf_with_tokens_rows_per_s": theirs_rows / tokens_s,
+            "ratio_with_tokens": (ours_rows / ours_s) / (theirs_rows / tokens_s),
+            "ours_s": ours_s, "openrlhf_map_s": theirs_s, "openrlhf_with_tokens_s": tokens_s, "num_proc": NUM_PROC}
 
 
 def format_rows(results: list[dict]) -> str:
-    lines = ["| stage | rows | ours (rows/s) | OpenRLHF's datasets.map (rows/s) | ours / theirs |", "|---|---|---|---|---|"]
+    lines = ["| stage | rows | ours (rows/s) | OpenRLHF's datasets.map (rows/s) | ours / map | map + its per-item "
+             "tokens (rows/s) | ours / (map + tokens) |", "|---|---|---|---|---|---|---|"]
     for row in results:
         lines.append(f"| {row['stage']} | {row['rows']:,} | {row['ours_rows_per_s']:,.0f} | "
-                     f"{row['openrlhf_map_rows_per_s']:,.0f} | {row['ratio']:.2f}x |")
+                     f"{row['openrlhf_map_rows_per_s']:,.0f} | {row['ratio']:.2f}x | "
+                     f"{row['openrlhf_with_tokens_rows_per_s']:,.0f} | {row['ratio_with_tokens']:.2f}x |")
     return "\n".join(lines)
 
 
