@@ -70,6 +70,7 @@ def _sft_batch(renderer: Renderer, encode: BatchEncoder, records: list[Record], 
                output_key: str | None, multiturn: bool) -> Columns:
     """`samples.tokenize_sft` of a batch of records, the texts tokenized as one call."""
     max_len = encode.max_len
+    assert max_len is not None  # SFT's encoder always truncates at --max_len
     keys = (input_key,) if output_key is None else (input_key, output_key)  # named by a template's refusal
     texts, conversations, kept = [], [], []
     for record in records:

@@ -62,18 +62,6 @@ def as_user_error(error: Exception, url: str, flag: str, storage_options: dict |
     return error
 
 
-def read_records(url: str, storage_options: dict | None = None, max_samples: int | None = None, *,
-                 split: str = "train", probs: str | None = None, seed: int = 0,
-                 flag: str = "--dataset") -> list[Record]:
-    """All records of the dataset(s) at `url` (comma-separated for a mixture, weighted by `probs`);
-    raises UserError on anything unreadable, naming `flag` where no file can be named. The records of
-    `stream.RecordStream`, which a preparation reads batch by batch, held in one list."""
-    from rlhf_core.data.stream import RecordStream  # the stream builds on this module's readers
-
-    stream = RecordStream(url, storage_options, max_samples, split, probs, seed, flag)
-    return [record for batch in stream for record in batch]
-
-
 def parse_probs(probs: str | None, num_sources: int) -> list[float] | None:
     if probs is None or (isinstance(probs, str) and not probs.strip()):
         return None

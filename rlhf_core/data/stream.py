@@ -1,5 +1,5 @@
 """A dataset's records in batches, streamed: a JSON Lines file is read line by line (the sha256 of its bytes taken on
-the way, its drift fingerprint), each line checked as `records.read_records` checks it, with the same one-sentence
+the way, its drift fingerprint), each line checked as `read_records` (below) checks it, with the same one-sentence
 errors; a Parquet file a batch of rows at a time, a dataset read through datasets (hub names, folders) a slice at a
 time, a mixture as its sources' streams interleaved; CSV and JSON arrays are read whole and handed on in batches.
 docs/design-notes.md ("Prepared data") has the design.
@@ -208,7 +208,9 @@ class _Cycling:
     takes a source's rows), each record naming its source."""
 
     def __init__(self, stream: RecordStream):
-        self.stream, self.batches, self.pending, self.next_row = stream, iter(()), deque(), 0
+        self.stream, self.next_row = stream, 0
+        self.batches: Iterator[list[Record]] = iter(())
+        self.pending: deque[Record] = deque()
 
     def next_record(self, row: int) -> Record:
         if row == 0 and self.next_row != 0:  # exhausted: read it again from the start (rows come in order)
@@ -250,3 +252,13 @@ def _decode_block(url: str, data: bytes, offset: int, byte_lines: int) -> str:
         start = skip + error.start
         line = byte_lines + data.count(b"\n", 0, start) + 1
         raise not_utf8(url, line, offset + start, data[start:skip + error.end]) from None
+
+
+def read_records(url: str, storage_options: dict | None = None, max_samples: int | None = None, *,
+                 split: str = "train", probs: str | None = None, seed: int = 0,
+                 flag: str = "--dataset") -> list[Record]:
+    """All records of the dataset(s) at `url` (comma-separated for a mixture, weighted by `probs`);
+    raises UserError on anything unreadable, naming `flag` where no file can be named. The records of
+    `RecordStream`, which a preparation reads batch by batch, held in one list."""
+    stream = RecordStream(url, storage_options, max_samples, split, probs, seed, flag)
+    return [record for batch in stream for record in batch]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf_core.data.records import read_records
+from rlhf_core.data.stream import read_records
 from rlhf_core.models.load import load_causal_lm
 from rlhf_core.storage.locate import load_tokenizer
 from rlhf_core.data.samples import Renderer, tokenize_prompts

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_core.storage.checkpoint import CheckpointStore
-from rlhf_core.data.records import read_records
+from rlhf_core.data.stream import read_records
 from tests.conftest import HUB_REVISION as REVISION, hub_snapshot_dir
 from tests.integration.conftest import on_local_ray
 

@@ -66,7 +66,7 @@ def test_the_demo_configuration_raises_no_alert(pipeline):
 def test_reward_model_ranks_held_out_pairs_well_above_chance(pipeline):
     from transformers import AutoModelForSequenceClassification
 
-    from rlhf_core.data.records import read_records
+    from rlhf_core.data.stream import read_records
     from rlhf_core.storage.locate import load_tokenizer
 
     run = pipeline["run"]

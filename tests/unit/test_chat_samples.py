@@ -15,7 +15,8 @@ import json
 
 import pytest
 
-from rlhf_core.data.records import Record, read_records
+from rlhf_core.data.records import Record
+from rlhf_core.data.stream import read_records
 from rlhf_core.errors import UserError
 from rlhf_core.data.samples import Renderer, tokenize_pairs, tokenize_prompts, tokenize_sft
 from tests.hub_cache import (LLAMA3_BASE, LLAMA3_INSTRUCT, QWEN2_CHATML, SYSTEM, assistant, build_tokenizer,

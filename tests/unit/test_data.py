@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from rlhf_core.data.records import rank_micro_batches, read_records
+from rlhf_core.data.records import rank_micro_batches
+from rlhf_core.data.stream import read_records
 from rlhf_core.data.determinism import step_sample_indices
 from rlhf_core.errors import UserError
 from rlhf_core.data.samples import IGNORE_INDEX, Renderer, collate_sft, tokenize_pairs, tokenize_prompts

@@ -153,7 +153,7 @@ def test_pack_sft_restarts_positions_and_ignores_each_first_token():
 
 
 def toy_samples(toy_assets, count: int = 6):
-    from rlhf_core.data.records import read_records
+    from rlhf_core.data.stream import read_records
     from rlhf_core.storage.locate import load_tokenizer
     from rlhf_core.data.samples import Renderer, tokenize_sft
 

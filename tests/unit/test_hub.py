@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_core.data.fingerprints import fingerprint
-from rlhf_core.data.records import read_records
+from rlhf_core.data.stream import read_records
 from tests.conftest import HUB_REVISION as REVISION, hub_snapshot_dir
 from rlhf_core.errors import UserError
 from rlhf_core.models.load import load_causal_lm

@@ -17,7 +17,7 @@ from rlhf_core.config import RunConfig
 from rlhf_core.data import fingerprints, records
 from rlhf_core.data.prepared import DATA_NAME, MARKER_NAME, PREPARED_DIR
 from rlhf_core.data.fingerprints import dataset_fingerprint
-from rlhf_core.data.records import read_records
+from rlhf_core.data.stream import read_records
 from rlhf_core.data.samples import Renderer, tokenize_sft
 from rlhf_core.data.sft import count_sft_samples, load_sft_samples
 from rlhf_core.errors import UserError

@@ -15,7 +15,7 @@ from rlhf_core.data import records, stream
 from rlhf_core.data.determinism import generator
 from rlhf_core.data.pairs import load_pairs, pair_margin, trainable_pairs
 from rlhf_core.data.prompts import load_prompts, record_label
-from rlhf_core.data.records import read_records
+from rlhf_core.data.stream import read_records
 from rlhf_core.data.samples import Renderer, tokenize_pairs, tokenize_prompts
 from rlhf_core.stages.rm import RMConfig
 from rlhf_core.stages.ppo import PPOConfig
