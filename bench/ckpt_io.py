@@ -118,7 +118,8 @@ def measure(num_ranks: int, model_dir: str, toy: dict[str, str], ckpt_root: str,
     run = resolve_paths(RunConfig(
         ckpt_path=f"{ckpt_root}/ranks{num_ranks}", num_workers=num_ranks, storage_options=storage_options,
         sft=SFTConfig(pretrain=model_dir, dataset=toy["sft"], input_key="prompt", output_key="response",
-                      max_len=64, train_batch_size=8, micro_train_batch_size=8 // num_ranks)))
+                      max_len=64, train_batch_size=8, micro_train_batch_size=8 // num_ranks, max_epochs=1,
+                      input_template=None)))
     store_url, plan = run.stage_url("sft"), plan_stage(run, "sft")
     store = CheckpointStore(store_url, storage_options)
     group = WorkerGroup(run)

@@ -42,6 +42,7 @@ def stage_config(stage: str, toy: dict[str, str], model_dir: str, out_dir: str, 
     if stage == "sft":  # past one pass over the 256 toy samples, more epochs
         num_epochs = -(-num_steps * BATCH // TOY_SAMPLES)
         return SFTConfig(dataset=toy["sft"], input_key="prompt", output_key="response", max_len=MAX_LEN,
+                         input_template=None,  # the prompts as written, as the TRL side trains on them
                          train_batch_size=BATCH, micro_train_batch_size=BATCH, max_epochs=num_epochs,
                          max_samples=num_steps * BATCH if num_epochs == 1 else None, **common)
     if stage == "rm":
@@ -199,7 +200,8 @@ def startup_seconds(workdir: str, toy: dict[str, str], model_dir: str, env: dict
     command = [os.path.join(os.path.dirname(sys.executable), "rlhf"), "train", "sft", "--pretrain", model_dir,
                "--dataset", toy["sft"], "--input_key", "prompt", "--output_key", "response",
                "--max_len", str(MAX_LEN), "--train_batch_size", str(BATCH), "--micro_train_batch_size", str(BATCH),
-               "--max_samples", str(2 * BATCH), "--learning_rate", str(LEARNING_RATE),
+               "--max_samples", str(2 * BATCH), "--learning_rate", str(LEARNING_RATE), "--max_epochs", "1",
+               "--input_template", "{}",
                "--ckpt_path", os.path.join(state, "ckpt"), "--save_path", os.path.join(state, "out")]
     child_env = {**env, "RLHF_FAULT_INJECT": "train_step@2=sleep:0", "RLHF_FAULT_STATE": state}
     launched = time.time()

@@ -75,6 +75,7 @@ def sft_flags(model: str, data: str, ckpt: str, out: str, run_name: str, num_ste
     epochs = -(-num_steps * 8 // TOY_ROWS)  # enough passes over the 256 rows for `num_steps` steps of 8
     return ["--pretrain", model, "--dataset", data, "--input_key", "prompt", "--output_key", "response",
             "--train_batch_size", "8", *shape, "--max_epochs", str(epochs), "--save_steps", str(save_steps),
+            "--input_template", "{}",
             "--ckpt_path", ckpt, "--max_ckpt_num", "3",
             "--save_path", out, "--seed", "42", "--load_checkpoint", "--run_name", run_name]
 
