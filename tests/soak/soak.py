@@ -82,7 +82,8 @@ def run_config(site: SoakSite, leg: Leg, ckpt_path: str, out: Path) -> dict:
         "max_ckpt_num": 3, "seed": 42, "num_workers": 2, "hang_timeout_s": HANG_TIMEOUT_S,
         "sft": {"pretrain": toy["model"], "dataset": toy["sft"], "input_key": "prompt", "output_key": "response",
                 "max_len": 64, "train_batch_size": 8, "micro_train_batch_size": 4, "max_epochs": leg.sft_epochs,
-                "learning_rate": 1e-3, "save_steps": leg.sft_save_steps, "save_path": str(out / "sft")},
+                "learning_rate": 1e-3, "save_steps": leg.sft_save_steps, "save_path": str(out / "sft"),
+                "input_template": None},  # the prompts as written, as the soaks before OpenRLHF's default
         "ppo": {"reward_fn": "rlhf_core.toy:gold_reward", "prompt_data": toy["prompts"], "input_key": "prompt",
                 "advantage_estimator": "group_norm", "max_samples": leg.ppo_prompts, "n_samples_per_prompt": 2,
                 "rollout_batch_size": 4, "train_batch_size": 8, "micro_train_batch_size": 4, "max_new_tokens": 8,
