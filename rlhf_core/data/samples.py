@@ -94,11 +94,13 @@ def as_messages(url: str, record: Record, key: str, flag: str, role: str) -> lis
 
 
 @functools.cache  # each template is checked (and its \\n warned about) once per process: every sample asks
-def check_input_template(template: str) -> None:
-    """A template must hold one '{}' for the prompt and nothing else str.format would read."""
+def usable_input_template(template: str) -> str | None:
+    """The template, if it holds one '{}' for the prompt and nothing else str.format would read; without '{}',
+    None with a warning, as OpenRLHF's CLIs set it to None."""
     if "{}" not in template:
-        raise UserError(f"--input_template {template!r} has no '{{}}' where the prompt goes "
-                        "(e.g. 'User: {}\\nAssistant: ').")
+        warn_once(f"--input_template {template!r} has no '{{}}' where the prompt goes, so it is not used (as "
+                  "OpenRLHF sets it to None): the prompts are used as written.")
+        return None
     try:
         template.format("")
     except (IndexError, KeyError, ValueError) as error:
@@ -106,6 +108,7 @@ def check_input_template(template: str) -> None:
                         "write other braces as '{{' and '}}'.") from None
     if "\\n" in template:  # as OpenRLHF: a shell quoting slip, not an error
         logger.warning("--input_template contains the two characters \\n, not a newline; in bash pass $'...\\n...'.")
+    return template
 
 
 @dataclass(frozen=True)
@@ -156,10 +159,8 @@ class Renderer:
         return tokenizer.bos_token + text
 
     def plain_prompt(self, text: str) -> str:
-        if not self.input_template:
-            return text
-        check_input_template(self.input_template)
-        return self.input_template.format(text)
+        template = usable_input_template(self.input_template) if self.input_template else None
+        return text if template is None else template.format(text)
 
     def split(self, record: Record, prompt: list[dict], whole: list[dict],
               keys: tuple[str, ...] = ()) -> tuple[str, str]:

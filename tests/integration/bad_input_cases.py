@@ -223,8 +223,8 @@ def data_probs_do_not_match_sources(w):
 
 
 @case
-def data_input_template_without_slot(w):
-    return Bad(w.sft(input_template="User: Assistant:"), ["--input_template"])
+def data_input_template_not_a_format(w):  # one without '{}' is not used, with a warning, as OpenRLHF
+    return Bad(w.sft(input_template="User: {} {name} Assistant:"), ["--input_template"])
 
 
 @case

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import pytest
@@ -145,7 +146,7 @@ def test_csv_rows(tmp_path):
     assert records[0].fields == {"prompt": "sort : 2 1 =", "response": "1 2"} and records[0].unit == "row"
 
 
-def test_input_template_wraps_the_prompt_unless_a_chat_template_applies(tmp_path, tokenizer):
+def test_input_template_wraps_the_prompt_unless_a_chat_template_applies(tmp_path, tokenizer, caplog):
     template = "sort : {} ="
     url = write(tmp_path / "d.jsonl", json.dumps({"prompt": "2 1", "response": "1 2", "bad": "1"}) + "\n")
     records = read_records(url)
@@ -158,8 +159,10 @@ def test_input_template_wraps_the_prompt_unless_a_chat_template_applies(tmp_path
     assert item.value == "2 1" and tokenizer.decode(item.ids) == "<s> sort : 2 1 =" and item.bos_added
     [pair] = tokenize_pairs(plain, records, "prompt", "response", "bad", 64)
     assert tokenizer.decode(pair.chosen_ids).startswith("<s> sort : 2 1 =")
-    with pytest.raises(UserError, match=r"^--input_template 'User: ' has no '\{\}' where the prompt goes"):
-        tokenize_prompts(Renderer(tokenizer, url, False, "User: "), records, "prompt", 64)
+    with caplog.at_level(logging.WARNING):  # OpenRLHF sets a template without '{}' to None, with a warning
+        [as_written] = tokenize_prompts(Renderer(tokenizer, url, False, "User: "), records, "prompt", 64)
+    assert tokenizer.decode(as_written.ids) == "<s> 2 1"
+    assert "--input_template 'User: ' has no '{}' where the prompt goes, so it is not used" in caplog.text
     with pytest.raises(UserError, match=r"^--input_template 'Q \{\} \{name\}' is not a str\.format template"):
         tokenize_prompts(Renderer(tokenizer, url, False, "Q {} {name}"), records, "prompt", 64)
 
