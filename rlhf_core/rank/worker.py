@@ -18,13 +18,13 @@ import tempfile
 import time
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import ray
 
 from rlhf_core.config import RunConfig
 from rlhf_core.errors import TransientStoreError
-from rlhf_core.rank.signals import RankSignals
+from rlhf_core.rank.signals import Progress, WorkerSignals
 from rlhf_core.stages.base import StageConfig
 
 if TYPE_CHECKING:
@@ -81,55 +81,6 @@ class RankLocation:
 
     def describe(self) -> str:
         return f"{self.node_ip} ({self.hostname}, node {self.node_id[:8]})"
-
-
-class Progress:
-    """What the driver's hang watch reads (`TrainWorker.heartbeat`, rlhf_core.driver.hang): a count that moves at
-    every step and at the end of every other piece of work, the pieces in progress, and the slowest step."""
-
-    def __init__(self) -> None:
-        self.count, self.slowest_step_s = 0, 0.0
-        self._busy: dict[str, int] = {}
-        self._pieces: dict[str, tuple[int, int]] = {}  # long work inside a step: (done, total) by phase
-
-    def report(self) -> tuple[int, tuple[str, ...], float, dict[str, tuple[int, int]]]:
-        return (self.count, tuple(name for name, num in list(self._busy.items()) if num), self.slowest_step_s,
-                dict(self._pieces))
-
-    def piece_done(self, phase: str, done: int, total: int) -> None:
-        """A piece of long work inside a step (an evaluation or generation batch) is progress too."""
-        self.count += 1
-        if done >= total:
-            self._pieces.pop(phase, None)
-        else:
-            self._pieces[phase] = (done, total)
-
-    @contextlib.contextmanager
-    def working_on(self, phase: str) -> Iterator[None]:
-        self._busy[phase] = self._busy.get(phase, 0) + 1
-        try:
-            yield
-        finally:
-            self._busy[phase] -= 1
-            self.count += 1
-
-    def step_done(self, seconds: float) -> None:
-        self.count += 1
-        self.slowest_step_s = max(self.slowest_step_s, seconds)
-
-
-class WorkerSignals(RankSignals):
-    """A trainer's signals inside a rank: its pieces of work move the rank's progress, and it may ask whether
-    every rank agrees to stop."""
-
-    def __init__(self, worker: "TrainWorker") -> None:
-        self._worker = worker
-
-    def work_done(self, phase: str, done: int, total: int) -> None:
-        self._worker._progress.piece_done(phase, done, total)
-
-    def stop_agreed(self) -> bool:
-        return self._worker.any_rank_asked_to_stop()
 
 
 class TrainWorker:
@@ -235,7 +186,7 @@ class TrainWorker:
         self._stage = stage
         with self._progress.working_on("setup"):
             self._trainer = trainer_class(stage)(run, chunk_ends, self.rank, self.world_size, load_universal)
-            self._trainer.signals = WorkerSignals(self)
+            self._trainer.signals = WorkerSignals(self._progress, self.any_rank_asked_to_stop)
 
     def train_until(self, target_step: int) -> tuple[list[dict[str, float]], float, int, list[tuple[float, bool]],
                                                      float]:
