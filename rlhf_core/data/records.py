@@ -107,7 +107,7 @@ class SourceRows:
     in batches, read as they are asked for (`batches(batch_rows)`) so that no record is held for the whole."""
 
     length: int
-    batches: Callable[[int], Iterator[list[Record]]]
+    batches: Callable[[int], Iterator[list[Record] | TableBlock]]
     available: int = -1  # rows before `max_samples` cut a dataset (-1: `length`, none cut)
 
     def __post_init__(self) -> None:
@@ -138,13 +138,14 @@ def source_rows(source: str, storage_options: dict | None, max_samples: int | No
 
 
 def _dataset_rows(dataset, max_samples: int | None) -> SourceRows:
-    """A datasets Dataset's rows a slice at a time, each slice as `Dataset.to_list` makes it."""
+    """A datasets Dataset's rows a slice at a time, each slice as Arrow (`TableBlock`: its records are made where
+    the batch is prepared, in a worker process for a large dataset)."""
     length = min(max_samples, len(dataset)) if max_samples else len(dataset)
+    arrow = dataset.with_format("arrow")
 
-    def batches(size: int) -> Iterator[list[Record]]:
+    def batches(size: int) -> Iterator[TableBlock]:
         for start in range(0, length, size):
-            rows = dataset.select(range(start, min(start + size, length))).to_list()
-            yield [Record(start + index, row, "row") for index, row in enumerate(rows, start=1)]
+            yield TableBlock.of(arrow[start:min(start + size, length)], start + 1)
 
     return SourceRows(length, batches, len(dataset))
 
@@ -162,18 +163,53 @@ def _parquet_rows(url: str, storage_options: dict | None) -> SourceRows:
         except Exception as error:  # pyarrow raises several unrelated types for a bad file
             raise unreadable(error) from None
 
-    def batches(size: int) -> Iterator[list[Record]]:
+    def batches(size: int) -> Iterator[TableBlock]:
         with open_data(url, storage_options) as handle:
             done = 0
             try:
                 for batch in pyarrow.parquet.ParquetFile(handle).iter_batches(batch_size=size):
-                    rows = batch.to_pylist()
-                    yield [Record(done + index, row, "row") for index, row in enumerate(rows, start=1)]
-                    done += len(rows)
+                    yield TableBlock.of(pyarrow.Table.from_batches([batch]), done + 1)
+                    done += batch.num_rows
             except (OSError, ValueError, pyarrow.ArrowException) as error:
                 raise unreadable(error) from None
 
     return SourceRows(length, batches)
+
+
+@dataclass
+class TableBlock:
+    """Rows of a Parquet file or a dataset as Arrow IPC bytes (a slice's own bytes, compact to send to a worker
+    process), and the 1-based number of the first; `records` makes their Records where they are prepared."""
+
+    first_number: int
+    arrow: bytes
+    num_rows: int
+
+    @classmethod
+    def of(cls, table, first_number: int) -> TableBlock:
+        import pyarrow
+
+        sink = pyarrow.BufferOutputStream()
+        with pyarrow.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+        return cls(first_number, sink.getvalue().to_pybytes(), table.num_rows)
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def head(self, num_rows: int) -> TableBlock:
+        """The first `num_rows` rows (a dataset cut at --max_samples)."""
+        if num_rows >= self.num_rows:
+            return self
+        import pyarrow
+
+        return TableBlock.of(pyarrow.ipc.open_stream(self.arrow).read_all().slice(0, num_rows), self.first_number)
+
+    def records(self, url: str) -> list[Record]:
+        import pyarrow
+
+        rows = pyarrow.ipc.open_stream(self.arrow).read_all().to_pylist()
+        return [Record(self.first_number + index, row, "row") for index, row in enumerate(rows)]
 
 
 def _read_file(url: str, storage_options: dict | None, flag: str) -> list[Record]:

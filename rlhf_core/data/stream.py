@@ -16,7 +16,7 @@ from typing import Iterator
 
 import numpy as np
 
-from rlhf_core.data.records import (Record, as_user_error, interleaved_order, json_line_record, not_utf8, open_data,
+from rlhf_core.data.records import (Record, TableBlock, as_user_error, interleaved_order, json_line_record, not_utf8, open_data,
                                     parse_probs, source_rows, split_data_dir)
 from rlhf_core.errors import UserError
 from rlhf_core.storage.locate import is_hub_id, local_path
@@ -63,9 +63,10 @@ class RecordStream:
         for block in self.blocks():
             yield block if isinstance(block, list) else block.records(self.url)
 
-    def blocks(self) -> Iterator[list[Record] | LineBlock]:
-        """The dataset in batches: a JSON Lines file's as `LineBlock`s, its lines not yet parsed (a worker process
-        may parse them); any other source's as records, read a batch at a time (`records.source_rows`); a mixture's
+    def blocks(self) -> Iterator[list[Record] | LineBlock | TableBlock]:
+        """The dataset in batches: a JSON Lines file's as `LineBlock`s, its lines not yet parsed, a Parquet file's
+        or a dataset's as `TableBlock`s, Arrow not yet made records (a worker process may do either); any other
+        source's as records, read a batch at a time (`records.source_rows`); a mixture's
         as its sources' records, interleaved as OpenRLHF mixes them."""
         sources = [part.strip() for part in self.url.split(",") if part.strip()]
         if not sources:
@@ -90,7 +91,7 @@ class RecordStream:
         return source_rows(self.url, self.storage_options, self.max_samples or self.dataset_max_samples, self.split,
                            self.flag)
 
-    def _row_blocks(self) -> Iterator[list[Record]]:
+    def _row_blocks(self) -> Iterator[list[Record] | TableBlock]:
         rows = self._source_rows()
         if rows.length == 0:
             raise UserError(f"{self.url}: the dataset is empty.")
@@ -99,7 +100,7 @@ class RecordStream:
             self.cut = (total, rows.available - total)
         done = 0
         for batch in rows.batches(self.batch_rows):
-            batch = batch[:total - done]
+            batch = batch.head(total - done) if isinstance(batch, TableBlock) else batch[:total - done]
             done += len(batch)
             self.position = (done, total, "rows")
             if batch:

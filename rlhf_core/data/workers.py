@@ -23,7 +23,7 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, Iterable, Iterator
 
 from rlhf_core.data.columns import Columns, FlatColumns, flatten
-from rlhf_core.data.records import Record
+from rlhf_core.data.records import Record, TableBlock
 from rlhf_core.data.stream import LineBlock
 from rlhf_core.errors import PreparationWorkerDied
 from rlhf_core.faults import fault_point
@@ -49,7 +49,7 @@ def num_workers() -> int:
     return min(cores, MAX_WORKERS)
 
 
-def map_batches(batches: Iterable[list[Record] | LineBlock], url: str, job: Job,
+def map_batches(batches: Iterable[list[Record] | LineBlock | TableBlock], url: str, job: Job,
                 kinds: dict[str, str]) -> Iterator[FlatColumns]:
     """`job` of each batch, flattened, in order. The first IN_PROCESS_BATCHES run in this process; a dataset
     with more goes on over `num_workers()` worker processes. A batch's error is raised here when its turn comes,
@@ -102,8 +102,8 @@ def _without_main() -> Iterator[None]:
         sys.modules["__main__"] = main
 
 
-def _records(batch: list[Record] | LineBlock, url: str) -> list[Record]:
-    return batch.records(url) if isinstance(batch, LineBlock) else batch
+def _records(batch: list[Record] | LineBlock | TableBlock, url: str) -> list[Record]:
+    return batch if isinstance(batch, list) else batch.records(url)
 
 
 def _result(future: Future, url: str) -> FlatColumns:
@@ -154,7 +154,7 @@ def _end_with(driver_pid: int) -> None:
     os._exit(1)
 
 
-def _run_batch(batch: list[Record] | LineBlock, number: int) -> tuple[FlatColumns, list]:
+def _run_batch(batch: list[Record] | LineBlock | TableBlock, number: int) -> tuple[FlatColumns, list]:
     fault_point("prepare_worker", number)
     captured: _Captured = _WORKER["captured"]
     captured.records = []
