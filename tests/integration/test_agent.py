@@ -32,6 +32,7 @@ def sft_model(toy_assets, rlhf_env, tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("agent-sft")
     sft = SFTConfig(pretrain=toy_assets["model"], dataset=toy_assets["sft"], input_key="prompt",
                     output_key="response", max_len=64, train_batch_size=16, micro_train_batch_size=8, max_epochs=6,
+                    input_template=None,  # the prompts as the agent's PPO sees them
                     learning_rate=3e-3, lr_warmup_ratio=0.05, save_steps=-1, save_path=str(root / "sft"))
     run = resolve_paths(RunConfig(stages=["sft"], ckpt_path=str(root / "ckpt"), load_checkpoint=True, sft=sft))
     done = fault_driver_job(run, rlhf_env)

@@ -60,7 +60,7 @@ def sft_run(toy: dict[str, str], ckpt: str, save_path: str) -> RunConfig:
     return RunConfig(
         ckpt_path=ckpt, load_checkpoint=True, max_ckpt_num=2, seed=42,
         sft=SFTConfig(pretrain=toy["model"], dataset=toy["sft"], input_key="prompt", output_key="response",
-                      max_len=128, train_batch_size=8, micro_train_batch_size=4, max_epochs=1,
+                      max_len=128, train_batch_size=8, micro_train_batch_size=4, max_epochs=1, input_template="{}",
                       learning_rate=1e-3, save_steps=5, save_path=save_path),
     )
 
