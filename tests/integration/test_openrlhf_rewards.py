@@ -67,7 +67,7 @@ def test_grpo_with_an_openrlhf_reward_func_beats_the_sft_policy(sft_policy, toy_
         pretrain=sft, remote_rm_url=str(tmp_path / "reward_func.py"), label_key="answer",
         prompt_data=labelled_prompts(toy_assets["prompts"], tmp_path / "prompts.jsonl"), input_key="prompt",
         eval_dataset=labelled_prompts(toy_assets["eval_prompts"], tmp_path / "eval_prompts.jsonl"),
-        eval_n_samples_per_prompt=1,
+        eval_n_samples_per_prompt=1, eval_steps=16,  # PPO evaluates only when --eval_steps says so (OpenRLHF's)
         advantage_estimator="group_norm", use_kl_loss=True, kl_estimator="k3", init_kl_coef=0.01,
         dynamic_filtering=True, dynamic_filtering_reward_range=(0.0, 1.0),
         n_samples_per_prompt=8, rollout_batch_size=8, micro_rollout_batch_size=32, train_batch_size=32,
