@@ -13,6 +13,7 @@ from typing import Callable
 import fsspec
 
 from rlhf_core.data.records import as_user_error, hub_dataset, open_data, split_data_dir
+from rlhf_core.stages.base import StageSettings
 from rlhf_core.storage.locate import is_hub_id, is_local_url, local_path, store_unreachable
 
 # A file's sha256 by its version (url, size, mtime or ETag), recorded when its data was prepared
@@ -20,16 +21,14 @@ from rlhf_core.storage.locate import is_hub_id, is_local_url, local_path, store_
 HashLookup = Callable[[tuple], "str | None"]
 
 
-def dataset_fingerprint(cfg, storage_options: dict | None = None, known_hash: HashLookup | None = None) -> str:
-    """Fingerprint of a stage's data (dataset or prompt_data, with its split), or "" if it has none; `known_hash`
-    saves reading a file whose hash was recorded at its version."""
-    if getattr(cfg, "dataset", None):
-        return fingerprint(cfg.dataset, storage_options, split=getattr(cfg, "dataset_split", "train"),
-                           known_hash=known_hash)
-    if getattr(cfg, "prompt_data", None):
-        return fingerprint(cfg.prompt_data, storage_options, split=getattr(cfg, "prompt_split", "train"),
-                           flag="--prompt_data", known_hash=known_hash)
-    return ""
+def dataset_fingerprint(cfg: StageSettings, storage_options: dict | None = None,
+                        known_hash: HashLookup | None = None) -> str:
+    """Fingerprint of a stage's data (its `data_source`: the data and its split), or "" if it has none;
+    `known_hash` saves reading a file whose hash was recorded at its version."""
+    source = cfg.data_source()
+    if source is None or not source.url:
+        return ""
+    return fingerprint(source.url, storage_options, split=source.split, flag=source.flag, known_hash=known_hash)
 
 
 def file_version(url: str, storage_options: dict | None, flag: str) -> tuple | None:

@@ -39,7 +39,7 @@ def resolve_paths(run: RunConfig) -> RunConfig:
     to resolve are those `rlhf_core.stages.STAGES` tags with a role; several comma-separated datasets are
     resolved one by one, and a hub id (`org/name`, no such local path) stays a hub id."""
 
-    outputs = {getattr(run.stage_config(stage), STAGES[stage].output_field) for stage in run.stages}
+    outputs = {run.stage_config(stage).output() for stage in run.stages}
 
     def absolute(url: str, may_name_a_hub_repo: bool = False) -> str:
         protocol, _ = fsspec.core.split_protocol(url)
@@ -69,14 +69,14 @@ def chunk_ends(total_steps: int, save_steps: int) -> list[int]:
 def plan_stage(run: RunConfig, stage: str) -> StagePlan:
     """Validate the stage's inputs and lay out its chunks; raises UserError before any training. Reads and
     tokenizes the whole dataset: ask the run's `StageRunner.plan`, which plans each stage once."""
-    facts, cfg = STAGES[stage], run.section(stage, StageConfig)
-    num_items, per_step = facts.num_items(run), facts.items_per_step(cfg)
+    cfg = run.section(stage, StageConfig)
+    num_items, per_step = STAGES[stage].num_items(run), cfg.items_per_step()
     steps_per_pass = num_items // per_step
     if steps_per_pass == 0:
-        data_url = getattr(cfg, "dataset", None) or getattr(cfg, "prompt_data", None)
+        source = cfg.data_source()
         raise UserError(
-            f"--{facts.step_size_flag} {per_step} is larger than the {num_items} usable samples of "
-            f"{data_url}; lower it or add data."
+            f"--{cfg.step_size_field} {per_step} is larger than the {num_items} usable samples of "
+            f"{source.url if source else 'its data'}; lower it or add data."
         )
-    total_steps = steps_per_pass * facts.num_passes(cfg)
+    total_steps = steps_per_pass * cfg.num_passes()
     return StagePlan(stage, num_items, total_steps, chunk_ends(total_steps, cfg.save_steps))

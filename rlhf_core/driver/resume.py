@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import asdict, dataclass
-from typing import Any
 
 from rlhf_core.storage.checkpoint import CheckpointStore
 from rlhf_core.storage.manifest import METADATA_NAME, CheckpointInfo
@@ -24,20 +23,6 @@ from rlhf_core.storage.locate import input_model_fingerprints
 logger = logging.getLogger(__name__)
 
 LINEAGE_MARKER = "RESUMED_FROM.json"
-
-# The defaults of semantic settings before `rlhf` took OpenRLHF's (issue 44), per stage. A run whose checkpoints
-# recorded one of them, resumed by a command or config that leaves the setting out, keeps the recorded value
-# (`keep_recorded_defaults`): it goes on training what it started, neither refused as drifted nor changed.
-EARLIER_DEFAULTS: dict[str, dict[str, Any]] = {
-    "sft": {"max_epochs": 1, "max_samples": None, "input_template": None},
-    "rm": {"learning_rate": 5e-6, "micro_train_batch_size": 8, "max_len": 2048, "max_samples": None,
-           "eval_holdout": 0.1},
-    "dpo": {"learning_rate": 5e-6, "max_len": 2048, "max_samples": None, "eval_holdout": 0.1},
-    "prm": {"learning_rate": 5e-6, "micro_train_batch_size": 8, "max_samples": None},
-    "ppo": {"learning_rate": 5e-6, "micro_train_batch_size": 8, "max_samples": None, "rollout_batch_size": 16,
-            "value_clip": 0.2, "lambd": 0.95},
-}
-
 
 @dataclass(frozen=True)
 class Lineage:
@@ -79,12 +64,13 @@ def config_drift(run: RunConfig, stage: str, metadata: dict) -> list[str]:
     saved_world_size = metadata.get("world_size")
     if stage in WORLD_SIZE_DEPENDENT_STAGES and saved_world_size not in (None, run.num_workers) \
             and not run.allow_fewer_workers:
-        changes.append(f"num_workers: {saved_world_size} -> {run.num_workers} (each PPO rank samples with its own seed)")
+        changes.append(f"num_workers: {saved_world_size} -> {run.num_workers} (each {stage.upper()} rank samples "
+                       "with its own seed)")
     saved_fingerprint = metadata.get("dataset_fingerprint")
     if saved_fingerprint and saved_fingerprint != dataset_fingerprint(
             cfg, run.storage_options, recorded_hashes(run.ckpt_path, run.storage_options)):
         changes.append("dataset contents: changed")
-    # Same path, other model: e.g. SFT retrained into the save_path this stage started from.
+    # Same path, other model: e.g. an earlier stage retrained into the save_path this stage started from.
     current_models = input_model_fingerprints(cfg, run.storage_options)
     for name, saved_model in sorted(metadata.get("input_models", {}).items()):
         if saved_model and current_models.get(name, saved_model) != saved_model:
@@ -94,12 +80,13 @@ def config_drift(run: RunConfig, stage: str, metadata: dict) -> list[str]:
 
 def keep_recorded_defaults(run: RunConfig, stage: str, metadata: dict) -> None:
     """Give each setting of `stage` in `run` that its command or config left out, and whose default changed since
-    (EARLIER_DEFAULTS), the value the checkpoint's metadata recorded when that was the earlier default; said once.
+    (its config's `earlier_defaults`), the value the checkpoint's metadata recorded when that was the earlier
+    default; said once.
     `run` changes in place (as `RunSettings` fills its sections), before anything reads it for training: the CLI's
     preflight and a deployment's flow both check the resume first."""
     cfg = run.stage_config(stage)
     saved = metadata.get("config", {})
-    kept = {name: saved[name] for name, earlier in EARLIER_DEFAULTS.get(stage, {}).items()
+    kept = {name: saved[name] for name, earlier in type(cfg).earlier_defaults.items()
             if name in saved and saved[name] == earlier and name not in cfg.model_fields_set
             and name in type(cfg).model_fields and getattr(cfg, name) != earlier}
     if not kept:

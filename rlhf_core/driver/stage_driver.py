@@ -26,11 +26,10 @@ def train_stage(run: RunConfig, stage: str) -> str:
 
 
 def export_stage(run: RunConfig, stage: str, final_step: int) -> str:
-    """The stage's final checkpoint as a Hugging Face model (an adapter if LoRA) in its save_path; with PPO's
-    --save_value_network, the critic too, in {save_path}_critic (as OpenRLHF). Returns save_path."""
+    """The stage's final checkpoint as a Hugging Face model (an adapter if LoRA) in its save_path, and the models
+    its settings export besides (`StageConfig.extra_exports`, e.g. a critic). Returns save_path."""
     cfg, store = run.section(stage, StageConfig), open_store(run, stage)
-    if getattr(cfg, "save_value_network", False) and getattr(cfg, "advantage_estimator", None) == "gae":
-        export_stage_output(store, final_step, "critic_model", cfg.start_model,
-                            f"{cfg.save_path.rstrip('/')}_critic", run.storage_options)
+    for model_dir, url in cfg.extra_exports().items():
+        export_stage_output(store, final_step, model_dir, cfg.start_model, url, run.storage_options)
     return export_stage_output(store, final_step, STAGES[stage].export_model_dir, cfg.start_model,
                                cfg.save_path, run.storage_options)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -33,18 +33,40 @@ def fields_with_role(config: type[BaseModel], role: str) -> list[str]:
 
 
 @dataclass(frozen=True)
+class Ref:
+    """A lazy reference to an object in a layer the stages may not import (a trainer in `rlhf_core.rank`, which
+    imports torch; a counting function in `rlhf_core.data`): its module and name, imported where it is used."""
+
+    module: str
+    name: str
+
+    @classmethod
+    def parse(cls, spec: str) -> Ref:
+        """`Ref.parse("package.module:name")`."""
+        module, separator, name = spec.partition(":")
+        if not (module and separator and name):
+            raise ValueError(f"{spec!r} must look like 'package.module:name'")
+        return cls(module, name)
+
+    def load(self) -> Any:
+        return getattr(importlib.import_module(self.module), self.name)
+
+
+@dataclass(frozen=True)
 class Stage:
-    """One pipeline stage, declared once, in its own module. A stage's fields carry their roles (`role`: model,
-    data, path, output) in their metadata, as `affects_training` marks the semantic ones."""
+    """One pipeline stage, declared once, in its own module: what the driver needs to know of it besides its
+    settings. What depends on a run's settings (items per step, passes, its data, its output, extra exports, the
+    defaults of earlier versions) is a method or class attribute of its config (`StageSettings`, `StageConfig`).
+    A stage's fields carry their roles (`role`: model, data, path, output) in their metadata, as
+    `affects_training` marks the semantic ones."""
 
     name: str
     config: type[StageSettings]
     kind: Literal["train", "merge", "export"]
     position: int  # where it runs in a pipeline: stages run in increasing position
     description: str  # the help of its section in a run config (`sft:` in run.yaml)
-    trainer: str = ""  # "module:Class" of the rank-side trainer (train stages), imported where ranks run
-    count_items: str = ""  # "module:function" counting the usable items of its data (the planner's), below rank
-    output_field: str = "save_path"  # the field naming where the stage's result is written
+    trainer: Ref | str | None = None  # the rank-side trainer class (train stages), imported where ranks run
+    count_items: Ref | str | None = None  # counts the usable items of its data (the planner's), below rank
     openrlhf_module: str = ""  # OpenRLHF's CLI module this stage's flags come from (`openrlhf.cli.NAME`)
     # The metrics its stagnation alert watches, in order of preference (held-out first), whether higher is
     # better, and what to check when they stall.
@@ -53,30 +75,43 @@ class Stage:
     stall_hint: str = "the learning rate or the data"
     is_policy: bool = False  # its output is a policy a merge or an export takes (the last one run)
     world_size_dependent: bool = False  # each rank samples with its own seed: the math depends on the rank count
-    # The planner's facts of a training stage: the config field that says how many items (samples, pairs or
-    # prompts) one step consumes (named when the data cannot fill one step), the one that counts passes over
-    # the data, and the checkpoint folder whose `hf/` is the stage's output.
-    step_size_flag: str = "train_batch_size"
-    passes_field: str = "max_epochs"
-    export_model_dir: str = "actor_model"
+    export_model_dir: str = "actor_model"  # the checkpoint folder whose `hf/` is the stage's output
 
-    def items_per_step(self, cfg: StageSettings) -> int:
-        return getattr(cfg, self.step_size_flag)
+    def __post_init__(self) -> None:
+        for name in ("trainer", "count_items"):  # "module:name", as a package's own stage may still give it
+            if isinstance(getattr(self, name), str):
+                object.__setattr__(self, name, Ref.parse(getattr(self, name)) if getattr(self, name) else None)
 
-    def num_passes(self, cfg: StageSettings) -> int:
-        return getattr(cfg, self.passes_field)
+    @property
+    def output_field(self) -> str:
+        """The name of the setting that says where the stage writes its result (its field with role "output")."""
+        return self.config.output_field()
+
+    def items_per_step(self, cfg: StageConfig) -> int:
+        return cfg.items_per_step()
+
+    def num_passes(self, cfg: StageConfig) -> int:
+        return cfg.num_passes()
 
     def trainer_class(self):
-        return _named(self.trainer)
+        if not isinstance(self.trainer, Ref):
+            raise ValueError(f"stage {self.name!r} has no trainer")
+        return self.trainer.load()
 
     def num_items(self, run) -> int:
         """Usable items (samples, pairs or prompts) of the stage's data in `run`; reads and tokenizes it all."""
-        return _named(self.count_items)(run)
+        if not isinstance(self.count_items, Ref):
+            raise ValueError(f"stage {self.name!r} has no data to count")
+        return self.count_items.load()(run)
 
 
-def _named(spec: str):
-    module_name, name = spec.split(":")
-    return getattr(importlib.import_module(module_name), name)
+@dataclass(frozen=True)
+class DataSource:
+    """The data a stage trains on, as its settings name it: where, which split, and the flag that gives it."""
+
+    url: str
+    split: str
+    flag: str
 
 
 class Earlier:
@@ -93,7 +128,7 @@ class Earlier:
         """Where `producer`, run before this stage, writes its result; a clear error when it does not run."""
         if not self.ran(producer):
             raise ValueError(f"{self.stage} needs its input: set it, or run {producer} before {self.stage}")
-        return getattr(self._configs[producer], self._table[producer].output_field)
+        return self._configs[producer].output()
 
     def policy(self) -> tuple[str, StageConfig] | None:
         """The last stage before this one whose output is a policy, and its config (a training stage's)."""
@@ -115,12 +150,31 @@ class StageSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    # The defaults of semantic settings before `rlhf` took OpenRLHF's (issue 44). A run whose checkpoints recorded
+    # one of them, resumed by a command or config that leaves the setting out, keeps the recorded value
+    # (`rlhf_core.driver.resume.keep_recorded_defaults`): neither refused as drifted nor changed.
+    earlier_defaults: ClassVar[Mapping[str, Any]] = {}
+
     def chained(self, earlier: Earlier) -> StageSettings:
         """These settings with their inputs defaulted from the stages run before (`earlier`)."""
         return self
 
     def check_in_run(self, stage: str, num_workers: int) -> None:
         """Raise ValueError when these settings do not fit the run (its rank count)."""
+
+    @classmethod
+    def output_field(cls) -> str:
+        """The setting that says where the stage writes its result: its one field with the role "output"."""
+        (name,) = fields_with_role(cls, "output")
+        return name
+
+    def output(self) -> str:
+        """Where the stage writes its result."""
+        return getattr(self, self.output_field())
+
+    def data_source(self) -> DataSource | None:
+        """The data the stage trains on; none (the default): it has none (a merge, an export)."""
+        return None
 
 
 PRETRAIN_HELP = ("Model to start from: a local folder, an fsspec URL, or a Hugging Face hub id (resolved from the "
@@ -221,6 +275,22 @@ class StageConfig(StageSettings):
             raise UserError("pretrain is not set: give it, or run the stage that produces it before this one")
         return self.pretrain
 
+    # The setting that says how many items (samples, pairs or prompts) one step consumes, named when the data
+    # cannot fill one step: `items_per_step`'s value.
+    step_size_field: ClassVar[str] = "train_batch_size"
+
+    def items_per_step(self) -> int:
+        return self.train_batch_size
+
+    def num_passes(self) -> int:
+        """Passes over the data."""
+        return self.max_epochs
+
+    def extra_exports(self) -> dict[str, str]:
+        """Models of the final checkpoint exported besides the stage's own (`Stage.export_model_dir`): where each
+        goes, by its checkpoint folder. None by default."""
+        return {}
+
     @field_validator("save_steps")
     @classmethod
     def _positive_or_whole_stage(cls, value: int) -> int:
@@ -270,3 +340,6 @@ class PreferenceConfig(StageConfig):
     eval_holdout: float = Field(0.0, ge=0, lt=1, description="Without eval_dataset: fraction of the pairs held out "
                                                              "of training to evaluate on (0: none, as OpenRLHF; the "
                                                              "reward model then evaluates on its first 1%).")
+
+    def data_source(self) -> DataSource:
+        return DataSource(self.dataset, self.dataset_split, "--dataset")

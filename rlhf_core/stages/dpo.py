@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from rlhf_core.stages.base import Earlier, PreferenceConfig, Stage, input_location, operational, restated
+from rlhf_core.stages.base import Earlier, PreferenceConfig, Ref, Stage, input_location, operational, restated
 
 
 class DPOConfig(PreferenceConfig):
@@ -28,6 +28,8 @@ class DPOConfig(PreferenceConfig):
     save_path: str = Field("./out/dpo", **operational("Where the final policy is exported (an adapter if LoRA).",
                                                        role="output"))
 
+    earlier_defaults = {"learning_rate": 5e-6, "max_len": 2048, "max_samples": None, "eval_holdout": 0.1}
+
     def chained(self, earlier: Earlier) -> DPOConfig:
         """The policy starts from the SFT output; the reference is the policy's start, as OpenRLHF."""
         pretrain = self.pretrain or earlier.output("sft")
@@ -35,6 +37,6 @@ class DPOConfig(PreferenceConfig):
 
 
 STAGE = Stage("dpo", DPOConfig, "train", position=15, description="Settings of the DPO stage.",
-              trainer="rlhf_core.rank.trainers.dpo:DPOTrainer", openrlhf_module="train_dpo",
+              trainer=Ref("rlhf_core.rank.trainers.dpo", "DPOTrainer"), openrlhf_module="train_dpo",
               headline_metrics=("eval_loss", "mean_loss", "loss"), is_policy=True,
-              count_items="rlhf_core.data.pairs:count_dpo_pairs")
+              count_items=Ref("rlhf_core.data.pairs", "count_dpo_pairs"))

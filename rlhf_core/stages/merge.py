@@ -34,4 +34,4 @@ class MergeConfig(StageSettings):
 
 
 STAGE = Stage("merge", MergeConfig, "merge", position=80, description="Settings of the LoRA merge stage.",
-              output_field="output_path", openrlhf_module="lora_combiner")
+              openrlhf_module="lora_combiner")

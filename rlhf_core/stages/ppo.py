@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 import re
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
 from rlhf_core.errors import UserError
-from rlhf_core.stages.base import Earlier, Stage, StageConfig, input_location, operational, restated
+from rlhf_core.stages.base import DataSource, Earlier, Ref, Stage, StageConfig, input_location, operational, restated
 
 
 class PPOConfig(StageConfig):
@@ -100,6 +100,25 @@ class PPOConfig(StageConfig):
     save_path: str = Field("./out/ppo", **operational("Where the final policy is exported (an adapter if LoRA).",
                                                        role="output"))
 
+    earlier_defaults = {"learning_rate": 5e-6, "micro_train_batch_size": 8, "max_samples": None,
+                        "rollout_batch_size": 16, "value_clip": 0.2, "lambd": 0.95}
+    step_size_field: ClassVar[str] = "rollout_batch_size"  # prompts per PPO step
+
+    def items_per_step(self) -> int:
+        return self.rollout_batch_size
+
+    def num_passes(self) -> int:
+        return self.num_episodes
+
+    def data_source(self) -> DataSource:
+        return DataSource(self.prompt_data, self.prompt_split, "--prompt_data")
+
+    def extra_exports(self) -> dict[str, str]:
+        """With --save_value_network, the critic (gae's) in {save_path}_critic, as OpenRLHF."""
+        if self.save_value_network and self.advantage_estimator == "gae":
+            return {"critic_model": f"{self.save_path.rstrip('/')}_critic"}
+        return {}
+
     @model_validator(mode="after")
     def _cross_field_checks(self) -> "PPOConfig":
         if self.reward_fn is not None and not re.fullmatch(r"[\w.]+:\w+", self.reward_fn):
@@ -162,8 +181,7 @@ def require_vllm(num_engines: int) -> None:
         raise UserError("--vllm_num_engines needs vLLM: pip install 'rlhf-pipeline[vllm]'.")
 
 STAGE = Stage("ppo", PPOConfig, "train", position=30, description="Settings of the PPO stage.",
-              trainer="rlhf_core.rank.trainers.ppo:PPOTrainer", openrlhf_module="train_ppo_ray",
+              trainer=Ref("rlhf_core.rank.trainers.ppo", "PPOTrainer"), openrlhf_module="train_ppo_ray",
               headline_metrics=("eval_reward", "mean_reward", "reward"), higher_is_better=True,
               stall_hint="the learning rate, the KL coefficient or the reward", is_policy=True,
-              world_size_dependent=True, step_size_flag="rollout_batch_size", passes_field="num_episodes",
-              count_items="rlhf_core.data.prompts:count_ppo_prompts")
+              world_size_dependent=True, count_items=Ref("rlhf_core.data.prompts", "count_ppo_prompts"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from rlhf_core.stages.base import Earlier, Stage, StageConfig, input_location, operational, restated
+from rlhf_core.stages.base import DataSource, Earlier, Ref, Stage, StageConfig, input_location, operational, restated
 
 
 class PRMConfig(StageConfig):
@@ -30,6 +30,11 @@ class PRMConfig(StageConfig):
     save_path: str = Field("./out/prm", **operational("Where the final process reward model is exported.",
                                                        role="output"))
 
+    earlier_defaults = {"learning_rate": 5e-6, "micro_train_batch_size": 8, "max_samples": None}
+
+    def data_source(self) -> DataSource:
+        return DataSource(self.dataset, self.dataset_split, "--dataset")
+
     @model_validator(mode="after")
     def _soft_labels_need_two_tokens(self) -> PRMConfig:
         if self.reward_tokens is not None and len(set(self.reward_tokens)) < 2:
@@ -45,5 +50,5 @@ class PRMConfig(StageConfig):
 
 
 STAGE = Stage("prm", PRMConfig, "train", position=25, description="Settings of the process-reward-model stage.",
-              trainer="rlhf_core.rank.trainers.prm:PRMTrainer", openrlhf_module="train_prm",
-              count_items="rlhf_core.data.step_labels:count_step_labelled")
+              trainer=Ref("rlhf_core.rank.trainers.prm", "PRMTrainer"), openrlhf_module="train_prm",
+              count_items=Ref("rlhf_core.data.step_labels", "count_step_labelled"))

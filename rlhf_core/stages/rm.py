@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from rlhf_core.stages.base import Earlier, PreferenceConfig, Stage, input_location, operational, restated
+from rlhf_core.stages.base import Earlier, PreferenceConfig, Ref, Stage, input_location, operational, restated
 
 
 class RMConfig(PreferenceConfig):
@@ -24,6 +24,9 @@ class RMConfig(PreferenceConfig):
     save_path: str = Field("./out/rm", **operational("Where the final reward model is exported (any fsspec URL).",
                                                       role="output"))
 
+    earlier_defaults = {"learning_rate": 5e-6, "micro_train_batch_size": 8, "max_len": 2048, "max_samples": None,
+                        "eval_holdout": 0.1}
+
     def chained(self, earlier: Earlier) -> RMConfig:
         """The backbone defaults to the SFT output of this run."""
         if self.pretrain is not None:
@@ -32,6 +35,6 @@ class RMConfig(PreferenceConfig):
 
 
 STAGE = Stage("rm", RMConfig, "train", position=20, description="Settings of the reward-model stage.",
-              trainer="rlhf_core.rank.trainers.rm:RewardModelTrainer", openrlhf_module="train_rm",
+              trainer=Ref("rlhf_core.rank.trainers.rm", "RewardModelTrainer"), openrlhf_module="train_rm",
               export_model_dir="reward_model",
-              count_items="rlhf_core.data.pairs:count_rm_pairs")
+              count_items=Ref("rlhf_core.data.pairs", "count_rm_pairs"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from rlhf_core.stages.base import PRETRAIN_HELP, Stage, StageConfig, input_location, operational, restated
+from rlhf_core.stages.base import PRETRAIN_HELP, DataSource, Ref, Stage, StageConfig, input_location, operational, restated
 
 
 class SFTConfig(StageConfig):
@@ -33,7 +33,12 @@ class SFTConfig(StageConfig):
     save_path: str = Field("./out/sft", **operational("Where the final Hugging Face model is exported (any fsspec "
                                                        "URL).", role="output"))
 
+    earlier_defaults = {"max_epochs": 1, "max_samples": None, "input_template": None}
+
+    def data_source(self) -> DataSource:
+        return DataSource(self.dataset, self.dataset_split, "--dataset")
+
 
 STAGE = Stage("sft", SFTConfig, "train", position=10, description="Settings of the SFT stage.",
-              trainer="rlhf_core.rank.trainers.sft:SFTTrainer", openrlhf_module="train_sft", is_policy=True,
-              count_items="rlhf_core.data.sft:count_sft_samples")
+              trainer=Ref("rlhf_core.rank.trainers.sft", "SFTTrainer"), openrlhf_module="train_sft", is_policy=True,
+              count_items=Ref("rlhf_core.data.sft", "count_sft_samples"))

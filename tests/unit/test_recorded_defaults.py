@@ -9,7 +9,7 @@ import pytest
 from flows.cli import _own_flags, build_parser, run_config_from_flags
 from rlhf_core.config import semantic_fields
 from rlhf_core.driver.plan import resolve_paths
-from rlhf_core.driver.resume import EARLIER_DEFAULTS, config_drift, validate_run_start
+from rlhf_core.driver.resume import config_drift, validate_run_start
 from rlhf_core.errors import UserError
 from rlhf_core.stages import STAGES
 from rlhf_core.storage.checkpoint import CheckpointStore
@@ -59,7 +59,7 @@ def test_a_recorded_value_that_was_never_a_default_is_drift_as_before(tmp_path):
 
 def test_the_earlier_defaults_name_settings_whose_default_changed():
     """Each entry is a semantic setting of its stage whose default now differs (else it is stale or misspelled)."""
-    for stage, earlier in EARLIER_DEFAULTS.items():
-        fields = STAGES[stage].config.model_fields
+    for stage in STAGES.values():
+        earlier, fields = stage.config.earlier_defaults, stage.config.model_fields
         for name, value in earlier.items():
-            assert name in fields and fields[name].default != value, (stage, name)
+            assert name in fields and fields[name].default != value, (stage.name, name)
