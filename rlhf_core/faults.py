@@ -4,6 +4,8 @@ docs/design-notes.md ("Fault injection") has the rules and RLHF_FAULT_JOB_PID, R
 RLHF_FAULT_TRACE set, every point reached appends `time pid point@step tag` to that file: the chaos soak (tests/soak)
 reads the ranks' pids and each step's time from it. A file `armed-PID` in RLHF_FAULT_STATE holding an action is that
 process's action at its next fault point, from outside (the soak arms `oom` in a rank it put under a memory limit).
+Fault points sit at boundaries (entering a step, a write, a collective), never inside the arithmetic: an action that
+changes what the step computes is one a process registers (`register_action`), as a rank registers `nan`.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from rlhf_core.processes import process_exists
 
@@ -23,6 +25,9 @@ TRACE_ENV_VAR = "RLHF_FAULT_TRACE"
 OOM_BLOCK_BYTES = 64 << 20
 OOM_MAX_BYTES = 4 << 30  # with no memory limit to meet, `oom` gives up here with a MemoryError
 SLOW_PIECE_S = 0.5  # `slow:S` works in pieces this long, each reported as a long evaluation reports its batches
+
+# Actions this process added to the built-in ones, by name (`register_action`).
+_REGISTERED: dict[str, Callable[[], None]] = {}
 
 
 def _first_time(point: str) -> bool:
@@ -44,14 +49,10 @@ def _orphaned() -> bool:
     return bool(job_pid) and job_pid != os.getpid() and not process_exists(job_pid)
 
 
-def fault_requested(name: str, step: int, action: str) -> bool:
-    """Whether a rule `name@step=action` fires now (once per RLHF_FAULT_STATE), for faults the caller
-    injects itself, e.g. `loss@3=nan`: the trainer multiplies that step's loss by NaN."""
-    spec = os.environ.get(ENV_VAR)
-    if not spec:
-        return False
-    point = f"{name}@{step}"
-    return any(rule.strip() == f"{point}={action}" for rule in spec.split(",")) and _first_time(point)
+def register_action(name: str, action: Callable[[], None]) -> None:
+    """Let a rule `point@step=name` run `action` in this process, at the point, before the work the point enters.
+    A rank registers `nan` (`rlhf_core.rank.worker`): `train_step@8=nan` makes step 8's loss non-finite."""
+    _REGISTERED[name] = action
 
 
 def _trace(point: str, tag: str) -> None:
@@ -116,6 +117,8 @@ def _act(action: str, signals: Any = None) -> None:
         time.sleep(float(action.split(":", 1)[1]))
     elif action.startswith("slow:"):
         _work_slowly(float(action.split(":", 1)[1]), signals)
+    elif action in _REGISTERED:
+        _REGISTERED[action]()
     elif action == "oom":  # a step whose memory outgrows the limit: the kernel's OOM killer ends the process
         blocks: list[bytearray] = []
         while len(blocks) * OOM_BLOCK_BYTES < OOM_MAX_BYTES:

@@ -56,6 +56,20 @@ def yield_cpu_to_training() -> bool:
     return True
 
 
+def poison_weights(modules) -> None:
+    """The fault action `nan` (`train_step@8=nan`): every weight of `modules` becomes NaN at the step's boundary, so
+    the step's loss is non-finite, as a diverged run's, with no hook in any loss. ZeRO-3 keeps a rank's share of
+    the weights beside the module (`ds_tensor`): that share is poisoned too."""
+    import torch
+
+    with torch.no_grad():
+        for module in modules:
+            for parameter in module.parameters():
+                parameter.fill_(float("nan"))
+                if getattr(parameter, "ds_tensor", None) is not None:
+                    parameter.ds_tensor.fill_(float("nan"))
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("", 0))
@@ -181,12 +195,14 @@ class TrainWorker:
         self.rank, self.world_size = rank, world_size
 
     def setup(self, run: RunConfig, stage: str, chunk_ends: list[int], load_universal: bool) -> None:
+        from rlhf_core.faults import register_action
         from rlhf_core.rank.trainers import trainer_class
 
         self._stage = stage
         with self._progress.working_on("setup"):
             self._trainer = trainer_class(stage)(run, chunk_ends, self.rank, self.world_size, load_universal)
             self._trainer.signals = WorkerSignals(self._progress, self.any_rank_asked_to_stop)
+        register_action("nan", lambda: poison_weights(engine.module for engine in self.trainer.engines.values()))
 
     def train_until(self, target_step: int) -> tuple[list[dict[str, float]], float, int, list[tuple[float, bool]],
                                                      float]:

@@ -1,7 +1,8 @@
 """Alerts end to end.
 
-The non-finite alert: a NaN injected into SFT's loss fails the chunk before its commit.
-`RLHF_FAULT_INJECT="loss@8=nan"` multiplies step 8's loss by NaN (rlhf_core/faults.py). The chunk to
+The non-finite alert: a NaN loss fails the chunk before its commit. `RLHF_FAULT_INJECT="train_step@8=nan"`
+makes the rank's weights NaN as it enters step 8 (`rlhf_core.rank.worker.poison_weights`), so step 8's loss is
+non-finite, as a diverged run's, with no hook inside the loss. The chunk to
 step 10 must fail without a Prefect retry, commit nothing at step 10, keep step 5 intact, and leave one
 `rlhf.alert.non-finite` line in the run's alerts.jsonl that `rlhf ckpt ls` / `rlhf status` show.
 
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.slow
 
 def test_nan_in_the_loss_fails_the_chunk_uncommitted_unretried_and_alerts(toy_assets, rlhf_env, tmp_path):
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
-    failed = run_rlhf(train_sft_args(toy_assets, ckpt, out), {**rlhf_env, "RLHF_FAULT_INJECT": "loss@8=nan"})
+    failed = run_rlhf(train_sft_args(toy_assets, ckpt, out), {**rlhf_env, "RLHF_FAULT_INJECT": "train_step@8=nan"})
     assert failed.returncode != 0
     console = failed.stdout + failed.stderr
     assert "step 5/32: trained 5 steps" in console, console[-3000:]

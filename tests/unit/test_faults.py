@@ -1,4 +1,5 @@
-"""The fault hook (`rlhf_core.faults`): rules fire once, and never in a rank whose job is already dead."""
+"""The fault hook (`rlhf_core.faults`): rules fire once, and never in a rank whose job is already dead; an action a
+process registers (a rank's `nan`) fires at its point as the built-in ones do."""
 
 from __future__ import annotations
 
@@ -100,3 +101,37 @@ def test_slow_work_tells_its_pieces_to_the_trainers_signals(monkeypatch):
     assert heard.pieces == [("eval", done, 4) for done in range(1, 5)]
     faults.fault_point("train_step", 4, signals=heard)
     assert len(heard.pieces) == 4
+
+
+def test_a_registered_action_fires_at_its_point_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(faults, "_REGISTERED", {})
+    monkeypatch.setenv(faults.ENV_VAR, "train_step@3=nan")
+    monkeypatch.setenv(faults.STATE_ENV_VAR, str(tmp_path))
+    fired: list[int] = []
+    faults.register_action("nan", lambda: fired.append(1))
+    faults.fault_point("train_step", 2)
+    faults.fault_point("collective", 3)
+    assert fired == []
+    faults.fault_point("train_step", 3)
+    faults.fault_point("train_step", 3)
+    assert fired == [1]
+
+
+def test_the_ranks_nan_action_makes_the_next_loss_non_finite():
+    """What `train_step@8=nan` does in a rank (registered by `TrainWorker.setup`): the step's loss, computed as
+    before by the stage's own loss code, comes out non-finite; the commit then refuses the chunk and alerts
+    (tests/integration/test_alerts_pipeline.py)."""
+    import torch
+
+    from rlhf_core.rank.worker import poison_weights
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8))
+    tokens = torch.tensor([[1, 2, 3]])
+
+    def loss() -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+
+    assert torch.isfinite(loss())
+    poison_weights([model])
+    assert not torch.isfinite(loss())

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from rlhf_core.config import RunConfig
 from rlhf_core.data.sft import load_sft_samples
 from rlhf_core.data.determinism import derive_seed
-from rlhf_core.faults import fault_requested
 from rlhf_core.models.load import load_causal_lm
 from rlhf_core.storage.locate import load_tokenizer
 from rlhf_core.rank.packing import pack_sft
@@ -50,8 +49,6 @@ class SFTTrainer(DeepSpeedTrainer[SFTConfig]):
     def train_loss(self, samples: list[TokenizedSample]) -> tuple[torch.Tensor, dict[str, float]]:
         with self.autocast():
             loss = self.engine(**self.batch(samples)).loss
-        if fault_requested("loss", self.step + 1, "nan"):  # test hook: the non-finite alert's case
-            loss = loss * float("nan")
         return loss, {}
 
     def eval_items(self) -> Sequence[TokenizedSample]:
