@@ -37,10 +37,10 @@ class BatchEncoder:
     def sequences(self, texts: list[str]) -> list[list[int]]:
         """`samples.sequence_ids` of each text: newlines stripped, " " + EOS unless present, truncated, the last
         token EOS."""
-        tokenizer = self.tokenizer
-        ids = self([sequence_text(tokenizer.eos_token, text) for text in texts])
+        eos, eos_id = self.tokenizer.eos_token, self.tokenizer.eos_token_id  # each a transformers __getattr__
+        ids = self([sequence_text(eos, text) for text in texts])
         for sequence in ids:
-            sequence[-1] = tokenizer.eos_token_id
+            sequence[-1] = eos_id
         return ids
 
 

@@ -1,18 +1,20 @@
 """How one stage turns a record's fields into text (`Renderer`): the tokenizer's chat template, rendered as
-transformers renders it (plain messages by the compiled template directly, cheaper than transformers' conversion),
-else --input_template; and whether the tokenizer puts a BOS before plain text. docs/design-notes.md ("Chat data and
-templates") has the rules."""
+transformers renders it (plain messages by the compiled template directly, cheaper than transformers' conversion,
+and where the template allows, from a skeleton per conversation shape: `template_skeleton`), else --input_template;
+and whether the tokenizer puts a BOS before plain text. docs/design-notes.md ("Chat data and templates") has the
+rules."""
 
 from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jinja2
 
 from rlhf_core.data.records import Record
+from rlhf_core.data.template_skeleton import TemplateSkeletons
 from rlhf_core.errors import UserError
 from rlhf_core.notices import warn_once
 
@@ -45,6 +47,8 @@ class Renderer:
     url: str
     apply_chat_template: bool
     input_template: str | None = None
+    # each chat template's plain renderer (None: transformers renders), made at its first row; not pickled
+    _plain: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.apply_chat_template and not getattr(self.tokenizer, "chat_template", None):
@@ -57,9 +61,10 @@ class Renderer:
         it raises (its raise_exception, as Gemma's on a system message) is about their data or template, so a
         UserError naming the row, not a traceback."""
         try:
-            plain = _plain_render(self.tokenizer, messages, generation_prompt)
-            if plain is not None:
-                return plain
+            plain = self._plain_renderer()
+            text = None if plain is None else plain.render(messages, generation_prompt)
+            if text is not None:
+                return text
             return self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                       add_generation_prompt=generation_prompt)
         except jinja2.TemplateSyntaxError as error:  # the template itself: every row would fail alike
@@ -67,6 +72,24 @@ class Renderer:
                             f"valid Jinja: {error.message} (template line {error.lineno}).") from None
         except Exception as error:
             raise UserError(self._refusal(error, record, keys)) from None
+
+    def _plain_renderer(self) -> TemplateSkeletons | None:
+        """The current chat template's renderer of plain {role, content} str messages, with the special tokens as
+        they are at its first row (a stage's tokenizer is set up before it renders); None where transformers has
+        no compiler for it."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not isinstance(template, str):
+            return None
+        plain = self._plain.get(template, self)
+        if plain is self:
+            compiled = _compiled_template(template)
+            plain = None if compiled is None else TemplateSkeletons(compiled, template,
+                                                                    _template_tokens(self.tokenizer))
+            self._plain[template] = plain
+        return plain
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_plain": {}}  # compiled templates do not pickle: a worker makes its own
 
     def _refusal(self, error: Exception, record: Record | None, keys: tuple[str, ...]) -> str:
         where = self.url if record is None else record.where(self.url)
@@ -100,24 +123,6 @@ class Renderer:
                       "is cut where OpenRLHF cuts it (at the prompt's length) and may be wrong.",
                       key=f"template-rewrites-prompt:{self.url}")
         return prompt_text, whole_text[len(prompt_text):]
-
-
-def _plain_render(tokenizer, messages: list[dict], generation_prompt: bool) -> str | None:
-    """`apply_chat_template(messages, tokenize=False)` of plain {role, content} string messages, rendered by the same
-    compiled template with the same variables (the special tokens, no tools or documents), less transformers'
-    conversion of rich message objects, which costs more than the render itself and leaves plain strings as
-    they are. None for anything else (other keys, other types; a template transformers has no compiler for):
-    transformers renders those."""
-    template = getattr(tokenizer, "chat_template", None)
-    if not isinstance(template, str) or not all(type(message) is dict and len(message) == 2 and
-                                                type(message.get("role")) is str and
-                                                type(message.get("content")) is str for message in messages):
-        return None
-    compiled = _compiled_template(template)
-    if compiled is None:
-        return None
-    return compiled.render(messages=[dict(message) for message in messages], tools=None, documents=None,
-                           add_generation_prompt=generation_prompt, **_template_tokens(tokenizer))
 
 
 @functools.lru_cache(maxsize=8)
