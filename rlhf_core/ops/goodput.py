@@ -2,7 +2,8 @@
 (useful, stall, start-up, load, plan, lost, other; down time between attempts apart), per stage and in total,
 across every attempt of the run. The chunk code and the flow call its hooks; one small JSON document is
 rewritten whole (atomic, durable), and recording is best effort. docs/design-notes.md ("Goodput") defines each
-category and why the ledger is kept this way; `rlhf_core.ops.goodput_summary` reads it.
+category and why the ledger is kept this way; `rlhf_core.ops.goodput_categories` names the categories and the chunk's
+timers, and `rlhf_core.ops.goodput_summary` reads the ledger.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any, Callable, Mapping
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
+from rlhf_core.ops.goodput_categories import Category, category_shares
 from rlhf_core.storage import durable
 from rlhf_core.errors import UserError
 
@@ -29,20 +31,6 @@ GOODPUT_FILE_NAME = "goodput.json"
 LEDGER_FORMAT = 1
 LEASE_HEARTBEAT_S = 10.0  # rlhf_core.storage.lease.RunLease's default renewal period: bounds a crashed attempt's end
 RUNNING, FINISHED, CRASHED = "running", "finished", "crashed"
-
-# ChunkResult.seconds keys -> ledger category. With "stall" present, "save_and_commit" is not the stall
-# (the asynchronous writer does the rest): it is left to "other" by subtraction. With "step_loop" (the
-# ranks' own time in their step loop for the chunk's steps) present, "train" (the driver's wait for them,
-# shorter when they trained ahead during the previous commit) is not the useful time.
-OVERRIDDEN_BY = {"save_and_commit": "stall", "train": "step_loop"}
-SECONDS_CATEGORIES = {"step_loop": "useful_s", "train": "useful_s", "stall": "stall_s", "save_and_commit": "stall_s",
-                      "commit": "commit_s", "workers": "startup_s", "load": "load_s", "workers_and_load": "load_s",
-                      "plan": "plan_s", "writer_slowdown": "stall_s", "eval": "eval_s"}
-# Timers that are a part of another timer's time, taken out of that timer's category: the step loop's
-# slowdown beside the background writer is inside "step_loop" (or "train"), but is not useful time.
-PART_OF = {"writer_slowdown": "useful_s", "eval": "useful_s"}  # evaluation is inside the ranks' step loop
-# Categories that are part of the wall time (commit_s runs in the background, beside training).
-WALL_CATEGORIES = ("useful_s", "eval_s", "stall_s", "startup_s", "load_s", "plan_s", "lost_s")
 
 MAX_REPLACEMENTS_KEPT = 50  # per stage: each in-place replacement of the ranks, for `rlhf goodput` and the bench
 
@@ -59,7 +47,7 @@ def process_start_time() -> float:
 
 def _new_stage() -> dict[str, Any]:
     return {"chunks": 0, "steps": 0, "lost_chunks": 0, "lost_steps": 0, "attempts": 0, "wall_s": 0.0,
-            **{name: 0.0 for name in (*WALL_CATEGORIES, "commit_s", "outage_s")}, "seconds": {}, "lost_to": {}}
+            **{category.value: 0.0 for category in Category}, "seconds": {}, "lost_to": {}}
 
 
 def empty_ledger() -> dict[str, Any]:
@@ -100,7 +88,7 @@ def _lose(doc: dict, chunks: list[dict], until: float) -> None:
         record = _stage(doc, stage)
         record["lost_chunks"] += len(mine)
         record["lost_steps"] += sum(chunk["to_step"] - chunk["from_step"] for chunk in mine)
-        record["lost_s"] += max(0.0, until - min(chunk["started"] for chunk in mine))
+        record[Category.LOST] += max(0.0, until - min(chunk["started"] for chunk in mine))
         for cause in {chunk["lost_to"] for chunk in mine if chunk.get("lost_to")}:  # a hang, a lost rank...
             caused = [chunk for chunk in mine if chunk.get("lost_to") == cause]
             record["lost_to"][cause] = record["lost_to"].get(cause, 0.0) + max(
@@ -143,7 +131,7 @@ def _close_crashed(doc: dict, old: dict, next_started: float, lease_holder: Mapp
         record = _stage(doc, chunk["stage"])
         record["chunks"] += 1
         record["steps"] += chunk["to_step"] - chunk["from_step"]
-        record["useful_s"] += max(0.0, end - chunk["started"])
+        record[Category.USEFUL] += max(0.0, end - chunk["started"])
     doc["pending"] = [chunk for chunk in doc["pending"] if chunk not in committed]
     for chunk in lost if state == CRASHED else []:  # the process died: its chunk's time is lost to the restart
         chunk.setdefault("lost_to", "restarts")
@@ -159,7 +147,7 @@ def start_chunk(doc: dict, attempt: dict, stage: str, from_step: int, to_step: i
     at or below `from_step` may still be committing in the background: it stays pending."""
     record = _stage(doc, stage)
     if attempt["chunks_started"] == 0:
-        record["startup_s"] += max(0.0, now - attempt["started"])
+        record[Category.STARTUP] += max(0.0, now - attempt["started"])
     if stage not in attempt.setdefault("stages", []):  # restarts per stage, for the restart cost R
         attempt["stages"].append(stage)
         record["attempts"] += 1
@@ -202,11 +190,8 @@ def commit_chunk(doc: dict, attempt: dict, stage: str, step: int, seconds: Mappi
     record["steps"] += int(num_steps or 0)
     for name, value in seconds.items():
         record["seconds"][name] = record["seconds"].get(name, 0.0) + float(value)
-        category = SECONDS_CATEGORIES.get(name)
-        if category and OVERRIDDEN_BY.get(name) not in seconds:
-            record[category] += float(value)
-        if name in PART_OF:
-            record[PART_OF[name]] -= float(value)
+    for category, share in category_shares(seconds):
+        record[category] += share
 
 
 def replace_ranks(doc: dict, stage: str, cause: str, seen_at: float, ready_at: float, first_step_s: float) -> None:
@@ -223,7 +208,7 @@ def replace_ranks(doc: dict, stage: str, cause: str, seen_at: float, ready_at: f
 
 def _add_outage(doc: dict, stage: str, seconds: float) -> None:
     record = _stage(doc, stage)
-    record["outage_s"] = record.get("outage_s", 0.0) + seconds
+    record[Category.OUTAGE] = record.get(Category.OUTAGE, 0.0) + seconds
 
 
 def finish_attempt(doc: dict, attempt: dict, now: float) -> None:
@@ -240,7 +225,7 @@ def _lose_ahead(doc: dict, attempt: dict, until: float) -> None:
     known here; its time is."""
     for stage, ahead in list(_ahead(doc).items()):
         if ahead["attempt"] == attempt["id"]:
-            _stage(doc, stage)["lost_s"] += max(0.0, until - ahead["since"])
+            _stage(doc, stage)[Category.LOST] += max(0.0, until - ahead["since"])
             del _ahead(doc)[stage]
 
 

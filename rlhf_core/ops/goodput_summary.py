@@ -10,7 +10,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
 from rlhf_core.errors import UserError
-from rlhf_core.ops.goodput import CRASHED, GOODPUT_FILE_NAME, RUNNING, WALL_CATEGORIES, GoodputLedger
+from rlhf_core.ops.goodput import CRASHED, GOODPUT_FILE_NAME, RUNNING, GoodputLedger
+from rlhf_core.ops.goodput_categories import WALL_CATEGORIES
 
 
 @dataclass
