@@ -14,11 +14,14 @@ Gemma's, Mistral's, Qwen3's): those render in full, as before. Not in OpenRLHF, 
 from __future__ import annotations
 
 import functools
+import logging
 import re
 import secrets
 from typing import Any
 
 from jinja2 import nodes
+
+logger = logging.getLogger(__name__)
 
 # What a value may hold: nothing of the contents, a content verbatim, messages (the list, a slice, a message, a
 # method of one), and PART: what a key computed at render time picks from a message, which may be its content.
@@ -311,13 +314,17 @@ class TemplateSkeletons:
                                     add_generation_prompt=generation_prompt, **self.variables)
 
     def first_of_shape(self, shape: tuple, messages: list, contents: list[str], generation_prompt: bool) -> str:
-        """The row rendered in full, and its shape's skeleton kept if it gives the same text."""
+        """The row rendered in full, and its shape's skeleton kept if it gives the same text (else None is kept:
+        the template refuses the shape, changes a placeholder, or uses a content in a way the check missed)."""
+        if len(self.shapes) >= MAX_SHAPES:
+            return self.full(messages, generation_prompt)
         skeleton = self.skeleton(messages, contents, generation_prompt)
-        if skeleton is None and len(self.shapes) < MAX_SHAPES:
-            self.shapes[shape] = None  # the template refuses this shape, or writes a placeholder changed
+        self.shapes[shape] = None
         text = self.full(messages, generation_prompt)  # raises what the template raises for this row
-        if skeleton is not None and len(self.shapes) < MAX_SHAPES:
-            self.shapes[shape] = skeleton if skeleton.format(*contents) == text else None
+        if skeleton is not None and skeleton.format(*contents) == text:
+            self.shapes[shape] = skeleton
+        elif skeleton is not None:
+            logger.debug("chat template skeleton of shape %r differs from its first row's render", shape)
         return text
 
     def skeleton(self, messages: list, contents: list[str], generation_prompt: bool) -> str | None:

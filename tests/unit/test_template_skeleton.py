@@ -159,7 +159,8 @@ def test_a_template_that_refuses_a_shape_still_names_each_row(tokenizers):
                                "here') }}{% endif %}{{ m.role + ': ' + m.content + '\n' }}{% endfor %}")
     renderer = Renderer(tokenizer, URL, apply_chat_template=True)
     assert renderer._plain_renderer().problem is None
-    assert renderer.chat(conversation("ua", 1)) == "user:   leading and trailing  \nassistant: \n\nnewlines around\n\n\n"
+    assert renderer.chat(conversation("ua", 1)) == ("user:   leading and trailing  \n"
+                                                    "assistant: \n\nnewlines around\n\n\n")
     for line in (2, 3):  # the refused shape is not kept: every row with it is refused, by its own render
         with pytest.raises(UserError, match=rf"^chat.jsonl line {line}: the tokenizer's chat template refused "
                                             r"'chosen' with \"No system here\""):
