@@ -204,6 +204,7 @@ def _is_folder(store) -> bool:
 def _stage_status(stage: str, store) -> str:
     """One line: the stage's last committed step of its total, its headline metric and its output folder."""
     from rlhf_core.ops.alerts import headline_metric
+    from rlhf_core.storage.metadata import CheckpointMetadata
 
     infos = store.list()
     committed = [info for info in infos if info.is_committed]
@@ -211,18 +212,16 @@ def _stage_status(stage: str, store) -> str:
         return f"{stage:<6} no committed checkpoint ({len(infos)} incomplete or corrupt)"
     last = committed[-1]
     try:
-        metadata = store.read_metadata(last.step)
+        metadata = store.training_metadata(last.step)
     except UserError:
-        metadata = {}
-    metrics = metadata.get("metrics") or {}
-    total = metadata.get("total_steps")
+        metadata = CheckpointMetadata(stage, last.step)
+    metrics, total = metadata.metrics, metadata.total_steps
     parts = [f"{stage:<6} step {last.step}" + (f"/{total}" if total else ""),
              f"{len(committed)} committed"]
     headline = headline_metric(stage, metrics)
     if headline:
         parts.append(f"{headline[0]} {metrics[headline[0]]:.4g}")
-    config = metadata.get("config") or {}
-    save_path = metadata.get("save_path") or config.get("save_path")
+    save_path = metadata.output_path()
     parts.append(f"output {save_path}" if save_path else f"checkpoint {last.uri}")
     return ", ".join(parts)
 

@@ -21,7 +21,7 @@ from prefect.events import emit_event
 from prefect.states import Cancelled, State
 
 from flows import restarts
-from flows.stage_report import StageReport, artifact_key
+from flows.stage_report import StageReport, StageSummary, artifact_key
 from rlhf_core.driver import preflight
 from rlhf_core.driver.outage import is_outage
 from rlhf_core.driver.stop import StopSignals
@@ -33,7 +33,7 @@ from rlhf_core.config import RunConfig
 from rlhf_core.stages import STAGES
 from rlhf_core.errors import RLHFError
 from rlhf_core.driver.resume import begin_stage, open_store, validate_run_start
-from tasks.chunks import chunk_task_for, emit_alert, export_final_task, export_model, merge_lora_task
+from tasks.chunks import ChunkKey, chunk_task_for, emit_alert, export_final_task, export_model, merge_lora_task
 
 STOPPED_BY_BUDGET = "stopped-by-budget"
 COMPLETED = "completed"
@@ -168,12 +168,12 @@ def _train_stage_chunks(runner: StageRunner, stage: str, upstream_digest: str, c
         reason = _budget_reason(None if chunks_left is None else chunks_left - num_trained,
                                 stop_at if chunks_trained_before + num_trained else None)
         if reason and target not in _committed_steps(run, stage):
-            return _stopped(run, stage, plan.total_steps, result, report, num_trained, reason, logger)
+            return _stopped(report, result, num_trained, reason).to_dict()
         started = time.monotonic()
         last_allowed = _last_chunk_allowed(None if chunks_left is None else chunks_left - num_trained, stop_at,
                                            last_chunk_s)
-        state = train_chunk(runner, stage, target, upstream_digest, lineage, train_ahead=not last_allowed, plan=plan,
-                            return_state=True)
+        state = train_chunk(runner, ChunkKey.of(run, stage, target, upstream_digest, lineage),
+                            train_ahead=not last_allowed, plan=plan, return_state=True)
         aside = _emit_set_aside_events(run, stage, aside)
         if state.is_cancelled():  # stopped by a signal, after its emergency checkpoint
             return Cancelled(message=state.message)
@@ -193,9 +193,8 @@ def _train_stage_chunks(runner: StageRunner, stage: str, upstream_digest: str, c
     save_path = export_model(runner, stage, plan.total_steps, plan)
     report.finish(save_path)
     logger.info("%s: exported the final model (step %d) to %s", stage, plan.total_steps, save_path)
-    return {"status": COMPLETED, "final_step": plan.total_steps, "checkpoint": result.uri,
-            "manifest_digest": result.manifest_digest, "save_path": save_path, "chunks": report.rows,
-            "chunks_trained": num_trained}
+    return StageSummary(COMPLETED, plan.total_steps, checkpoint=result.uri, manifest_digest=result.manifest_digest,
+                        save_path=save_path, chunks=report.rows, chunks_trained=num_trained).to_dict()
 
 
 def _cancelled(runner: StageRunner, stage: str, step: int) -> State:
@@ -210,25 +209,24 @@ def _chunk_status(run: RunConfig, state_name: str, result: ChunkResult) -> str:
     return status
 
 
-def _stopped(run: RunConfig, stage: str, total_steps: int, result: ChunkResult | None, report: StageReport,
-             num_trained: int, reason: str, logger) -> dict:
-    """The summary of a stage stopped by a run budget at a chunk boundary (not exported)."""
-    step = result.step if result is not None else 0
+def _stopped(report: StageReport, result: ChunkResult | None, num_trained: int, reason: str) -> StageSummary:
+    """The summary of a stage (`report`'s) stopped by a run budget at a chunk boundary (not exported), `result`
+    its last chunk's."""
+    step, total_steps = (result.step if result is not None else 0), report.plan.total_steps
     report.refresh()
-    logger.info("%s: stopped at step %d/%d because %s; the next run of %s continues from there.",
-                stage, step, total_steps, reason, run.run_name)
-    return {"status": STOPPED_BY_BUDGET, "final_step": step, "total_steps": total_steps,
-            "checkpoint": result.uri if result else None, "manifest_digest": result.manifest_digest if result else "",
-            "save_path": None, "chunks": report.rows, "chunks_trained": num_trained, "reason": reason}
+    report.logger.info("%s: stopped at step %d/%d because %s; the next run of %s continues from there.",
+                       report.stage, step, total_steps, reason, report.run.run_name)
+    return StageSummary(STOPPED_BY_BUDGET, step, total_steps, result.uri if result else None,
+                        result.manifest_digest if result else "", None, report.rows, num_trained, reason)
 
 
 @flow(name="rlhf-output", flow_run_name="{run.run_name}-{stage}", log_prints=True)
 def rlhf_output_stage(run: RunConfig, stage: str) -> dict:
     """The merge (LoRA adapter into its base) or export (standalone HF model) stage, with a link to its output."""
-    result = merge_lora_task(run) if STAGES[stage].kind == "merge" else export_final_task(run)
-    create_link_artifact(key=artifact_key(run.run_name, stage, "output"), link=result["save_path"],
-                         link_text=result["save_path"], description=f"Output of stage {stage} in run {run.run_name}")
-    return result
+    result = StageSummary.from_dict(merge_lora_task(run) if STAGES[stage].kind == "merge" else export_final_task(run))
+    create_link_artifact(key=artifact_key(run.run_name, stage, "output"), link=result.save_path,
+                         link_text=result.save_path, description=f"Output of stage {stage} in run {run.run_name}")
+    return result.to_dict()
 
 
 @flow(name="rlhf", log_prints=True)
@@ -238,7 +236,7 @@ def rlhf(config: RunConfig) -> dict:
     that fails on a fault that passes, or is preempted, ends rescheduled instead (flows/restarts.py)."""
     run = resolve_paths(config)
     restarts.start_attempt(run)  # a deployment's run: outlive its worker, label its process, back off or stop
-    runner = StageRunner(run)
+    runner = StageRunner(run, announce=emit_alert)
     try:
         with runner.signals.obeying(), runner:  # in place of Prefect's SIGTERM handler (Crashed)
             outcome = _run_stages(runner, prepared=False)
@@ -261,9 +259,7 @@ def _rlhf_on(runner: StageRunner) -> Flow:
     def rlhf_on_runner(config: RunConfig) -> dict:
         with runner.signals.obeying():
             prepared = runner.is_checked(config)
-            if not prepared:
-                runner.run = resolve_paths(config)
-            return _run_stages(runner, prepared)
+            return _run_stages(runner if prepared else runner.with_run(resolve_paths(config)), prepared)
 
     return flow(rlhf_on_runner, name=rlhf.name, description=rlhf.description, log_prints=True)
 
@@ -273,15 +269,15 @@ def _run_stages(runner: StageRunner, prepared: bool) -> dict | State:
     preflight); a Cancelled state when a stop signal ended it (rlhf_core.driver.stop)."""
     logger = get_run_logger()
     if (runtime.flow_run.run_count or 1) > 1:  # a Prefect retry of this flow run always resumes
-        runner.run, prepared = runner.run.model_copy(update={"load_checkpoint": True}), False
+        runner, prepared = runner.with_run(runner.run.model_copy(update={"load_checkpoint": True})), False
     run = runner.run
-    runner.announce = emit_alert  # a hang replaced in place inside a chunk: its alert as a Prefect event at once
     if not prepared:
         validate_run_start(run)
     _quiet_console_in_a_deployment_run(run)
     stop_at = (datetime.now(timezone.utc) + timedelta(minutes=run.time_budget_minutes)
                if run.time_budget_minutes else None)
-    summary, upstream_digest, num_trained = {}, "", 0
+    summary: dict[str, StageSummary] = {}
+    upstream_digest, num_trained = "", 0
     runner.ledger.attempt_started()  # before the lease: it still names a crashed predecessor's process
     with runner.holding_lease():
         try:
@@ -289,29 +285,29 @@ def _run_stages(runner: StageRunner, prepared: bool) -> dict | State:
             for stage in run.stages:
                 if runner.signals.requested():  # between stages: the last one finished, the next run starts this
                     done = [name for name in summary if STAGES[name].kind == "train"]
-                    return _cancelled(runner, done[-1], summary[done[-1]]["final_step"]) if done else \
+                    return _cancelled(runner, done[-1], summary[done[-1]].final_step or 0) if done else \
                         _cancelled(runner, stage, 0)
                 started = time.perf_counter()
                 kind = STAGES[stage].kind
                 if kind in ("merge", "export"):
-                    summary[stage] = rlhf_output_stage(run, stage)
+                    summary[stage] = StageSummary.from_dict(rlhf_output_stage(run, stage))
                 else:
                     chunks_left = None if run.max_chunks_per_run is None else run.max_chunks_per_run - num_trained
                     state = rlhf_stage(runner, stage, upstream_digest, chunks_left, stop_at, num_trained,
                                        return_state=True)
                     if state.is_cancelled():
                         return Cancelled(message=state.message)
-                    summary[stage] = state.result()
-                    num_trained += summary[stage]["chunks_trained"]
-                    upstream_digest = summary[stage]["manifest_digest"]
-                summary[stage]["seconds"] = round(time.perf_counter() - started, 1)
-                if summary[stage].get("status") == STOPPED_BY_BUDGET:
+                    summary[stage] = StageSummary.from_dict(state.result())
+                    num_trained += summary[stage].chunks_trained or 0
+                    upstream_digest = summary[stage].manifest_digest or ""
+                summary[stage].seconds = round(time.perf_counter() - started, 1)
+                if summary[stage].status == STOPPED_BY_BUDGET:
                     break
-                logger.info("%s: output in %s (%s s)", stage, summary[stage]["save_path"], summary[stage]["seconds"])
+                logger.info("%s: output in %s (%s s)", stage, summary[stage].save_path, summary[stage].seconds)
         finally:
             runner.release_workers()
             runner.ledger.attempt_finished()
-    return summary
+    return {stage: stage_summary.to_dict() for stage, stage_summary in summary.items()}
 
 
 def run_pipeline(run: RunConfig, command_started: float | None = None, signals: StopSignals | None = None) -> dict:
@@ -320,7 +316,8 @@ def run_pipeline(run: RunConfig, command_started: float | None = None, signals: 
     `command_started`: when the command began (the goodput ledger counts its start-up from there); `signals`: the
     command's stop signals (by default the run's own, obeyed from the flow's start)."""
     checked: Checked = preflight.preflight(run)
-    with StageRunner(checked.run, checked, command_started, signals) as runner:
+    # announce: a hang replaced in place inside a chunk, its alert as a Prefect event at once
+    with StageRunner(checked.run, checked, command_started, signals, emit_alert) as runner:
         server_start = _start_ephemeral_server_in_background()
         try:
             _prestart_first_training_stage(runner)  # Ray and the first ranks start beside Prefect

@@ -11,6 +11,7 @@ import logging
 import math
 import re
 import time
+from dataclasses import asdict, dataclass
 from uuid import UUID
 
 from typing import Callable
@@ -33,6 +34,38 @@ CURVE_PANELS = (("loss", "mean_loss"), ("reward", "mean_reward"), ("eval_loss",)
                 ("eval_reward",), ("kl",))
 
 
+@dataclass
+class StageSummary:
+    """What the flow `rlhf` returns for each stage (as `to_dict`, under the stage's name). A training stage has a
+    `status` (`completed`, or `stopped-by-budget` with its `total_steps` and `reason`), its last step and checkpoint,
+    its chunk table and how many chunks trained; merge and export stages have their output (`save_path`, and the
+    merge's `max_logit_difference`). `seconds`: the stage's wall time in the flow."""
+
+    status: str | None = None
+    final_step: int | None = None
+    total_steps: int | None = None
+    checkpoint: str | None = None
+    manifest_digest: str | None = None
+    save_path: str | None = None
+    chunks: list[dict] | None = None
+    chunks_trained: int | None = None
+    reason: str | None = None
+    max_logit_difference: float | None = None
+    seconds: float | None = None
+
+    def to_dict(self) -> dict:
+        """The JSON form: a training stage's keys always, the rest only when set."""
+        always = _TRAINING_KEYS if self.status is not None else ("save_path",)
+        return {name: value for name, value in asdict(self).items() if name in always or value is not None}
+
+    @classmethod
+    def from_dict(cls, record: dict) -> StageSummary:
+        return cls(**record)
+
+
+_TRAINING_KEYS = ("status", "final_step", "checkpoint", "manifest_digest", "save_path", "chunks", "chunks_trained")
+
+
 def artifact_key(*parts: str) -> str:
     """A Prefect artifact key from free text: lowercase letters, digits and dashes only."""
     return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
@@ -42,10 +75,11 @@ def headline_metric(metrics: dict) -> str:
     return "reward" if "reward" in metrics else "loss"
 
 
-def progress_line(stage: str, num_done: int, num_chunks: int, step: int, total_steps: int, metrics: dict,
-                  status: str = "") -> str:
-    """`sft [#####-----] 4/8 chunks  step 32/64: trained 8 steps  loss 2.97`: one console line per chunk (the
-    status says whether the chunk trained, was cached, or ran on fewer ranks than asked)."""
+def progress_line(stage: str, chunks: tuple[int, int], steps: tuple[int, int], metrics: dict, status: str = "") -> str:
+    """`sft [#####-----] 4/8 chunks  step 32/64: trained 8 steps  loss 2.97`: one console line per chunk, with
+    `chunks` (done, of all) and `steps` (reached, of all); the status says whether the chunk trained, was cached, or
+    ran on fewer ranks than asked."""
+    (num_done, num_chunks), (step, total_steps) = chunks, steps
     filled = round(BAR_WIDTH * num_done / max(num_chunks, 1))
     name = headline_metric(metrics)
     value = metrics.get(name, float("nan"))
@@ -113,8 +147,8 @@ class StageReport:
         update_progress_artifact(self.progress_id, progress=round(100.0 * num_done / len(self.plan.targets), 1))
         if self._refreshed_at is None or time.monotonic() - self._refreshed_at >= REFRESH_S:
             self.refresh()
-        self.logger.info(progress_line(self.stage, num_done, len(self.plan.targets), result.step,
-                                       self.plan.total_steps, result.metrics, status))
+        self.logger.info(progress_line(self.stage, (num_done, len(self.plan.targets)),
+                                       (result.step, self.plan.total_steps), result.metrics, status))
 
     def refresh(self, save_path: str | None = None) -> None:
         """The chunk table, the links (with the exported model's once there is one), the curve and goodput."""

@@ -1,7 +1,7 @@
 """The chunk task: one `ensure_checkpoint` call, cached by stable identity and retried on failure.
 
-The cache key is (run name, stage, target step, semantic config hash, upstream digest, checkpoint
-format version): no flow-run id and no task source, so a new flow run of the same run name, a UI
+The cache key is a `ChunkKey` (run name, stage, target step, semantic config hash, upstream digest, lineage) and
+the checkpoint format version: no flow-run id and no task source, so a new flow run of the same run name, a UI
 retry, a subflow restart and a code edit all skip completed chunks. Results are small JSON dicts
 persisted in the run's own store (`{ckpt_path}/{run_name}/_prefect/`), never pickles.
 """
@@ -21,7 +21,7 @@ from prefect.filesystems import RemoteFileSystem
 from prefect.states import Cancelled
 from prefect.transactions import get_transaction
 
-from rlhf_core.driver.chunk import CHECKPOINT_FORMAT_VERSION, ensure_checkpoint
+from rlhf_core.driver.chunk import ensure_checkpoint
 from rlhf_core.driver.plan import StagePlan
 from rlhf_core.driver.runner import StageRunner
 from rlhf_core.driver.stage_driver import export_stage
@@ -30,31 +30,49 @@ from rlhf_core.errors import RankHung, StallRepeats, is_retryable
 from rlhf_core.driver.export import export_final, merge_lora
 from rlhf_core.driver.resume import Lineage
 from rlhf_core.driver.stop import StoppedBySignal
+from rlhf_core.storage.metadata import CHECKPOINT_FORMAT_VERSION
 from rlhf_core.storage.locate import local_path
 
 
-def chunk_cache_key(run: RunConfig, stage: str, target_step: int, upstream_digest: str, lineage: Lineage) -> str:
-    identity = {
-        "lineage": lineage.cache_token(),
-        "run_name": run.run_name,
-        "stage": stage,
-        "target_step": target_step,
-        "config_hash": semantic_hash(run, stage),
-        "upstream_digest": upstream_digest,
-        "format_version": CHECKPOINT_FORMAT_VERSION,
-    }
-    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
-    return f"{run.run_name}-{stage}-step{target_step}-{digest}"
+@dataclass(frozen=True)
+class ChunkKey:
+    """A chunk's stable identity, its cache key's fields (see the module docstring): the run's name, the stage,
+    the target step, the stage's semantic config hash, the upstream stage's final manifest digest, and the
+    stage's lineage (`Lineage.cache_token`). `ChunkKey.of` makes one for a run."""
+
+    run_name: str
+    stage: str
+    target_step: int
+    config_hash: str
+    upstream_digest: str = ""
+    lineage: Lineage = Lineage()
+
+    @classmethod
+    def of(cls, run: RunConfig, stage: str, target_step: int, upstream_digest: str = "",
+           lineage: Lineage = Lineage()) -> ChunkKey:
+        return cls(run.run_name, stage, target_step, semantic_hash(run, stage), upstream_digest, lineage)
+
+    def cache_key(self) -> str:
+        identity = {
+            "lineage": self.lineage.cache_token(),
+            "run_name": self.run_name,
+            "stage": self.stage,
+            "target_step": self.target_step,
+            "config_hash": self.config_hash,
+            "upstream_digest": self.upstream_digest,
+            "format_version": CHECKPOINT_FORMAT_VERSION,
+        }
+        digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
+        return f"{self.run_name}-{self.stage}-step{self.target_step}-{digest}"
 
 
 @dataclass
 class ChunkCachePolicy(CachePolicy):
-    """Cache key of a chunk from its stable identity (see module docstring)."""
+    """Cache key of a chunk from its stable identity (`ChunkKey`)."""
 
     def compute_key(self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any],
                     **kwargs: Any) -> str | None:
-        return chunk_cache_key(inputs["runner"].run, inputs["stage"], inputs["target_step"],
-                               inputs["upstream_digest"], inputs["lineage"])
+        return inputs["key"].cache_key()
 
 
 def emit_alert(alert: dict) -> None:
@@ -96,18 +114,17 @@ def _retry_if_retryable(task, task_run, state) -> bool:
     cache_policy=ChunkCachePolicy(),
     persist_result=True,
     result_serializer="json",
-    task_run_name="{stage}-to-step-{target_step}",
+    task_run_name="{key.stage}-to-step-{key.target_step}",
 )
-def train_chunk(runner: StageRunner, stage: str, target_step: int, upstream_digest: str, lineage: Lineage,
-                train_ahead: bool = True, plan: StagePlan | None = None) -> dict:
-    """Train `stage` of the runner's run up to `target_step` and commit the checkpoint; returns a ChunkResult dict.
-    The key holds the run's identity (`chunk_cache_key`), not the runner's processes (its warm worker group,
-    trackers, ledger and lease). Not part of the key either: `train_ahead` (train the next chunk while this one
-    commits) and `plan` (the stage's, planned once by the flow; a function of the run, which the key holds).
-    Stopped by a signal (after its emergency checkpoint, `rlhf_core.driver.stop`), the task run is Cancelled:
-    never retried, never cached."""
+def train_chunk(runner: StageRunner, key: ChunkKey, train_ahead: bool = True, plan: StagePlan | None = None) -> dict:
+    """Train `key.stage` of the runner's run up to `key.target_step` and commit the checkpoint; returns a
+    ChunkResult dict. The cache key is `key`'s, not the runner's processes (its warm worker group, trackers,
+    ledger and lease). Not part of the key either: `train_ahead` (train the next chunk while this one commits)
+    and `plan` (the stage's, planned once by the flow; a function of the run, which the key holds). Stopped by a
+    signal (after its emergency checkpoint, `rlhf_core.driver.stop`), the task run is Cancelled: never retried,
+    never cached."""
     try:
-        return ensure_checkpoint(runner, stage, target_step, lineage, train_ahead, plan).to_dict()
+        return ensure_checkpoint(runner, key.stage, key.target_step, key.lineage, train_ahead, plan).to_dict()
     except (RankHung, StallRepeats) as hung:  # StallRepeats: the last hang's alert (is_retryable: no retry)
         if hung.alert:
             emit_alert(hung.alert)

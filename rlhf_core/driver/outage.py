@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 from rlhf_core.errors import StoreUnreachable, TransientStoreError
@@ -24,14 +25,29 @@ def is_outage(error: BaseException) -> bool:
     return isinstance(error, TransientStoreError) or connection_error(error) is not None
 
 
-def wait_out_outages(attempt: Callable[[], T], store_url: str, waiting: str, lost: str, limit_s: float,
-                     sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic,
-                     meanwhile: str = "", waited: Callable[[float], None] | None = None) -> T:
+@dataclass(frozen=True)
+class OutageWait:
+    """How a store call waits out an outage: the store (`store_url`), what waits (`the commit of step 8`), what a
+    too-long outage loses (`step 8 was not committed`), the limit (--store_outage_s), what goes on `meanwhile`,
+    and whom to tell how long an outage that passed was waited out (`waited(seconds)`: the goodput ledger)."""
+
+    store_url: str
+    waiting: str
+    lost: str
+    limit_s: float
+    meanwhile: str = ""
+    waited: Callable[[float], None] | None = None
+    sleep: Callable[[float], None] = time.sleep
+    clock: Callable[[], float] = time.monotonic
+
+
+def wait_out_outages(attempt: Callable[[], T], wait: OutageWait) -> T:
     """`attempt()`, tried again while it fails on an outage (`is_outage`): after 1 s, doubling to MAX_BACKOFF_S,
-    for at most `limit_s` from the first failure; one warning line when the outage begins, saying that `waiting`
-    (`the commit of step 8`) waits, and what goes on `meanwhile`. Past the limit, StoreUnreachable (retryable: the
-    run stops, and resumes from the last commit once the store is back), saying what was `lost` (`step 8 was not
-    committed`). `waited(seconds)` is told how long an outage that passed was waited out (the goodput ledger)."""
+    for at most `wait.limit_s` from the first failure; one warning line when the outage begins, saying what waits
+    and what goes on meanwhile. Past the limit, StoreUnreachable (retryable: the run stops, and resumes from the
+    last commit once the store is back), saying what was lost. `wait.waited` is told how long an outage that
+    passed was waited out."""
+    store_url, waiting, limit_s, clock = wait.store_url, wait.waiting, wait.limit_s, wait.clock
     began: float | None = None
     delay = 1.0
     while True:
@@ -45,18 +61,18 @@ def wait_out_outages(attempt: Callable[[], T], store_url: str, waiting: str, los
                 began = now
                 logger.warning("--ckpt_path %s: the store is unreachable (%s); %s waits for it, up to "
                                "--store_outage_s %g%s", store_url, type(connection_error(error) or error).__name__,
-                               waiting, limit_s, f", and {meanwhile}" if meanwhile else "")
+                               waiting, limit_s, f", and {wait.meanwhile}" if wait.meanwhile else "")
             if now - began >= limit_s:
                 raise StoreUnreachable(
                     f"--ckpt_path {store_url}: the store has been unreachable for {now - began:.0f} s "
-                    f"(--store_outage_s {limit_s:g}); {lost} and earlier checkpoints are intact; the run resumes "
+                    f"(--store_outage_s {limit_s:g}); {wait.lost} and earlier checkpoints are intact; the run resumes "
                     "from the last commit once the store is back.") from error
-            sleep(min(delay, max(0.0, began + limit_s - now)))
+            wait.sleep(min(delay, max(0.0, began + limit_s - now)))
             delay = min(2 * delay, MAX_BACKOFF_S)
             continue
         if began is not None:
             outage_s = clock() - began
             logger.info("--ckpt_path %s: the store is back after %.0f s; %s goes on", store_url, outage_s, waiting)
-            if waited is not None:
-                waited(outage_s)
+            if wait.waited is not None:
+                wait.waited(outage_s)
         return result

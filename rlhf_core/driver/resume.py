@@ -6,12 +6,12 @@ the ranks load.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import asdict, dataclass
 
 from rlhf_core.storage.checkpoint import CheckpointStore
-from rlhf_core.storage.manifest import METADATA_NAME, CheckpointInfo
+from rlhf_core.storage.manifest import CheckpointInfo
+from rlhf_core.storage.metadata import CheckpointMetadata
 from rlhf_core.config import RunConfig, semantic_fields
 from rlhf_core.stages import TRAINING_STAGES, WORLD_SIZE_DEPENDENT_STAGES
 from rlhf_core.stages.base import StageConfig
@@ -43,7 +43,7 @@ class StartState:
     """The committed checkpoint a worker group loaded, with its (verified) metadata."""
 
     info: CheckpointInfo
-    metadata: dict
+    metadata: CheckpointMetadata
     universal: bool
     weights_only: bool
 
@@ -52,40 +52,40 @@ def open_store(run: RunConfig, stage: str) -> CheckpointStore:
     return CheckpointStore(run.stage_url(stage), run.storage_options)
 
 
-def config_drift(run: RunConfig, stage: str, metadata: dict) -> list[str]:
+def config_drift(run: RunConfig, stage: str, metadata: CheckpointMetadata) -> list[str]:
     """Semantic settings that differ between `run` and a checkpoint's metadata, as 'field: old -> new'. Only
     settings both know are compared: a checkpoint written by another version of this package may record a
     setting that is no longer semantic (--zero_stage became operational) or lack one added since."""
     cfg = run.stage_config(stage)
     current = {**semantic_fields(cfg), "seed": run.seed}
-    saved = {**metadata.get("config", {}), "seed": metadata.get("seed")}
+    saved = {**metadata.config, "seed": metadata.seed}
     changes = [f"{name}: {saved[name]!r} -> {current[name]!r}"
                for name in sorted(set(current) & set(saved)) if saved[name] != current[name]]
-    saved_world_size = metadata.get("world_size")
+    saved_world_size = metadata.world_size
     if stage in WORLD_SIZE_DEPENDENT_STAGES and saved_world_size not in (None, run.num_workers) \
             and not run.allow_fewer_workers:
         changes.append(f"num_workers: {saved_world_size} -> {run.num_workers} (each {stage.upper()} rank samples "
                        "with its own seed)")
-    saved_fingerprint = metadata.get("dataset_fingerprint")
+    saved_fingerprint = metadata.dataset_fingerprint
     if saved_fingerprint and saved_fingerprint != dataset_fingerprint(
             cfg, run.storage_options, recorded_hashes(run.ckpt_path, run.storage_options)):
         changes.append("dataset contents: changed")
     # Same path, other model: e.g. an earlier stage retrained into the save_path this stage started from.
     current_models = input_model_fingerprints(cfg, run.storage_options)
-    for name, saved_model in sorted(metadata.get("input_models", {}).items()):
+    for name, saved_model in sorted(metadata.input_models.items()):
         if saved_model and current_models.get(name, saved_model) != saved_model:
             changes.append(f"{name} model contents: changed")
     return changes
 
 
-def keep_recorded_defaults(run: RunConfig, stage: str, metadata: dict) -> None:
+def keep_recorded_defaults(run: RunConfig, stage: str, metadata: CheckpointMetadata) -> None:
     """Give each setting of `stage` in `run` that its command or config left out, and whose default changed since
     (its config's `earlier_defaults`), the value the checkpoint's metadata recorded when that was the earlier
     default; said once.
     `run` changes in place (as `RunSettings` fills its sections), before anything reads it for training: the CLI's
     preflight and a deployment's flow both check the resume first."""
     cfg = run.stage_config(stage)
-    saved = metadata.get("config", {})
+    saved = metadata.config
     kept = {name: saved[name] for name, earlier in type(cfg).earlier_defaults.items()
             if name in saved and saved[name] == earlier and name not in cfg.model_fields_set
             and name in type(cfg).model_fields and getattr(cfg, name) != earlier}
@@ -104,7 +104,7 @@ def keep_recorded_defaults(run: RunConfig, stage: str, metadata: dict) -> None:
     setattr(run, stage, resumed)
 
 
-def check_drift(run: RunConfig, stage: str, info: CheckpointInfo, metadata: dict) -> None:
+def check_drift(run: RunConfig, stage: str, info: CheckpointInfo, metadata: CheckpointMetadata) -> None:
     keep_recorded_defaults(run, stage, metadata)
     changes = config_drift(run, stage, metadata)
     if changes and not run.allow_config_change:
@@ -115,10 +115,11 @@ def check_drift(run: RunConfig, stage: str, info: CheckpointInfo, metadata: dict
     check_zero_stage(run.section(stage, StageConfig).zero_stage, run.load_weights_only, info, metadata)
 
 
-def check_zero_stage(configured: int | None, weights_only: bool, info: CheckpointInfo, metadata: dict) -> None:
+def check_zero_stage(configured: int | None, weights_only: bool, info: CheckpointInfo,
+                     metadata: CheckpointMetadata) -> None:
     """Refuse an explicit --zero_stage that cannot read the checkpoint's optimizer state (DeepSpeed loads
     another stage's layout only as weights, and ZeRO-3's partitioned weights not even so)."""
-    saved = metadata.get("zero_stage")
+    saved = metadata.zero_stage
     if configured is None or saved is None or configured == saved or (weights_only and 3 not in (configured, saved)):
         return
     raise UserError(
@@ -145,7 +146,7 @@ def validate_run_start(run: RunConfig) -> None:
                                 f"checkpoint (committed: {available}).")
             committed = [info for info in committed if info.step <= run.resume_from]
         if committed and run.load_checkpoint:
-            check_drift(run, stage, committed[-1], store.read_metadata(committed[-1].step))
+            check_drift(run, stage, committed[-1], store.training_metadata(committed[-1].step))
 
 
 def begin_stage(run: RunConfig, stage: str) -> Lineage:
@@ -158,7 +159,7 @@ def begin_stage(run: RunConfig, stage: str) -> Lineage:
     explicit_step = run.resume_from if stage == run.stages[0] else None  # --resume_from's step, in its first stage
     usable = [info for info in committed if explicit_step is None or info.step <= explicit_step]
     if usable and run.load_checkpoint:
-        check_drift(run, stage, usable[-1], store.read_metadata(usable[-1].step))
+        check_drift(run, stage, usable[-1], store.training_metadata(usable[-1].step))
     elif run.load_checkpoint and not listing:
         # The seed's `if [ -d ckpt ]; then --load_checkpoint` and a plain --load_checkpoint on a new folder both
         # land here: a fresh start, said once (as OpenRLHF 0.11 does), never an error.
@@ -188,12 +189,12 @@ def load_start(run: RunConfig, stage: str, store: CheckpointStore, infos: list[C
         try:
             if not info.is_committed:
                 raise CorruptCheckpoint(info.reason, info.step, info.reason)
-            metadata = json.loads(store.read_verified(info.step, METADATA_NAME))
+            metadata = store.verified_training_metadata(info.step)
             check_drift(run, stage, info, metadata)
             start = StartState(info, metadata, needs_universal(metadata, group.world_size),
                                lineage.weights_only and info.step == lineage.start_step)
             group.setup(run, stage, chunk_ends, load_universal=start.universal,
-                        saved_zero_stage=metadata.get("zero_stage"))
+                        saved_zero_stage=metadata.zero_stage)
             group.load(run.stage_url(stage), run.storage_options, info.step, start.universal, start.weights_only)
             return start
         except CorruptCheckpoint as error:
@@ -204,7 +205,7 @@ def load_start(run: RunConfig, stage: str, store: CheckpointStore, infos: list[C
     return None
 
 
-def needs_universal(metadata: dict, num_workers: int) -> bool:
+def needs_universal(metadata: CheckpointMetadata, num_workers: int) -> bool:
     """ZeRO 1-3 partition state by rank (stage 3 the weights too): another world size reads it through the
     universal format. ZeRO-0 state is whole on every rank and loads anywhere as it is."""
-    return metadata.get("world_size", num_workers) != num_workers and metadata.get("zero_stage", 0) > 0
+    return metadata.saved_world_size(num_workers) != num_workers and (metadata.zero_stage or 0) > 0

@@ -27,6 +27,7 @@ from rlhf_core.ops.trackers import OpenTrackers
 from rlhf_core.storage.checkpoint import CheckpointStore
 from rlhf_core.storage.lease import RunLease
 from rlhf_core.storage.manifest import CheckpointInfo
+from rlhf_core.storage.metadata import WorldSizeChange
 from rlhf_core.stages.base import StageConfig
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ class WarmGroup:
 
     group: WorkerGroup
     identity: tuple
-    world_size_changes: list[dict] = field(default_factory=list)
+    world_size_changes: tuple[WorldSizeChange, ...] = ()
 
 
 @dataclass
@@ -107,36 +108,83 @@ class Prestart:
             self.outcome.shutdown()
 
 
+@dataclass
+class _Held:
+    """What a runner and the copies made of it (`with_run`) share: the processes and records of the run in this
+    process, which the runner's own methods change as chunks come and go."""
+
+    ledger: GoodputLedger
+    trackers: OpenTrackers = field(default_factory=OpenTrackers)
+    spares: SparePool = field(default_factory=SparePool)
+    tries: ChunkTries = field(default_factory=ChunkTries)  # each chunk's failed tries (stage, target step)
+    plans: dict[tuple, StagePlan] = field(default_factory=dict)
+    warm: WarmGroup | None = None
+    prestart: Prestart | None = None
+    lease: RunLease | None = None
+
+
 class StageRunner:
-    """The driver's state for one run in this process; a context manager that releases it all on exit."""
+    """The driver's state for one run in this process; a context manager that releases it all on exit. Made whole
+    by its constructor: what changes between flows (the run resolved again, resumed by a retry) is a new runner
+    (`with_run`) on the same processes, never a write into this one."""
 
     # Slots, not a __dict__: a Prefect flow stores its parameters' JSON, and an object it cannot encode it stores
     # as its type name only (the runner is a subflow's and a task's argument; it holds processes, not data).
-    __slots__ = ("run", "checked", "signals", "ledger", "trackers", "lease", "announce", "spares", "_warm",
-                 "_prestart", "_plans", "_tries")
+    __slots__ = ("_run", "_checked", "_signals", "_announce", "_held")
 
     def __init__(self, run: RunConfig, checked: Checked | None = None, command_started: float | None = None,
-                 signals: StopSignals | None = None):
+                 signals: StopSignals | None = None, announce: Callable[[dict], None] | None = None):
         """`run`: the run, its paths resolved (`resolve_paths`); every chunk reads it here. `checked`: the run as
         preflight resolved and checked it, with its plans; `command_started`: when the command began (its goodput
         attempt counts the start-up from there); `signals`: the command's stop signals (by default the run's own,
-        obeyed inside the flow)."""
-        self.run = run
-        self.signals = signals or StopSignals(run.stop_grace_s)
-        self.checked = checked
-        self.ledger = GoodputLedger(run.run_url(), run.storage_options, command_started=command_started)
-        self.trackers = OpenTrackers()
-        self.lease: RunLease | None = None
-        # Where an alert raised inside a chunk goes at once (the flow's Prefect event); None: only its log.
-        self.announce: Callable[[dict], None] | None = None
-        self.spares = SparePool()
-        self._tries = ChunkTries()  # each chunk's failed tries (stage, target step)
-        self._warm: WarmGroup | None = None
-        self._prestart: Prestart | None = None
-        self._plans: dict[tuple, StagePlan] = {}
+        obeyed inside the flow); `announce`: where an alert raised inside a chunk goes at once (the flow's Prefect
+        event; None: only its log)."""
+        self._run, self._checked, self._announce = run, checked, announce
+        self._signals = signals or StopSignals(run.stop_grace_s)
+        self._held = _Held(GoodputLedger(run.run_url(), run.storage_options, command_started=command_started))
         if checked is not None:
             for stage, plan in checked.plans.items():
-                self._plans[_plan_key(checked.run, stage)] = plan
+                self._held.plans[_plan_key(checked.run, stage)] = plan
+
+    def with_run(self, run: RunConfig) -> StageRunner:
+        """This runner (its worker group, trackers, ledger, lease and plans) on `run`, the same run resolved again
+        or changed by the flow (a retry resumes)."""
+        runner = object.__new__(StageRunner)
+        runner._run, runner._checked, runner._signals, runner._announce, runner._held = (
+            run, self._checked, self._signals, self._announce, self._held)
+        return runner
+
+    @property
+    def run(self) -> RunConfig:
+        return self._run
+
+    @property
+    def checked(self) -> Checked | None:
+        return self._checked
+
+    @property
+    def signals(self) -> StopSignals:
+        return self._signals
+
+    @property
+    def announce(self) -> Callable[[dict], None] | None:
+        return self._announce
+
+    @property
+    def ledger(self) -> GoodputLedger:
+        return self._held.ledger
+
+    @property
+    def trackers(self) -> OpenTrackers:
+        return self._held.trackers
+
+    @property
+    def spares(self) -> SparePool:
+        return self._held.spares
+
+    @property
+    def lease(self) -> RunLease | None:
+        return self._held.lease
 
     def __enter__(self) -> StageRunner:
         return self
@@ -157,9 +205,9 @@ class StageRunner:
     def plan(self, stage: str) -> StagePlan:
         """The stage's plan, counted once per run: counting reads and tokenizes the whole dataset."""
         key = _plan_key(self.run, stage)
-        if key not in self._plans:
-            self._plans[key] = plan_stage(self.run, stage)
-        return self._plans[key]
+        if key not in self._held.plans:
+            self._held.plans[key] = plan_stage(self.run, stage)
+        return self._held.plans[key]
 
     # ----------------------------------------------------------------- the lease
 
@@ -167,17 +215,17 @@ class StageRunner:
     def holding_lease(self) -> Iterator[RunLease]:
         """Hold the run's lease for the block; commits inside it are fenced with it."""
         with RunLease(self.run.run_url(), self.run.storage_options) as lease:
-            self.lease = lease
+            self._held.lease = lease
             try:
                 yield lease
             finally:
-                self.lease = None
+                self._held.lease = None
 
     @contextlib.contextmanager
     def commit_fence(self) -> Iterator[RunLease]:
         """The lease a commit is fenced with: the one held, else one taken for the commit."""
-        if self.lease is not None:
-            yield self.lease
+        if self._held.lease is not None:
+            yield self._held.lease
             return
         with RunLease(self.run.run_url(), self.run.storage_options) as lease:
             yield lease
@@ -187,16 +235,16 @@ class StageRunner:
     @property
     def warm_group(self) -> WorkerGroup | None:
         """The worker group the last chunk trained on, kept for the next one."""
-        return self._warm.group if self._warm else None
+        return self._held.warm.group if self._held.warm else None
 
     @property
     def prestarted(self) -> Prestart | None:
         """The group being started ahead of the first chunk, until a chunk adopts or stops it."""
-        return self._prestart
+        return self._held.prestart
 
     @property
-    def world_size_changes(self) -> list[dict]:
-        return self._warm.world_size_changes if self._warm else []
+    def world_size_changes(self) -> tuple[WorldSizeChange, ...]:
+        return self._held.warm.world_size_changes if self._held.warm else ()
 
     def prestart(self, stage: str, run: RunConfig | None = None) -> Prestart | None:
         """Start the worker group of the first chunk in a thread: placement, rank processes, DeepSpeed's process
@@ -205,31 +253,32 @@ class StageRunner:
         Ray must be connected. Nothing when a group with the same settings is starting, or one is warm. `run`:
         settings to start it with other than the runner's (a test of a group that will not suit)."""
         run = run or self.run
-        if self._warm is not None or (self._prestart is not None and self._prestart.settings == group_settings(run)):
-            return self._prestart
-        if self._prestart is not None:
-            self._prestart.discard()
-        self._prestart = Prestart(run, stage, self.signals)
-        return self._prestart
+        held = self._held
+        if held.warm is not None or (held.prestart is not None and held.prestart.settings == group_settings(run)):
+            return held.prestart
+        if held.prestart is not None:
+            held.prestart.discard()
+        held.prestart = Prestart(run, stage, self.signals)
+        return held.prestart
 
     def group_at(self, stage: str, plan: StagePlan, store: CheckpointStore, infos: list[CheckpointInfo],
                  lineage: Lineage) -> tuple[WorkerGroup, StartState | None]:
         """A worker group holding the state of the newest good checkpoint in `infos` (or the pretrained model),
         and that checkpoint (None when the warm group of the last chunk already holds it)."""
         run = self.run
-        self._tries.try_starts()
+        self._held.tries.try_starts()
         identity = (run.stage_url(stage), semantic_hash(run, stage), run.num_workers,
                     run.section(stage, StageConfig).zero_stage, tuple(plan.targets))
-        warm = self._warm
+        warm = self._held.warm
         if warm is not None and warm.identity == identity and infos and infos[-1].is_committed \
                 and warm.group.step == infos[-1].step:
             return warm.group, None
         self._release_warm()
         group = self._take_prestarted(run) or WorkerGroup(run, self.signals, self.spares.take)
         group.log_placement()
-        self._warm = WarmGroup(group, identity)
+        self._held.warm = WarmGroup(group, identity)
         start = load_start(run, stage, store, infos, lineage, group, plan.targets)
-        self._warm.world_size_changes = _world_size_changes(group, start)
+        self._held.warm.world_size_changes = _world_size_changes(group, start)
         return group, start
 
     def keep_spares(self, stage: str) -> None:
@@ -247,8 +296,8 @@ class StageRunner:
         same as every one before it (same step, same frame): no retry or restart is spent on it."""
         if not isinstance(error, (WorkerLost, RankHung)) or self.signals.requested():
             return False
-        num_failed = self._tries.failed(error, stage, target_step)
-        repeated = self._tries.repeated(stage, target_step, MAX_REPLACEMENTS_PER_CHUNK + 1)
+        num_failed = self._held.tries.failed(error, stage, target_step)
+        repeated = self._held.tries.repeated(stage, target_step, MAX_REPLACEMENTS_PER_CHUNK + 1)
         if repeated is not None:
             raise repeated from error
         if num_failed > MAX_REPLACEMENTS_PER_CHUNK:
@@ -260,18 +309,18 @@ class StageRunner:
         return True
 
     def _take_prestarted(self, run: RunConfig) -> WorkerGroup | None:
-        prestart, self._prestart = self._prestart, None
+        prestart, self._held.prestart = self._held.prestart, None
         return prestart.take(run) if prestart is not None else None
 
     def release_workers(self) -> None:
         """Stop the warm worker group and any prestarted one (after a failure its state is unknown)."""
-        prestart, self._prestart = self._prestart, None
+        prestart, self._held.prestart = self._held.prestart, None
         if prestart is not None:
             prestart.discard()
         self._release_warm()
 
     def _release_warm(self) -> None:
-        warm, self._warm = self._warm, None
+        warm, self._held.warm = self._held.warm, None
         if warm is not None:
             warm.group.shutdown()
 
@@ -280,12 +329,10 @@ def _plan_key(run: RunConfig, stage: str) -> tuple:
     return stage, run.seed, run.stage_config(stage).model_dump_json()
 
 
-def _world_size_changes(group: WorkerGroup, start: StartState | None) -> list[dict]:
+def _world_size_changes(group: WorkerGroup, start: StartState | None) -> tuple[WorldSizeChange, ...]:
     """Every change of world size in this stage's line of checkpoints, the one at `start` included."""
     if start is None:
-        return []
-    changes = list(start.metadata.get("world_size_changes", []))
-    saved = start.metadata.get("world_size", group.world_size)
-    if saved != group.world_size:
-        changes.append({"step": start.info.step, "from": saved, "to": group.world_size})
-    return changes
+        return ()
+    saved = start.metadata.saved_world_size(group.world_size)
+    now = (WorldSizeChange(start.info.step, saved, group.world_size),) if saved != group.world_size else ()
+    return (*start.metadata.world_size_changes, *now)

@@ -20,18 +20,19 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class StoppedBySignal(Exception):
-    """The run stopped on a signal, with `step` its stage's newest commit; its text is the CLI's last line."""
+    """The run stopped on a signal, with `step` its stage's newest commit; its text is the CLI's last line.
+    `abandoned_at`: the step the ranks had reached when the grace period ran out before it committed (None: the
+    stop committed what it could)."""
 
     def __init__(self, signal_number: int, stage: str, step: int, committed_in: str | None,
-                 stopped_at: int | None = None, abandoned: bool = False, grace_s: float = DEFAULT_GRACE_S):
+                 abandoned_at: int | None = None, grace_s: float = DEFAULT_GRACE_S):
         self.signal_number, self.stage, self.step, self.committed_in = signal_number, stage, step, committed_in
-        self.stopped_at = step if stopped_at is None else stopped_at
-        self.abandoned, self.grace_s = abandoned, grace_s
+        self.abandoned_at, self.grace_s = abandoned_at, grace_s
         super().__init__(self.describe())
 
     def __reduce__(self):  # picklable (Prefect may persist it), with the fields the text is made of
-        return (type(self), (self.signal_number, self.stage, self.step, self.committed_in, self.stopped_at,
-                             self.abandoned, self.grace_s))
+        return (type(self), (self.signal_number, self.stage, self.step, self.committed_in, self.abandoned_at,
+                             self.grace_s))
 
     @property
     def exit_code(self) -> int:
@@ -41,9 +42,9 @@ class StoppedBySignal(Exception):
         name = signal.Signals(self.signal_number).name
         where = f" in {self.committed_in}" if self.committed_in else ""
         commit = f"step_{self.step}{where}" if self.step else None
-        if self.abandoned:
+        if self.abandoned_at is not None:
             kept = f"the last commit, {commit}, stands" if commit else "nothing of this stage is committed yet"
-            return (f"stopped by {name} at step {self.stopped_at}; its emergency checkpoint did not fit in "
+            return (f"stopped by {name} at step {self.abandoned_at}; its emergency checkpoint did not fit in "
                     f"--stop_grace_s {self.grace_s:g}, so {kept}; run the same command to continue")
         if commit is None:
             return f"stopped by {name} before any step of {self.stage} was committed; run the same command to start"
@@ -108,11 +109,11 @@ class StopSignals:
         """The newest commit of this run, for the line of a stop that has no time to look it up."""
         self.last_commit = (stage, step, stage_url)
 
-    def stopped(self, stage: str, step: int, stage_url: str, stopped_at: int | None = None,
-                abandoned: bool = False) -> StoppedBySignal:
-        """The exception a chunk raises once it has done what a stop allows (also kept as `outcome`)."""
+    def stopped(self, stage: str, step: int, stage_url: str, abandoned_at: int | None = None) -> StoppedBySignal:
+        """The exception a chunk raises once it has done what a stop allows (also kept as `outcome`);
+        `abandoned_at`: see StoppedBySignal."""
         self.outcome = StoppedBySignal(self.signal_number or signal.SIGTERM, stage, step,
-                                       stage_url if step else None, stopped_at, abandoned, self.grace_s)
+                                       stage_url if step else None, abandoned_at, self.grace_s)
         return self.outcome
 
     @contextlib.contextmanager

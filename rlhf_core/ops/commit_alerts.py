@@ -11,6 +11,7 @@ from typing import Any, Mapping, Sequence
 
 from rlhf_core.errors import human_bytes
 from rlhf_core.ops.alerts import ALERT_CHECKPOINT_SIZE, Alert, metric_history, reward_stagnant_alert
+from rlhf_core.storage.metadata import CheckpointMetadata
 
 
 MASTER_WEIGHT_BYTES = 4  # fp32 master copy per trainable parameter
@@ -55,55 +56,68 @@ class ModelSize:
                    bool(record.get("lora", False)))
 
 
-def _model_bytes(model: ModelSize, zero_stage: int, world_size: int, optimizer: str, has_ds_state: bool,
-                 has_hf_copy: bool, on_gpu: bool) -> int:
+@dataclass(frozen=True)
+class SaveLayout:
+    """How a checkpoint's models are saved: with `zero_stage` over `world_size` ranks and `optimizer`; whether
+    DeepSpeed's state is written (`has_ds_state`; not with --disable_ds_ckpt) and a Hugging Face copy beside it;
+    whether the weights were on GPUs (ZeRO-2 then writes its frozen weights twice)."""
+
+    zero_stage: int
+    world_size: int = 1
+    optimizer: str = "adamw"
+    has_ds_state: bool = True
+    has_hf_copy: bool = True
+    on_gpu: bool = False
+
+
+@dataclass(frozen=True)
+class AlertSettings:
+    """How a run judges its commits (its --alert_* flags), and whether its checkpoints hold DeepSpeed's state
+    (not with --disable_ds_ckpt)."""
+
+    run_name: str
+    window: int = 3
+    min_delta: float = 0.0
+    tolerance: float = 0.5
+    jump: float = 0.2
+    has_ds_state: bool = True
+
+
+def _model_bytes(model: ModelSize, layout: SaveLayout) -> int:
     """Predicted bytes of one model's folder in a checkpoint (what DeepSpeed writes: docs/design-notes.md, "Alerts")."""
+    zero_stage, world_size = layout.zero_stage, layout.world_size
     total = 0
-    if has_hf_copy:
+    if layout.has_hf_copy:
         hf_params = model.num_trainable_params if model.lora else model.num_params
         total += hf_params * model.param_bytes + HF_SMALL_FILES_BYTES
-    if not has_ds_state:
+    if not layout.has_ds_state:
         return total
     trainable, frozen = model.num_trainable_params, model.num_params - model.num_trainable_params
     master = MASTER_WEIGHT_BYTES if zero_stage > 0 or model.param_bytes != MASTER_WEIGHT_BYTES else 0
-    total += trainable * (master + OPTIMIZER_STATE_BYTES[optimizer])
+    total += trainable * (master + OPTIMIZER_STATE_BYTES[layout.optimizer])
     if zero_stage == 3:
         total += frozen * model.param_bytes  # frozen partitions; trainable weights live in the optimizer shards
     else:
         total += model.num_params * model.param_bytes
-        if zero_stage == 2 and on_gpu:
+        if zero_stage == 2 and layout.on_gpu:
             total += frozen * model.param_bytes  # frozen_param_fragments: CPU copies beside the GPU state dict
     num_torch_files = (world_size if zero_stage == 3 else 1) + (world_size if zero_stage > 0 else 0)
     return total + num_torch_files * TORCH_FILE_OVERHEAD_BYTES + DEEPSPEED_SCRIPTS_BYTES
 
 
-def expected_checkpoint_bytes(num_params: int, num_trainable_params: int, param_bytes: int, zero_stage: int,
-                              optimizer: str = "adamw", world_size: int = 1, has_hf_copy: bool = True,
-                              extra_models: Sequence[ModelSize] = (), *, lora: bool = False,
-                              has_ds_state: bool = True, on_gpu: bool = False, extra_bytes: int = 0) -> int:
-    """Predicted total bytes of a committed step folder whose first model has `num_params` parameters
-    (`num_trainable_params` trained; with `lora`, the adapter's), `param_bytes` per weight in the training
-    dtype (4 fp32, 2 bf16/fp16), saved by DeepSpeed with `zero_stage` over `world_size` ranks; plus the
-    `extra_models` saved beside it (PPO's critic) with the same settings, and `extra_bytes` known besides
-    (a tokenizer). `has_ds_state=False` is --disable_ds_ckpt (the HF copy alone)."""
-    if optimizer not in OPTIMIZER_STATE_BYTES:
-        raise ValueError(f"no checkpoint size model for optimizer {optimizer!r}; "
+def expected_checkpoint_bytes(model: ModelSize, layout: SaveLayout, extra_models: Sequence[ModelSize] = (),
+                              extra_bytes: int = 0) -> int:
+    """Predicted total bytes of a committed step folder that saves `model` (`num_params` parameters,
+    `num_trainable_params` trained; with `lora`, the adapter's; `param_bytes` per weight in the training dtype: 4
+    fp32, 2 bf16/fp16) as `layout` says; plus the `extra_models` saved beside it (PPO's critic) the same way, and
+    `extra_bytes` known besides (a tokenizer)."""
+    if layout.optimizer not in OPTIMIZER_STATE_BYTES:
+        raise ValueError(f"no checkpoint size model for optimizer {layout.optimizer!r}; "
                          f"known: {sorted(OPTIMIZER_STATE_BYTES)}")
-    if zero_stage not in (0, 1, 2, 3) or world_size < 1:
-        raise ValueError(f"zero_stage must be 0-3 and world_size >= 1 (got {zero_stage}, {world_size})")
-    models = [ModelSize(num_params, num_trainable_params, param_bytes, lora), *extra_models]
+    if layout.zero_stage not in (0, 1, 2, 3) or layout.world_size < 1:
+        raise ValueError(f"zero_stage must be 0-3 and world_size >= 1 (got {layout.zero_stage}, {layout.world_size})")
     return CHECKPOINT_SMALL_FILES_BYTES + extra_bytes + sum(
-        _model_bytes(model, zero_stage, world_size, optimizer, has_ds_state, has_hf_copy, on_gpu) for model in models)
-
-
-def expected_bytes_of_models(models: Sequence[ModelSize], zero_stage: int, world_size: int, *,
-                             has_ds_state: bool = True, has_hf_copy: bool = True, on_gpu: bool = False,
-                             optimizer: str = "adamw") -> int:
-    """`expected_checkpoint_bytes` for a checkpoint's models given as `ModelSize`s (e.g. from its metadata)."""
-    first, *rest = models
-    return expected_checkpoint_bytes(first.num_params, first.num_trainable_params, first.param_bytes, zero_stage,
-                                     optimizer, world_size, has_hf_copy, rest, lora=first.lora,
-                                     has_ds_state=has_ds_state, on_gpu=on_gpu)
+        _model_bytes(saved, layout) for saved in (model, *extra_models))
 
 
 def _relative_gap(actual: float, reference: float) -> float:
@@ -150,18 +164,18 @@ def repeats_previous_anomaly(actual_bytes: int, expected_bytes: int | None, prev
 
 
 def checkpoint_size_alert(actual_bytes: int, expected_bytes: int | None, previous_sizes: Sequence[int],
-                          tolerance: float = 0.5, jump: float = 0.2, *, run_name: str, stage: str,
-                          step: int) -> Alert | None:
+                          settings: AlertSettings, stage: str, step: int) -> Alert | None:
     """An alert when a committed checkpoint's `actual_bytes` differ from `expected_bytes` by more than
-    `tolerance` (relative to the prediction; skipped when there is none), or from the median of the
-    `previous_sizes` (the stage's earlier committed checkpoints, oldest first) by more than `jump`; None
+    `settings.tolerance` (relative to the prediction; skipped when there is none), or from the median of the
+    `previous_sizes` (the stage's earlier committed checkpoints, oldest first) by more than `settings.jump`; None
     otherwise, and None when the previous checkpoint showed the same anomaly (`repeats_previous_anomaly`)."""
+    tolerance, jump = settings.tolerance, settings.jump
     reasons, _, details = _size_findings(actual_bytes, expected_bytes, previous_sizes, tolerance, jump)
     if not reasons or repeats_previous_anomaly(actual_bytes, expected_bytes, previous_sizes, tolerance, jump):
         return None
     message = (f"{stage} checkpoint step_{step} holds {human_bytes(actual_bytes)}, {' and '.join(reasons)}; "
                f"check that every rank saved all its files (`rlhf ckpt ls --verify`) before resuming from it.")
-    return Alert(ALERT_CHECKPOINT_SIZE, run_name, stage, step, message, details)
+    return Alert(ALERT_CHECKPOINT_SIZE, settings.run_name, stage, step, message, details)
 
 
 def model_size_report(modules: Mapping[str, Any]) -> dict[str, Any]:
@@ -173,28 +187,29 @@ def model_size_report(modules: Mapping[str, Any]) -> dict[str, Any]:
                                          for name, module in modules.items()}}
 
 
-def expected_bytes_from_metadata(metadata: Mapping[str, Any], has_ds_state: bool = True) -> int | None:
-    """The predicted size of a checkpoint from its `training_metadata.json` (`model_sizes`, `zero_stage`,
-    `world_size`); None when it does not record its models (written before the alerts existed)."""
-    report = metadata.get("model_sizes") or {}
-    models = [ModelSize.from_dict(record) for record in (report.get("models") or {}).values()]
+def expected_bytes_from_metadata(metadata: CheckpointMetadata, has_ds_state: bool = True) -> int | None:
+    """The predicted size of a checkpoint from its metadata (`model_sizes`, `zero_stage`, `world_size`); None when
+    it does not record its models (written before the alerts existed)."""
+    models = [ModelSize.from_dict(record) for record in metadata.saved_models()]
     if not models:
         return None
-    return expected_bytes_of_models(models, int(metadata.get("zero_stage", 0)), int(metadata.get("world_size", 1)),
-                                    has_ds_state=has_ds_state, on_gpu=bool(report.get("on_gpu", False)))
+    layout = SaveLayout(metadata.zero_stage or 0, metadata.saved_world_size(1), has_ds_state=has_ds_state,
+                        on_gpu=metadata.weights_on_gpu())
+    return expected_checkpoint_bytes(models[0], layout, models[1:])
 
 
-def commit_alerts(run_name: str, stage: str, step: int, metadata: Mapping[str, Any], actual_bytes: int,
-                  previous_sizes: Sequence[int], *, has_ds_state: bool = True, window: int = 3,
-                  min_delta: float = 0.0, tolerance: float = 0.5, jump: float = 0.2) -> list[Alert]:
+def commit_alerts(settings: AlertSettings, metadata: CheckpointMetadata, actual_bytes: int,
+                  previous_sizes: Sequence[int]) -> list[Alert]:
     """The reward-stagnant and checkpoint-size alerts of a just-committed checkpoint, from its metadata
     (`metric_history`: `history_entry` records of its line of checkpoints, itself included; `model_sizes`),
     its size in bytes and the sizes of the stage's earlier committed checkpoints."""
     alerts = []
-    history = metric_history(stage, metadata.get("metric_history") or [])
+    run_name, stage, step = settings.run_name, metadata.stage, metadata.step
+    history = metric_history(stage, list(metadata.metric_history))
     if history is not None:
         metric, higher_is_better, points = history
-        alerts.append(reward_stagnant_alert(run_name, stage, points, metric, higher_is_better, window, min_delta))
-    alerts.append(checkpoint_size_alert(actual_bytes, expected_bytes_from_metadata(metadata, has_ds_state),
-                                        previous_sizes, tolerance, jump, run_name=run_name, stage=stage, step=step))
+        alerts.append(reward_stagnant_alert(run_name, stage, points, metric, higher_is_better, settings.window,
+                                            settings.min_delta))
+    alerts.append(checkpoint_size_alert(actual_bytes, expected_bytes_from_metadata(metadata, settings.has_ds_state),
+                                        previous_sizes, settings, stage, step))
     return [alert for alert in alerts if alert is not None]

@@ -30,6 +30,7 @@ from rlhf_core.storage.manifest import (ASIDE_DIR_NAME, ASIDE_REASON_NAME, BYTES
                                         copy_hashing, digest_of_bytes, digest_of_local_file, manifest_digest,
                                         parse_step_dir_name, require_checksum, step_dir_name)
 from rlhf_core.storage.backends import backend_for
+from rlhf_core.storage.metadata import CheckpointMetadata
 from rlhf_core.storage.commit import StoreWrites
 
 # Which of a checkpoint's files (relative paths) to read. In CheckpointStore, `list` is its method: annotations there
@@ -158,6 +159,14 @@ class CheckpointStore(StoreWrites):
         if not isinstance(metadata, dict):
             raise UserError(f"{metadata_uri} is not a JSON object; pick another step.")
         return metadata
+
+    def training_metadata(self, step: int) -> CheckpointMetadata:
+        """The training metadata a commit of the driver recorded in ``step_N`` (`read_metadata`, typed)."""
+        return CheckpointMetadata.from_json(self.read_metadata(step))
+
+    def verified_training_metadata(self, step: int) -> CheckpointMetadata:
+        """`training_metadata` of a committed step, checked against its manifest first (what a resume loads)."""
+        return CheckpointMetadata.from_json(json.loads(self.read_verified(step, METADATA_NAME)))
 
     # ---------------------------------------------------------------- mutations
 

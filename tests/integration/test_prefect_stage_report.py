@@ -10,9 +10,9 @@ from flows.stage_report import artifact_key, curve_png, progress_line
 
 
 def test_progress_line_is_one_plain_line_with_bar_chunks_step_and_headline_metric():
-    assert progress_line("sft", 4, 8, 32, 64, {"loss": 2.9712, "lr": 1e-3}) == \
+    assert progress_line("sft", (4, 8), (32, 64), {"loss": 2.9712, "lr": 1e-3}) == \
         "sft [#####-----] 4/8 chunks  step 32/64  loss 2.971"
-    assert progress_line("ppo", 3, 3, 48, 48, {"reward": 0.125, "loss": 4.0}) == \
+    assert progress_line("ppo", (3, 3), (48, 48), {"reward": 0.125, "loss": 4.0}) == \
         "ppo [##########] 3/3 chunks  step 48/48  reward 0.125"
 
 

@@ -14,9 +14,10 @@ import torch
 from rlhf_core.ops.alerts import (ALERT_CHECKPOINT_SIZE, ALERT_NON_FINITE, ALERT_REWARD_STAGNANT, Alert, AlertLog,
                                    NonFiniteTraining, headline_metric, history_entry, metric_history,
                                    non_finite_metrics, non_finite_parameters, reward_stagnant_alert)
-from rlhf_core.ops.commit_alerts import (ModelSize, checkpoint_size_alert, commit_alerts, expected_bytes_from_metadata,
-                                         expected_bytes_of_models, expected_checkpoint_bytes, model_size_report,
-                                         repeats_previous_anomaly)
+from rlhf_core.ops.commit_alerts import (AlertSettings, ModelSize, checkpoint_size_alert, commit_alerts,
+                                         SaveLayout, expected_bytes_from_metadata, expected_checkpoint_bytes,
+                                         model_size_report, repeats_previous_anomaly)
+from rlhf_core.storage.metadata import CheckpointMetadata
 
 # File sizes of real committed checkpoints of the toy model (84,672 fp32 parameters; `rlhf train sft` on
 # `rlhf toy init` data, DeepSpeed 0.19.8, CPU), step_32 of each run, as `find -printf %s` listed them.
@@ -176,6 +177,9 @@ def test_metric_history_follows_the_newest_checkpoints_headline():
     assert metric_history("sft", [{"step": 4, "lr": 1e-3}]) is None
 
 
+EXP1 = AlertSettings("exp1")  # the alerts' defaults
+
+
 # --- checkpoint-size --------------------------------------------------------------------------------------
 
 GB = 10**9
@@ -183,71 +187,74 @@ GB = 10**9
 
 def test_prediction_by_hand_full_fine_tune_and_lora():
     # 70B, bf16 on GPUs, ZeRO-3: fp32 master + 2 moments (12 B) in the shards, the bf16 HF copy (2 B).
-    zero3 = expected_checkpoint_bytes(70 * GB, 70 * GB, 2, 3, world_size=8)
+    zero3 = expected_checkpoint_bytes(ModelSize(70 * GB, 70 * GB, 2), SaveLayout(3, world_size=8))
     assert zero3 == pytest.approx(70 * GB * (12 + 2), rel=1e-6)
     # ZeRO-2 adds rank 0's bf16 module weights (2 B): 16 B per parameter, ~1.1 TB.
-    assert expected_checkpoint_bytes(70 * GB, 70 * GB, 2, 2, world_size=8) == pytest.approx(70 * GB * 16, rel=1e-6)
+    assert expected_checkpoint_bytes(ModelSize(70 * GB, 70 * GB, 2), SaveLayout(2, world_size=8)) \
+        == pytest.approx(70 * GB * 16, rel=1e-6)
     # LoRA (0.1B adapter): the frozen bf16 base once, the adapter's optimizer state, the adapter as HF copy:
     # about the seed's "a 70B model is about 140 GB".
-    lora = expected_checkpoint_bytes(70 * GB, GB // 10, 2, 2, world_size=8, lora=True)
+    lora = expected_checkpoint_bytes(ModelSize(70 * GB, GB // 10, 2, lora=True), SaveLayout(2, world_size=8))
     assert lora == pytest.approx(70 * GB * 2 + GB // 10 * (12 + 2), rel=1e-6)
     assert 140 * GB < lora < 142 * GB
     # On GPUs, ZeRO-2 writes the frozen weights a second time (CPU copies beside the GPU state dict).
-    assert expected_checkpoint_bytes(70 * GB, GB // 10, 2, 2, world_size=8, lora=True, on_gpu=True) \
+    assert expected_checkpoint_bytes(ModelSize(70 * GB, GB // 10, 2, lora=True),
+                                     SaveLayout(2, world_size=8, on_gpu=True)) \
         == pytest.approx(lora + (70 * GB - GB // 10) * 2, rel=1e-6)
 
 
 def test_prediction_by_hand_zero0_extras_and_without_deepspeed_state():
     n = 10**8
     # ZeRO-0 with fp32 weights: no separate master copy, so weights 4 + moments 8, plus the fp32 HF copy.
-    assert expected_checkpoint_bytes(n, n, 4, 0) == pytest.approx(n * (4 + 8 + 4), rel=1e-4)
+    assert expected_checkpoint_bytes(ModelSize(n, n, 4), SaveLayout(0)) == pytest.approx(n * (4 + 8 + 4), rel=1e-4)
     # PPO with a critic of the same size saved beside the actor doubles it.
-    actor = expected_checkpoint_bytes(n, n, 4, 2)
-    both = expected_checkpoint_bytes(n, n, 4, 2, extra_models=[ModelSize(n, n, 4)])
+    actor = expected_checkpoint_bytes(ModelSize(n, n, 4), SaveLayout(2))
+    both = expected_checkpoint_bytes(ModelSize(n, n, 4), SaveLayout(2), [ModelSize(n, n, 4)])
     assert both == pytest.approx(2 * actor, rel=1e-4)
-    assert expected_bytes_of_models([ModelSize(n, n, 4), ModelSize(n, n, 4)], 2, 1) == both
     # --disable_ds_ckpt keeps the HF copy alone.
-    assert expected_checkpoint_bytes(n, n, 4, 2, has_ds_state=False) == pytest.approx(4 * n, rel=1e-4)
+    assert expected_checkpoint_bytes(ModelSize(n, n, 4), SaveLayout(2, has_ds_state=False)) \
+        == pytest.approx(4 * n, rel=1e-4)
     with pytest.raises(ValueError, match="optimizer"):
-        expected_checkpoint_bytes(n, n, 4, 2, optimizer="lion")
+        expected_checkpoint_bytes(ModelSize(n, n, 4), SaveLayout(2, optimizer="lion"))
 
 
 @pytest.mark.parametrize("files, zero_stage, world_size", [(TOY_ZERO2_ONE_RANK_FILES, 2, 1),
                                                             (TOY_ZERO3_TWO_RANKS_FILES, 3, 2)])
 def test_prediction_matches_real_toy_checkpoints_and_their_sizes_stay_silent(files, zero_stage, world_size):
     actual = sum(files.values())
-    expected = expected_checkpoint_bytes(TOY_NUM_PARAMS, TOY_NUM_PARAMS, 4, zero_stage, world_size=world_size)
+    expected = expected_checkpoint_bytes(ModelSize(TOY_NUM_PARAMS, TOY_NUM_PARAMS, 4),
+                                         SaveLayout(zero_stage, world_size))
     assert expected / actual == pytest.approx(1.0, abs=0.01)
     previous = [actual - 2, actual, actual + 1]  # metadata grows by a byte or two from step to step
-    assert checkpoint_size_alert(actual, expected, previous, run_name="exp1", stage="sft", step=32) is None
+    assert checkpoint_size_alert(actual, expected, previous, EXP1, "sft", 32) is None
 
 
 def test_a_truncated_but_valid_checkpoint_fires():
     actual = sum(TOY_ZERO2_ONE_RANK_FILES.values())
-    expected = expected_checkpoint_bytes(TOY_NUM_PARAMS, TOY_NUM_PARAMS, 4, 2)
-    alert = checkpoint_size_alert(actual // 2, expected, [actual] * 3, run_name="exp1", stage="sft", step=36)
+    expected = expected_checkpoint_bytes(ModelSize(TOY_NUM_PARAMS, TOY_NUM_PARAMS, 4), SaveLayout(2))
+    alert = checkpoint_size_alert(actual // 2, expected, [actual] * 3, EXP1, "sft", 36)
     assert alert is not None and alert.name == ALERT_CHECKPOINT_SIZE and alert.step == 36
     assert "predict" in alert.message and "median" in alert.message and "less" in alert.message
     assert alert.details["ratio_to_expected"] == pytest.approx(0.5, abs=0.01)
     # The optimizer shard missing entirely (the manifest lists what was uploaded, so it still verifies).
     no_optimizer = actual - TOY_ZERO2_ONE_RANK_FILES["actor_model/ds/zero_pp_rank_0_mp_rank_00_optim_states.pt"]
-    assert checkpoint_size_alert(no_optimizer, expected, [], run_name="exp1", stage="sft", step=36) is not None
+    assert checkpoint_size_alert(no_optimizer, expected, [], EXP1, "sft", 36) is not None
 
 
 def test_size_jump_against_previous_checkpoints_alone():
-    assert checkpoint_size_alert(130, None, [100, 100, 101], run_name="exp1", stage="rm", step=9) is not None
-    assert checkpoint_size_alert(110, None, [100, 100, 101], run_name="exp1", stage="rm", step=9) is None
-    assert checkpoint_size_alert(100, None, [], run_name="exp1", stage="rm", step=9) is None
+    assert checkpoint_size_alert(130, None, [100, 100, 101], EXP1, "rm", 9) is not None
+    assert checkpoint_size_alert(110, None, [100, 100, 101], EXP1, "rm", 9) is None
+    assert checkpoint_size_alert(100, None, [], EXP1, "rm", 9) is None
     # Within the prediction's tolerance, but a 2x jump from the previous checkpoints still fires.
-    alert = checkpoint_size_alert(200, 150, [100, 100], run_name="exp1", stage="rm", step=9)
+    alert = checkpoint_size_alert(200, 150, [100, 100], EXP1, "rm", 9)
     assert alert is not None and "predict" not in alert.message and "more than the median" in alert.message
 
 
 def _alerted_sizes(sizes, expected=None, **options) -> list[int]:
     """The indexes of `sizes` (committed one by one) at which the size alert fires."""
     return [index for index, size in enumerate(sizes)
-            if checkpoint_size_alert(size, expected, sizes[:index], run_name="exp1", stage="rm", step=index,
-                                     **options) is not None]
+            if checkpoint_size_alert(size, expected, sizes[:index], AlertSettings("exp1", **options), "rm",
+                                     index) is not None]
 
 
 def test_a_persisting_size_anomaly_alerts_once_and_a_new_one_alerts_again():
@@ -381,34 +388,37 @@ def test_alert_log_skips_a_garbled_line_and_heals_a_partial_last_line(run_url):
 # --- after a commit ---------------------------------------------------------------------------------------
 
 
-def _toy_metadata(*rewards, zero_stage=2, world_size=1) -> dict:
+def _toy_metadata(*rewards, zero_stage=2, world_size=1) -> CheckpointMetadata:
     toy = ModelSize(TOY_NUM_PARAMS, TOY_NUM_PARAMS, 4).to_dict()
-    return {"zero_stage": zero_stage, "world_size": world_size,
-            "model_sizes": {"on_gpu": False, "models": {"actor_model": toy}},
-            "metric_history": [history_entry(4 * (index + 1), {"reward": reward, "mean_reward": reward})
-                               for index, reward in enumerate(rewards)]}
+    return CheckpointMetadata.from_json({
+        "stage": "ppo", "step": 16, "zero_stage": zero_stage, "world_size": world_size,
+        "model_sizes": {"on_gpu": False, "models": {"actor_model": toy}},
+        "metric_history": [history_entry(4 * (index + 1), {"reward": reward, "mean_reward": reward})
+                           for index, reward in enumerate(rewards)]})
 
 
 def test_commit_alerts_silent_on_a_healthy_toy_commit_and_loud_on_a_flat_reward_and_a_truncated_one():
     actual = sum(TOY_ZERO2_ONE_RANK_FILES.values())
     healthy = _toy_metadata(0.1, 0.2, 0.3, 0.4)
-    assert commit_alerts("exp1", "ppo", 16, healthy, actual, [actual] * 3) == []
-    flat = commit_alerts("exp1", "ppo", 16, _toy_metadata(0.4, 0.4, 0.4, 0.4), actual, [actual] * 3)
+    assert commit_alerts(AlertSettings("exp1"), healthy, actual, [actual] * 3) == []
+    flat = commit_alerts(AlertSettings("exp1"), _toy_metadata(0.4, 0.4, 0.4, 0.4), actual, [actual] * 3)
     assert [alert.name for alert in flat] == [ALERT_REWARD_STAGNANT]
     assert flat[0].details["metric"] == "mean_reward"
-    truncated = commit_alerts("exp1", "ppo", 16, healthy, actual // 2, [])
+    truncated = commit_alerts(AlertSettings("exp1"), healthy, actual // 2, [])
     assert [alert.name for alert in truncated] == [ALERT_CHECKPOINT_SIZE]
     # Metadata from before the alerts existed: no prediction, no history; only the jump is judged.
-    assert commit_alerts("exp1", "sft", 8, {"zero_stage": 2}, actual, [actual]) == []
-    assert expected_bytes_from_metadata({"zero_stage": 2}) is None
+    before_alerts = CheckpointMetadata.from_json({"stage": "sft", "step": 8, "zero_stage": 2})
+    assert commit_alerts(AlertSettings("exp1"), before_alerts, actual, [actual]) == []
+    assert expected_bytes_from_metadata(before_alerts) is None
 
 
 def test_model_size_report_and_the_prediction_from_metadata():
     report = model_size_report({"actor_model": torch.nn.Linear(10, 10), "critic_model": torch.nn.Linear(10, 1)})
     assert report == {"on_gpu": False, "models": {"actor_model": ModelSize(110, 110, 4).to_dict(),
                                                   "critic_model": ModelSize(11, 11, 4).to_dict()}}
-    metadata = {"zero_stage": 3, "world_size": 2, "model_sizes": report}
+    metadata = CheckpointMetadata.from_json({"stage": "ppo", "step": 4, "zero_stage": 3, "world_size": 2,
+                                             "model_sizes": report})
     assert expected_bytes_from_metadata(metadata) == expected_checkpoint_bytes(
-        110, 110, 4, 3, world_size=2, extra_models=[ModelSize(11, 11, 4)])
+        ModelSize(110, 110, 4), SaveLayout(3, world_size=2), [ModelSize(11, 11, 4)])
     assert expected_bytes_from_metadata(metadata, has_ds_state=False) == expected_checkpoint_bytes(
-        110, 110, 4, 3, world_size=2, extra_models=[ModelSize(11, 11, 4)], has_ds_state=False)
+        ModelSize(110, 110, 4), SaveLayout(3, world_size=2, has_ds_state=False), [ModelSize(11, 11, 4)])

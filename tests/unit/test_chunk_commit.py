@@ -1,11 +1,11 @@
-"""The commit at a chunk boundary (rlhf_core.driver.chunk.commit_chunk), driven with a stand-in worker group and
+"""The commit at a chunk boundary (rlhf_core.driver.chunk_commit.commit_chunk), driven with a stand-in worker group and
 a real local store: the ranks stand idle only for their snapshot, which refuses non-finite weights first."""
 
 from __future__ import annotations
 
 import pytest
 
-from rlhf_core.driver import chunk
+from rlhf_core.driver.chunk_commit import ChunkState, Trained, commit_chunk
 from rlhf_core.driver.plan import plan_stage
 from rlhf_core.driver.runner import StageRunner
 from rlhf_core.errors import StoreFull
@@ -60,8 +60,8 @@ def boundary(toy_assets, tmp_path, monkeypatch):
 def commit(boundary, train_ahead: bool = True):
     run, plan, store, group = boundary
     with StageRunner(run) as runner:
-        return chunk.commit_chunk(runner, "sft", plan, store, group, store.list(), 0, [{"loss": 0.5}], None,
-                                  train_ahead)
+        state = ChunkState(runner, "sft", group.step, plan, store)
+        return commit_chunk(state, Trained(group, store.list(), 0, [{"loss": 0.5}], None, train_ahead))
 
 
 def test_the_ranks_train_ahead_straight_after_their_snapshot_and_the_step_commits(boundary):

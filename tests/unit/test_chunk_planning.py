@@ -85,15 +85,17 @@ def test_each_rank_fetches_only_the_files_it_reads():
 
 def test_drift_compares_only_settings_both_versions_know(toy_assets):
     from rlhf_core.driver.resume import config_drift
+    from rlhf_core.storage.metadata import CheckpointMetadata
 
     run = toy_run(toy_assets)
     saved = {"config": semantic_fields(run.sft), "seed": run.seed}
-    assert config_drift(run, "sft", saved) == []
+    assert config_drift(run, "sft", CheckpointMetadata.from_json(saved)) == []
     older = dict(saved["config"], zero_stage=2)  # semantic in an older version, operational now
     del older["learning_rate"]  # a setting the writing version did not have
-    assert config_drift(run, "sft", {**saved, "config": older}) == []
+    assert config_drift(run, "sft", CheckpointMetadata.from_json({**saved, "config": older})) == []
     changed = dict(saved["config"], max_len=128)
-    assert config_drift(run, "sft", {**saved, "config": changed}) == ["max_len: 128 -> 64"]
+    changed_metadata = CheckpointMetadata.from_json({**saved, "config": changed})
+    assert config_drift(run, "sft", changed_metadata) == ["max_len: 128 -> 64"]
 
 
 def test_the_chunk_boundary_rule_is_stated_once_and_read_by_the_plan_and_the_ranks():

@@ -44,6 +44,7 @@ def test_semantic_hash_ignores_operational_fields_only():
 def test_num_workers_changes_the_math_of_ppo_only(tmp_path):
     from rlhf_core.stages.ppo import PPOConfig
     from rlhf_core.driver.resume import config_drift
+    from rlhf_core.storage.metadata import CheckpointMetadata
 
     def ppo_run(num_workers: int, **overrides) -> RunConfig:
         ppo = PPOConfig(pretrain="m", reward_fn="rewards:length", prompt_data="p.jsonl", rollout_batch_size=4,
@@ -51,7 +52,7 @@ def test_num_workers_changes_the_math_of_ppo_only(tmp_path):
         return RunConfig(stages=["ppo"], ppo=ppo, num_workers=num_workers, **overrides)
 
     assert semantic_hash(ppo_run(1), "ppo") != semantic_hash(ppo_run(2), "ppo")
-    saved = {"config": {}, "seed": 42, "world_size": 2}
+    saved = CheckpointMetadata.from_json({"config": {}, "seed": 42, "world_size": 2})
     changes = config_drift(ppo_run(1), "ppo", saved)
     assert "num_workers: 2 -> 1 (each PPO rank samples with its own seed)" in changes
     assert not any("num_workers" in change for change in config_drift(ppo_run(1, allow_fewer_workers=True), "ppo", saved))

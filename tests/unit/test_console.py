@@ -190,7 +190,7 @@ def test_autoscaler_status_tables_are_left_out_without_breaking_rays_log_thread(
 
 def _chunk_line(stage, num_done, num_chunks, step, total_steps, loss):
     """The flow's real chunk line, so that a change of its format shows here."""
-    return progress_line(stage, num_done, num_chunks, step, total_steps, {"loss": loss}, f"trained {step} steps")
+    return progress_line(stage, (num_done, num_chunks), (step, total_steps), {"loss": loss}, f"trained {step} steps")
 
 
 def test_live_bar_rendering_follows_the_steps_and_names_the_chunks():

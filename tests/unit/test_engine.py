@@ -208,13 +208,15 @@ def test_rm_pairwise_losses():
 def test_an_explicit_zero_stage_that_cannot_load_the_checkpoint_is_one_sentence():
     from rlhf_core.storage.manifest import STATUS_COMMITTED, CheckpointInfo
     from rlhf_core.driver.resume import check_zero_stage
+    from rlhf_core.storage.metadata import CheckpointMetadata
 
     info = CheckpointInfo(8, "step_8", "/ckpt/exp/sft/step_8", STATUS_COMMITTED, 1)
     for configured, saved, weights_only in ((None, 0, False), (0, 0, False), (2, None, False), (2, 0, True)):
-        check_zero_stage(configured, weights_only, info, {"zero_stage": saved})  # loads: nothing raised
+        # loads: nothing raised
+        check_zero_stage(configured, weights_only, info, CheckpointMetadata.from_json({"zero_stage": saved}))
     with pytest.raises(UserError, match=r"^/ckpt/exp/sft/step_8 was written with ZeRO stage 0 and --zero_stage 2 "
                                         r"cannot load it; pass --zero_stage 0 \(or leave it unset to keep it\), or "
                                         r"--load_weights_only to start fresh optimizers\.$"):
-        check_zero_stage(2, False, info, {"zero_stage": 0})
+        check_zero_stage(2, False, info, CheckpointMetadata.from_json({"zero_stage": 0}))
     with pytest.raises(UserError, match=r"pass --zero_stage 3 \(or leave it unset to keep it\)\.$"):
-        check_zero_stage(0, True, info, {"zero_stage": 3})
+        check_zero_stage(0, True, info, CheckpointMetadata.from_json({"zero_stage": 3}))

@@ -10,6 +10,7 @@ from rlhf_core.config import RunConfig, semantic_fields
 from rlhf_core.stages.rm import RMConfig
 from rlhf_core.storage.locate import SOURCE_NAME, input_model_fingerprints, model_fingerprint
 from rlhf_core.driver.resume import config_drift
+from rlhf_core.storage.metadata import CheckpointMetadata
 
 
 def write_model(directory, weights: bytes, source_digest: str | None = None) -> str:
@@ -41,8 +42,9 @@ def test_fingerprint_of_another_model_is_its_file_sizes_not_their_times(tmp_path
 def test_drift_names_the_input_model_that_changed(tmp_path, toy_assets):
     model = write_model(tmp_path / "sft", b"a" * 10, source_digest="d1")
     run = RunConfig(stages=["rm"], rm=RMConfig(pretrain=model, dataset=toy_assets["prefs"]))
-    metadata = {"config": semantic_fields(run.rm), "seed": run.seed, "input_models": input_model_fingerprints(run.rm)}
-    assert config_drift(run, "rm", metadata) == []
+    record = {"config": semantic_fields(run.rm), "seed": run.seed, "input_models": input_model_fingerprints(run.rm)}
+    assert config_drift(run, "rm", CheckpointMetadata.from_json(record)) == []
     write_model(tmp_path / "sft", b"a" * 10, source_digest="d2")
-    assert config_drift(run, "rm", metadata) == ["pretrain model contents: changed"]
-    assert config_drift(run, "rm", {**metadata, "input_models": {}}) == []  # checkpoints from before the check
+    assert config_drift(run, "rm", CheckpointMetadata.from_json(record)) == ["pretrain model contents: changed"]
+    before_the_check = CheckpointMetadata.from_json({**record, "input_models": {}})
+    assert config_drift(run, "rm", before_the_check) == []

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from rlhf_core.driver.outage import MAX_BACKOFF_S, wait_out_outages
+from rlhf_core.driver.outage import MAX_BACKOFF_S, OutageWait, wait_out_outages
 from rlhf_core.errors import StoreFull, StoreUnreachable, TransientStoreError
 
 
@@ -48,8 +48,8 @@ def test_an_outage_is_waited_out_with_backoff_and_one_warning(error, caplog):
     attempt, calls = failing(8, error)
     waited = []
     with caplog.at_level(logging.INFO, logger="rlhf_core.driver.outage"):
-        assert wait_out_outages(attempt, "s3://b/run/sft", *COMMIT_8, 600, clock.sleep, clock,
-                                waited=waited.append) == "committed"
+        assert wait_out_outages(attempt, OutageWait("s3://b/run/sft", *COMMIT_8, 600, waited=waited.append,
+                                                       sleep=clock.sleep, clock=clock)) == "committed"
     assert waited == [75]  # for the goodput ledger
     assert len(calls) == 9 and clock.sleeps == [1, 2, 4, 8, MAX_BACKOFF_S, MAX_BACKOFF_S, MAX_BACKOFF_S, MAX_BACKOFF_S]
     warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
@@ -63,7 +63,7 @@ def test_past_store_outage_s_the_run_stops_with_one_retryable_sentence():
     attempt, _ = failing(10**6, EndpointConnectionError("Could not connect"))
     with pytest.raises(StoreUnreachable, match=r"unreachable for 120 s \(--store_outage_s 120\); step 8 was not "
                                                r"committed and earlier checkpoints are intact") as raised:
-        wait_out_outages(attempt, "s3://b/run/sft", *COMMIT_8, 120, clock.sleep, clock)
+        wait_out_outages(attempt, OutageWait("s3://b/run/sft", *COMMIT_8, 120, sleep=clock.sleep, clock=clock))
     assert raised.value.retryable and clock.now == 120
 
 
@@ -71,7 +71,7 @@ def test_anything_else_is_not_waited_for():
     clock = Clock()
     attempt, calls = failing(1, StoreFull("disk full"))
     with pytest.raises(StoreFull):
-        wait_out_outages(attempt, "/ckpt/run/sft", *COMMIT_8, 600, clock.sleep, clock)
+        wait_out_outages(attempt, OutageWait("/ckpt/run/sft", *COMMIT_8, 600, sleep=clock.sleep, clock=clock))
     assert len(calls) == 1 and clock.sleeps == []
 
 

@@ -38,9 +38,8 @@ def test_a_lost_or_hung_rank_is_replaced_in_place_a_few_times_per_chunk_and_noth
 
 
 def test_a_hang_replaced_in_place_announces_its_alert_once_and_a_stop_replaces_nothing(tmp_path):
-    runner = StageRunner(make_run(tmp_path))
-    announced = []
-    runner.announce = announced.append
+    announced: list = []
+    runner = StageRunner(make_run(tmp_path), announce=announced.append)
     alert = {"name": "rlhf.alert.hang", "run_name": "rlhf", "stage": "sft"}
     assert runner.replaces_ranks_after(RankHung("rank 0 made no progress", 0, None, alert), "sft", 8)
     assert runner.replaces_ranks_after(WorkerLost("rank 0 was lost"), "sft", 8)
@@ -105,14 +104,13 @@ def test_the_same_stall_after_every_replacement_stops_the_run_with_one_sentence_
 
     now = [1000.0]
     monkeypatch.setattr("rlhf_core.driver.repeats.time.monotonic", lambda: now[0])
-    runner = StageRunner(make_run(tmp_path))
-    announced = []
-    runner.announce = announced.append
+    announced: list = []
+    runner = StageRunner(make_run(tmp_path), announce=announced.append)
     for try_seconds in (75, 71, 72):
-        runner._tries.try_starts()  # as `group_at` does at each try's start
+        runner._held.tries.try_starts()  # as `group_at` does at each try's start
         now[0] += try_seconds
         assert runner.replaces_ranks_after(hung_at(7), "dpo", 8)
-    runner._tries.try_starts()
+    runner._held.tries.try_starts()
     now[0] += 70
     with pytest.raises(StallRepeats) as stopped:
         runner.replaces_ranks_after(hung_at(7), "dpo", 8)

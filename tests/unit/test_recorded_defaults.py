@@ -10,6 +10,7 @@ from flows.cli import _own_flags, build_parser, run_config_from_flags
 from rlhf_core.config import semantic_fields
 from rlhf_core.driver.plan import resolve_paths
 from rlhf_core.driver.resume import config_drift, validate_run_start
+from rlhf_core.storage.metadata import CheckpointMetadata
 from rlhf_core.errors import UserError
 from rlhf_core.stages import STAGES
 from rlhf_core.storage.checkpoint import CheckpointStore
@@ -39,7 +40,7 @@ def test_a_run_that_recorded_the_earlier_defaults_resumes_with_them(tmp_path, ca
     metadata = _commit_as_an_older_version(run, tmp_path, max_epochs=1, max_samples=None, input_template=None)
     validate_run_start(run)  # not refused as drifted
     assert (run.sft.max_epochs, run.sft.max_samples, run.sft.input_template) == (1, None, None)  # nor changed
-    assert config_drift(run, "sft", metadata) == []
+    assert config_drift(run, "sft", CheckpointMetadata.from_json(metadata)) == []
     assert caplog.text.count("the run keeps them") == 1 and "max_epochs 1" in caplog.text
 
 

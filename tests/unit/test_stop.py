@@ -26,7 +26,7 @@ def test_the_exit_lines_name_the_signal_the_step_and_what_stands():
     assert str(committed) == ("stopped by SIGTERM at step 8; committed step_8 in /ckpt/rlhf/sft; "
                               "run the same command to continue")
     assert committed.exit_code == 143
-    abandoned = stop.StoppedBySignal(signal.SIGINT, "sft", 5, "/ckpt/rlhf/sft", stopped_at=7, abandoned=True)
+    abandoned = stop.StoppedBySignal(signal.SIGINT, "sft", 5, "/ckpt/rlhf/sft", abandoned_at=7)
     assert abandoned.exit_code == 130
     assert "at step 7" in str(abandoned) and "the last commit, step_5 in /ckpt/rlhf/sft, stands" in str(abandoned)
     nothing = stop.StoppedBySignal(signal.SIGINT, "rm", 0, None)

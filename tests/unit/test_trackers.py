@@ -206,14 +206,14 @@ def test_chunk_trains_to_each_logged_step_so_metrics_stream(opened, tmp_path):
     run = make_run(tmp_path, logging_steps=4, use_tensorboard=str(tmp_path / "tb"))
     trackers = opened.open(run, "sft", {}, start_step=5)
     group = FakeGroup(step=5)
-    step_metrics = train_and_log(group, 5, 15, trackers, 4, "sft", 32)
+    step_metrics = train_and_log(group, 15, trackers, 4, "sft", 32)
     assert group.calls == [8, 12, 15]
     assert [metrics["step"] for metrics in step_metrics] == list(range(6, 16))
     opened.close()
     assert [step for step, _ in scalars(trackers.tensorboard_dir, "train/loss")] == [8, 12]
 
     untracked = FakeGroup(step=0)
-    assert len(train_and_log(untracked, 0, 10, None, 1, "sft", 32)) == 10
+    assert len(train_and_log(untracked, 10, None, 1, "sft", 32)) == 10
     assert untracked.calls == [10]  # no trackers: one round trip per chunk, as before
 
 
@@ -222,7 +222,7 @@ def test_a_chunk_trained_ahead_to_its_first_logged_step_collects_it_then_stops_a
     trackers = opened.open(run, "sft", {}, start_step=5)
     group = FakeGroup(step=5)
     group.training_ahead_to = 6  # the previous chunk's commit let the ranks train on to step 6
-    step_metrics = train_and_log(group, 5, 10, trackers, 2, "sft", 32)
+    step_metrics = train_and_log(group, 10, trackers, 2, "sft", 32)
     assert group.calls == [6, 8, 10]
     assert [metrics["step"] for metrics in step_metrics] == list(range(6, 11))
     opened.close()
