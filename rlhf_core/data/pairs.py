@@ -19,7 +19,7 @@ from rlhf_core.notices import note_once, warn_once
 from rlhf_core.stages.base import PreferenceConfig
 from rlhf_core.stages.dpo import DPOConfig
 from rlhf_core.stages.rm import RMConfig
-from rlhf_core.storage.locate import load_tokenizer
+from rlhf_core.data.tokenizer_ref import lazy_tokenizer
 
 MARGIN_KEY = "margin"
 COLUMNS = {"chosen_ids": "int32[]", "rejected_ids": "int32[]", "prompt_len": "int32", "margin": "float64"}
@@ -151,11 +151,11 @@ def trainable_pairs(pairs: Sequence[Pair], max_len: int, where: str) -> Sequence
 def count_rm_pairs(run: RunConfig) -> int:
     """Training pairs of the reward model (after the held-out split)."""
     cfg = run.section("rm", RMConfig)
-    return len(load_pairs(cfg, run, load_tokenizer(cfg.start_model, run.storage_options))[0])
+    return len(load_pairs(cfg, run, lazy_tokenizer(cfg.start_model, run))[0])
 
 
 def count_dpo_pairs(run: RunConfig) -> int:
     """Training pairs of DPO that leave a response to learn from."""
     cfg = run.section("dpo", DPOConfig)
-    pairs, _ = load_pairs(cfg, run, load_tokenizer(cfg.start_model, run.storage_options))
+    pairs, _ = load_pairs(cfg, run, lazy_tokenizer(cfg.start_model, run))
     return len(trainable_pairs(pairs, cfg.max_len, "--dataset"))

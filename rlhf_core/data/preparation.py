@@ -13,6 +13,7 @@ from rlhf_core.data.fingerprints import fingerprint
 from rlhf_core.data.columns import FlatColumns, PreparedRows, write_batches
 from rlhf_core.data.prepared import PreparedStore, preparation_key, source_versions
 from rlhf_core.data.stream import RecordStream
+from rlhf_core.data.tokenizer_ref import identity_of
 from rlhf_core.data.workers import Job, map_batches
 from rlhf_core.notices import note_once
 
@@ -65,7 +66,8 @@ class Preparation:
     def key(self, source: Source, run, tokenizer) -> tuple[str, dict, list]:
         """(key, what it hashes, the files' versions) of this preparation of `source`."""
         versions = source_versions(source.url, run.storage_options, source.split, source.flag)
-        key, inputs = preparation_key(self.kind, versions, tokenizer, {**self.settings, **source.settings()})
+        key, inputs = preparation_key(self.kind, versions, identity_of(tokenizer),
+                                      {**self.settings, **source.settings()})
         return key, inputs, versions
 
 

@@ -83,10 +83,11 @@ def source_versions(url: str, storage_options: dict | None, split: str, flag: st
     return versions
 
 
-def preparation_key(kind: str, versions: list, tokenizer, settings: dict[str, Any]) -> tuple[str, dict]:
-    """(key, what it hashes): the folder name of a preparation and the inputs it depends on."""
+def preparation_key(kind: str, versions: list, tokenizer_id: str, settings: dict[str, Any]) -> tuple[str, dict]:
+    """(key, what it hashes): the folder name of a preparation and the inputs it depends on; `tokenizer_id` is
+    `tokenizer_identity`'s (or a `tokenizer_ref.LazyTokenizer`'s, which may not load it)."""
     inputs = {"format": FORMAT_VERSION, "kind": kind, "sources": versions,
-              "tokenizer": tokenizer_identity(tokenizer), "settings": settings}
+              "tokenizer": tokenizer_id, "settings": settings}
     return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:32], inputs
 
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from rlhf_core.data.columns import subset
 from rlhf_core.errors import UserError
-from rlhf_core.storage.locate import is_hub_id, is_local_url, load_tokenizer, local_path, not_cached, store_unreachable
+from rlhf_core.storage.locate import is_hub_id, is_local_url, local_path, not_cached, store_unreachable
 
 SPLIT_FLAGS = {"--dataset": "--dataset_split", "--prompt_data": "--prompt_split", "--eval_dataset": "--eval_split"}
 SAVED_DATASET_FILES = ("dataset_dict.json", "state.json")  # what `save_to_disk` writes at the top
@@ -364,8 +364,11 @@ def split_holdout(items: Sequence, fraction: float, seed: int) -> tuple[Sequence
 
 def count_with_eval(run, cfg, load: Callable[[Any, Any, bool], Sized]) -> int:
     """Usable training items of a stage whose `load(run, tokenizer, evaluation)` reads and tokenizes its data;
-    its eval dataset, when it has one, is read too, so that its keys are checked before training."""
-    tokenizer = load_tokenizer(cfg.start_model, run.storage_options)
+    its eval dataset, when it has one, is read too, so that its keys are checked before training. The tokenizer
+    is loaded only if the data is not prepared yet (`tokenizer_ref.LazyTokenizer`)."""
+    from rlhf_core.data.tokenizer_ref import lazy_tokenizer  # it imports this module
+
+    tokenizer = lazy_tokenizer(cfg.start_model, run)
     if cfg.eval_dataset:
         load(run, tokenizer, True)
     return len(load(run, tokenizer, False))

@@ -1,6 +1,8 @@
 """Hugging Face output, from the checkpoints' `hf/` copies: a stage's final model (`export_stage_output`), the LoRA
 merge (`merge_lora`, checked against base + adapter) and the final export (`export_final`, loaded back and asked
-to generate). docs/design-notes.md ("Hugging Face export") has the details.
+to generate). docs/design-notes.md ("Hugging Face export") has the details. torch, transformers and peft are
+imported by the functions that load a model (the merge, the final export), never by this module: the driver
+imports it for `export_stage_output`, which copies files.
 """
 
 from __future__ import annotations
@@ -8,20 +10,22 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import tempfile
 import uuid
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import fsspec
-import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from rlhf_core.storage.checkpoint import CheckpointStore
 from rlhf_core.storage.manifest import HF_WEIGHTS_DIR, MANIFEST_NAME, manifest_digest
 from rlhf_core.errors import UserError
 from rlhf_core.storage.writable import probe_writable
-from rlhf_core.models.load import load_causal_lm
 from rlhf_core.storage.locate import SOURCE_NAME, check_model_dir, is_lora_dir, load_tokenizer, local_model_dir
+
+if TYPE_CHECKING:
+    import torch
 
 MERGE_TOLERANCE = 1e-4
 
@@ -67,12 +71,27 @@ def export_stage_output(store: CheckpointStore, step: int, model_dir_name: str, 
     with tempfile.TemporaryDirectory(prefix="rlhf-export-") as local_dir:
         store.download(step, local_dir, hf_files_of(model_dir_name))
         hf_dir = os.path.join(local_dir, model_dir_name, HF_WEIGHTS_DIR)
-        load_tokenizer(pretrain, storage_options).save_pretrained(hf_dir)
+        _save_tokenizer(store, pretrain, hf_dir, storage_options)
         with open(os.path.join(local_dir, MANIFEST_NAME), "rb") as manifest:
             source = {"checkpoint": store.uri(step), "manifest_digest": manifest_digest(manifest.read())}
         with open(os.path.join(hf_dir, SOURCE_NAME), "w") as handle:
             json.dump(source, handle, indent=1)
         return upload_dir(hf_dir, save_path, storage_options)
+
+
+def _save_tokenizer(store: CheckpointStore, pretrain: str, hf_dir: str, storage_options: dict | None) -> None:
+    """`pretrain`'s tokenizer saved into `hf_dir`: the files kept in the run's store when its data was counted
+    (`tokenizer_ref.save_tokenizer_files`), copied, else the tokenizer loaded (transformers: ~1 CPU-s) and saved."""
+    from rlhf_core.data.prepared import PreparedStore
+    from rlhf_core.data.tokenizer_ref import saved_tokenizer_files
+
+    ckpt_path = store.url.rsplit("/", 2)[0]  # a stage's store is {ckpt_path}/{run_name}/{stage}: RunConfig.stage_url
+    saved = saved_tokenizer_files(pretrain, storage_options, PreparedStore(ckpt_path, storage_options))
+    if saved is None:
+        load_tokenizer(pretrain, storage_options).save_pretrained(hf_dir)
+        return
+    for name in os.listdir(saved):
+        shutil.copyfile(os.path.join(saved, name), os.path.join(hf_dir, name))
 
 
 def hf_files_of(model_dir_name: str) -> Callable[[list[str]], list[str]]:
@@ -83,14 +102,24 @@ def hf_files_of(model_dir_name: str) -> Callable[[list[str]], list[str]]:
 
 def _probe_inputs(tokenizer, num_inputs: int = 4) -> torch.Tensor:
     """A few fixed token sequences covering the vocabulary, to compare two models' logits."""
+    import torch
+
     generator = torch.Generator().manual_seed(0)
     return torch.randint(0, len(tokenizer), (num_inputs, 16), generator=generator)
 
 
-@torch.no_grad()
 def merge_lora(model_path: str, lora_path: str, output_path: str, bf16: bool = False,
                storage_options: dict | None = None) -> float:
     """Merge the adapter at `lora_path` into `model_path`; returns the max logit difference checked."""
+    import torch
+
+    with torch.no_grad():
+        return _merge_lora(model_path, lora_path, output_path, bf16, storage_options)
+
+
+def _merge_lora(model_path: str, lora_path: str, output_path: str, bf16: bool,
+                storage_options: dict | None) -> float:
+    import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -122,10 +151,19 @@ def merge_lora(model_path: str, lora_path: str, output_path: str, bf16: bool = F
     return difference
 
 
-@torch.no_grad()
 def export_final(model_path: str, save_path: str, storage_options: dict | None = None) -> str:
     """Write `model_path` (merged if an adapter) as a standalone model, after it loads and generates."""
+    import torch
+
+    with torch.no_grad():
+        return _export_final(model_path, save_path, storage_options)
+
+
+def _export_final(model_path: str, save_path: str, storage_options: dict | None) -> str:
+    import torch
     from transformers import AutoModelForCausalLM
+
+    from rlhf_core.models.load import load_causal_lm
 
     model = load_causal_lm(model_path, storage_options=storage_options, flag="--model_path").eval()
     tokenizer = load_tokenizer(model_path, storage_options, flag="--model_path")

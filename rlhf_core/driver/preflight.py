@@ -68,16 +68,20 @@ def check_model(url: str, flag: str, storage_options: dict | None) -> None:
 
 def check_compute_settings(run: RunConfig, stage: str) -> None:
     """Settings the ranks would refuse only after Ray and DeepSpeed started: fp16 without a GPU (on a local
-    Ray, whose ranks run here) and an attention kernel transformers does not know."""
-    import torch
-
+    Ray, whose ranks run here) and an attention kernel transformers does not know. torch and transformers are
+    imported only for the settings that need them (fp16, a named kernel): the driver of a plain run never loads
+    them."""
     from rlhf_core.models.precision import resolve_precision
-    from rlhf_core.models.load import resolve_attn_implementation
 
     cfg = run.section(stage, StageConfig)
-    if not (run.ray_address or os.environ.get("RAY_ADDRESS")):
+    if cfg.param_dtype == "fp16" and not (run.ray_address or os.environ.get("RAY_ADDRESS")):
+        import torch
+
         resolve_precision(cfg.param_dtype, on_gpu=torch.cuda.is_available(), cpu_bf16=True)
-    resolve_attn_implementation(cfg.attn_implementation)
+    if cfg.attn_implementation is not None:
+        from rlhf_core.models.load import resolve_attn_implementation
+
+        resolve_attn_implementation(cfg.attn_implementation)
 
 
 def check_lora_targets(url: str, target_modules: list[str] | None, storage_options: dict | None = None,

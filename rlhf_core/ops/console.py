@@ -7,6 +7,8 @@ docs/design-notes.md ("The quiet console") says how each source is kept off the 
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import logging
 import re
 import sys
@@ -171,6 +173,46 @@ def gate_library_logger(name: str, file_handler: RunLogHandler) -> None:
         _add_once(library_logger, file_handler)
 
 
+def _gate_transformers(transformers_logging) -> None:
+    """transformers' own handler made now, then gated as Ray's is; no progress bars unless verbose."""
+    console = current_console()
+    transformers_logging.get_logger()  # creates transformers' handler
+    if console is None:
+        return
+    if not console.verbose:
+        transformers_logging.disable_progress_bar()
+    gate_library_logger("transformers", console.file_handler)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """On sys.meta_path until `name` is imported: runs `then(module)` right after the module's own code."""
+
+    def __init__(self, name: str, then):
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None:
+            exec_module, then = spec.loader.exec_module, self.then
+
+            def exec_then(module) -> None:
+                exec_module(module)
+                then(module)
+            spec.loader.exec_module = exec_then  # type: ignore[method-assign]
+        return spec
+
+
+def after_import(name: str, then) -> None:
+    """`then(module)` once `name` is imported: now if it is, else right after its import (once, whoever asks twice)."""
+    if name in sys.modules:
+        then(sys.modules[name])
+    elif not any(isinstance(finder, _AfterImport) and finder.name == name for finder in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(name, then))
+
+
 def configure_console(log_file: str, verbose: bool = False, live_progress: bool | None = None) -> str:
     """Send everything to `log_file` and keep the console to our own lines, warnings once and errors (all of
     it on the console too when `verbose`). Call once Prefect has configured logging (importing prefect does);
@@ -200,14 +242,10 @@ def configure_console(log_file: str, verbose: bool = False, live_progress: bool 
     root.addHandler(file_handler)
     _add_once(logging.getLogger("DeepSpeed"), _CopyToFileThenGate())  # before deepspeed is imported
     import ray  # noqa: F401 - creates Ray's logger and its console handler, to be gated now
-    import transformers.utils.logging as transformers_logging
 
-    transformers_logging.get_logger()  # creates transformers' handler
-    if not verbose:
-        transformers_logging.disable_progress_bar()
-    for name in LIBRARY_LOGGERS:
-        if name != "DeepSpeed":
-            gate_library_logger(name, file_handler)
+    # transformers (~1 CPU-s to import) is gated when something imports it: a driver whose data is prepared never does
+    after_import("transformers.utils.logging", _gate_transformers)
+    gate_library_logger("ray", file_handler)
     warnings.showwarning = _show_warning
     logging.getLogger(__name__).setLevel(logging.INFO)  # the line saying where the log file is
     return log_file

@@ -251,17 +251,17 @@ def lora_base_dir(directory: str, storage_options: dict | None = None, *, flag: 
 
 def check_model_dir(directory: str, url: str, flag: str) -> None:
     """Refuse a folder transformers would fail on, naming the file: config.json missing, not JSON, or of
-    an unknown model_type; no weights; truncated or corrupt safetensors (a header check, no loading)."""
-    from transformers import __version__ as transformers_version
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
+    an unknown model_type; no weights; truncated or corrupt safetensors (a header check, no loading). Neither
+    torch nor transformers is imported unless the model type is not found in transformers' generated table."""
     config_path = os.path.join(directory, "config.json")
     if is_lora_dir(directory):  # its own file first: a broken adapter_config.json explains what follows
         _read_json(os.path.join(directory, "adapter_config.json"), flag)
     elif not os.path.exists(config_path):
         raise UserError(f"{flag}: {url} has no config.json (nor adapter_config.json); it is not a Hugging Face "
                         "model folder.")
-    elif (model_type := _read_json(config_path, flag).get("model_type")) not in CONFIG_MAPPING_NAMES:
+    elif not known_model_type(model_type := _read_json(config_path, flag).get("model_type")):
+        from transformers import __version__ as transformers_version
+
         raise UserError(f"{flag}: {config_path} has model_type {model_type!r}, an architecture transformers "
                         f"{transformers_version} does not know; fix the file or install a transformers that "
                         "knows it (models with custom code are not supported).")
@@ -277,11 +277,28 @@ def check_model_dir(directory: str, url: str, flag: str) -> None:
             _check_safetensors(path, flag)
 
 
+def known_model_type(model_type) -> bool:
+    """Whether transformers knows `model_type` (its CONFIG_MAPPING_NAMES): found as a key in the source of the
+    table transformers generates, read as text (importing its auto classes imports torch, ~1 CPU-s), else asked
+    of transformers itself, so only a refusal pays for the import."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("transformers")  # finds the package without importing it
+    table = os.path.join(os.path.dirname(spec.origin or ""), "models", "auto", "auto_mappings.py") if spec else ""
+    if isinstance(model_type, str) and os.path.exists(table):
+        with open(table, encoding="utf-8") as handle:
+            if f'("{model_type}", "' in handle.read():
+                return True
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return model_type in CONFIG_MAPPING_NAMES
+
+
 def _check_safetensors(path: str, flag: str) -> None:
     from safetensors import safe_open
 
-    try:
-        with safe_open(path, framework="pt"):
+    try:  # numpy: the same header and size checks as torch's, without importing torch
+        with safe_open(path, framework="numpy"):
             pass
     except Exception as error:  # noqa: BLE001 - SafetensorError and OSError alike mean a bad file
         raise UserError(f"{flag}: {path} is truncated or corrupt ({error}); copy the weights again.") from None
