@@ -1,5 +1,5 @@
-"""The suite's checkpoint measures: what a checkpoint costs against the physical limit of its bytes, and what
-checkpointing costs a whole run.
+"""The suite's checkpoint measures (section `ckpt`): what a checkpoint costs against the physical limit of its bytes.
+What checkpointing costs a whole run (section `wholerun`) is `wholerun_costs.py`.
 
 - `checkpoint_costs` (section `ckpt`): chunks of one step on the ~100M model through `ensure_checkpoint`,
   read from its own timers (`ChunkResult.seconds`). After the first (cold) chunk the chunks cycle through
@@ -12,10 +12,6 @@ checkpointing costs a whole run.
   `cat` of the files the rank reads from a cold and from a warm page cache, next to a fresh group's
   `WorkerGroup.load` of one checkpoint per checksum, cold and warm; and each checksum alone over the
   same files.
-- `whole_run` (section `wholerun`): the `rlhf` Prefect flow, SFT on the 23.6M model, once with a
-  checkpoint every 50 steps and once as a single chunk, same seed and data; the extra wall time per
-  checkpoint, against the training time of a 50-step chunk; and the floor under it, the single chunk with a
-  durable copy of the same bytes at each boundary (`durable_floor`).
 """
 
 from __future__ import annotations
@@ -30,7 +26,7 @@ import time
 
 import ours
 import reference_io
-from table import extra_per_checkpoint
+from table import Row
 
 NO_FSYNC = "no fsync"
 PAGE_CACHE = "page cache"  # the default checksum, written through the page cache (O_DIRECT off) with writeback ahead
@@ -200,244 +196,58 @@ def checkpoint_costs(run, repeat: int) -> dict:
             "chunk_seconds": [result.seconds for result in results]}
 
 
-def _process_cpu(_worker=None) -> float:
-    """CPU seconds (user + system, every thread) this process has used: a rank's (`__ray_call__`) or ours."""
-    return time.process_time()
+def print_costs(costs: dict) -> None:
+    """The `ckpt` section's measures, line by line, under the suite's table."""
+    variants, default, resume = costs["variants"], costs["default"], costs["resume"]
+    print(f"  ckpt: {costs['checkpoint_bytes'] / 1e9:.2f} GB checkpoint ({costs['read_bytes'] / 1e9:.2f} GB read by "
+          f"the rank), {(costs['tensor_bytes'] or 0) / 1e9:.2f} GB of tensors; in-memory copy "
+          f"{costs['in_memory_copy']:.2f} s; cp -r {costs['cp_page']:.2f} s into the page cache, durable copy "
+          f"{costs['cp_durable']:.2f} s; page cache dropped: {costs['page_cache_dropped']}", flush=True)
+    for variant, measured in variants.items():
+        print(f"    {variant:>9}: stall {measured['stall']:.2f} s, save-to-commit {measured['save_to_commit']:.2f} s "
+              f"{[round(x, 2) for x in measured['samples']]}", flush=True)
+    fsync_cost = variants[default]["save_to_commit"] - variants[NO_FSYNC]["save_to_commit"]
+    print(f"    fsync adds {fsync_cost:.2f} s per checkpoint (durable {default} against os.fsync a no-op, both "
+          "with nothing training beside them)", flush=True)
+    for algorithm, hashed in costs["hashes"].items():
+        rate = costs["step_bytes"] / hashed["all"] / 1e9
+        print(f"    {algorithm:>9}: alone {hashed['all']:.2f} s for the step ({rate:.2f} GB/s, one core, page cache), "
+              f"{hashed['read']:.2f} s for the files read; resume cold "
+              f"{resume[algorithm]['cold']:.2f} s (cat {resume[algorithm]['read_cold']:.2f} s), warm "
+              f"{resume[algorithm]['warm']:.2f} s (cat {resume[algorithm]['read_warm']:.2f} s)", flush=True)
 
 
-@contextlib.contextmanager
-def group_hooks(first_training, before_shutdown):
-    """Wrap `WorkerGroup.train_until` and `.shutdown`: `first_training(group)` runs before a group's first training
-    call, `before_shutdown(group)` before that group's ranks are killed (the flow's end)."""
-    from rlhf_core.driver.engine import WorkerGroup
-
-    trained: set[int] = set()
-    train_until, shutdown = WorkerGroup.train_until, WorkerGroup.shutdown
-
-    def hooked_train_until(self, target_step):
-        if id(self) not in trained:
-            trained.add(id(self))
-            first_training(self)
-        return train_until(self, target_step)
-
-    def hooked_shutdown(self):
-        if id(self) in trained and self.workers:
-            trained.discard(id(self))
-            before_shutdown(self)
-        return shutdown(self)
-
-    WorkerGroup.train_until, WorkerGroup.shutdown = hooked_train_until, hooked_shutdown
-    try:
-        yield
-    finally:
-        WorkerGroup.train_until, WorkerGroup.shutdown = train_until, shutdown
-
-
-@contextlib.contextmanager
-def recorded_cpu():
-    """The CPU seconds every rank and this process used between a group's first training call and its shutdown
-    (the flow's end). It moves less than wall time when other work shares the machine, though heavy contention
-    for the same cores inflates it too."""
-    import ray
-
-    marks: dict[int, float] = {}
-    spent: list[float] = []
-
-    def cpu(group) -> float:
-        return sum(ray.get([worker.__ray_call__.remote(_process_cpu) for worker in group.workers])) + _process_cpu()
-
-    def mark(group) -> None:
-        marks[id(group)] = cpu(group)
-
-    def count(group) -> None:
-        spent.append(cpu(group) - marks.pop(id(group)))
-
-    with group_hooks(mark, count):
-        yield spent
-
-
-@contextlib.contextmanager
-def recorded_steps():
-    """Wrap `WorkerGroup._collect` and `.train_ahead`: rank 0's time of every step, in order, and for each
-    `train_ahead` the seconds the ranks sat idle before it (from the end of the training collected last, i.e.
-    the chunk's end: the checks, the metadata and the snapshot)."""
-    from rlhf_core.driver.engine import WorkerGroup
-
-    recorded: dict[str, list[float]] = {"steps": [], "idle": []}
-    collected_at: list[float] = []
-    collect, train_ahead = WorkerGroup._collect, WorkerGroup.train_ahead
-
-    def recorded_collect(self, trainings):
-        num_before = len(self._step_times)
-        try:
-            return collect(self, trainings)
-        finally:
-            recorded["steps"] += [seconds for seconds, _ in self._step_times[num_before:]]
-            collected_at[:] = [time.perf_counter()]
-
-    def recorded_train_ahead(self, target_step):
-        if collected_at:
-            recorded["idle"].append(time.perf_counter() - collected_at[0])
-        return train_ahead(self, target_step)
-
-    WorkerGroup._collect, WorkerGroup.train_ahead = recorded_collect, recorded_train_ahead
-    try:
-        yield recorded
-    finally:
-        WorkerGroup._collect, WorkerGroup.train_ahead = collect, train_ahead
-
-
-@contextlib.contextmanager
-def durable_floor(boundaries: set[int], folder: str):
-    """Every worker group's ranks make a durable copy of their state's bytes at `boundaries`, into `folder`
-    (`durable_floor`); yields a dict that gets rank 0's report (bytes, copy and write seconds) at shutdown."""
-    import ray
-    import ray.cloudpickle
-
-    import durable_floor as floor
-
-    ray.cloudpickle.register_pickle_by_value(floor)  # the ranks cannot import the bench folder
-    report: dict = {}
-
-    def install(group) -> None:
-        ray.get([worker.__ray_call__.remote(floor.install, boundaries, folder) for worker in group.workers])
-
-    def collect(group) -> None:
-        report.update(ray.get(group.workers[0].__ray_call__.remote(floor.report)))
-
-    try:
-        with group_hooks(install, collect):
-            yield report
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-BOUNDARY_STEPS = 8  # steps after a boundary counted in `boundary_cost`: the writer and the commit end within them
-
-
-def boundary_cost(steps: list[float], idle: list[float], save_steps: int) -> float | None:
-    """Inside one run, per chunk boundary that has `BOUNDARY_STEPS` steps after it: the ranks' idle time before
-    they trained ahead, plus those steps' time beyond the run's median step (the steps near no boundary). A
-    single-chunk run at the same positions gives the measure's own bias (about 0)."""
-    boundaries = [step for step in range(save_steps, len(steps) - BOUNDARY_STEPS + 1, save_steps)]
-    if not boundaries:
-        return None
-    near = {boundary + offset for boundary in boundaries for offset in range(BOUNDARY_STEPS)}
-    median = statistics.median(seconds for index, seconds in enumerate(steps) if index not in near)
-    excess = [sum(steps[boundary + offset] - median for offset in range(BOUNDARY_STEPS)) for boundary in boundaries]
-    idle_seconds = statistics.mean(idle[:len(boundaries)]) if idle else 0.0
-    return statistics.mean(excess) + idle_seconds
-
-
-def _flow_costs(run) -> dict:
-    """One `rlhf` flow over `run`: wall from the start of its first training call (so Ray's and the group's
-    start-up, which the two runs may pay unequally, stay out) to its end, the CPU seconds of the ranks and
-    the driver over the same span, its chunk rows, and rank 0's step times and idle spells (`recorded_steps`)."""
-    with recorded_cpu() as spent, recorded_steps() as recorded:
-        flow = ours.chunk_boundaries(run)
-    first_training = flow["spans"][0][0] if flow["spans"] else flow["started"]
-    return {"wall": flow["started"] + flow["wall"] - first_training, "cpu": sum(spent), "chunks": flow["chunks"],
-            "flow_wall": flow["wall"], **recorded}
-
-
-def checkpoint_sizes(run) -> list[int]:
-    from rlhf_core.storage.checkpoint import CheckpointStore
-
-    return [info.size_bytes for info in CheckpointStore(run.stage_url("sft")).list() if info.is_committed]
-
-
-def whole_run(workdir: str, toy: dict[str, str], model_dir: str, num_steps: int, save_steps: int,
-              repeat: int = 1, equal_writer: bool = True, floor: bool = True) -> dict:
-    """Section `wholerun`: the same SFT run (seed, data, steps) as one chunk and with a checkpoint every
-    `save_steps`, `repeat` pairs in ABBA order (so a drift of the machine's load hits both alike); see the
-    module docstring. Medians over the pairs. Without `equal_writer` no pair runs that third variant, so the
-    same time buys half as many pairs again. With `floor`, each pair also runs the single chunk with a durable
-    copy of the same bytes at every boundary (`durable_floor`): the floor under the chunked run's in-run cost."""
-    pairs = []
-    for index in range(repeat):
-        # "equal writer": the chunked run with the rank's writer sharing the cores as an equal of the training
-        # threads (RLHF_WRITER_SCHEDULING=normal), against the default, where it takes only CPU time training
-        # leaves unused (SCHED_IDLE).
-        order = [name for name in ("single", "chunked", "floor", "equal writer")
-                 if (name != "equal writer" or equal_writer) and (name != "floor" or floor)]
-        runs = {name: _whole_run_variant(workdir, toy, model_dir, num_steps, save_steps, name, index)
-                for name in (order if index % 2 == 0 else order[::-1])}
-        pairs.append({**_pair_costs(runs["single"], runs["chunked"], save_steps),
-                      **({"equal_writer": _pair_costs(runs["single"], runs["equal writer"], save_steps)}
-                         if equal_writer else {}),
-                      **({"floor": {**runs["floor"]["floor"],
-                                    "boundary": boundary_cost(runs["floor"]["steps"], [], save_steps)}}
-                         if floor else {})})
-    return {"pairs": pairs, **{key: statistics.median(pair[key] for pair in pairs)
-                               for key in ("extra_per_checkpoint", "chunk_train", "extra_cpu_per_checkpoint",
-                                           "chunk_train_cpu")},
-            "equal_writer_extra_per_checkpoint": statistics.median(pair["equal_writer"]["extra_per_checkpoint"]
-                                                                   for pair in pairs) if equal_writer else None,
-            **{key: statistics.median(pair[key] for pair in pairs) if all(pair[key] is not None for pair in pairs)
-               else None for key in ("boundary", "boundary_single")},
-            "floor_boundary": statistics.median(pair["floor"]["boundary"] for pair in pairs) if floor else None,
-            "breakdown": {key: statistics.median(pair["breakdown"][key] for pair in pairs)
-                          for key in pairs[0]["breakdown"]}}
-
-
-def _whole_run_variant(workdir: str, toy: dict[str, str], model_dir: str, num_steps: int, save_steps: int,
-                       name: str, index: int) -> dict:
-    """One run of a `whole_run` pair: "single" (one chunk), "chunked" (a checkpoint every `save_steps`), "equal
-    writer" (chunked, the writer not yielding its CPU) or "floor" (one chunk, a durable copy at each boundary)."""
-    from rlhf_core.rank.worker import WRITER_SCHEDULING_ENV
-
-    every = -1 if name in ("single", "floor") else save_steps  # -1: one chunk, whatever the rounded step count
-    label = name.replace(" ", "-")
-    cfg = ours.stage_config("sft", toy, model_dir, os.path.join(workdir, f"wholerun-{label}-{index}-out"),
-                            num_steps, every)
-    run = ours.stage_run(workdir, f"wholerun-{label}-{index}", "sft", cfg, max_ckpt_num=0)
-    if name == "equal writer":
-        os.environ[WRITER_SCHEDULING_ENV] = "normal"  # forwarded to the ranks (ray_start.forwarded_environment)
-    floor = (durable_floor(set(range(save_steps, num_steps, save_steps)), os.path.join(workdir, f"floor-{index}"))
-             if name == "floor" else contextlib.nullcontext({}))
-    try:
-        with floor as report:
-            costs = _flow_costs(run)
-    finally:
-        os.environ.pop(WRITER_SCHEDULING_ENV, None)
-    return {**costs, "sizes": checkpoint_sizes(run), **({"floor": report} if name == "floor" else {})}
-
-
-def _pair_costs(single: dict, chunked: dict, save_steps: int) -> dict:
-    extra_checkpoints = len(chunked["chunks"]) - len(single["chunks"])  # one commit per chunk
-    ends = [row["step"] for row in chunked["chunks"]]
-    loops = [row.get("step_loop_s", row.get("train_s")) for row in chunked["chunks"]]
-    # Chunks of exactly save_steps steps, the first (it warms up) left out when there are others.
-    full = [loop for loop, start, end in zip(loops, [0, *ends], ends) if end - start == save_steps]
-    full = full[1:] or full
-    num_steps = single["chunks"][-1]["step"]
-    return {"single": single, "chunked": chunked, "extra_checkpoints": extra_checkpoints,
-            "extra_per_checkpoint": extra_per_checkpoint(chunked["wall"], single["wall"], len(chunked["chunks"]),
-                                                         len(single["chunks"])),
-            "extra_cpu_per_checkpoint": extra_per_checkpoint(chunked["cpu"], single["cpu"], len(chunked["chunks"]),
-                                                             len(single["chunks"])),
-            # The single run's CPU per step (its one checkpoint and the export included: a slight overestimate).
-            "chunk_train_cpu": single["cpu"] * save_steps / num_steps,
-            "chunk_train": statistics.median(full), "breakdown": breakdown(single, chunked, extra_checkpoints),
-            "boundary": boundary_cost(chunked["steps"], chunked["idle"], save_steps),
-            "boundary_single": boundary_cost(single["steps"], [], save_steps)}
-
-
-def breakdown(single: dict, chunked: dict, extra_checkpoints: int) -> dict:
-    """Where the extra wall time per checkpoint went, from the chunks' own timers: the training stall
-    (snapshot), the ranks' step loop running slower beside the background writer (serialisation, hashing,
-    write, fsync take their CPU), and the rest (Prefect's task per chunk, planning, the commit's wait)."""
-    def total(run: dict, key: str) -> float:
-        return sum(row.get(f"{key}_s", 0.0) for row in run["chunks"])
-
-    per, num_commits = max(extra_checkpoints, 1), len(chunked["chunks"])
-    extra = (chunked["wall"] - single["wall"]) / per
-    stall = (total(chunked, "stall") - total(single, "stall")) / per
-    slower_steps = (total(chunked, "step_loop") - total(single, "step_loop")) / per
-    # Measured inside the chunked run alone (no second run to subtract): the steps that ran beside a write
-    # against the median step that did not (`goodput.writer_slowdown`), and the writer threads' own timers
-    # (rank 0's thread-seconds; its files are written in parallel, so they add up to more than the commit).
-    in_run = {f"in_run_{key}": total(chunked, key) / num_commits
-              for key in ("stall", "writer_slowdown", "writer_write", "writer_hash", "writer_fsync")}
-    return {"stall": stall, "slower_steps": slower_steps, "rest": extra - stall - slower_steps,
-            "commit_beside_training": total(chunked, "commit") / num_commits, **in_run}
+def rows(costs: dict) -> list[Row]:
+    """The `ckpt` section's rows of the suite's table."""
+    variants, default, resume, hashes = costs["variants"], costs["default"], costs["resume"], costs["hashes"]
+    durable, cold, warm = costs["cp_durable"], resume[default]["read_cold"], resume[default]["read_warm"]
+    others = [algorithm for algorithm in hashes if algorithm != default]
+    beside = variants[default + BESIDE]
+    rows = [Row("ckpt stall / one in-memory copy of its tensors (100M)", costs["in_memory_copy"], beside["stall"], "s",
+                "<=", 1.5),
+            Row(f"ckpt save-to-durable-commit ({default}) / durable copy of the step (100M)", durable,
+                variants[default]["save_to_commit"], "s", "<=", 1.25),
+            Row("  the same with the next chunk training beside it (the default path)", durable,
+                beside["save_to_commit"], "s", "<=", None),
+            Row("  the commit after the snapshot (no in-memory copy) / durable copy", durable,
+                variants[default]["after_snapshot"], "s", "<=", None),
+            *[Row(f"  save-to-commit with {algorithm} / durable copy", durable, variants[algorithm]["save_to_commit"],
+                  "s", "<=", None) for algorithm in others],
+            Row("  fsync's share: save-to-commit / same with os.fsync a no-op",
+                variants[NO_FSYNC]["save_to_commit"], variants[default]["save_to_commit"], "s", "<=", None),
+            Row("  O_DIRECT: save-to-commit / same written through the page cache (RLHF_WRITER_DIRECT_IO=0)",
+                variants[PAGE_CACHE]["save_to_commit"], variants[default]["save_to_commit"], "s", "<=",
+                None),
+            Row("  cp -r into the page cache / durable copy (the old reference)", durable, costs["cp_page"], "s", "<=",
+                None),
+            Row(f"resume, cold cache: fetch + verify + load ({default}) / cold cat of the files read (100M)", cold,
+                resume[default]["cold"], "s", "<=", 1.25),
+            Row("resume, warm cache / warm cat of the files read", warm, resume[default]["warm"], "s", "<=", 1.25),
+            *[Row(f"  resume, cold cache, with {algorithm} / cold cat", resume[algorithm]["read_cold"],
+                  resume[algorithm]["cold"], "s", "<=", None) for algorithm in others],
+            # Floors, not our code: when the checksum alone misses the goal, no writer that records it can meet it.
+            Row(f"  floor: {default} alone of the step / durable copy", durable, hashes[default]["all"], "s", "<=",
+                1.25),
+            Row(f"  floor: {default} alone of the files read / cold cat", cold, hashes[default]["read"], "s", "<=",
+                1.25)]
+    return rows

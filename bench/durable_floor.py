@@ -5,7 +5,7 @@ boundary what any asynchronous checkpoint must at least do, and nothing more: co
 twice, as DeepSpeed's file and the HF copy hold them, and the optimizer's moments) into page-aligned buffers while
 training waits, then write those bytes into one file with O_DIRECT and fsync it and its folder, from a SCHED_IDLE
 thread while training goes on (as our writer runs). No serialisation, no hashing, no manifest, no commit, no
-Prefect task, no Ray round trip. `ckpt_costs.boundary_cost` over this run's steps is that floor; the chunked run's
+Prefect task, no Ray round trip. `wholerun_costs.boundary_cost` over this run's steps is that floor; the chunked run's
 measure against it says what the rest costs.
 
 The rank cannot import the bench folder, so the driver sends this module by value (`cloudpickle`).

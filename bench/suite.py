@@ -42,6 +42,7 @@ sys.path.insert(0, BENCH_DIR)
 
 import ckpt_costs  # noqa: E402 - the bench folder is not a package
 import ours  # noqa: E402
+import wholerun_costs  # noqa: E402
 from table import Row, format_table, median_or_none, outside_per_chunk  # noqa: E402
 
 SECTIONS = ("startup", "steps", "grpo", "chunk", "ckpt", "wholerun")
@@ -199,138 +200,17 @@ def section_ckpt(args, assets, env, results: dict) -> list[Row]:
     run = ours.stage_run(assets["work"], "ckpt", "sft", cfg, max_ckpt_num=len(ckpt_costs.schedule()))
     costs = ckpt_costs.checkpoint_costs(run, args.repeat)
     results["ckpt"] = costs
-    print_ckpt(costs)
-    return ckpt_rows(costs)
-
-
-def print_ckpt(costs: dict) -> None:
-    variants, default, resume = costs["variants"], costs["default"], costs["resume"]
-    print(f"  ckpt: {costs['checkpoint_bytes'] / 1e9:.2f} GB checkpoint ({costs['read_bytes'] / 1e9:.2f} GB read by "
-          f"the rank), {(costs['tensor_bytes'] or 0) / 1e9:.2f} GB of tensors; in-memory copy "
-          f"{costs['in_memory_copy']:.2f} s; cp -r {costs['cp_page']:.2f} s into the page cache, durable copy "
-          f"{costs['cp_durable']:.2f} s; page cache dropped: {costs['page_cache_dropped']}", flush=True)
-    for variant, measured in variants.items():
-        print(f"    {variant:>9}: stall {measured['stall']:.2f} s, save-to-commit {measured['save_to_commit']:.2f} s "
-              f"{[round(x, 2) for x in measured['samples']]}", flush=True)
-    fsync_cost = variants[default]["save_to_commit"] - variants[ckpt_costs.NO_FSYNC]["save_to_commit"]
-    print(f"    fsync adds {fsync_cost:.2f} s per checkpoint (durable {default} against os.fsync a no-op, both "
-          "with nothing training beside them)", flush=True)
-    for algorithm, hashed in costs["hashes"].items():
-        rate = costs["step_bytes"] / hashed["all"] / 1e9
-        print(f"    {algorithm:>9}: alone {hashed['all']:.2f} s for the step ({rate:.2f} GB/s, one core, page cache), "
-              f"{hashed['read']:.2f} s for the files read; resume cold "
-              f"{resume[algorithm]['cold']:.2f} s (cat {resume[algorithm]['read_cold']:.2f} s), warm "
-              f"{resume[algorithm]['warm']:.2f} s (cat {resume[algorithm]['read_warm']:.2f} s)", flush=True)
-
-
-def ckpt_rows(costs: dict) -> list[Row]:
-    variants, default, resume, hashes = costs["variants"], costs["default"], costs["resume"], costs["hashes"]
-    durable, cold, warm = costs["cp_durable"], resume[default]["read_cold"], resume[default]["read_warm"]
-    others = [algorithm for algorithm in hashes if algorithm != default]
-    beside = variants[default + ckpt_costs.BESIDE]
-    rows = [Row("ckpt stall / one in-memory copy of its tensors (100M)", costs["in_memory_copy"], beside["stall"], "s",
-                "<=", 1.5),
-            Row(f"ckpt save-to-durable-commit ({default}) / durable copy of the step (100M)", durable,
-                variants[default]["save_to_commit"], "s", "<=", 1.25),
-            Row("  the same with the next chunk training beside it (the default path)", durable,
-                beside["save_to_commit"], "s", "<=", None),
-            Row("  the commit after the snapshot (no in-memory copy) / durable copy", durable,
-                variants[default]["after_snapshot"], "s", "<=", None),
-            *[Row(f"  save-to-commit with {algorithm} / durable copy", durable, variants[algorithm]["save_to_commit"],
-                  "s", "<=", None) for algorithm in others],
-            Row("  fsync's share: save-to-commit / same with os.fsync a no-op",
-                variants[ckpt_costs.NO_FSYNC]["save_to_commit"], variants[default]["save_to_commit"], "s", "<=", None),
-            Row("  O_DIRECT: save-to-commit / same written through the page cache (RLHF_WRITER_DIRECT_IO=0)",
-                variants[ckpt_costs.PAGE_CACHE]["save_to_commit"], variants[default]["save_to_commit"], "s", "<=",
-                None),
-            Row("  cp -r into the page cache / durable copy (the old reference)", durable, costs["cp_page"], "s", "<=",
-                None),
-            Row(f"resume, cold cache: fetch + verify + load ({default}) / cold cat of the files read (100M)", cold,
-                resume[default]["cold"], "s", "<=", 1.25),
-            Row("resume, warm cache / warm cat of the files read", warm, resume[default]["warm"], "s", "<=", 1.25),
-            *[Row(f"  resume, cold cache, with {algorithm} / cold cat", resume[algorithm]["read_cold"],
-                  resume[algorithm]["cold"], "s", "<=", None) for algorithm in others],
-            # Floors, not our code: when the checksum alone misses the goal, no writer that records it can meet it.
-            Row(f"  floor: {default} alone of the step / durable copy", durable, hashes[default]["all"], "s", "<=",
-                1.25),
-            Row(f"  floor: {default} alone of the files read / cold cat", cold, hashes[default]["read"], "s", "<=",
-                1.25)]
-    return rows
+    ckpt_costs.print_costs(costs)
+    return ckpt_costs.rows(costs)
 
 
 def section_wholerun(args, assets, env, results: dict) -> list[Row]:
-    costs = ckpt_costs.whole_run(assets["work"], assets["toy"], assets["m23"], args.wholerun_steps,
-                                 args.wholerun_save_steps, args.wholerun_repeat, not args.wholerun_no_equal_writer,
-                                 not args.wholerun_no_floor)
+    costs = wholerun_costs.whole_run(assets["work"], assets["toy"], assets["m23"], args.wholerun_steps,
+                                     args.wholerun_save_steps, args.wholerun_repeat, not args.wholerun_no_equal_writer,
+                                     not args.wholerun_no_floor)
     results["wholerun"] = costs
-    parts, size = costs["breakdown"], max(costs["pairs"][0]["chunked"]["sizes"], default=0)
-    num_steps = costs["pairs"][0]["chunked"]["chunks"][-1]["step"]  # whole epochs: may exceed --wholerun_steps
-    for pair in costs["pairs"]:
-        single, chunked = pair["single"], pair["chunked"]
-        if "equal_writer" in pair:
-            print(f"  wholerun: the writer sharing the cores as an equal: {pair['equal_writer']['chunked']['wall']:.1f} "
-                  f"s, extra per checkpoint {pair['equal_writer']['extra_per_checkpoint']:.2f} s", flush=True)
-        print(f"  wholerun: {num_steps} steps; one chunk {single['wall']:.1f} s, a checkpoint every "
-              f"{args.wholerun_save_steps} steps ({len(chunked['chunks'])} checkpoints of {size / 1e6:.0f} MB) "
-              f"{chunked['wall']:.1f} s (from the first training call to the flow's end); extra per checkpoint "
-              f"{pair['extra_per_checkpoint']:.2f} s, a {args.wholerun_save_steps}-step chunk trains "
-              f"{pair['chunk_train']:.2f} s; CPU (ranks + driver) {single['cpu']:.1f} s against "
-              f"{chunked['cpu']:.1f} s, {pair['extra_cpu_per_checkpoint']:.2f} CPU-s per extra checkpoint", flush=True)
-    extras = sorted(pair["extra_per_checkpoint"] for pair in costs["pairs"])
-    print(f"  wholerun: extra per checkpoint over {len(extras)} pairs, sorted: "
-          f"{', '.join(f'{extra:+.2f}' for extra in extras)} s (median {costs['extra_per_checkpoint']:+.2f} s)",
-          flush=True)
-    if costs["boundary"] is not None:
-        chunked_costs = ", ".join(f"{pair['boundary']:.2f}" for pair in costs["pairs"])
-        single_costs = ", ".join(f"{pair['boundary_single']:+.2f}" for pair in costs["pairs"])
-        print(f"  wholerun, inside each run: per chunk boundary, the ranks idle before training ahead plus the "
-              f"{ckpt_costs.BOUNDARY_STEPS} steps after it beyond the median step: {chunked_costs} s (chunked runs), "
-              f"{single_costs} s at the same steps of the single-chunk runs (the measure's bias)", flush=True)
-    if costs["floor_boundary"] is not None:
-        floors = [pair["floor"] for pair in costs["pairs"]]
-        boundaries = ", ".join(f"{floor['boundary']:.2f}" for floor in floors)
-        print(f"  wholerun, the floor: single-chunk runs whose rank copies the same bytes "
-              f"({floors[0]['bytes'] / 1e6:.0f} MB: the weights twice, Adam's moments) at each boundary "
-              f"(median {_median_after_first(floors, 'copy_s'):.3f} s) and writes them durably "
-              f"(O_DIRECT, fsync) from a SCHED_IDLE thread "
-              f"({_median_after_first(floors, 'write_s'):.2f} s), measured as above: "
-              f"{boundaries} s per boundary", flush=True)
-    print(f"    per extra checkpoint: stall (snapshot) {parts['stall']:.2f} s, ranks' step loop slower beside the "
-          f"writer {parts['slower_steps']:.2f} s, the rest (Prefect task, planning, waiting for the commit) "
-          f"{parts['rest']:.2f} s; each commit ran {parts['commit_beside_training']:.2f} s beside training",
-          flush=True)
-    print(f"    inside the chunked run, per checkpoint: steps beside the writer ran {parts['in_run_writer_slowdown']:.2f} s "
-          f"beyond the median step; the writer's threads: serialise and write {parts['in_run_writer_write']:.2f} s, "
-          f"hashing beyond the write {parts['in_run_writer_hash']:.2f} s, fsync {parts['in_run_writer_fsync']:.2f} s",
-          flush=True)
-    return [Row(f"whole run: extra wall per checkpoint / {args.wholerun_save_steps}-step chunk's training (23.6M, "
-                f"{size / 1e6:.0f} MB durable checkpoints, {num_steps} steps)", costs["chunk_train"],
-                costs["extra_per_checkpoint"], "s", "<=", 0.02, as_percent=True),
-            # Wall time moves with whatever else shares the machine; CPU seconds less so.
-            Row("  the same in CPU-seconds of the ranks and the driver", costs["chunk_train_cpu"],
-                costs["extra_cpu_per_checkpoint"], "s", "<=", 0.02, as_percent=True),
-            *([Row("  the same with the writer sharing the cores as an equal (RLHF_WRITER_SCHEDULING=normal)",
-                   costs["chunk_train"], costs["equal_writer_extra_per_checkpoint"], "s", "<=", None, as_percent=True)]
-              if costs["equal_writer_extra_per_checkpoint"] is not None else []),
-            # One run, no subtraction of two: a boundary's cost to the ranks (idle, then slower) against their median.
-            *([Row(f"  inside the chunked run: ranks idle at a boundary + its {ckpt_costs.BOUNDARY_STEPS} steps beyond "
-                   "the median step / chunk's training", costs["chunk_train"], costs["boundary"], "s", "<=", None,
-                   as_percent=True)] if costs["boundary"] is not None else []),
-            # The same measure against what a durable copy of the same bytes beside training costs.
-            *([Row("  inside the run: a durable copy of the same bytes at each boundary (the floor) / chunk's "
-                   "training", costs["chunk_train"], costs["floor_boundary"], "s", "<=", None, as_percent=True),
-               Row("  inside the chunked run: ranks idle + steps beyond the median, against the floor's",
-                   costs["floor_boundary"], costs["boundary"], "s", "<=", None)]
-              if costs["floor_boundary"] is not None and costs["boundary"] is not None else []),
-            # One run, no subtraction of two: the stall and the steps' slowdown beside the writer, per checkpoint.
-            Row("  inside the chunked run: stall + step loop's slowdown beside the writer / chunk's training",
-                costs["chunk_train"], parts["in_run_stall"] + parts["in_run_writer_slowdown"], "s", "<=", None,
-                as_percent=True)]
-
-
-def _median_after_first(floors: list[dict], key: str) -> float:
-    """The median of `key`'s seconds over every floor run, each run's first (cold buffers) left out."""
-    return statistics.median(seconds for floor in floors for seconds in (floor[key][1:] or floor[key]))
+    wholerun_costs.print_costs(costs, args.wholerun_save_steps)
+    return wholerun_costs.rows(costs, args.wholerun_save_steps)
 
 
 RUNNERS = {"startup": section_startup, "steps": section_steps, "grpo": section_grpo, "chunk": section_chunk,

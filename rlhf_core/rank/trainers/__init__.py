@@ -1,7 +1,7 @@
 """Stage trainers. Each runs inside one DeepSpeed rank and advances its stage one step at a time.
 
-Which trainer a stage uses is declared in `rlhf_core.stages.STAGES`, with the planner's facts (how its data is
-counted, items per step, passes).
+Which trainer a stage uses is declared in `rlhf_core.stages.STAGES`, as a lazy reference (`Ref`): the stage tables
+load in every command, torch only where a rank trains.
 """
 
 from __future__ import annotations
