@@ -14,8 +14,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
-
 import flows
 import rlhf_core
 import tasks
@@ -78,41 +76,43 @@ def toy_run_code(toy_assets: dict[str, str], **settings) -> str:
     """
 
 
-@pytest.mark.parametrize("settings", [{}, {"tokenizer_chat_template": "{{ messages[0]['content'] }}"}],
-                         ids=["folder-template", "own-template"])
-def test_a_run_whose_data_is_prepared_counts_it_without_torch_or_the_tokenizer(toy_assets, tmp_path, settings):
-    first = heavy_imports(toy_run_code(toy_assets, **settings), cwd=tmp_path)
-    assert "tokenizers" in first  # preparing the data tokenizes it
-    again = heavy_imports(toy_run_code(toy_assets, **settings), cwd=tmp_path)
-    assert again == {}, "\n".join(f"{name} imported by:\n{stack}" for name, stack in again.items())
-    other_template = {"tokenizer_chat_template": "{{ messages[-1]['content'] }}"}
-    assert "tokenizers" in heavy_imports(toy_run_code(toy_assets, **other_template), cwd=tmp_path)
-
-
-def test_a_tokenizer_file_changed_since_the_preparation_is_loaded_again(toy_assets, tmp_path):
-    model = tmp_path / "model"
+def test_a_run_whose_data_is_prepared_counts_it_without_torch_or_the_tokenizer(toy_assets, tmp_path):
+    model = tmp_path / "model"  # the toy's files, linked: its tokenizer_config.json is rewritten at the end
     model.mkdir()
     for path in Path(toy_assets["model"]).iterdir():
         (model / path.name).symlink_to(path)
-    code = toy_run_code({**toy_assets, "model": str(model)})
-    heavy_imports(code, cwd=tmp_path)
+    toy = {**toy_assets, "model": str(model)}
+    template = {"tokenizer_chat_template": "{{ messages[0]['content'] }}"}
+
+    def loads_the_tokenizer(**settings) -> bool:
+        imported = heavy_imports(toy_run_code(toy, **settings), cwd=tmp_path)
+        assert set(imported) <= {"tokenizers", "transformers", "torch"}, imported
+        return "tokenizers" in imported
+
+    assert loads_the_tokenizer()  # preparing the data tokenizes it
+    imported = heavy_imports(toy_run_code(toy), cwd=tmp_path)
+    assert imported == {}, "\n".join(f"{name} imported by:\n{stack}" for name, stack in imported.items())
+    assert_export_copies_what_a_fresh_save_writes(str(model), tmp_path)
+    assert loads_the_tokenizer(**template) and not loads_the_tokenizer(**template)  # a template of the run's own
+    assert loads_the_tokenizer(tokenizer_chat_template="{{ messages[-1]['content'] }}")  # another one
     config = model / "tokenizer_config.json"
     content = json.loads(config.read_text())
     config.unlink()
     config.write_text(json.dumps(content, indent=2))  # the same tokenizer in another file: another version
-    assert "tokenizers" in heavy_imports(code, cwd=tmp_path)
+    assert loads_the_tokenizer()
 
 
-def test_the_export_copies_the_tokenizer_files_the_count_kept_as_a_fresh_save_writes_them(toy_assets, tmp_path):
+
+def assert_export_copies_what_a_fresh_save_writes(model: str, run_dir: Path) -> None:
+    """The tokenizer files the count kept for the export are those `save_pretrained` writes of the tokenizer."""
     from rlhf_core.data.prepared import PreparedStore
     from rlhf_core.data.tokenizer_ref import saved_tokenizer_files
     from rlhf_core.storage.locate import load_tokenizer
 
-    heavy_imports(toy_run_code(toy_assets), cwd=tmp_path)
-    kept = saved_tokenizer_files(toy_assets["model"], None, PreparedStore(str(tmp_path / "ckpt")))
+    kept = saved_tokenizer_files(model, None, PreparedStore(str(run_dir / "ckpt")))
     assert kept is not None
-    fresh = tmp_path / "fresh"
-    load_tokenizer(toy_assets["model"]).save_pretrained(fresh)
+    fresh = run_dir / "fresh"
+    load_tokenizer(model).save_pretrained(fresh)
     assert sorted(os.listdir(kept)) == sorted(os.listdir(fresh))
     for name in os.listdir(fresh):
         assert (Path(kept) / name).read_bytes() == (fresh / name).read_bytes(), name
