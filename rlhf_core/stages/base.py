@@ -25,11 +25,13 @@ def input_location(description: str, role: str) -> dict[str, Any]:
     return {"description": description, "json_schema_extra": {"role": role}}
 
 
-def fields_with_role(config: type[BaseModel], role: str) -> list[str]:
+def fields_with_role(config: type[BaseModel], role: str, semantic_only: bool = False) -> list[str]:
     """The fields of a stage config tagged with `role` (model: an input model; data: a dataset; path: another
-    input file; output: where the stage writes)."""
+    input file; output: where the stage writes); with `semantic_only`, those that change the math (not an
+    evaluation's data)."""
     return [name for name, field in config.model_fields.items()
-            if isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get("role") == role]
+            if isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get("role") == role
+            and not (semantic_only and field.json_schema_extra.get("affects_training") is False)]
 
 
 @dataclass(frozen=True)
@@ -286,6 +288,14 @@ class StageConfig(StageSettings):
         """Passes over the data."""
         return self.max_epochs
 
+    def data_source(self) -> DataSource | None:
+        """The data the stage trains on: its one semantic field with the role "data" (not an evaluation's), in
+        its `dataset_split`; none without one. A stage whose data has a split setting of its own says so."""
+        names = fields_with_role(type(self), "data", semantic_only=True)
+        if len(names) != 1:
+            return None
+        return DataSource(getattr(self, names[0]), self.dataset_split, f"--{names[0]}")
+
     def extra_exports(self) -> dict[str, str]:
         """Models of the final checkpoint exported besides the stage's own (`Stage.export_model_dir`): where each
         goes, by its checkpoint folder. None by default."""
@@ -340,6 +350,3 @@ class PreferenceConfig(StageConfig):
     eval_holdout: float = Field(0.0, ge=0, lt=1, description="Without eval_dataset: fraction of the pairs held out "
                                                              "of training to evaluate on (0: none, as OpenRLHF; the "
                                                              "reward model then evaluates on its first 1%).")
-
-    def data_source(self) -> DataSource:
-        return DataSource(self.dataset, self.dataset_split, "--dataset")

@@ -111,6 +111,7 @@ class PPOConfig(StageConfig):
         return self.num_episodes
 
     def data_source(self) -> DataSource:
+        """The prompts, in their own split setting."""
         return DataSource(self.prompt_data, self.prompt_split, "--prompt_data")
 
     def extra_exports(self) -> dict[str, str]:

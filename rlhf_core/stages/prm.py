@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from rlhf_core.stages.base import DataSource, Earlier, Ref, Stage, StageConfig, input_location, operational, restated
+from rlhf_core.stages.base import Earlier, Ref, Stage, StageConfig, input_location, operational, restated
 
 
 class PRMConfig(StageConfig):
@@ -31,9 +31,6 @@ class PRMConfig(StageConfig):
                                                        role="output"))
 
     earlier_defaults = {"learning_rate": 5e-6, "micro_train_batch_size": 8, "max_samples": None}
-
-    def data_source(self) -> DataSource:
-        return DataSource(self.dataset, self.dataset_split, "--dataset")
 
     @model_validator(mode="after")
     def _soft_labels_need_two_tokens(self) -> PRMConfig:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from rlhf_core.stages.base import PRETRAIN_HELP, DataSource, Ref, Stage, StageConfig, input_location, operational, restated
+from rlhf_core.stages.base import PRETRAIN_HELP, Ref, Stage, StageConfig, input_location, operational, restated
 
 
 class SFTConfig(StageConfig):
@@ -34,9 +34,6 @@ class SFTConfig(StageConfig):
                                                        "URL).", role="output"))
 
     earlier_defaults = {"max_epochs": 1, "max_samples": None, "input_template": None}
-
-    def data_source(self) -> DataSource:
-        return DataSource(self.dataset, self.dataset_split, "--dataset")
 
 
 STAGE = Stage("sft", SFTConfig, "train", position=10, description="Settings of the SFT stage.",

@@ -91,3 +91,18 @@ def test_the_step_size_field_names_the_setting_items_per_step_reads():
         assert issubclass(config, StageConfig)
         settings = config.model_construct().model_copy(update={config.step_size_field: 7919})
         assert settings.items_per_step() == 7919, name
+
+
+def test_each_training_stage_names_its_data_and_split_for_the_drift_fingerprint():
+    """`data_source` is found by the data field's role (an evaluation's data is operational, so left out): a stage
+    of another package with a `dataset` field gets its fingerprint without saying more; PPO's prompts have their
+    own split setting."""
+    expected = {"sft": ("dataset", "dataset_split"), "rm": ("dataset", "dataset_split"),
+                "dpo": ("dataset", "dataset_split"), "prm": ("dataset", "dataset_split"),
+                "ppo": ("prompt_data", "prompt_split")}
+    assert set(expected) == set(TRAINING_STAGES)
+    for name, (data, split) in expected.items():
+        settings = STAGES[name].config.model_construct(**{data: "train.jsonl", split: "held", "eval_dataset": "e"})
+        source = settings.data_source()
+        assert source is not None and (source.url, source.split, source.flag) == ("train.jsonl", "held", f"--{data}")
+    assert STAGES["merge"].config.model_construct().data_source() is None
