@@ -9,9 +9,9 @@ from __future__ import annotations
 
 class BatchEncoder:
     """`samples.token_ids` of many texts as one call: a fast tokenizer's own `encode_batch` (what transformers
-    calls, less its per-text Python wrapping) on a copy truncating at `max_len` as transformers sets it (longest
-    first, stride 0, no padding), the tokenizer's own left as it is; a slow tokenizer through transformers.
-    `max_len` None truncates nothing (PPO's prompts are cut from the left afterwards)."""
+    calls, less its per-text Python wrapping and the character offsets) on a copy truncating at `max_len` as
+    transformers sets it (longest first, stride 0, no padding), the tokenizer's own left as it is; a slow tokenizer
+    through transformers. `max_len` None truncates nothing (PPO's prompts are cut from the left afterwards)."""
 
     def __init__(self, tokenizer, max_len: int | None):
         self.tokenizer, self.max_len, self.backend = tokenizer, max_len, None
@@ -32,7 +32,9 @@ class BatchEncoder:
         if self.backend is None:
             limits = {} if self.max_len is None else {"truncation": True, "max_length": self.max_len}
             return self.tokenizer(texts, add_special_tokens=False, **limits).input_ids
-        return [encoding.ids for encoding in self.backend.encode_batch(texts, add_special_tokens=False)]
+        # encode_batch_fast (tokenizers >= 0.20): the same ids, without the character offsets nothing here reads
+        encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+        return [encoding.ids for encoding in encode(texts, add_special_tokens=False)]
 
     def sequences(self, texts: list[str]) -> list[list[int]]:
         """`samples.sequence_ids` of each text: newlines stripped, " " + EOS unless present, truncated, the last
