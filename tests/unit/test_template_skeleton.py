@@ -30,6 +30,9 @@ EMPTY_TEST_TEMPLATE = (  # SOLAR's: an empty system message writes nothing
     "{{ '### User:\n' + message['content'] + '\n\n' }}{% elif message['role'] == 'assistant' %}"
     "{{ '### Assistant:\n' + message['content'] }}{% endif %}{% if loop.last and add_generation_prompt %}"
     "{{ '### Assistant:\n' }}{% endif %}{% endfor %}")
+BRACES_TEMPLATE = (  # the text around the contents holds what str.format reads: the skeleton escapes it
+    "{% for message in messages %}{{ '{' + message.role + '} {0} {{x}}: ' + message.content + ' }' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '{assistant}' }}{% endif %}")
 URL = "chat.jsonl"
 # The first is plain, so a shape's check against its first row cannot be what keeps the others exact.
 CONTENTS = ["sort : 3 1 2 =", "  leading and trailing  ", "\n\nnewlines around\n\n", "</think>",
@@ -50,12 +53,13 @@ CASES = {
     "phi3": (QWEN2_CHATML, PHI3_TEMPLATE, ["ua", "sua", "u"]),
     "set-content": (LLAMA3_INSTRUCT, SET_CONTENT_TEMPLATE, ["ua", "sua", "u"]),
     "empty-test": (QWEN2_CHATML, EMPTY_TEST_TEMPLATE, ["sua", "ua", "su"]),
+    "braces": (QWEN2_CHATML, BRACES_TEMPLATE, ["ua", "sua"]),
     "qwen3": (QWEN2_CHATML, QWEN3_TEMPLATE, ["ua", "sua", "uaua", "u", "su"]),
     "llama3": (LLAMA3_INSTRUCT, None, ["ua", "sua", "uaua", "u"]),
     "gemma": (GEMMA_IT, None, ["ua", "uaua", "u"]),
     "mistral": (MISTRAL_INST, None, ["ua", "sua", "uaua", "u"]),
 }
-VERBATIM = {"chatml", "qwen2.5", "phi3", "set-content", "empty-test"}
+VERBATIM = {"chatml", "qwen2.5", "phi3", "set-content", "empty-test", "braces"}
 
 
 @pytest.fixture(scope="module")
