@@ -1,6 +1,7 @@
 """Writes a checkpoint's `training_metadata.json` as the driver does (`driver/chunk.py`'s commit), with a stand-in
-worker group: the committed fixture `tests/data/checkpoints/metadata_v1/` was written by this helper on the main
-before the metadata became a type (1b50b26), so a test can hold today's code to that on-disk form.
+worker group. The committed fixture `tests/data/checkpoints/metadata_v1/` was written by this helper as it was in
+5b14528, through the commit of the main before the metadata became a type (1b50b26, a dict built in chunk.py), so
+tests/unit/test_checkpoint_metadata.py holds today's code to that on-disk form.
 
 Regenerate (only when the format version changes): `.venv/bin/python -m tests.unit.checkpoint_fixture DIR`."""
 

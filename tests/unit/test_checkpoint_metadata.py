@@ -1,6 +1,7 @@
 """A checkpoint's metadata (`rlhf_core.storage.metadata`) against the fixture that the main before it was a type
 wrote (tests/data/checkpoints/metadata_v1, by tests/unit/checkpoint_fixture.py): the commit writes the same keys and
-values today, the fixture reads back whole, and a resume from it reads every field it needs."""
+values today, the fixture reads back whole, a resume from it reads every field it needs, and a chunk's cache key
+(which holds the format version) is the one that main computed."""
 
 from __future__ import annotations
 
@@ -116,3 +117,18 @@ def test_the_committed_result_of_a_fixture_step_carries_its_metrics(toy_assets, 
         chunk = Chunk.of(runner, "sft", 10, plan=plan_stage(run, "sft"))
         result = chunk._committed_result(store.list(), store.list())
     assert result is not None and result.metrics == fixture(10)["metrics"] and result.num_steps_trained == 0
+
+
+def test_a_chunks_cache_key_is_the_one_the_earlier_main_computed(toy_assets, tmp_path):
+    """Prefect skips a completed chunk by its key: a run resumed on this code after the earlier main's must find
+    its chunks' keys unchanged (tasks/chunks.py's `chunk_cache_key` of 1b50b26, restated here)."""
+    import hashlib
+
+    from rlhf_core.config import semantic_hash
+    from tasks.chunks import ChunkKey
+
+    run, lineage = fixture_run(toy_assets, tmp_path), Lineage(5, "d" * 64, weights_only=True)
+    identity = {"lineage": lineage.cache_token(), "run_name": run.run_name, "stage": "sft", "target_step": 10,
+                "config_hash": semantic_hash(run, "sft"), "upstream_digest": "up", "format_version": 1}
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
+    assert ChunkKey.of(run, "sft", 10, "up", lineage).cache_key() == f"fixture-sft-step10-{digest}"
