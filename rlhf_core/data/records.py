@@ -13,7 +13,7 @@ import os
 import re
 from dataclasses import dataclass
 from collections.abc import Sequence
-from typing import Any, Callable, Iterator, Sized
+from typing import Any, Callable, Iterator
 
 import fsspec
 import numpy as np
@@ -360,15 +360,3 @@ def split_holdout(items: Sequence, fraction: float, seed: int) -> tuple[Sequence
     held_out = np.zeros(len(items), dtype=bool)
     held_out[torch.randperm(len(items), generator=generator(seed, "holdout")).numpy()[:num_held_out]] = True
     return subset(items, np.flatnonzero(~held_out)), subset(items, np.flatnonzero(held_out))
-
-
-def count_with_eval(run, cfg, load: Callable[[Any, Any, bool], Sized]) -> int:
-    """Usable training items of a stage whose `load(run, tokenizer, evaluation)` reads and tokenizes its data;
-    its eval dataset, when it has one, is read too, so that its keys are checked before training. The tokenizer
-    is loaded only if the data is not prepared yet (`tokenizer_ref.LazyTokenizer`)."""
-    from rlhf_core.data.tokenizer_ref import lazy_tokenizer  # it imports this module
-
-    tokenizer = lazy_tokenizer(cfg.start_model, run)
-    if cfg.eval_dataset:
-        load(run, tokenizer, True)
-    return len(load(run, tokenizer, False))

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from rlhf_core.config import RunConfig
 from rlhf_core.data.prepare_sft import prepared_sft_samples
-from rlhf_core.data.records import count_with_eval
+from rlhf_core.data.tokenizer_ref import count_with_eval
 from rlhf_core.data.samples import TokenizedSample
 from rlhf_core.stages.sft import SFTConfig
 

@@ -12,7 +12,8 @@ from rlhf_core.config import RunConfig
 from rlhf_core.data.columns import Columns, FlatColumns
 from rlhf_core.data.encoding import BatchEncoder
 from rlhf_core.data.preparation import Preparation, prepared_rows, stage_source
-from rlhf_core.data.records import Record, count_with_eval
+from rlhf_core.data.records import Record
+from rlhf_core.data.tokenizer_ref import count_with_eval
 from rlhf_core.data.samples import IGNORE_INDEX, field_value
 from rlhf_core.errors import UserError
 from rlhf_core.stages.prm import PRMConfig

@@ -16,7 +16,7 @@ import secrets
 import shutil
 import tempfile
 from importlib import metadata
-from typing import Any
+from typing import Any, Callable, Sized
 
 from rlhf_core.data.prepared import PreparedStore, tokenizer_identity
 from rlhf_core.storage.locate import TOKENIZER_FILES, is_lora_dir, load_tokenizer, local_model_dir, lora_base_dir
@@ -188,3 +188,13 @@ def saved_tokenizer_files(url: str, storage_options: dict | None, store: Prepare
         return None
     target = _files_dir(store, url, storage_options, flag)
     return target if os.path.isdir(target) else None
+
+
+def count_with_eval(run, cfg, load: Callable[[Any, Any, bool], Sized]) -> int:
+    """Usable training items of a stage whose `load(run, tokenizer, evaluation)` reads and tokenizes its data;
+    its eval dataset, when it has one, is read too, so that its keys are checked before training. The tokenizer
+    is loaded only if the data is not prepared yet (`LazyTokenizer`)."""
+    tokenizer = lazy_tokenizer(cfg.start_model, run)
+    if cfg.eval_dataset:
+        load(run, tokenizer, True)
+    return len(load(run, tokenizer, False))
