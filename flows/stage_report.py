@@ -6,9 +6,7 @@ per chunk. docs/design-notes.md ("The stage report") lists the artifacts and wha
 from __future__ import annotations
 
 import base64
-import io
 import logging
-import math
 import re
 import time
 from dataclasses import asdict, dataclass
@@ -25,13 +23,10 @@ from prefect.client.schemas.actions import ArtifactUpdate
 from rlhf_core.driver.chunk import ChunkResult
 from rlhf_core.driver.plan import StagePlan
 from rlhf_core.config import RunConfig
+from rlhf_core.ops.curve import curve_svg
 
 BAR_WIDTH = 10
 REFRESH_S = 30.0  # the chunk table, links, curve and goodput views: at most this often, and at the stage's end
-# One panel per group present, in this order (PPO reports reward, SFT and RM a loss; eval metrics when asked
-# for): the last step's value beside the chunk's mean.
-CURVE_PANELS = (("loss", "mean_loss"), ("reward", "mean_reward"), ("eval_loss",), ("eval_accuracy",),
-                ("eval_reward",), ("kl",))
 
 
 @dataclass
@@ -87,34 +82,6 @@ def progress_line(stage: str, chunks: tuple[int, int], steps: tuple[int, int], m
             f"step {step}/{total_steps}{': ' + status if status else ''}  {name} {value:.4g}")
 
 
-def curve_png(stage: str, rows: list[dict]) -> bytes:
-    """The stage's metrics per committed chunk, one panel per metric, as PNG bytes (matplotlib, Agg)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure  # Figure, not pyplot: no global state, safe in any thread
-
-    panels = [[name for name in panel if any(_finite(row.get(name)) for row in rows)] for panel in CURVE_PANELS]
-    panels = [panel for panel in panels if panel]
-    figure = Figure(figsize=(4.5 * max(len(panels), 1), 3.2), dpi=100, layout="constrained")
-    axes = figure.subplots(1, max(len(panels), 1), squeeze=False)[0]
-    for ax, panel in zip(axes, panels):
-        for name in panel:
-            points = [(row["step"], row[name]) for row in rows if _finite(row.get(name))]
-            ax.plot([step for step, _ in points], [value for _, value in points], marker="o", label=name)
-        ax.set_title(f"{stage}: {panel[0]}")
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png")
-    return buffer.getvalue()
-
-
-def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value)
-
-
 class StageReport:
     """The artifacts of one stage in one flow run (see module docstring)."""
 
@@ -123,7 +90,7 @@ class StageReport:
         self.rows: list[dict] = []
         self._artifact_ids: dict[str, UUID] = {}
         self._refreshed_at: float | None = None  # time.monotonic() of the views' last refresh
-        self.curve_url = f"{run.run_url()}/{stage}-curve.png"
+        self.curve_url = f"{run.run_url()}/{stage}-curve.svg"
         self.progress_id: UUID = create_progress_artifact(
             progress=0.0, key=self._key("progress"),
             description=f"Chunks of stage {stage} committed, run {run.run_name} ({len(plan.targets)} chunks)")
@@ -187,13 +154,13 @@ class StageReport:
         """Save the curve in the run folder and show it in the UI; a plotting failure costs a warning, not
         the chunk."""
         try:
-            png = curve_png(self.stage, self.rows)
+            svg = curve_svg(self.stage, self.rows)
             with fsspec.open(self.curve_url, "wb", **self.run.storage_options) as file:
-                file.write(png)
+                file.write(svg)
         except Exception as error:  # noqa: BLE001 - the curve is a view; training goes on without it
             self.logger.warning("%s: could not draw or save the curve %s: %s", self.stage, self.curve_url, error)
             return
-        data_uri = "data:image/png;base64," + base64.b64encode(png).decode()
+        data_uri = "data:image/svg+xml;base64," + base64.b64encode(svg).decode()
         markdown = (f"# {self.run.run_name} / {self.stage}\n\n![curve]({data_uri})\n\n"
                     f"Saved as `{self.curve_url}`.")
         self._publish("curve", markdown,

@@ -337,8 +337,8 @@ def test_full_deployment_shows_each_stage_as_a_subflow_with_artifacts_logs_and_e
             output = config[stage]["save_path" if stage == "export" else "output_path"]
             assert links[f"deploy-full-{stage}-output"].data == f"[{output}]({output})"
     assert committed["sft"] == [16, 32] and committed["ppo"] == [1, 2] and len(committed["rm"]) >= 2
-    curve = (run_dir / "sft-curve.png").read_bytes()
-    assert curve.startswith(b"\x89PNG")
+    curve = (run_dir / "sft-curve.svg").read_bytes()
+    assert curve.startswith(b"<svg") and b"sft: loss" in curve
 
     num_commits = sum(len(steps) for steps in committed.values())
     events = read_events_eventually(deployed.server.api_url, "rlhf.checkpoint.committed", "rlhf.run.deploy-full.",
@@ -373,8 +373,8 @@ def check_stage_artifacts(artifacts: dict, config: dict, stage: str, committed_s
     for step in committed_steps:
         assert str(run_dir / stage / f"step_{step}") in links, links
     assert f"Exported model: [{config[stage]['save_path']}]" in links, links
-    curve = re.search(r"!\[curve\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", artifacts[f"{key}-curve"].data)
-    assert curve and base64.b64decode(curve.group(1)).startswith(b"\x89PNG"), artifacts[f"{key}-curve"].data[:200]
+    curve = re.search(r"!\[curve\]\(data:image/svg\+xml;base64,([A-Za-z0-9+/=]+)\)", artifacts[f"{key}-curve"].data)
+    assert curve and base64.b64decode(curve.group(1)).startswith(b"<svg"), artifacts[f"{key}-curve"].data[:200]
 
 
 # --------------------------------------------------------------------------- rlhf/ppo-nightly: budgets, schedule

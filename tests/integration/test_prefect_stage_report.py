@@ -1,12 +1,13 @@
-"""What the stage subflow shows an operator, without a server: the console progress line, the curve PNG,
+"""What the stage subflow shows an operator, without a server: the console progress line, the curve (SVG),
 artifact keys, and when a run budget stops a stage (flows/stage_report.py, flows/pipeline.py)."""
 
 from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
+from xml.etree import ElementTree
 
 from flows.pipeline import _budget_reason
-from flows.stage_report import artifact_key, curve_png, progress_line
+from flows.stage_report import artifact_key, curve_svg, progress_line
 
 
 def test_progress_line_is_one_plain_line_with_bar_chunks_step_and_headline_metric():
@@ -16,14 +17,12 @@ def test_progress_line_is_one_plain_line_with_bar_chunks_step_and_headline_metri
         "ppo [##########] 3/3 chunks  step 48/48  reward 0.125"
 
 
-def test_curve_is_a_png_with_one_panel_per_metric_group_and_tolerates_missing_values():
+def test_curve_is_an_svg_with_one_panel_per_metric_group_and_tolerates_missing_values():
     rows = [{"step": 8, "loss": 2.6, "mean_loss": 2.8}, {"step": 16, "loss": float("nan"), "eval_accuracy": 0.7},
             {"step": 24, "loss": 2.1, "mean_loss": 2.2, "eval_accuracy": 0.8}]
-    png = curve_png("rm", rows)
-    assert png.startswith(b"\x89PNG")
-    width = int.from_bytes(png[16:20], "big")
-    assert width == 2 * 450  # two panels: loss (with mean_loss), eval_accuracy
-    assert curve_png("sft", []).startswith(b"\x89PNG")  # nothing committed yet: an empty figure, no error
+    svg = ElementTree.fromstring(curve_svg("rm", rows))
+    assert svg.tag.endswith("svg") and svg.get("width") == str(2 * 450)  # two panels: loss (with mean_loss), eval_accuracy
+    assert ElementTree.fromstring(curve_svg("sft", [])).get("width") == "450"  # nothing committed yet: one empty panel
 
 
 def test_artifact_keys_take_lowercase_letters_digits_and_dashes_only():

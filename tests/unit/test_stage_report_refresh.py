@@ -73,4 +73,4 @@ def test_views_refresh_at_most_every_refresh_s_and_at_the_end(tmp_path, monkeypa
     last = {view: data for view, data in sent}
     assert [row["step"] for row in json.loads(last["chunks"])] == list(range(1, 11))
     assert "step 10:" in last["checkpoints"] and f"Exported model: [{tmp_path / 'out'}]" in last["checkpoints"]
-    assert [view for view, _ in sent].count("curve") == 3 and (tmp_path / "ckpt" / "fast" / "sft-curve.png").exists()
+    assert [view for view, _ in sent].count("curve") == 3 and (tmp_path / "ckpt" / "fast" / "sft-curve.svg").exists()
