@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -18,6 +19,31 @@ from rlhf_core.storage.locate import check_model_dir, is_lora_dir, local_model_d
 logger = logging.getLogger(__name__)
 
 ATTENTION_FALLBACK = "sdpa"
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How a model is built once its weights are read: fresh LoRA adapters (`lora_rank` 0: none), activation
+    checkpointing, the attention kernel. The default: the model as it is, transformers' attention."""
+
+    lora_rank: int = 0
+    lora_alpha: int = 16
+    target_modules: list[str] | None = None
+    lora_dropout: float = 0.0
+    gradient_checkpointing: bool = False
+    attn_implementation: str | None = None
+
+    @classmethod
+    def trained(cls, cfg) -> LoadOptions:
+        """The options of the model a stage trains: its config's LoRA, checkpointing and attention fields
+        (rlhf_core.stages.base)."""
+        return cls(cfg.lora_rank, cfg.lora_alpha, cfg.target_modules, cfg.lora_dropout, cfg.gradient_checkpointing,
+                   cfg.attn_implementation)
+
+    @classmethod
+    def frozen(cls, cfg) -> LoadOptions:
+        """The options of a model a stage only reads (reference, reward model): its config's attention kernel."""
+        return cls(attn_implementation=cfg.attn_implementation)
 
 
 def resolve_attn_implementation(name: str | None) -> str | None:
@@ -66,19 +92,19 @@ def _from_pretrained(auto_class, url: str, storage_options: dict | None, flag: s
         raise UserError(f"{flag}: {url} is not a loadable Hugging Face model ({error}).") from None
 
 
-def with_lora(model, lora_rank: int, lora_alpha: int, target_modules: list[str] | None, task_type: str,
-              lora_dropout: float = 0.0, *, source: str = "the model"):
-    """Fresh LoRA adapters on `target_modules` (None: all-linear, whatever the family names its layers)."""
-    if lora_rank <= 0:
+def with_lora(model, options: LoadOptions, task_type: str, *, source: str = "the model"):
+    """Fresh LoRA adapters on `options.target_modules` (None: all-linear, whatever the family names its
+    layers); `model` as it is with `options.lora_rank` 0."""
+    if options.lora_rank <= 0:
         return model
     from peft import LoraConfig, get_peft_model
 
     from rlhf_core.models.lora_targets import refuse_unknown_targets
 
-    refuse_unknown_targets(model, target_modules, source)
+    refuse_unknown_targets(model, options.target_modules, source)
 
-    lora = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout, task_type=task_type,
-                      target_modules=target_modules or "all-linear")
+    lora = LoraConfig(r=options.lora_rank, lora_alpha=options.lora_alpha, lora_dropout=options.lora_dropout,
+                      task_type=task_type, target_modules=options.target_modules or "all-linear")
     return get_peft_model(model, lora)
 
 
@@ -107,32 +133,29 @@ def import_model_classes(url: str | None) -> None:
     MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(url))]  # noqa: B018 - the lookup imports it
 
 
-def load_causal_lm(url: str, lora_rank: int = 0, lora_alpha: int = 16, target_modules: list[str] | None = None,
-                   gradient_checkpointing: bool = False, *, lora_dropout: float = 0.0,
-                   attn_implementation: str | None = None, storage_options: dict | None = None,
+def load_causal_lm(url: str, options: LoadOptions = LoadOptions(), *, storage_options: dict | None = None,
                    flag: str = "--pretrain"):
-    """The model at `url` in float32 (DeepSpeed casts for bf16), with fresh LoRA adapters if asked."""
+    """The model at `url` in float32 (DeepSpeed casts for bf16), with fresh LoRA adapters if `options` ask."""
     from transformers import AutoModelForCausalLM
 
-    model = _from_pretrained(AutoModelForCausalLM, url, storage_options, flag, **_attention_kwargs(attn_implementation))
-    if gradient_checkpointing:
+    model = _from_pretrained(AutoModelForCausalLM, url, storage_options, flag,
+                             **_attention_kwargs(options.attn_implementation))
+    if options.gradient_checkpointing:
         enable_activation_checkpointing(model, use_reentrant=False)
-    return with_lora(model, lora_rank, lora_alpha, target_modules, "CAUSAL_LM", lora_dropout, source=url)
+    return with_lora(model, options, "CAUSAL_LM", source=url)
 
 
-def load_scalar_model(url: str, pad_token_id: int, lora_rank: int = 0, lora_alpha: int = 16,
-                      target_modules: list[str] | None = None, gradient_checkpointing: bool = False, *,
-                      lora_dropout: float = 0.0, attn_implementation: str | None = None,
+def load_scalar_model(url: str, pad_token_id: int, options: LoadOptions = LoadOptions(), *,
                       storage_options: dict | None = None, flag: str = "--pretrain"):
     """A reward model or critic: backbone + `score` head (new if `url` is a causal LM)."""
     from transformers import AutoModelForSequenceClassification
 
     model = _from_pretrained(AutoModelForSequenceClassification, url, storage_options, flag, num_labels=1,
-                             **_attention_kwargs(attn_implementation))
+                             **_attention_kwargs(options.attn_implementation))
     model.config.pad_token_id = pad_token_id  # transformers' pooling needs it; rewards use sequence_scores
-    if gradient_checkpointing:
+    if options.gradient_checkpointing:
         enable_activation_checkpointing(model, use_reentrant=False)
-    return with_lora(model, lora_rank, lora_alpha, target_modules, "SEQ_CLS", lora_dropout, source=url)
+    return with_lora(model, options, "SEQ_CLS", source=url)
 
 
 def token_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 from rlhf_core.agent import CompletionOutput, RequestOutput, SamplingParams, as_float, load_agent_executor
 from rlhf_core.errors import UserError
 from rlhf_core.data.determinism import derive_seed
-from rlhf_core.rank.rollout import generate
+from rlhf_core.rank.rollout import SamplingSettings, generate
 
 MAX_TURNS = 10000  # OpenRLHF's max_steps: the length budget ends an episode first
 
@@ -53,6 +53,11 @@ def episode_randomness(seed: int) -> Iterator[None]:
                 numpy.random.set_state(numpy_state)
 
 
+def sampling_settings(params: SamplingParams) -> SamplingSettings:
+    """The settings of an agent's OpenRLHF-style `SamplingParams` that a turn is sampled with."""
+    return SamplingSettings(params.max_tokens, params.temperature, params.top_p)
+
+
 class TransformersEngine:
     """`llm_engine` over transformers generation: one turn, one sequence."""
 
@@ -69,8 +74,8 @@ class TransformersEngine:
         return self.prompt[1] if text == self.prompt[0] else None
 
     def sample(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
-        return generate(self.model, [prompt_ids], self.tokenizer.pad_token_id, self.stop_token_id, params.max_tokens,
-                        params.temperature, params.top_p, on_tokens=self.on_tokens)[0]
+        return generate(self.model, [prompt_ids], self.tokenizer.pad_token_id, self.stop_token_id,
+                        sampling_settings(params), on_tokens=self.on_tokens)[0]
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
         tokens = self.sample(list(prompt_ids), params)
@@ -93,8 +98,7 @@ class VLLMEngine(TransformersEngine):
     def sample(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
         self.num_turns += 1
         seed = derive_seed(self.episode_seed, "turn", self.num_turns) % 2**31
-        return self.vllm.sample([prompt_ids], [seed], params.max_tokens, params.temperature, params.top_p,
-                                self.stop_token_id)[0]
+        return self.vllm.sample([prompt_ids], [seed], sampling_settings(params), self.stop_token_id)[0]
 
 
 class AgentRollout:

@@ -7,6 +7,7 @@ docs/design-notes.md ("PPO's arithmetic") has each estimator, the KL and entropy
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -133,24 +134,38 @@ def group_filter(scores: torch.Tensor, group_size: int, low: float, high: float)
     return keep.expand(-1, group_size).flatten().float()
 
 
-def advantages_and_returns(estimator: str, scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor,
-                           values: torch.Tensor | None, kl_coef: float, gamma: float, lambd: float,
-                           group_size: int, clip_range: tuple[float, float] | None = None,
-                           reduce: Reduce | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class AdvantageSettings:
+    """How one rollout batch's advantages are estimated: the estimator (ESTIMATORS), the KL penalty's
+    coefficient this step, the discount and GAE lambda, the samples per prompt (group baselines) and the
+    range the scores are clipped to (None: not clipped)."""
+
+    estimator: str
+    kl_coef: float
+    gamma: float
+    lambd: float
+    group_size: int
+    clip_range: tuple[float, float] | None = None
+
+
+def advantages_and_returns(settings: AdvantageSettings, scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor,
+                           values: torch.Tensor | None, reduce: Reduce | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token (advantages, returns) for one rollout batch; returns are the critic's targets (gae).
     Rows whose `mask` is all zero (padding, or filtered out) get zero advantages and stay out of the
     whitening statistics, which are over every rank's batch with `reduce` (see `masked_whiten`)."""
+    estimator = settings.estimator
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {estimator!r}")
-    rewards = GROUP_BASELINES[estimator](scores, group_size) if estimator in GROUP_BASELINES else scores
-    if clip_range is not None:
-        rewards = rewards.clamp(*clip_range)
-    shaped = shaped_rewards(rewards, kl, kl_coef, mask)
+    rewards = GROUP_BASELINES[estimator](scores, settings.group_size) if estimator in GROUP_BASELINES else scores
+    if settings.clip_range is not None:
+        rewards = rewards.clamp(*settings.clip_range)
+    shaped = shaped_rewards(rewards, kl, settings.kl_coef, mask)
     if estimator == "gae":
         if values is None:
             raise ValueError("the gae estimator needs the critic's values")
-        return gae(shaped, values, mask, gamma, lambd)
-    returns = discounted_returns(shaped, mask, 1.0 if estimator in GROUP_BASELINES else gamma)
+        return gae(shaped, values, mask, settings.gamma, settings.lambd)
+    returns = discounted_returns(shaped, mask, 1.0 if estimator in GROUP_BASELINES else settings.gamma)
     if estimator in WHITENED_ESTIMATORS:
         return masked_whiten(returns, mask, reduce=reduce), returns
     return returns, returns

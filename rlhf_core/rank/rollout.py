@@ -5,6 +5,7 @@ step, rank). docs/design-notes.md ("Rollouts with transformers") has the details
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -96,9 +97,19 @@ class TokenBlocks(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)  # type: ignore[return-value]
 
 
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How a response is sampled, with transformers (`generate`) or vLLM (`VLLMGenerator.sample`): at most
+    `max_new_tokens` tokens, at `temperature`, from the `top_p` nucleus (no top-k)."""
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+
+
 @torch.no_grad()
-def generate(model, prompts: list[list[int]], pad_token_id: int, eos_token_id: int, max_new_tokens: int,
-             temperature: float, top_p: float, on_tokens: Callable[[int], None] | None = None) -> list[list[int]]:
+def generate(model, prompts: list[list[int]], pad_token_id: int, eos_token_id: int, sampling: SamplingSettings,
+             on_tokens: Callable[[int], None] | None = None) -> list[list[int]]:
     """One sampled response per prompt (token ids, ending at the first EOS of `stop_token_ids`). `on_tokens(n)`:
     told every TOKEN_BLOCK tokens how many new tokens each row has so far (`TokenBlocks`)."""
     batch = on_device(collate_sequences(prompts, [[] for _ in prompts], pad_token_id), model.device)
@@ -107,8 +118,8 @@ def generate(model, prompts: list[list[int]], pad_token_id: int, eos_token_id: i
     progress = StoppingCriteriaList([TokenBlocks(prompt_len, on_tokens)]) if on_tokens is not None else None
     output = model.generate(input_ids=batch["input_ids"][:, :prompt_len],
                             attention_mask=batch["attention_mask"][:, :prompt_len],
-                            do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
-                            max_new_tokens=max_new_tokens, eos_token_id=stop, pad_token_id=pad_token_id,
+                            do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0,
+                            max_new_tokens=sampling.max_new_tokens, eos_token_id=stop, pad_token_id=pad_token_id,
                             stopping_criteria=progress)
     responses = []
     for row in output[:, prompt_len:].tolist():

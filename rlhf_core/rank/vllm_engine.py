@@ -15,6 +15,7 @@ import torch
 
 from rlhf_core.stages.ppo import PPOConfig
 from rlhf_core.data.determinism import derive_seed
+from rlhf_core.rank.rollout import SamplingSettings
 from rlhf_core.storage.locate import is_lora_dir, local_model_dir
 
 
@@ -129,16 +130,17 @@ class VLLMGenerator:
         `on_finished()`: told as each request finishes."""
         seeds = [derive_seed(self.seed, "ppo", step, self.rank, "vllm", index) % 2**31 for index in range(len(prompts))]
         with self.serving(actor):
-            return self.sample(prompts, seeds, self.cfg.max_new_tokens, self.cfg.temperature, self.cfg.top_p,
-                               eos_token_id, on_finished)
+            sampling = SamplingSettings(self.cfg.max_new_tokens, self.cfg.temperature, self.cfg.top_p)
+            return self.sample(prompts, seeds, sampling, eos_token_id, on_finished)
 
-    def sample(self, prompts: list[list[int]], seeds: list[int], max_tokens: int, temperature: float, top_p: float,
-               eos_token_id: int, on_finished: Callable[[], None] | None = None) -> list[list[int]]:
+    def sample(self, prompts: list[list[int]], seeds: list[int], sampling: SamplingSettings, eos_token_id: int,
+               on_finished: Callable[[], None] | None = None) -> list[list[int]]:
         """One response per prompt from the loaded weights (inside `serving`), one seed per prompt."""
         from vllm import SamplingParams
 
-        params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                                 stop_token_ids=[eos_token_id], detokenize=False, seed=seed) for seed in seeds]
+        params = [SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
+                                 max_tokens=sampling.max_new_tokens, stop_token_ids=[eos_token_id], detokenize=False,
+                                 seed=seed) for seed in seeds]
         progress = functools.partial(FinishedRequests, on_finished=on_finished) if on_finished else False
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=progress)
         responses = []

@@ -161,8 +161,8 @@ def test_the_first_turns_actions_get_the_last_turns_reward_across_the_environmen
     mask = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0]]).repeat(2, 1)  # two episodes: rewards 1 and 0
     kl = torch.zeros_like(mask)
     for estimator, values in (("gae", torch.zeros_like(mask)), ("reinforce", None), ("group_norm", None)):
-        advantages, _ = ppo_math.advantages_and_returns(estimator, torch.tensor([1.0, 0.0]), kl, mask, values, 0.0,
-                                                        gamma=1.0, lambd=1.0, group_size=2)
+        settings = ppo_math.AdvantageSettings(estimator, kl_coef=0.0, gamma=1.0, lambd=1.0, group_size=2)
+        advantages, _ = ppo_math.advantages_and_returns(settings, torch.tensor([1.0, 0.0]), kl, mask, values)
         assert advantages[0, :2].min() > 0 and advantages[:, [2, 3, 6]].abs().max() == 0, estimator
 
 

@@ -43,7 +43,7 @@ def test_lora_combiner_takes_a_checkpoints_latest_as_lora_path(tmp_path, toy_ass
     """The seed's `lora_combiner --lora_path {ckpt_path}/latest`: the newest committed checkpoint's adapter."""
     import torch
 
-    from rlhf_core.models.load import load_causal_lm
+    from rlhf_core.models.load import LoadOptions, load_causal_lm
 
     store = CheckpointStore(str(tmp_path / "ckpt" / "run" / "ppo"))
     # A trained adapter's size: step 4's changes the model, step 2's (zero) does not. An oversized one (every
@@ -51,7 +51,7 @@ def test_lora_combiner_takes_a_checkpoints_latest_as_lora_path(tmp_path, toy_ass
     # 3 of 18 seeds went over the 1e-4 it allows. Seeded, so the draw no longer depends on the tests run before.
     torch.manual_seed(2)
     for step, scale in ((2, 0.0), (4, 0.02)):
-        adapted = load_causal_lm(toy_assets["model"], lora_rank=4)
+        adapted = load_causal_lm(toy_assets["model"], LoadOptions(lora_rank=4))
         with torch.no_grad():
             for name, param in adapted.named_parameters():
                 if "lora_B" in name:

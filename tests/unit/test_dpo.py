@@ -10,7 +10,7 @@ import torch
 
 from rlhf_core.rank.packing import pack_sft
 from rlhf_core.data.samples import TokenizedPair, collate_sft
-from rlhf_core.rank.trainers.dpo import dpo_loss, response_logps, response_samples
+from rlhf_core.rank.trainers.dpo import PreferenceObjective, dpo_loss, response_logps, response_samples
 from rlhf_core.data.pairs import Pair
 
 POLICY_C, POLICY_R = [-12.5, -30.0, -7.25, -3.0], [-14.0, -29.0, -9.5, -3.0]
@@ -35,7 +35,7 @@ def reference_formula(beta: float, label_smoothing: float, ipo: bool) -> float:
                                                       (2.0, 0.0, True)])
 def test_the_loss_is_the_papers_formula(beta, label_smoothing, ipo):
     tensors = [torch.tensor(values, dtype=torch.float64) for values in (POLICY_C, POLICY_R, REF_C, REF_R)]
-    loss, chosen, rejected = dpo_loss(*tensors, beta=beta, label_smoothing=label_smoothing, ipo=ipo)
+    loss, chosen, rejected = dpo_loss(*tensors, PreferenceObjective(beta, label_smoothing, ipo))
     assert loss.item() == pytest.approx(reference_formula(beta, label_smoothing, ipo), abs=1e-6)
     assert chosen.tolist() == pytest.approx([beta * (pc - rc) for pc, rc in zip(POLICY_C, REF_C)], abs=1e-9)
     assert rejected.tolist() == pytest.approx([beta * (pr - rr) for pr, rr in zip(POLICY_R, REF_R)], abs=1e-9)
@@ -44,7 +44,7 @@ def test_the_loss_is_the_papers_formula(beta, label_smoothing, ipo):
 def test_the_loss_pulls_the_chosen_up_and_the_rejected_down():
     policy_c = torch.tensor(POLICY_C, requires_grad=True)
     policy_r = torch.tensor(POLICY_R, requires_grad=True)
-    loss, _, _ = dpo_loss(policy_c, policy_r, torch.tensor(REF_C), torch.tensor(REF_R), beta=0.1)
+    loss, _, _ = dpo_loss(policy_c, policy_r, torch.tensor(REF_C), torch.tensor(REF_R), PreferenceObjective(beta=0.1))
     loss.backward()
     assert (policy_c.grad < 0).all() and (policy_r.grad > 0).all()
 

@@ -44,7 +44,7 @@ def test_generation_stops_at_any_eos_of_the_generation_config(tmp_path):
     <|endoftext|> has ended its response, as vLLM (OpenRLHF's generator) ends it."""
     from transformers import AutoModelForCausalLM
 
-    from rlhf_core.rank.rollout import generate
+    from rlhf_core.rank.rollout import SamplingSettings, generate
 
     directory = saved_family("qwen2", tmp_path)
     tokenizer = load_tokenizer(directory)
@@ -59,8 +59,9 @@ def test_generation_stops_at_any_eos_of_the_generation_config(tmp_path):
 
     model.lm_head.register_forward_hook(always_other_eos)
     prompt = tokenizer("sort : 3 1 =", add_special_tokens=False).input_ids
-    assert generate(model, [prompt, prompt[1:]], tokenizer.pad_token_id, tokenizer.eos_token_id, max_new_tokens=6,
-                    temperature=1.0, top_p=1.0) == [[other_eos], [other_eos]]
+    sampling = SamplingSettings(max_new_tokens=6, temperature=1.0, top_p=1.0)
+    assert generate(model, [prompt, prompt[1:]], tokenizer.pad_token_id, tokenizer.eos_token_id,
+                    sampling) == [[other_eos], [other_eos]]
 
 
 def test_gold_score_of_a_model_whose_tokenizer_has_no_bos(tmp_path):

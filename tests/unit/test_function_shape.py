@@ -16,20 +16,13 @@ MAX_PARAMETERS = 6
 ALLOWED: frozenset[str] = frozenset({
     # In modules that other work in progress owns:
     "rlhf_core/ops/goodput.py:commit_chunk",
-    "rlhf_core/rank/trainers/dpo.py:dpo_loss",
     "rlhf_core/driver/resume.py:load_start",
     # Outside the chunk's work, most called from the trainers (rank/trainers/, owned by other work) or the CLI
     # (flows/cli.py, likewise):
     "flows/cli_inspect.py:plan_lines",
     "rlhf_core/data/samples.py:tokenize_pairs",
     "rlhf_core/data/stream.py:read_records",
-    "rlhf_core/models/load.py:load_causal_lm",
-    "rlhf_core/models/load.py:load_scalar_model",
-    "rlhf_core/models/load.py:with_lora",
     "rlhf_core/ops/alerts.py:reward_stagnant_alert",
-    "rlhf_core/rank/ppo_math.py:advantages_and_returns",
-    "rlhf_core/rank/rollout.py:generate",
-    "rlhf_core/rank/vllm_engine.py:VLLMGenerator.sample",
     "rlhf_core/toy.py:make_datasets",
 })
 

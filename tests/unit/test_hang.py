@@ -170,7 +170,7 @@ def test_a_rollout_tells_its_token_blocks_and_samples_the_same_tokens(tmp_path):
 
     def sample(on_tokens=None):
         torch.manual_seed(1)
-        return rollout.generate(model, prompts, 0, 39, 20, 1.0, 1.0, on_tokens=on_tokens)
+        return rollout.generate(model, prompts, 0, 39, rollout.SamplingSettings(20, 1.0, 1.0), on_tokens=on_tokens)
 
     pieces = rollout.GenerationPieces(Signals(), parts=2, tokens_per_part=20)
     with_pieces = sample(pieces.tokens)

@@ -10,7 +10,7 @@ import pytest
 
 from rlhf_core.errors import UserError
 from rlhf_core.driver.preflight import check_lora_targets
-from rlhf_core.models.load import load_causal_lm, load_scalar_model
+from rlhf_core.models.load import LoadOptions, load_causal_lm, load_scalar_model
 from tests.families import FAMILIES, tiny_model
 from tests.hub_cache import build_tokenizer
 
@@ -44,14 +44,14 @@ def adapted_layers(model) -> set[str]:
 
 @pytest.mark.parametrize("family", sorted(EXPECTED_DEFAULT))
 def test_the_default_adapts_every_linear_layer_of_the_family_but_its_head(family, family_dirs):
-    policy = load_causal_lm(family_dirs[family], lora_rank=4)
+    policy = load_causal_lm(family_dirs[family], LoadOptions(lora_rank=4))
     assert adapted_layers(policy) == EXPECTED_DEFAULT[family]  # never lm_head, tied to the embeddings or not
-    scorer = load_scalar_model(family_dirs[family], pad_token_id=0, lora_rank=4)
+    scorer = load_scalar_model(family_dirs[family], pad_token_id=0, options=LoadOptions(lora_rank=4))
     assert adapted_layers(scorer) == EXPECTED_DEFAULT[family]  # the new score head is trained whole, not adapted
 
 
 def test_the_family_own_names_are_accepted(family_dirs):
-    policy = load_causal_lm(family_dirs["phi3"], lora_rank=4, target_modules=["qkv_proj", "gate_up_proj"])
+    policy = load_causal_lm(family_dirs["phi3"], LoadOptions(lora_rank=4, target_modules=["qkv_proj", "gate_up_proj"]))
     assert adapted_layers(policy) == {"qkv_proj", "gate_up_proj"}
     check_lora_targets(family_dirs["gpt2"], ["c_attn"])  # preflight's check, on the folder
 
@@ -61,7 +61,7 @@ def test_the_family_own_names_are_accepted(family_dirs):
     ("phi3", "q_proj, k_proj, v_proj, gate_proj, up_proj"),  # o_proj and down_proj alone would match
 ])
 def test_llama_names_on_another_family_are_one_sentence_naming_the_flag(family, missing, family_dirs):
-    for check in (lambda: load_causal_lm(family_dirs[family], lora_rank=4, target_modules=LLAMA_TARGETS),
+    for check in (lambda: load_causal_lm(family_dirs[family], LoadOptions(lora_rank=4, target_modules=LLAMA_TARGETS)),
                   lambda: check_lora_targets(family_dirs[family], LLAMA_TARGETS)):
         with pytest.raises(UserError) as error:
             check()

@@ -10,7 +10,7 @@ import pytest
 from rlhf_core.errors import UserError
 from rlhf_core.driver.export import merge_lora
 from rlhf_core.storage.writable import check_writable
-from rlhf_core.models.load import load_causal_lm, load_scalar_model
+from rlhf_core.models.load import LoadOptions, load_causal_lm, load_scalar_model
 from rlhf_core.storage.locate import load_tokenizer, local_model_dir
 
 # An endpoint nothing listens on (loopback), asked once: botocore and s3fs would otherwise retry for ~10 s.
@@ -72,7 +72,7 @@ def test_bad_lora_path_blames_lora_path(tmp_path, toy_assets):
         merge_lora(toy_assets["model"], str(tmp_path / "nope"), output)
     with pytest.raises(UserError, match=r"^--lora_path: .* holds no LoRA adapter"):
         merge_lora(toy_assets["model"], toy_assets["model"], output)
-    load_causal_lm(toy_assets["model"], lora_rank=4, lora_alpha=8).save_pretrained(tmp_path / "adapter")
+    load_causal_lm(toy_assets["model"], LoadOptions(lora_rank=4, lora_alpha=8)).save_pretrained(tmp_path / "adapter")
     with pytest.raises(UserError, match=r"^--model_path: .*nope is not a model folder"):
         merge_lora(str(tmp_path / "nope"), str(tmp_path / "adapter"), output)
 
@@ -111,18 +111,18 @@ def test_attention_fallback_warns_once_and_unknown_is_refused(toy_assets, caplog
 
     models._warn_attention_fallback.cache_clear()
     with caplog.at_level(logging.WARNING, logger="rlhf_core.models.load"):
-        first = load_causal_lm(toy_assets["model"], attn_implementation="flash_attention_2")
-        load_scalar_model(toy_assets["model"], 0, attn_implementation="flash_attention_2")
+        first = load_causal_lm(toy_assets["model"], LoadOptions(attn_implementation="flash_attention_2"))
+        load_scalar_model(toy_assets["model"], 0, LoadOptions(attn_implementation="flash_attention_2"))
     assert first.config._attn_implementation == "sdpa"
     warnings = [record.getMessage() for record in caplog.records if "flash_attention_2" in record.getMessage()]
     assert len(warnings) == 1 and "using sdpa" in warnings[0]
-    assert load_causal_lm(toy_assets["model"], attn_implementation="eager").config._attn_implementation == "eager"
+    assert load_causal_lm(toy_assets["model"], LoadOptions(attn_implementation="eager")).config._attn_implementation == "eager"
     with pytest.raises(UserError, match=r"^--attn_implementation 'flash_attn' is not one of eager, "):
-        load_causal_lm(toy_assets["model"], attn_implementation="flash_attn")
+        load_causal_lm(toy_assets["model"], LoadOptions(attn_implementation="flash_attn"))
 
 
 def test_lora_dropout_reaches_the_adapters(toy_assets):
-    model = load_causal_lm(toy_assets["model"], lora_rank=4, lora_alpha=8, lora_dropout=0.25)
+    model = load_causal_lm(toy_assets["model"], LoadOptions(lora_rank=4, lora_alpha=8, lora_dropout=0.25))
     assert model.peft_config["default"].lora_dropout == 0.25
 
 

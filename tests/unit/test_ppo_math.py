@@ -50,8 +50,8 @@ def test_group_baselines():
 def test_every_estimator_rewards_the_better_sample(estimator):
     mask = torch.ones(4, 3)
     scores = torch.tensor([1.0, 0.0, 1.0, 0.0])
-    advantages, returns = ppo_math.advantages_and_returns(
-        estimator, scores, torch.zeros(4, 3), mask, torch.zeros(4, 3), 0.0, 1.0, 0.95, group_size=2)
+    settings = ppo_math.AdvantageSettings(estimator, kl_coef=0.0, gamma=1.0, lambd=0.95, group_size=2)
+    advantages, returns = ppo_math.advantages_and_returns(settings, scores, torch.zeros(4, 3), mask, torch.zeros(4, 3))
     assert advantages.shape == returns.shape == (4, 3)
     assert advantages[0].sum() > advantages[1].sum()
 
@@ -86,8 +86,8 @@ def test_kl_estimates_are_clamped_like_openrlhf():
 def advantages(estimator, scores, mask=None, kl=None, kl_coef=0.0, gamma=1.0, clip_range=None):
     mask = torch.ones(len(scores), 3) if mask is None else mask
     kl = torch.zeros_like(mask) if kl is None else kl
-    return ppo_math.advantages_and_returns(estimator, torch.tensor(scores), kl, mask, None, kl_coef, gamma, 0.95,
-                                           group_size=2, clip_range=clip_range)
+    settings = ppo_math.AdvantageSettings(estimator, kl_coef, gamma, 0.95, group_size=2, clip_range=clip_range)
+    return ppo_math.advantages_and_returns(settings, torch.tensor(scores), kl, mask, None)
 
 
 def test_dr_grpo_is_the_score_minus_its_group_mean_on_every_token_without_std_or_discount():
@@ -240,8 +240,8 @@ def test_every_estimator_gives_each_rank_its_share_of_the_whole_batch_advantages
     critic_values = 0.1 * (values - 1000.0)
 
     def estimate(scores, kl, mask, critic_values, reduce=None):
-        return ppo_math.advantages_and_returns(estimator, scores, kl, mask, critic_values, 0.05, 0.9, 0.95,
-                                               group_size=2, reduce=reduce)[0]
+        settings = ppo_math.AdvantageSettings(estimator, kl_coef=0.05, gamma=0.9, lambd=0.95, group_size=2)
+        return ppo_math.advantages_and_returns(settings, scores, kl, mask, critic_values, reduce=reduce)[0]
 
     whole = estimate(scores, kl, mask, critic_values)
     shards = list(zip(scores.chunk(2), kl.chunk(2), mask.chunk(2), critic_values.chunk(2)))  # whole groups of 2

@@ -6,13 +6,13 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlhf_core.models.load import load_causal_lm
+from rlhf_core.models.load import LoadOptions, load_causal_lm
 from rlhf_core.rank.vllm_engine import inference_weights
 
 
 def test_merged_weights_reproduce_the_lora_actor_and_leave_it_unchanged(toy_assets):
     torch.manual_seed(0)  # lora_A's draw too, not only lora_B's: the same adapter whichever test ran before
-    actor = load_causal_lm(toy_assets["model"], lora_rank=4, lora_alpha=8)
+    actor = load_causal_lm(toy_assets["model"], LoadOptions(lora_rank=4, lora_alpha=8))
     for name, param in actor.named_parameters():
         if "lora_B" in name:  # fresh adapters are zero: give them something to merge
             param.data.normal_(0, 0.5)

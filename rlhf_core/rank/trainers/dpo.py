@@ -7,13 +7,15 @@ docs/design-notes.md ("The DPO trainer") has the losses and the evaluation.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from rlhf_core.config import RunConfig
 from rlhf_core.data.pairs import Pair, load_pairs, trainable_pairs
 from rlhf_core.data.determinism import derive_seed
-from rlhf_core.models.load import load_causal_lm
+from rlhf_core.models.load import LoadOptions, load_causal_lm
 from rlhf_core.storage.locate import load_tokenizer
 from rlhf_core.rank.packing import pack_sft
 from rlhf_core.rank.ppo_math import token_logprobs
@@ -22,12 +24,23 @@ from rlhf_core.stages.dpo import DPOConfig
 from rlhf_core.rank.trainers.base import DeepSpeedTrainer, chained_model
 
 
+@dataclass(frozen=True)
+class PreferenceObjective:
+    """Which preference loss `dpo_loss` computes: DPO with `beta`, conservative DPO with `label_smoothing` > 0,
+    or IPO's squared loss (`ipo`, which ignores `label_smoothing`, as OpenRLHF)."""
+
+    beta: float
+    label_smoothing: float = 0.0
+    ipo: bool = False
+
+
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, reference_chosen: torch.Tensor,
-             reference_rejected: torch.Tensor, beta: float, label_smoothing: float = 0.0,
-             ipo: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             reference_rejected: torch.Tensor,
+             objective: PreferenceObjective) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(mean loss, chosen rewards, rejected rewards) of a batch of pairs' summed response log-probabilities."""
+    beta, label_smoothing = objective.beta, objective.label_smoothing
     logits = (policy_chosen - policy_rejected) - (reference_chosen - reference_rejected)
-    if ipo:
+    if objective.ipo:
         losses = (logits - 1 / (2 * beta)) ** 2
     else:
         losses = (-F.logsigmoid(beta * logits) * (1 - label_smoothing)
@@ -71,13 +84,10 @@ class DPOTrainer(DeepSpeedTrainer[DPOConfig]):
         self.train_pairs = trainable_pairs(train_pairs, cfg.max_len, "--dataset")
         self.eval_pairs = trainable_pairs(eval_pairs, cfg.max_len, "--eval_dataset") if eval_pairs else []
         torch.manual_seed(derive_seed(run.seed, self.stage, "init"))  # LoRA adapters start identical everywhere
-        model = load_causal_lm(cfg.start_model, cfg.lora_rank, cfg.lora_alpha, cfg.target_modules,
-                               cfg.gradient_checkpointing, lora_dropout=cfg.lora_dropout,
-                               attn_implementation=cfg.attn_implementation, storage_options=run.storage_options)
+        model = load_causal_lm(cfg.start_model, LoadOptions.trained(cfg), storage_options=run.storage_options)
         self.engine = self.build_engine(self.export_model_dir, model)
-        reference = load_causal_lm(chained_model(cfg.ref_pretrain, "--ref_pretrain"),
-                                   attn_implementation=cfg.attn_implementation, storage_options=run.storage_options,
-                                   flag="--ref_pretrain")
+        reference = load_causal_lm(chained_model(cfg.ref_pretrain, "--ref_pretrain"), LoadOptions.frozen(cfg),
+                                   storage_options=run.storage_options, flag="--ref_pretrain")
         self.reference = reference.to("cpu" if cfg.ref_offload else self.engine.device).eval().requires_grad_(False)
 
     def logps(self, model, pairs: list[Pair]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -109,8 +119,9 @@ class DPOTrainer(DeepSpeedTrainer[DPOConfig]):
         policy_chosen, policy_rejected, chosen_mean = self.logps(self.engine, pairs)
         with torch.no_grad():
             reference_chosen, reference_rejected, _ = self.logps(self.reference, pairs)
+        objective = PreferenceObjective(cfg.beta, cfg.label_smoothing, cfg.ipo)
         loss, chosen_rewards, rejected_rewards = dpo_loss(policy_chosen, policy_rejected, reference_chosen,
-                                                          reference_rejected, cfg.beta, cfg.label_smoothing, cfg.ipo)
+                                                          reference_rejected, objective)
         nll = -chosen_mean.mean()
         if cfg.nll_loss_coef > 0:
             loss = loss + cfg.nll_loss_coef * nll

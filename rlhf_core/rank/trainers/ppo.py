@@ -10,7 +10,6 @@ from collections.abc import Sequence
 import contextlib
 import logging
 import math
-from typing import Any, TypedDict
 
 import torch
 
@@ -19,25 +18,18 @@ from rlhf_core.rank.agent_rollout import (AgentRollout, Episode, TransformersEng
 from rlhf_core.config import RunConfig
 from rlhf_core.stages.ppo import PPOConfig
 from rlhf_core.data.determinism import derive_seed, generator, step_sample_indices
-from rlhf_core.models.load import load_causal_lm, load_scalar_model, sequence_scores, token_values
+from rlhf_core.models.load import LoadOptions, load_causal_lm, load_scalar_model, sequence_scores, token_values
 from rlhf_core.storage.locate import load_tokenizer
 from rlhf_core.rank.collectives import (agreed, all_reduce_sum, max_over_ranks, mean_extra_logs_over_ranks,
                                         mean_over_ranks, sum_over_ranks)
 from rlhf_core.rank.experience import Experience, episode_rewards, pad_rows
 from rlhf_core.rewards import RewardBatch, reward_function, reward_inputs
-from rlhf_core.rank.rollout import (GenerationPieces, collate_sequences, generate, on_device, response_logits,
-                                    response_logprobs)
+from rlhf_core.rank.rollout import (GenerationPieces, SamplingSettings, collate_sequences, generate, on_device,
+                                    response_logits, response_logprobs)
 from rlhf_core.data.prompts import PromptItem, load_prompts
 from rlhf_core.rank.trainers.base import DeepSpeedTrainer, chained_model, gathered
 
 logger = logging.getLogger(__name__)
-
-
-class ModelLoading(TypedDict):
-    """The loading options every PPO model shares (`load_causal_lm`, `load_scalar_model`)."""
-
-    attn_implementation: str | None
-    storage_options: dict[str, Any]
 
 
 def optimizer_steps_per_ppo_step(cfg: PPOConfig) -> int:
@@ -58,20 +50,21 @@ class PPOTrainer(DeepSpeedTrainer[PPOConfig]):
         self.equal_rewards_chunk: int | None = None  # the chunk whose equal rewards were warned about
         num_optimizer_steps = self.total_steps * optimizer_steps_per_ppo_step(cfg)
         torch.manual_seed(derive_seed(run.seed, self.stage, "init"))
-        loading = ModelLoading(attn_implementation=cfg.attn_implementation, storage_options=run.storage_options)
-        actor = load_causal_lm(cfg.start_model, cfg.lora_rank, cfg.lora_alpha, cfg.target_modules,
-                               cfg.gradient_checkpointing, lora_dropout=cfg.lora_dropout, **loading)
+        frozen, storage_options = LoadOptions.frozen(cfg), run.storage_options
+        actor = load_causal_lm(cfg.start_model, LoadOptions.trained(cfg), storage_options=storage_options)
         self.actor = self.build_engine("actor_model", actor, num_optimizer_steps=num_optimizer_steps)
         # The frozen models follow the actor onto its device and precision (bf16 on GPU if asked).
         placement = {"device": self.actor.device, "dtype": next(self.actor.module.parameters()).dtype}
         self.reference = None
         if cfg.init_kl_coef > 0:
-            self.reference = load_causal_lm(cfg.start_model, **loading).eval().requires_grad_(False).to(**placement)
+            reference = load_causal_lm(cfg.start_model, frozen, storage_options=storage_options)
+            self.reference = reference.eval().requires_grad_(False).to(**placement)
         self.scores_old_logprobs = self.reference is not None or optimizer_steps_per_ppo_step(cfg) > 1
         self.critic = None
         if cfg.advantage_estimator == "gae":
             critic = load_scalar_model(chained_model(cfg.critic_pretrain, "--critic_pretrain"),
-                                       self.tokenizer.pad_token_id, flag="--critic_pretrain", **loading)
+                                       self.tokenizer.pad_token_id, frozen, storage_options=storage_options,
+                                       flag="--critic_pretrain")
             self.critic = self.build_engine("critic_model", critic, cfg.critic_learning_rate, num_optimizer_steps)
         self.reward_fn = reward_function(cfg.reward_fn, cfg.remote_rm_url)
         self.agent = None  # with --agent_func_path, the environment rewards its episodes
@@ -81,7 +74,8 @@ class PPOTrainer(DeepSpeedTrainer[PPOConfig]):
         self.reward_model, self.reward_normalization = None, None
         if self.reward_fn is None and self.agent is None:
             reward_model = load_scalar_model(chained_model(cfg.reward_pretrain, "--reward_pretrain"),
-                                             self.tokenizer.pad_token_id, flag="--reward_pretrain", **loading)
+                                             self.tokenizer.pad_token_id, frozen, storage_options=storage_options,
+                                             flag="--reward_pretrain")
             self.reward_model = reward_model.eval().requires_grad_(False).to(**placement)
             self.reward_normalization = self.recorded_reward_statistics(reward_model) if cfg.normalize_reward else None
         self.vllm = None
@@ -123,10 +117,10 @@ class PPOTrainer(DeepSpeedTrainer[PPOConfig]):
         # Whitening and KL statistics are over every rank's samples (all_reduce_sum).
         mask = experience.mask * experience.keep[:, None]  # filtered samples leave the update
         kl_in_reward = torch.zeros_like(experience.kl) if cfg.use_kl_loss else experience.kl
-        advantages, returns = ppo_math.advantages_and_returns(
-            cfg.advantage_estimator, experience.rewards, kl_in_reward, mask, experience.values,
-            self.kl.coef, cfg.gamma, cfg.lambd, cfg.n_samples_per_prompt, cfg.reward_clip_range,
-            reduce=all_reduce_sum)
+        settings = ppo_math.AdvantageSettings(cfg.advantage_estimator, self.kl.coef, cfg.gamma, cfg.lambd,
+                                              cfg.n_samples_per_prompt, cfg.reward_clip_range)
+        advantages, returns = ppo_math.advantages_and_returns(settings, experience.rewards, kl_in_reward, mask,
+                                                              experience.values, reduce=all_reduce_sum)
         experience = experience.with_advantages(advantages, returns, mask)
         [kept] = sum_over_ranks(experience.keep.sum().item())
         losses = self.update(experience) if kept > 0 else {}
@@ -215,11 +209,10 @@ class PPOTrainer(DeepSpeedTrainer[PPOConfig]):
                 requests = GenerationPieces(self.signals, len(prompts), 1)
                 return self.vllm.generate(self.actor.module, prompts, self.step, eos_token_id, requests.part_done)
             pieces = GenerationPieces(self.signals, math.ceil(len(prompts) / batch_size), cfg.max_new_tokens)
-            responses = []
+            sampling, responses = SamplingSettings(cfg.max_new_tokens, temperature, cfg.top_p), []
             for start in range(0, len(prompts), batch_size):
                 responses += generate(self.actor.module, prompts[start : start + batch_size],
-                                      self.tokenizer.pad_token_id, eos_token_id, cfg.max_new_tokens, temperature,
-                                      cfg.top_p, on_tokens=pieces.tokens)
+                                      self.tokenizer.pad_token_id, eos_token_id, sampling, on_tokens=pieces.tokens)
                 pieces.part_done()
         return responses
 

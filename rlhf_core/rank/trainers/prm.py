@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from rlhf_core.config import RunConfig
 from rlhf_core.data.determinism import derive_seed
-from rlhf_core.models.load import load_causal_lm
+from rlhf_core.models.load import LoadOptions, load_causal_lm
 from rlhf_core.storage.locate import load_tokenizer
 from rlhf_core.rank.packing import pack_sequences
 from rlhf_core.data.samples import IGNORE_INDEX
@@ -54,9 +54,7 @@ class PRMTrainer(DeepSpeedTrainer[PRMConfig]):
         self.reward_ids = ([single_token_id(self.tokenizer, token, "--reward_tokens") for token in cfg.reward_tokens]
                            if cfg.reward_tokens else None)
         torch.manual_seed(derive_seed(run.seed, self.stage, "init"))  # LoRA adapters start identical everywhere
-        model = load_causal_lm(cfg.start_model, cfg.lora_rank, cfg.lora_alpha, cfg.target_modules,
-                               cfg.gradient_checkpointing, lora_dropout=cfg.lora_dropout,
-                               attn_implementation=cfg.attn_implementation, storage_options=run.storage_options)
+        model = load_causal_lm(cfg.start_model, LoadOptions.trained(cfg), storage_options=run.storage_options)
         self.engine = self.build_engine(self.export_model_dir, model)
 
     def loss(self, samples: list[StepLabelledSample]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,7 @@ from rlhf_core.config import RunConfig
 from rlhf_core.data.pairs import Pair, eval_pairs_of_rm, load_pairs
 from rlhf_core.data.determinism import derive_seed
 from rlhf_core.notices import warn_once
-from rlhf_core.models.load import load_scalar_model, sequence_scores
+from rlhf_core.models.load import LoadOptions, load_scalar_model, sequence_scores
 from rlhf_core.storage.locate import load_tokenizer
 from rlhf_core.rank.packing import pack_sequences, packed_scores
 from rlhf_core.data.samples import collate_pairs
@@ -39,9 +39,8 @@ class RewardModelTrainer(DeepSpeedTrainer[RMConfig]):
             warn_once("--margin_loss has no effect with --loss logexploss (as in OpenRLHF).")
         torch.manual_seed(derive_seed(run.seed, self.stage, "init"))  # the new score head starts identical everywhere
         cfg = self.cfg
-        model = load_scalar_model(cfg.start_model, self.tokenizer.pad_token_id, cfg.lora_rank, cfg.lora_alpha,
-                                  cfg.target_modules, cfg.gradient_checkpointing, lora_dropout=cfg.lora_dropout,
-                                  attn_implementation=cfg.attn_implementation, storage_options=run.storage_options)
+        model = load_scalar_model(cfg.start_model, self.tokenizer.pad_token_id, LoadOptions.trained(cfg),
+                                  storage_options=run.storage_options)
         self.engine = self.build_engine(self.export_model_dir, model)
 
     def rewards(self, pairs: list[Pair]) -> tuple[torch.Tensor, torch.Tensor]:

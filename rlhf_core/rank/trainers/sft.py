@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from rlhf_core.config import RunConfig
 from rlhf_core.data.sft import load_sft_samples
 from rlhf_core.data.determinism import derive_seed
-from rlhf_core.models.load import load_causal_lm
+from rlhf_core.models.load import LoadOptions, load_causal_lm
 from rlhf_core.storage.locate import load_tokenizer
 from rlhf_core.rank.packing import pack_sft
 from rlhf_core.data.samples import IGNORE_INDEX, TokenizedSample, collate_sft
@@ -31,9 +31,7 @@ class SFTTrainer(DeepSpeedTrainer[SFTConfig]):
         self.eval_samples = load_sft_samples(run, self.tokenizer, evaluation=True) if self.cfg.eval_dataset else []
         torch.manual_seed(derive_seed(run.seed, self.stage, "init"))  # LoRA adapters start identical everywhere
         cfg = self.cfg
-        model = load_causal_lm(cfg.pretrain, cfg.lora_rank, cfg.lora_alpha, cfg.target_modules,
-                               cfg.gradient_checkpointing, lora_dropout=cfg.lora_dropout, attn_implementation=cfg.attn_implementation,
-                               storage_options=run.storage_options)
+        model = load_causal_lm(cfg.pretrain, LoadOptions.trained(cfg), storage_options=run.storage_options)
         self.engine = self.build_engine("actor_model", model)
 
     def batch(self, samples: list[TokenizedSample]) -> dict:
