@@ -48,6 +48,16 @@ class StartState:
     weights_only: bool
 
 
+@dataclass(frozen=True)
+class StageCheckpoints:
+    """Where a stage resumes from: its checkpoint store, the checkpoints in it (oldest first), and the line of
+    checkpoints this run starts (`begin_stage`)."""
+
+    store: CheckpointStore
+    infos: list[CheckpointInfo]
+    lineage: Lineage
+
+
 def open_store(run: RunConfig, stage: str) -> CheckpointStore:
     return CheckpointStore(run.stage_url(stage), run.storage_options)
 
@@ -180,12 +190,13 @@ def begin_stage(run: RunConfig, stage: str) -> Lineage:
     return Lineage(start.step, start.manifest_digest, run.load_weights_only)
 
 
-def load_start(run: RunConfig, stage: str, store: CheckpointStore, infos: list[CheckpointInfo], lineage: Lineage,
-               group, chunk_ends: list[int]) -> StartState | None:
+def load_start(run: RunConfig, stage: str, checkpoints: StageCheckpoints, group,
+               chunk_ends: list[int]) -> StartState | None:
     """Set `group` (a rlhf_core.driver.engine.WorkerGroup) up for the stage (`chunk_ends`: the plan's) and load
-    the newest good checkpoint in `infos` into it; a bad one is set aside with one log line and the next older one
-    is tried. None: no checkpoint, the group starts from the pretrained model."""
-    for info in reversed(infos):
+    the newest good checkpoint of `checkpoints` into it; a bad one is set aside with one log line and the next
+    older one is tried. None: no checkpoint, the group starts from the pretrained model."""
+    store, lineage = checkpoints.store, checkpoints.lineage
+    for info in reversed(checkpoints.infos):
         try:
             if not info.is_committed:
                 raise CorruptCheckpoint(info.reason, info.step, info.reason)

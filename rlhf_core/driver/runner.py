@@ -21,7 +21,7 @@ from rlhf_core.driver.repeats import ChunkTries
 from rlhf_core.driver.spares import SPARES_AFTER_S, SparePool, num_spares
 from rlhf_core.driver.stop import StopSignals
 from rlhf_core.errors import RankHung, WorkerLost
-from rlhf_core.driver.resume import Lineage, StartState, load_start
+from rlhf_core.driver.resume import Lineage, StageCheckpoints, StartState, load_start
 from rlhf_core.ops.goodput import GoodputLedger
 from rlhf_core.ops.trackers import OpenTrackers
 from rlhf_core.storage.checkpoint import CheckpointStore
@@ -277,7 +277,7 @@ class StageRunner:
         group = self._take_prestarted(run) or WorkerGroup(run, self.signals, self.spares.take)
         group.log_placement()
         self._held.warm = WarmGroup(group, identity)
-        start = load_start(run, stage, store, infos, lineage, group, plan.targets)
+        start = load_start(run, stage, StageCheckpoints(store, infos, lineage), group, plan.targets)
         self._held.warm.world_size_changes = _world_size_changes(group, start)
         return group, start
 

@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Mapping
 
 from fsspec.core import url_to_fs
@@ -170,27 +170,40 @@ def fail_chunk(doc: dict, attempt: dict, stage: str, cause: str) -> None:
             chunk["lost_to"] = cause
 
 
-def commit_chunk(doc: dict, attempt: dict, stage: str, step: int, seconds: Mapping[str, float], now: float,
-                 num_steps: int | None = None, trained_ahead_s: float = 0.0) -> None:
-    """The chunk of `stage` ending at `step` committed; `seconds` are its timers (ChunkResult.seconds). The
-    ranks have been training the next chunk ahead for the last `trained_ahead_s` seconds: that chunk's record
-    starts then (`start_chunk`), and if none starts, that time is lost (`_lose_ahead`)."""
+@dataclass(frozen=True)
+class CommittedChunk:
+    """A chunk of `stage` that committed at `step`: its timers (ChunkResult.seconds), its step count (None: the
+    pending chunk's), and how long the ranks have been training the next chunk ahead."""
+
+    stage: str
+    step: int
+    seconds: Mapping[str, float]
+    num_steps: int | None = None
+    trained_ahead_s: float = 0.0
+
+
+def commit_chunk(doc: dict, attempt: dict, chunk: CommittedChunk, now: float) -> None:
+    """`chunk` committed at `now`. The ranks have been training the next chunk ahead for the last
+    `chunk.trained_ahead_s` seconds: that chunk's record starts then (`start_chunk`), and if none starts, that
+    time is lost (`_lose_ahead`)."""
+    stage, step = chunk.stage, chunk.step
     _tick(doc, attempt, stage, now)
     _ahead(doc).pop(stage, None)
-    if trained_ahead_s > 0:
-        _ahead(doc)[stage] = {"after_step": int(step), "since": now - trained_ahead_s, "attempt": attempt["id"]}
+    if chunk.trained_ahead_s > 0:
+        _ahead(doc)[stage] = {"after_step": int(step), "since": now - chunk.trained_ahead_s, "attempt": attempt["id"]}
     record = _stage(doc, stage)
     # An emergency checkpoint (rlhf_core.driver.stop) commits its chunk short of the chunk's end.
-    match = next((chunk for chunk in doc["pending"]
-                  if chunk["stage"] == stage and chunk["from_step"] < step <= chunk["to_step"]), None)
+    match = next((pending for pending in doc["pending"]
+                  if pending["stage"] == stage and pending["from_step"] < step <= pending["to_step"]), None)
+    num_steps = chunk.num_steps
     if match is not None:
         doc["pending"].remove(match)
         num_steps = match["to_step"] - match["from_step"] if num_steps is None else num_steps
     record["chunks"] += 1
     record["steps"] += int(num_steps or 0)
-    for name, value in seconds.items():
+    for name, value in chunk.seconds.items():
         record["seconds"][name] = record["seconds"].get(name, 0.0) + float(value)
-    for category, share in category_shares(seconds):
+    for category, share in category_shares(chunk.seconds):
         record[category] += share
 
 
@@ -368,8 +381,8 @@ class GoodputLedger:
     @_best_effort
     def chunk_committed(self, stage: str, step: int, seconds: Mapping[str, float] | None = None,
                         num_steps: int | None = None, trained_ahead_s: float = 0.0) -> None:
-        self._update(lambda doc, attempt: commit_chunk(doc, attempt, stage, step, seconds or {}, self.clock(),
-                                                       num_steps, trained_ahead_s))
+        chunk = CommittedChunk(stage, step, seconds or {}, num_steps, trained_ahead_s)
+        self._update(lambda doc, attempt: commit_chunk(doc, attempt, chunk, self.clock()))
 
     @_best_effort
     def chunk_failed(self, stage: str, cause: str | None) -> None:

@@ -14,7 +14,7 @@ import pytest
 from rlhf_core.driver.chunk import Chunk
 from rlhf_core.driver.chunk_commit import Trained, checkpoint_metadata
 from rlhf_core.driver.plan import plan_stage
-from rlhf_core.driver.resume import Lineage, load_start
+from rlhf_core.driver.resume import Lineage, StageCheckpoints, load_start
 from rlhf_core.driver.runner import StageRunner, _world_size_changes
 from rlhf_core.ops.commit_alerts import expected_bytes_from_metadata
 from rlhf_core.storage.checkpoint import CheckpointStore
@@ -84,7 +84,7 @@ def test_a_resume_from_the_fixture_reads_every_field_it_needs(toy_assets, tmp_pa
     for step in STEPS:
         store.commit(step, str(folder), localized(fixture(step), toy_assets, tmp_path))
     group = LoadingGroup(world_size=2)
-    start = load_start(run, "sft", store, store.list(), Lineage(), group, [5, 10, 15])
+    start = load_start(run, "sft", StageCheckpoints(store, store.list(), Lineage()), group, [5, 10, 15])
     assert start is not None and start.info.step == 10 and not start.universal  # ZeRO-0 loads at any world size
     assert group.calls == [("setup", False, 0), ("load", 10, False, False)]
     changes = _world_size_changes(group, start)  # type: ignore[arg-type]

@@ -10,8 +10,8 @@ import os
 import pytest
 
 from flows.cli import main
-from rlhf_core.ops.goodput import (CRASHED, FINISHED, LEASE_HEARTBEAT_S, GoodputLedger, begin_attempt, commit_chunk,
-                                   empty_ledger, finish_attempt, start_chunk)
+from rlhf_core.ops.goodput import (CRASHED, FINISHED, LEASE_HEARTBEAT_S, CommittedChunk, GoodputLedger, begin_attempt,
+                                   commit_chunk, empty_ledger, finish_attempt, start_chunk)
 from rlhf_core.ops.step_time import writer_slowdown
 from rlhf_core.ops.goodput_summary import expected_goodput, format_summary, measured_costs, plan_interval, summarize
 
@@ -62,8 +62,8 @@ def test_planner_never_suggests_less_than_one_step_and_refuses_nonsense():
 def _chunk(doc, attempt, clock, stage, start, end, train, stall=0.5, load=0.0):
     start_chunk(doc, attempt, stage, start, end, clock.advance(0.25))
     clock.advance(load + train + stall)
-    commit_chunk(doc, attempt, stage, end, {"plan": 0.0, "workers_and_load": load, "train": train,
-                                            "save_and_commit": stall}, clock.now)
+    seconds = {"plan": 0.0, "workers_and_load": load, "train": train, "save_and_commit": stall}
+    commit_chunk(doc, attempt, CommittedChunk(stage, end, seconds), clock.now)
 
 
 def test_one_clean_attempt_accounts_for_every_second():
@@ -148,9 +148,10 @@ def test_a_chunk_committing_in_the_background_while_the_next_trains_is_not_lost(
     attempt = begin_attempt(doc, "a", clock.now)
     start_chunk(doc, attempt, "sft", 0, 10, clock.advance(0.1))
     start_chunk(doc, attempt, "sft", 10, 20, clock.advance(10.0))  # chunk 1's writer still running
-    commit_chunk(doc, attempt, "sft", 10, {"train": 10.0, "stall": 0.2, "save_and_commit": 0.3, "commit": 4.0},
-                 clock.advance(4.0))
-    commit_chunk(doc, attempt, "sft", 20, {"train": 10.0, "stall": 0.2, "commit": 4.0}, clock.advance(10.0))
+    commit_chunk(doc, attempt, CommittedChunk("sft", 10, {"train": 10.0, "stall": 0.2, "save_and_commit": 0.3,
+                                                          "commit": 4.0}), clock.advance(4.0))
+    commit_chunk(doc, attempt, CommittedChunk("sft", 20, {"train": 10.0, "stall": 0.2, "commit": 4.0}),
+                 clock.advance(10.0))
     sft = summarize(doc).stages[0]
     assert (sft.chunks, sft.steps, sft.lost_chunks) == (2, 20, 0)
     assert sft.stall_s == pytest.approx(0.4)  # save_and_commit is not the stall when a stall is given
@@ -161,7 +162,8 @@ def test_the_ranks_step_loop_seconds_are_the_useful_time_when_the_chunk_reports_
     clock, doc = Clock(), empty_ledger()
     attempt = begin_attempt(doc, "a", clock.now)
     start_chunk(doc, attempt, "sft", 0, 10, clock.advance(0.1))
-    commit_chunk(doc, attempt, "sft", 10, {"train": 3.0, "step_loop": 9.5, "stall": 0.2}, clock.advance(4.0))
+    commit_chunk(doc, attempt, CommittedChunk("sft", 10, {"train": 3.0, "step_loop": 9.5, "stall": 0.2}),
+                 clock.advance(4.0))
     assert summarize(doc).stages[0].useful_s == 9.5
 
 
@@ -169,7 +171,7 @@ def test_the_step_loops_slowdown_beside_the_writer_is_stall_not_useful_time():
     clock, doc = Clock(), empty_ledger()
     attempt = begin_attempt(doc, "a", clock.now)
     start_chunk(doc, attempt, "sft", 0, 10, clock.advance(0.1))
-    commit_chunk(doc, attempt, "sft", 10, {"step_loop": 9.5, "writer_slowdown": 0.7, "stall": 0.2},
+    commit_chunk(doc, attempt, CommittedChunk("sft", 10, {"step_loop": 9.5, "writer_slowdown": 0.7, "stall": 0.2}),
                  clock.advance(10.0))
     sft = summarize(doc).stages[0]
     assert sft.useful_s == pytest.approx(8.8) and sft.stall_s == pytest.approx(0.9)
@@ -180,7 +182,8 @@ def test_an_evaluation_inside_the_step_loop_has_its_own_line_not_useful_time():
     clock, doc = Clock(), empty_ledger()
     attempt = begin_attempt(doc, "a", clock.now)
     start_chunk(doc, attempt, "rm", 0, 10, clock.advance(0.1))
-    commit_chunk(doc, attempt, "rm", 10, {"step_loop": 60.0, "eval": 57.0, "stall": 0.2}, clock.advance(61.0))
+    commit_chunk(doc, attempt, CommittedChunk("rm", 10, {"step_loop": 60.0, "eval": 57.0, "stall": 0.2}),
+                 clock.advance(61.0))
     summary = summarize(doc)
     rm = summary.stages[0]
     assert rm.useful_s == pytest.approx(3.0) and rm.eval_s == pytest.approx(57.0)
@@ -203,8 +206,8 @@ def test_writer_slowdown_is_what_steps_beside_a_write_took_beyond_the_median_cle
 def _chunk_then_train_ahead(doc, attempt, clock, commit_s: float) -> None:
     """Steps 0-10 of sft: 10 s of steps, a 0.2 s snapshot, then the ranks train ahead during the commit."""
     start_chunk(doc, attempt, "sft", 0, 10, clock.advance(0.1))
-    commit_chunk(doc, attempt, "sft", 10, {"step_loop": 10.0, "stall": 0.2, "commit": commit_s},
-                 clock.advance(10.2 + commit_s), trained_ahead_s=commit_s)
+    commit_chunk(doc, attempt, CommittedChunk("sft", 10, {"step_loop": 10.0, "stall": 0.2, "commit": commit_s},
+                                              trained_ahead_s=commit_s), clock.advance(10.2 + commit_s))
 
 
 def test_a_chunk_killed_after_training_ahead_loses_the_steps_it_trained_during_the_previous_commit():
@@ -230,8 +233,8 @@ def test_training_ahead_that_no_chunk_took_over_is_lost_at_a_crash_or_a_stop():
     assert sft.lost_s == pytest.approx(5.0) and sft.lost_chunks == 0 and not doc["ahead"]
     assert sft.other_s == pytest.approx(0.0), "every second is accounted for"
     start_chunk(doc, second, "sft", 10, 20, clock.advance(1.0))
-    commit_chunk(doc, second, "sft", 20, {"step_loop": 10.0, "stall": 0.2, "commit": 3.0}, clock.advance(13.0),
-                 trained_ahead_s=1.0)
+    commit_chunk(doc, second, CommittedChunk("sft", 20, {"step_loop": 10.0, "stall": 0.2, "commit": 3.0},
+                                             trained_ahead_s=1.0), clock.advance(13.0))
     finish_attempt(doc, second, clock.advance(0.5))  # stopped by a run budget at that boundary
     assert summarize(doc).stages[0].lost_s == pytest.approx(5.0 + 1.5)
 

@@ -124,7 +124,7 @@ def test_the_time_of_a_chunk_lost_to_a_hang_is_its_own_line_in_rlhf_goodput():
     goodput.start_chunk(doc, attempt, "sft", 5, 10, 10.0)
     goodput.fail_chunk(doc, attempt, "sft", "hangs")
     goodput.start_chunk(doc, attempt, "sft", 5, 10, 75.0)  # the retry trains the chunk again
-    goodput.commit_chunk(doc, attempt, "sft", 10, {"train": 3.0}, 80.0, num_steps=5)
+    goodput.commit_chunk(doc, attempt, goodput.CommittedChunk("sft", 10, {"train": 3.0}, num_steps=5), 80.0)
     goodput.finish_attempt(doc, attempt, 81.0)
     summary = summarize(doc)
     assert summary.total.lost_to == {"hangs": 65.0}

@@ -90,7 +90,7 @@ def test_an_emergency_commit_counts_its_steps_as_useful():
     doc = goodput.empty_ledger()
     attempt = goodput.begin_attempt(doc, "a", 0.0)
     goodput.start_chunk(doc, attempt, "sft", 5, 10, 1.0)
-    goodput.commit_chunk(doc, attempt, "sft", 8, {"train": 3.0}, 4.0, num_steps=3)
+    goodput.commit_chunk(doc, attempt, goodput.CommittedChunk("sft", 8, {"train": 3.0}, num_steps=3), 4.0)
     goodput.finish_attempt(doc, attempt, 5.0)
     record = doc["stages"]["sft"]
     assert (record["steps"], record["lost_steps"], record["lost_s"], doc["pending"]) == (3, 0, 0.0, [])
