@@ -25,6 +25,9 @@ WORKER_OUTPUT_LOGGER = "ray.worker_output"
 LIBRARY_LOGGERS = ("ray", "DeepSpeed", "transformers")
 _QUIET_WARNING_CATEGORIES = (FutureWarning, DeprecationWarning, PendingDeprecationWarning)
 _PREFECT_NOISE = re.compile(r"^(Starting|Stopping) temporary server on |^Finished in state (Completed|Cached)\(")
+# A run stopped by a signal (rlhf_core.driver.stop.StoppedBySignal): its sentence is the CLI's last line, and the
+# Cancelled states of its task, subflow and flow runs (the task's logged as an error) would repeat it three times.
+_STOP_CANCELLED = re.compile(r"^Finished in state Cancelled\('stopped by ")
 
 
 @dataclass
@@ -118,13 +121,16 @@ class _OwnLineFormatter(logging.Formatter):
 
 
 class _RootConsoleFilter(logging.Filter):
-    """On the root logger's console handler (Prefect's): no temporary-server or task "Finished" lines, each
-    warning once, chunk lines drawn as the live bar on a terminal, the rest as is (after ending the bar's line)."""
+    """On the root logger's console handler (Prefect's): no temporary-server or task "Finished" lines, no
+    Cancelled states of a stop (the CLI says it once), each warning once, chunk lines drawn as the live bar on a
+    terminal, the rest as is (after ending the bar's line)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         console = current_console()
         if console is None or console.verbose:
             return True
+        if record.name.startswith("prefect.") and _STOP_CANCELLED.search(record.getMessage()):
+            return False
         if record.levelno < logging.WARNING:
             message = record.getMessage()
             if _PREFECT_NOISE.search(message):

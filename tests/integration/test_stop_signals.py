@@ -194,10 +194,15 @@ def test_ctrl_c_in_a_terminal_commits_the_step_in_progress_and_exits(toy_assets,
     print(f"Ctrl-C to exit: {seconds_to_exit:.1f} s")
     assert rc == 130, terminal.text[-3000:]
     assert "SIGINT received: stopping after the current step" in terminal.text
+    sentence = (f"stopped by SIGINT at step 8; committed step_8 in {ckpt / 'rlhf' / 'sft'}; run the same "
+                "command to continue")
+    assert f"rlhf: {sentence}" in terminal.text
+    # One line per event: the task's, the stage's and the flow's Cancelled states say it in the log file only.
+    # (Counted across white space: Prefect's console handler wraps its lines at the terminal's width.)
+    assert len(re.findall(r"stopped\s+by\s+SIGINT\s+at\s+step\s+8", _plain(terminal.text))) == 1, terminal.text[-3000:]
     # Prefect's ephemeral server outlived the Ctrl-C, so the run's end is recorded as Cancelled:
-    assert re.search(r"Flow run '[^']*rlhf-sft[^']*' - Finished in state \S*Cancelled", _plain(terminal.text))
-    assert (f"rlhf: stopped by SIGINT at step 8; committed step_8 in {ckpt / 'rlhf' / 'sft'}; run the same "
-            "command to continue") in terminal.text
+    driver_log = (ckpt / "rlhf" / "logs" / "driver.log").read_text()
+    assert driver_log.count(f"prefect.flow_runs - Finished in state Cancelled('{sentence}')") == 2, driver_log[-3000:]
     assert "Traceback" not in terminal.text
     assert _session_left(terminal.process.pid) == []
     assert _committed_steps(ckpt) == [5, 8]

@@ -103,6 +103,31 @@ def test_an_alert_is_one_bare_rlhf_warning_line_on_the_console_and_a_record_in_t
     assert handler.formatter is prefect_like
 
 
+def test_a_stop_is_one_line_on_the_console_and_prefects_cancelled_states_stay_in_the_file(quiet):
+    """The stop sentence is the CLI's last line; Prefect's task, subflow and flow runs each log their Cancelled
+    state with it (the task's at ERROR): those go to the log file (and Prefect's API) only. Other Cancelled
+    states and errors stay on the console."""
+    import signal
+
+    from prefect.states import Cancelled
+
+    from rlhf_core.driver.stop import StoppedBySignal
+
+    stream, log_file = quiet()
+    cancelled = f"Finished in state {Cancelled(message=str(StoppedBySignal(signal.SIGINT, 'sft', 8, '/c/sft')))}"
+    # Straight to the root's handlers: Prefect's API handler, outside a run, would complain of no run context.
+    root = logging.getLogger()
+    root.handle(_record("prefect.task_runs", cancelled, logging.ERROR))
+    for _ in range(2):  # the stage's subflow run, then the flow run
+        root.handle(_record("prefect.flow_runs", cancelled, logging.INFO))
+    root.handle(_record("prefect.flow_runs", "Finished in state Cancelled('cancelled from the UI')", logging.INFO))
+    console.open_log_file()
+    shown = stream.getvalue()
+    assert "stopped by SIGINT" not in shown, shown
+    assert "cancelled from the UI" in shown
+    assert log_file.read_text().count("stopped by SIGINT at step 8; committed step_8 in /c/sft") == 3
+
+
 def test_verbose_shows_everything(quiet):
     stream, _ = quiet(verbose=True)
     logging.getLogger("prefect").info("Starting temporary server on http://127.0.0.1:8000")
@@ -115,8 +140,8 @@ def test_verbose_shows_everything(quiet):
                    for f in logging.getLogger("DeepSpeed").filters)
 
 
-def _record(name: str) -> logging.LogRecord:
-    return logging.LogRecord(name, logging.WARNING, __file__, 1, "message", None, None)
+def _record(name: str, message: str = "message", level: int = logging.WARNING) -> logging.LogRecord:
+    return logging.LogRecord(name, level, __file__, 1, message, None, None)
 
 
 def test_the_file_is_written_only_once_the_run_is_real(quiet):
