@@ -24,18 +24,28 @@ def cmd_goodput(run_url: str, as_json: bool) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> None:
     """`rlhf plan`: per stage, the measured costs, the goodput expected at today's save_steps and at Young's."""
-    print("\n".join(plan_lines(args.ckpt_path, args.run_name, args.mtbf_hours, args.stage, args.checkpoint_seconds,
-                               args.step_seconds, args.restart_seconds)))
+    costs = GivenCosts(args.checkpoint_seconds, args.step_seconds, args.restart_seconds)
+    print("\n".join(plan_lines(args.ckpt_path, args.run_name, args.mtbf_hours, args.stage, costs)))
+
+
+@dataclasses.dataclass(frozen=True)
+class GivenCosts:
+    """The costs `rlhf plan` is given in place of the ledger's measurements (None: measured): C, the seconds a
+    checkpoint costs; the seconds a step takes; R, the seconds a restart costs."""
+
+    checkpoint_seconds: float | None = None
+    step_seconds: float | None = None
+    restart_seconds: float | None = None
 
 
 def plan_lines(ckpt_path: str, run_name: str, mtbf_hours: float, only_stage: str | None = None,
-               checkpoint_seconds: float | None = None, step_seconds: float | None = None,
-               restart_seconds: float | None = None) -> list[str]:
+               costs: GivenCosts = GivenCosts()) -> list[str]:
     """Per stage of the run's ledger (or once, for the given costs): C, step time and R, the goodput expected
     at the save_steps the run used, and Young's interval with the goodput expected there."""
     from rlhf_core.ops.goodput import GoodputLedger
     from rlhf_core.ops.goodput_summary import measured_costs
 
+    checkpoint_seconds, step_seconds, restart_seconds = dataclasses.astuple(costs)
     for flag, value, may_be_zero in (("--mtbf_hours", mtbf_hours, False), ("--step_seconds", step_seconds, False),
                                      ("--checkpoint_seconds", checkpoint_seconds, True),
                                      ("--restart_seconds", restart_seconds, True)):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
@@ -95,8 +96,18 @@ def _random_digits(rng: random.Random) -> list[int]:
     return [rng.randrange(10) for _ in range(rng.randint(3, 6))]
 
 
-def make_datasets(seed: int, num_sft: int = 256, num_prefs: int = 256, num_prompts: int = 256,
-                  num_eval_prompts: int = 64, noise: float = 0.1, verbose: float = 0.6) -> dict[str, list[dict]]:
+@dataclass(frozen=True)
+class ToySizes:
+    """How many rows each toy dataset gets (`make_datasets`)."""
+
+    num_sft: int = 256
+    num_prefs: int = 256
+    num_prompts: int = 256
+    num_eval_prompts: int = 64
+
+
+def make_datasets(seed: int, sizes: ToySizes = ToySizes(), noise: float = 0.1,
+                  verbose: float = 0.6) -> dict[str, list[dict]]:
     """SFT pairs, preference triples, RL prompts and held-out evaluation prompts.
 
     The SFT data carries a habit RLHF should remove: a `verbose` fraction of answers end with a
@@ -105,18 +116,18 @@ def make_datasets(seed: int, num_sft: int = 256, num_prefs: int = 256, num_promp
     """
     rng = random.Random(seed)
     sft = []
-    for _ in range(num_sft):
+    for _ in range(sizes.num_sft):
         digits = _random_digits(rng)
         answer = " ".join(map(str, sorted(digits) if rng.random() >= noise else _corrupt(sorted(digits), rng)))
         sft.append({"prompt": make_prompt(digits), "response": answer + (" =" if rng.random() < verbose else "")})
     prefs = []
-    for _ in range(num_prefs):
+    for _ in range(sizes.num_prefs):
         digits = _random_digits(rng)
         right = sorted(digits)
         rejected = " ".join(map(str, right)) + " =" if rng.random() < 0.5 else " ".join(map(str, _corrupt(right, rng)))
         prefs.append({"prompt": make_prompt(digits), "chosen": " ".join(map(str, right)), "rejected": rejected})
-    prompts = [{"prompt": make_prompt(_random_digits(rng))} for _ in range(num_prompts)]
-    eval_prompts = [{"prompt": make_prompt(_random_digits(rng))} for _ in range(num_eval_prompts)]
+    prompts = [{"prompt": make_prompt(_random_digits(rng))} for _ in range(sizes.num_prompts)]
+    eval_prompts = [{"prompt": make_prompt(_random_digits(rng))} for _ in range(sizes.num_eval_prompts)]
     return {"sft": sft, "prefs": prefs, "prompts": prompts, "eval_prompts": eval_prompts}
 
 

@@ -61,9 +61,9 @@ CORPUS_WORDS = ("sort : = user assistant system You are a helpful assistant . He
 
 
 def _corpus() -> list[str]:
-    from rlhf_core.toy import make_datasets
+    from rlhf_core.toy import ToySizes, make_datasets
 
-    data = make_datasets(seed=0, num_sft=64, num_prefs=0, num_prompts=0, num_eval_prompts=0)
+    data = make_datasets(seed=0, sizes=ToySizes(num_sft=64, num_prefs=0, num_prompts=0, num_eval_prompts=0))
     return [CORPUS_WORDS] * 4 + [row["prompt"] + " " + row["response"] for row in data["sft"]]
 
 
@@ -151,9 +151,9 @@ SYSTEM = {"role": "system", "content": "You sort digits."}
 
 
 def chat_data(seed: int = 0, num_rows: int = 64) -> ChatData:
-    from rlhf_core.toy import make_datasets, prompt_digits
+    from rlhf_core.toy import ToySizes, make_datasets, prompt_digits
 
-    toy = make_datasets(seed, num_sft=num_rows, num_prefs=num_rows, num_prompts=num_rows, num_eval_prompts=0)
+    toy = make_datasets(seed, ToySizes(num_sft=num_rows, num_prefs=num_rows, num_prompts=num_rows, num_eval_prompts=0))
     data = ChatData()
     for row in toy["sft"]:
         data.sft.append({"messages": [user(row["prompt"]), assistant(row["response"])]})
@@ -171,9 +171,9 @@ def chat_data(seed: int = 0, num_rows: int = 64) -> ChatData:
 
 def openorca_rows(seed: int = 0, num_rows: int = 64) -> list[dict]:
     """The toy task in Open-Orca/OpenOrca's columns: `id`, `system_prompt`, `question`, `response` (strings)."""
-    from rlhf_core.toy import make_datasets
+    from rlhf_core.toy import ToySizes, make_datasets
 
-    toy = make_datasets(seed, num_sft=num_rows, num_prefs=0, num_prompts=0, num_eval_prompts=0)
+    toy = make_datasets(seed, ToySizes(num_sft=num_rows, num_prefs=0, num_prompts=0, num_eval_prompts=0))
     return [{"id": f"toy.{index}", "system_prompt": SYSTEM["content"], "question": row["prompt"],
              "response": row["response"]} for index, row in enumerate(toy["sft"])]
 

@@ -140,14 +140,24 @@ def checkpoints_without_improvement(values: Sequence[float], higher_is_better: b
     return streak, best_index
 
 
+@dataclass(frozen=True)
+class PlateauRule:
+    """When a metric has stagnated: `window` checkpoints in a row that failed to improve on the best value before
+    them by more than `min_delta` (--alert_reward_window, --alert_reward_min_delta)."""
+
+    window: int = 3
+    min_delta: float = 0.0
+
+
 def reward_stagnant_alert(run_name: str, stage: str, history: Sequence[tuple[int, float]], metric: str,
-                          higher_is_better: bool, window: int = 3, min_delta: float = 0.0) -> Alert | None:
+                          higher_is_better: bool, rule: PlateauRule = PlateauRule()) -> Alert | None:
     """An alert when the newest checkpoint in `history` ((step, value) pairs, any order; non-finite values
-    ignored) is the `window`-th in a row that failed to improve on the best value before it by more than
-    `min_delta`: the start of a plateau. None otherwise: before it, and at the flat checkpoints after it
+    ignored) is the `rule.window`-th in a row that failed to improve on the best value before it by more than
+    `rule.min_delta`: the start of a plateau. None otherwise: before it, and at the flat checkpoints after it
     (the same plateau; the next alert needs an improvement first), and always with fewer than `window + 1`
     values. Stateless: the history alone says where each plateau started, so a retry or a resume from
     another process judges the same way."""
+    window, min_delta = rule.window, rule.min_delta
     if window < 1 or min_delta < 0:
         raise ValueError(f"window must be >= 1 and min_delta >= 0 (got {window}, {min_delta})")
     points = sorted((int(step), float(value)) for step, value in history if math.isfinite(value))

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Sequence
 
 from rlhf_core.errors import human_bytes
-from rlhf_core.ops.alerts import ALERT_CHECKPOINT_SIZE, Alert, metric_history, reward_stagnant_alert
+from rlhf_core.ops.alerts import ALERT_CHECKPOINT_SIZE, Alert, PlateauRule, metric_history, reward_stagnant_alert
 from rlhf_core.storage.metadata import CheckpointMetadata
 
 
@@ -208,8 +208,8 @@ def commit_alerts(settings: AlertSettings, metadata: CheckpointMetadata, actual_
     history = metric_history(stage, list(metadata.metric_history))
     if history is not None:
         metric, higher_is_better, points = history
-        alerts.append(reward_stagnant_alert(run_name, stage, points, metric, higher_is_better, settings.window,
-                                            settings.min_delta))
+        rule = PlateauRule(settings.window, settings.min_delta)
+        alerts.append(reward_stagnant_alert(run_name, stage, points, metric, higher_is_better, rule))
     alerts.append(checkpoint_size_alert(actual_bytes, expected_bytes_from_metadata(metadata, settings.has_ds_state),
                                         previous_sizes, settings, stage, step))
     return [alert for alert in alerts if alert is not None]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rlhf_core.ops.alerts import (ALERT_CHECKPOINT_SIZE, ALERT_NON_FINITE, ALERT_REWARD_STAGNANT, Alert, AlertLog,
-                                   NonFiniteTraining, headline_metric, history_entry, metric_history,
+                                   NonFiniteTraining, PlateauRule, headline_metric, history_entry, metric_history,
                                    non_finite_metrics, non_finite_parameters, reward_stagnant_alert)
 from rlhf_core.ops.commit_alerts import (AlertSettings, ModelSize, checkpoint_size_alert, commit_alerts,
                                          SaveLayout, expected_bytes_from_metadata, expected_checkpoint_bytes,
@@ -119,22 +119,23 @@ def test_lower_is_better_loss_fires_when_flat_and_not_when_it_falls():
 def test_min_delta_counts_only_improvements_larger_than_it():
     creeping = _history(1.00, 1.01, 1.02, 1.03)
     assert reward_stagnant_alert("exp1", "ppo", creeping, "reward", True) is None
-    assert reward_stagnant_alert("exp1", "ppo", creeping, "reward", True, min_delta=0.05) is not None
-    assert reward_stagnant_alert("exp1", "ppo", _history(1.0, 1.0, 1.0, 1.1), "reward", True, min_delta=0.05) is None
+    tolerant = PlateauRule(min_delta=0.05)
+    assert reward_stagnant_alert("exp1", "ppo", creeping, "reward", True, tolerant) is not None
+    assert reward_stagnant_alert("exp1", "ppo", _history(1.0, 1.0, 1.0, 1.1), "reward", True, tolerant) is None
 
 
 def _alerted_steps(values, **options) -> list[int]:
     """The steps at which the stagnant alert fires as checkpoints are committed one by one."""
     history = _history(*values)
-    alerts = [reward_stagnant_alert("exp1", "ppo", history[:count], "reward", True, **options)
+    alerts = [reward_stagnant_alert("exp1", "ppo", history[:count], "reward", True, PlateauRule(**options))
               for count in range(1, len(history) + 1)]
     return [alert.step for alert in alerts if alert is not None]
 
 
 def test_window_is_configurable_and_the_alert_fires_once_when_the_plateau_starts():
     values = (0.5, 0.6, 0.6, 0.6, 0.6, 0.6)
-    assert reward_stagnant_alert("exp1", "ppo", _history(*values[:3]), "reward", True, window=2) is None
-    alert = reward_stagnant_alert("exp1", "ppo", _history(*values[:4]), "reward", True, window=2)
+    assert reward_stagnant_alert("exp1", "ppo", _history(*values[:3]), "reward", True, PlateauRule(window=2)) is None
+    alert = reward_stagnant_alert("exp1", "ppo", _history(*values[:4]), "reward", True, PlateauRule(window=2))
     assert alert is not None and "2 committed checkpoints (steps 12 to 16)" in alert.message
     # Committed one by one: the plateau after step 8 is reported at step 20 (window 3) or 16 (window 2), once.
     assert _alerted_steps(values) == [20]
@@ -161,7 +162,7 @@ def test_history_order_does_not_matter_and_non_finite_values_are_left_to_the_non
 @pytest.mark.parametrize("window, min_delta", [(0, 0.0), (3, -0.1)])
 def test_nonsense_window_or_min_delta_is_refused(window, min_delta):
     with pytest.raises(ValueError):
-        reward_stagnant_alert("exp1", "ppo", _history(1, 1, 1, 1), "reward", True, window, min_delta)
+        reward_stagnant_alert("exp1", "ppo", _history(1, 1, 1, 1), "reward", True, PlateauRule(window, min_delta))
 
 
 def test_metric_history_follows_the_newest_checkpoints_headline():
