@@ -254,15 +254,25 @@ def warn_unused_prompt(renderer: Renderer, record: Record, prompt_key: str | Non
                   "default): chosen and rejected are scored without it; pass --prompt_key prompt to use it.")
 
 
-def tokenize_pairs(renderer: Renderer, records: list[Record], prompt_key: str | None, chosen_key: str,
-                   rejected_key: str, max_len: int, *, split_prompt: bool = False) -> list[TokenizedPair]:
+@dataclass(frozen=True)
+class PairKeys:
+    """The fields of a preference record: the prompt's (--prompt_key; None: the replies are whole conversations),
+    the chosen and the rejected reply's; `split_prompt`: see `pair_texts`."""
+
+    prompt_key: str | None
+    chosen_key: str
+    rejected_key: str
+    split_prompt: bool = False
+
+
+def tokenize_pairs(renderer: Renderer, records: list[Record], keys: PairKeys, max_len: int) -> list[TokenizedPair]:
     """Prompt + chosen and prompt + rejected, each ending in EOS (the reward is read there), and the prompt's own
-    token count (as OpenRLHF's DPO counts it: the prompt tokenized alone, truncated to max_len); `split_prompt`:
-    see `pair_texts`."""
+    token count (as OpenRLHF's DPO counts it: the prompt tokenized alone, truncated to max_len)."""
     pairs = []
     for record in records:
-        warn_unused_prompt(renderer, record, prompt_key)
-        prompt, chosen, rejected = pair_texts(renderer, record, prompt_key, chosen_key, rejected_key, split_prompt)
+        warn_unused_prompt(renderer, record, keys.prompt_key)
+        prompt, chosen, rejected = pair_texts(renderer, record, keys.prompt_key, keys.chosen_key, keys.rejected_key,
+                                              keys.split_prompt)
         pairs.append(TokenizedPair(sequence_ids(renderer.tokenizer, renderer.begin(prompt + chosen), max_len),
                                    sequence_ids(renderer.tokenizer, renderer.begin(prompt + rejected), max_len),
                                    len(token_ids(renderer.tokenizer, renderer.begin(prompt), max_len))))

@@ -255,11 +255,10 @@ def _decode_block(url: str, data: bytes, offset: int, byte_lines: int) -> str:
         raise not_utf8(url, line, offset + start, data[start:skip + error.end]) from None
 
 
-def read_records(url: str, storage_options: dict | None = None, max_samples: int | None = None, *,
-                 split: str = "train", probs: str | None = None, seed: int = 0,
-                 flag: str = "--dataset") -> list[Record]:
-    """All records of the dataset(s) at `url` (comma-separated for a mixture, weighted by `probs`);
-    raises UserError on anything unreadable, naming `flag` where no file can be named. The records of
-    `RecordStream`, which a preparation reads batch by batch, held in one list."""
-    stream = RecordStream(url, storage_options, max_samples, split, probs, seed, flag)
+def read_records(source: str | RecordStream) -> list[Record]:
+    """All records of `source`, a RecordStream (its dataset(s), comma-separated for a mixture weighted by its
+    `probs`; its split, max_samples and storage options), or a URL read with RecordStream's defaults; raises
+    UserError on anything unreadable, naming the stream's `flag` where no file can be named. The records that a
+    preparation reads batch by batch, held in one list."""
+    stream = RecordStream(source, None) if isinstance(source, str) else source
     return [record for batch in stream for record in batch]

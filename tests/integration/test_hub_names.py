@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_core.storage.checkpoint import CheckpointStore
-from rlhf_core.data.stream import read_records
+from rlhf_core.data.stream import RecordStream, read_records
 from tests.conftest import HUB_REVISION as REVISION, hub_snapshot_dir
 from tests.integration.conftest import on_local_ray
 
@@ -27,7 +27,7 @@ def test_sft_from_a_hub_model_and_a_hub_dataset(tmp_path, toy_assets, rlhf_env):
 
     home = tmp_path / "hf"
     shutil.copytree(toy_assets["model"], hub_snapshot_dir(home, "model", "toy-org/toy-base"), dirs_exist_ok=True)
-    rows = [record.fields for record in read_records(toy_assets["sft"], max_samples=48)]
+    rows = [record.fields for record in read_records(RecordStream(toy_assets["sft"], None, max_samples=48))]
     data_dir = hub_snapshot_dir(home, "dataset", "toy-org/toy-sft") / "data"
     data_dir.mkdir()
     pq.write_table(pa.Table.from_pylist(rows), data_dir / "train-00000-of-00001.parquet")

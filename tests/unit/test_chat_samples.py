@@ -16,9 +16,9 @@ import json
 import pytest
 
 from rlhf_core.data.records import Record
-from rlhf_core.data.stream import read_records
+from rlhf_core.data.stream import RecordStream, read_records
 from rlhf_core.errors import UserError
-from rlhf_core.data.samples import Renderer, tokenize_pairs, tokenize_prompts, tokenize_sft
+from rlhf_core.data.samples import PairKeys, Renderer, tokenize_pairs, tokenize_prompts, tokenize_sft
 from tests.hub_cache import (LLAMA3_BASE, LLAMA3_INSTRUCT, QWEN2_CHATML, SYSTEM, assistant, build_tokenizer,
                              save_dataset, user)
 
@@ -157,8 +157,8 @@ def test_reward_pairs_match_openrlhf(tokenizer, prompt_key):
         row = {"chosen": question + [assistant("1 2 3")], "rejected": question + [assistant("3 2 1")]}
     else:
         row = {"prompt": question, "chosen": [assistant("1 2 3")], "rejected": [assistant("3 2 1")]}
-    [pair] = tokenize_pairs(Renderer(tokenizer, "prefs.parquet", True), records_of(row), prompt_key, "chosen",
-                            "rejected", MAX_LEN)
+    [pair] = tokenize_pairs(Renderer(tokenizer, "prefs.parquet", True), records_of(row),
+                            PairKeys(prompt_key, "chosen", "rejected"), MAX_LEN)
     assert (pair.chosen_ids, pair.rejected_ids) == openrlhf_pair(tokenizer, row, prompt_key)
     assert pair.chosen_ids[-1] == tokenizer.eos_token_id and pair.chosen_ids != pair.rejected_ids
     assert pair.chosen_ids.count(tokenizer.bos_token_id) == (tokenizer.bos_token_id is not None)
@@ -173,8 +173,8 @@ def test_dpo_pairs_of_whole_conversations_are_cut_after_their_prompt_as_openrlhf
     apply = tokenizer.apply_chat_template
     prompt = apply(row["chosen"][:-1], tokenize=False, add_generation_prompt=True)
     chosen, rejected = (apply(row[key], tokenize=False)[len(prompt):] for key in ("chosen", "rejected"))
-    [pair] = tokenize_pairs(Renderer(tokenizer, "prefs.parquet", True), records_of(row), None, "chosen", "rejected",
-                            MAX_LEN, split_prompt=True)
+    [pair] = tokenize_pairs(Renderer(tokenizer, "prefs.parquet", True), records_of(row),
+                            PairKeys(None, "chosen", "rejected", split_prompt=True), MAX_LEN)
     assert (pair.chosen_ids, pair.rejected_ids) == (_openrlhf_sequence(tokenizer, prompt + chosen, MAX_LEN),
                                                     _openrlhf_sequence(tokenizer, prompt + rejected, MAX_LEN))
     assert pair.prompt_len == len(_ids(tokenizer, prompt)) > 0
@@ -186,7 +186,7 @@ def test_reward_pairs_of_strings_through_the_chat_template(tokenizer):
     strings = {"prompt": "sort : 3 1 2 =", "chosen": "1 2 3", "rejected": "3 2 1"}
     messages = {"prompt": [user("sort : 3 1 2 =")], "chosen": [assistant("1 2 3")], "rejected": [assistant("3 2 1")]}
     renderer = Renderer(tokenizer, "prefs.jsonl", True)
-    [from_strings] = tokenize_pairs(renderer, records_of(strings), "prompt", "chosen", "rejected", MAX_LEN)
+    [from_strings] = tokenize_pairs(renderer, records_of(strings), PairKeys("prompt", "chosen", "rejected"), MAX_LEN)
     assert (from_strings.chosen_ids, from_strings.rejected_ids) == openrlhf_pair(tokenizer, messages, "prompt")
 
 
@@ -289,12 +289,12 @@ def test_hub_dataset_splits_and_data_dir_from_the_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     name = "OpenRLHF/preference_dataset_mixture2_and_safe_pku"
     assert len(read_records(name)) == 3
-    [test_row] = read_records(name, split="test", flag="--eval_dataset")
+    [test_row] = read_records(RecordStream(name, None, split="test", flag="--eval_dataset"))
     assert test_row.fields["chosen"][0]["content"] == "t" and test_row.unit == "row"
     [safe] = read_records(f"{name}@safe")
     assert safe.fields["chosen"][1]["content"] == "1"
-    [pair] = tokenize_pairs(Renderer(build_tokenizer(QWEN2_CHATML), name, True), [safe], None, "chosen", "rejected",
-                            MAX_LEN)
+    [pair] = tokenize_pairs(Renderer(build_tokenizer(QWEN2_CHATML), name, True), [safe],
+                            PairKeys(None, "chosen", "rejected"), MAX_LEN)
     assert pair.chosen_ids[-1] != pair.rejected_ids[-2]
     with pytest.raises(UserError, match=r"--dataset: OpenRLHF/preference_dataset_mixture2_and_safe_pku@nope: the "
                                         r"cached dataset has no folder 'nope'"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from rlhf_core.data.records import Record
-from rlhf_core.data.samples import Renderer, tokenize_pairs, tokenize_prompts, tokenize_sft
+from rlhf_core.data.samples import PairKeys, Renderer, tokenize_pairs, tokenize_prompts, tokenize_sft
 from rlhf_core.errors import UserError
 from tests.families import FAMILIES
 from tests.hub_cache import assistant, build_tokenizer, user
@@ -51,10 +51,10 @@ def test_reward_pairs_and_ppo_prompts_the_template_refuses(tokenizers):
     gemma = Renderer(tokenizers["gemma"], URL, apply_chat_template=True)
     pairs = rows({"chosen": GOOD, "rejected": [SYSTEM, *GOOD]})
     assert "line 1: the tokenizer's chat template refused 'rejected' with" in refusal(
-        lambda: tokenize_pairs(gemma, pairs, None, "chosen", "rejected", 64))
+        lambda: tokenize_pairs(gemma, pairs, PairKeys(None, "chosen", "rejected"), 64))
     prompted = rows({"prompt": [SYSTEM, user("sort : 2 1 =")], "chosen": "1 2", "rejected": "2 1"})
     assert "'prompt' and 'chosen' with \"System role not supported\"" in refusal(
-        lambda: tokenize_pairs(gemma, prompted, "prompt", "chosen", "rejected", 64))
+        lambda: tokenize_pairs(gemma, prompted, PairKeys("prompt", "chosen", "rejected"), 64))
     prompts = rows({"prompt": "sort : 2 1 ="}, {"prompt": [SYSTEM, user("sort : 3 1 =")]})
     assert "chat.jsonl line 2: the tokenizer's chat template refused 'prompt'" in refusal(
         lambda: tokenize_prompts(gemma, prompts, "prompt", 32))

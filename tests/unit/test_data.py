@@ -9,10 +9,10 @@ import os
 import pytest
 
 from rlhf_core.data.records import rank_micro_batches
-from rlhf_core.data.stream import read_records
+from rlhf_core.data.stream import RecordStream, read_records
 from rlhf_core.data.determinism import step_sample_indices
 from rlhf_core.errors import UserError
-from rlhf_core.data.samples import IGNORE_INDEX, Renderer, collate_sft, tokenize_pairs, tokenize_prompts
+from rlhf_core.data.samples import IGNORE_INDEX, PairKeys, Renderer, collate_sft, tokenize_pairs, tokenize_prompts
 from rlhf_core.data.samples import tokenize_sft as _tokenize_sft
 from rlhf_core.toy import build_tokenizer
 
@@ -157,7 +157,7 @@ def test_input_template_wraps_the_prompt_unless_a_chat_template_applies(tmp_path
     assert tokenizer.decode(sample.input_ids).startswith("<s> sort : 2 1 =")
     [item] = tokenize_prompts(plain, records, "prompt", 64)
     assert item.value == "2 1" and tokenizer.decode(item.ids) == "<s> sort : 2 1 =" and item.bos_added
-    [pair] = tokenize_pairs(plain, records, "prompt", "response", "bad", 64)
+    [pair] = tokenize_pairs(plain, records, PairKeys("prompt", "response", "bad"), 64)
     assert tokenizer.decode(pair.chosen_ids).startswith("<s> sort : 2 1 =")
     with caplog.at_level(logging.WARNING):  # OpenRLHF sets a template without '{}' to None, with a warning
         [as_written] = tokenize_prompts(Renderer(tokenizer, url, False, "User: "), records, "prompt", 64)
@@ -174,7 +174,7 @@ def test_unreachable_s3_dataset_names_flag_url_and_endpoint(monkeypatch):
     options = {"endpoint_url": "http://127.0.0.1:9", "config_kwargs": {"retries": {"max_attempts": 1}}}
     with pytest.raises(UserError, match=r"^--prompt_data: cannot reach the store of s3://bucket/d\.jsonl at "
                                         r"http://127\.0\.0\.1:9 \(EndpointConnectionError\)"):
-        read_records("s3://bucket/d.jsonl", options, flag="--prompt_data")
+        read_records(RecordStream("s3://bucket/d.jsonl", options, flag="--prompt_data"))
 
 
 def test_fingerprints_of_folders_and_mixtures(tmp_path):

@@ -153,12 +153,12 @@ def test_pack_sft_restarts_positions_and_ignores_each_first_token():
 
 
 def toy_samples(toy_assets, count: int = 6):
-    from rlhf_core.data.stream import read_records
+    from rlhf_core.data.stream import RecordStream, read_records
     from rlhf_core.storage.locate import load_tokenizer
     from rlhf_core.data.samples import Renderer, tokenize_sft
 
     tokenizer = load_tokenizer(toy_assets["model"])
-    records = read_records(toy_assets["sft"], max_samples=count)
+    records = read_records(RecordStream(toy_assets["sft"], None, max_samples=count))
     return tokenizer, tokenize_sft(Renderer(tokenizer, toy_assets["sft"], False), records, "prompt", "response", 64)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_core.data.fingerprints import fingerprint
-from rlhf_core.data.stream import read_records
+from rlhf_core.data.stream import RecordStream, read_records
 from tests.conftest import HUB_REVISION as REVISION, hub_snapshot_dir
 from rlhf_core.errors import UserError
 from rlhf_core.models.load import load_causal_lm
@@ -87,9 +87,10 @@ def test_dataset_from_a_hub_snapshot_with_splits(hf_home):
     records = read_records("Open-Orca/tiny")
     assert [record.fields["question"] for record in records] == [f"q{i}" for i in range(5)]
     assert records[0].where("Open-Orca/tiny") == "Open-Orca/tiny row 1"
-    assert [record.fields["question"] for record in read_records("Open-Orca/tiny", split="test")] == ["t"]
+    test_split = read_records(RecordStream("Open-Orca/tiny", None, split="test"))
+    assert [record.fields["question"] for record in test_split] == ["t"]
     with pytest.raises(UserError, match=r"--prompt_data: .*'validation'.* --prompt_split"):
-        read_records("Open-Orca/tiny", split="validation", flag="--prompt_data")
+        read_records(RecordStream("Open-Orca/tiny", None, split="validation", flag="--prompt_data"))
     assert fingerprint("Open-Orca/tiny") != fingerprint("Open-Orca/tiny", split="test")
 
 
@@ -125,9 +126,10 @@ def test_saved_dataset_folder_and_dict_split(tmp_path):
     datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows),
                           "test": datasets.Dataset.from_dict({"prompt": ["z"], "response": ["9"]})}
                          ).save_to_disk(str(tmp_path / "dict"))
-    assert [record.fields["prompt"] for record in read_records(str(tmp_path / "dict"), split="test")] == ["z"]
+    test_split = read_records(RecordStream(str(tmp_path / "dict"), None, split="test"))
+    assert [record.fields["prompt"] for record in test_split] == ["z"]
     with pytest.raises(UserError, match=r"no split 'dev' \(it has train, test\); choose one with --dataset_split"):
-        read_records(str(tmp_path / "dict"), split="dev")
+        read_records(RecordStream(str(tmp_path / "dict"), None, split="dev"))
 
 
 def test_hub_id_detection():
@@ -145,16 +147,18 @@ def test_mixture_follows_probabilities_and_seed(tmp_path):
     url = f"{big},{small}"
     concatenated = read_records(url)
     assert len(concatenated) == 50 and concatenated[40].source == str(small)
-    mixed = read_records(url, probs="0.5,0.5", seed=1)
+    mixed = read_records(RecordStream(url, None, probs="0.5,0.5", seed=1))
     names = [record.fields["prompt"] for record in mixed]
     # all_exhausted: every record of both appears, and the small one is drawn about as often as the big one.
     assert {f"big{i}" for i in range(40)} <= set(names) and {f"small{i}" for i in range(10)} <= set(names)
     assert sum(name.startswith("small") for name in names) > 20
-    assert names == [record.fields["prompt"] for record in read_records(url, probs="0.5,0.5", seed=1)]
-    assert names != [record.fields["prompt"] for record in read_records(url, probs="0.5,0.5", seed=2)]
-    assert len(read_records(url, probs="7,3", seed=1, max_samples=5)) == 5
+    def mixture(seed: int) -> list[str]:
+        return [record.fields["prompt"] for record in read_records(RecordStream(url, None, probs="0.5,0.5", seed=seed))]
+
+    assert names == mixture(1) and names != mixture(2)
+    assert len(read_records(RecordStream(url, None, probs="7,3", seed=1, max_samples=5))) == 5
     with pytest.raises(UserError, match=r"--dataset_probs '0.7' has 1 weights for 2 comma-separated datasets"):
-        read_records(url, probs="0.7")
+        read_records(RecordStream(url, None, probs="0.7"))
     with pytest.raises(UserError, match=r"small.jsonl line 3: no key 'response'"):
         from rlhf_core.data.samples import require_text
 

@@ -10,7 +10,7 @@ from rlhf_core.data.encoding import BatchEncoder
 from rlhf_core.data.pairs import PairBatches
 from rlhf_core.data.prompts import PromptBatches
 from rlhf_core.data.records import Record
-from rlhf_core.data.samples import Renderer, tokenize_pairs, tokenize_prompts
+from rlhf_core.data.samples import PairKeys, Renderer, tokenize_pairs, tokenize_prompts
 from rlhf_core.data.step_labels import StepLabelBatches, tokenize_step_labels
 from rlhf_core.errors import UserError
 from tests.hub_cache import LLAMA3_BASE, LLAMA3_INSTRUCT, QWEN2_CHATML, SYSTEM, assistant, build_tokenizer, user
@@ -46,7 +46,7 @@ def test_pairs_are_tokenize_pairs(tokenizer, chat, prompt_key, split_prompt):
         rows = [{"prompt": text(i), "chosen": text(i + 1), "rejected": text(i + 2), "margin": i} for i in range(40)]
     renderer = Renderer(tokenizer, "prefs.jsonl", chat, None if chat else "Q: {} A:")
     columns = PairBatches(renderer, prompt_key, "chosen", "rejected", 24, False, split_prompt)(records(rows))
-    todays = tokenize_pairs(renderer, records(rows), prompt_key, "chosen", "rejected", 24, split_prompt=split_prompt)
+    todays = tokenize_pairs(renderer, records(rows), PairKeys(prompt_key, "chosen", "rejected", split_prompt), 24)
     assert columns["chosen_ids"] == [pair.chosen_ids for pair in todays]
     assert columns["rejected_ids"] == [pair.rejected_ids for pair in todays]
     assert columns["prompt_len"] == [pair.prompt_len for pair in todays]

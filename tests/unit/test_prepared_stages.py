@@ -16,7 +16,7 @@ from rlhf_core.data.determinism import generator
 from rlhf_core.data.pairs import load_pairs, pair_margin, trainable_pairs
 from rlhf_core.data.prompts import load_prompts, record_label
 from rlhf_core.data.stream import read_records
-from rlhf_core.data.samples import Renderer, tokenize_pairs, tokenize_prompts
+from rlhf_core.data.samples import PairKeys, Renderer, tokenize_pairs, tokenize_prompts
 from rlhf_core.stages.rm import RMConfig
 from rlhf_core.stages.ppo import PPOConfig
 from rlhf_core.storage.locate import load_tokenizer
@@ -50,7 +50,7 @@ def test_pairs_are_todays_pairs_split_and_filtered_as_today(toy_assets, tmp_path
     tokenizer = load_tokenizer(toy_assets["model"])
     train, held_out = load_pairs(cfg, run, tokenizer)
     rows = read_records(data)
-    tokens = tokenize_pairs(Renderer(tokenizer, data, False), rows, "prompt", "chosen", "rejected", 9)
+    tokens = tokenize_pairs(Renderer(tokenizer, data, False), rows, PairKeys("prompt", "chosen", "rejected"), 9)
     todays = [(pair, pair_margin(data, row, True)) for pair, row in zip(tokens, rows)]
     expected_train, expected_held_out = todays_split(todays, 0.2, run.seed)
     assert [(pair.tokens, pair.margin) for pair in train] == expected_train
