@@ -196,14 +196,25 @@ def run_quietly(run_url: str, run_name: str, verbose: bool, start: typing.Callab
     open_log_file()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def prefect_environment() -> None:
+    """Prefect's settings for a command, each only where the user's environment does not set it; before prefect
+    is imported (its import reads them)."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # Prefect's client prints a telemetry banner on import, on a terminal, whatever the server's analytics; only
+    # DO_NOT_TRACK stops it. Set unless the user turned the analytics on (PREFECT_SERVER_ANALYTICS_ENABLED) or
+    # chose DO_NOT_TRACK's value.
+    if os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"].strip().lower() in ("false", "0", "no", "off", ""):
+        os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "rlhf_core")  # fallback and set-aside notices
     # rlhf_core's warnings during preflight come before any flow run: keep them off Prefect's API handler.
     os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
     # The ephemeral server's start took 12-25 s on a loaded 2-core machine, past Prefect's 20 s default, which then
     # starts a second one (see flows.pipeline._start_ephemeral_server_in_background).
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    prefect_environment()
     args = build_parser().parse_args(argv)
     if argv is None:  # a real command (not a test calling main): the ledger's start-up counts from its start
         from rlhf_core.ops.goodput import process_start_time
