@@ -476,15 +476,18 @@ def test_the_quick_start_script_creates_the_automations(prefect_server, tmp_path
 
 
 def run_paused_inside_a_chunk(deployed: Deployed, tmp_path: Path) -> tuple[str, Path]:
-    """Start `rlhf/sft` with the rank pausing 4 s before step 12 (inside the chunk to step 16), and return once it
-    is there and step 8 has committed: the flow run's id and the stage's checkpoint folder."""
+    """Start `rlhf/sft` with the rank pausing 10 s before step 12 (inside the chunk to step 16), and return once it
+    is there and step 8 has committed: the flow run's id and the stage's checkpoint folder. The pause is the window
+    in which the test's signal must arrive for step 12 to be the step in progress: a Cancel goes through the CLI,
+    the server and the worker's poll, which took over 4 s on a loaded machine (step 13 committed instead); 10 s
+    still leaves the step and its emergency commit inside --stop_grace_s 25 (less its fifth)."""
     from prefect.client.orchestration import SyncPrefectClient
 
     faults = tmp_path / "faults"
     faults.mkdir()
     with SyncPrefectClient(deployed.server.api_url) as client:
         env = dict(client.read_deployment_by_name("rlhf/sft").job_variables["env"])
-    env.update(RLHF_FAULT_INJECT="train_step@12=sleep:4", RLHF_FAULT_STATE=str(faults))
+    env.update(RLHF_FAULT_INJECT="train_step@12=sleep:10", RLHF_FAULT_STATE=str(faults))
     config = run_config(tmp_path, deployed.toy)
     started = deployed.server.cli("deployment", "run", "rlhf/sft", "--param", f"config={json.dumps(config)}",
                                   "--job-variable", f"env={json.dumps(env)}")
