@@ -151,11 +151,17 @@ def trainable_pairs(pairs: Sequence[Pair], max_len: int, where: str) -> Sequence
 def count_rm_pairs(run: RunConfig) -> int:
     """Training pairs of the reward model (after the held-out split)."""
     cfg = run.section("rm", RMConfig)
-    return len(load_pairs(cfg, run, lazy_tokenizer(cfg.start_model, run))[0])
+    tokenizer = lazy_tokenizer(cfg.start_model, run)
+    count = len(load_pairs(cfg, run, tokenizer)[0])
+    tokenizer.keep_records()
+    return count
 
 
 def count_dpo_pairs(run: RunConfig) -> int:
     """Training pairs of DPO that leave a response to learn from."""
     cfg = run.section("dpo", DPOConfig)
-    pairs, _ = load_pairs(cfg, run, lazy_tokenizer(cfg.start_model, run))
-    return len(trainable_pairs(pairs, cfg.max_len, "--dataset"))
+    tokenizer = lazy_tokenizer(cfg.start_model, run)
+    pairs, _ = load_pairs(cfg, run, tokenizer)
+    count = len(trainable_pairs(pairs, cfg.max_len, "--dataset"))
+    tokenizer.keep_records()
+    return count

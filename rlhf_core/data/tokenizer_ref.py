@@ -5,10 +5,12 @@ run's store under the tokenizer files' cheap version (their names, sizes and mti
 template, transformers' and tokenizers' versions), so a later run whose data is prepared finds its preparation
 without loading the tokenizer at all. Beside it, in a local store, the files `save_pretrained` writes of the
 tokenizer as `load_tokenizer` gives it: the export copies those (`saved_tokenizer_files`) instead of loading it.
+Both are written only once the count they served has succeeded (`keep_records`): a refused run writes nothing.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -59,7 +61,7 @@ class LazyTokenizer:
 
     def __init__(self, url: str, storage_options: dict | None, store: PreparedStore, *, flag: str = "--pretrain"):
         state = {"_where": (url, storage_options, flag), "_store": store, "_loaded": None,
-                 "_chat_template": _UNSET, "_record": _UNSET}
+                 "_chat_template": _UNSET, "_record": _UNSET, "_unwritten": []}
         for name, value in state.items():
             object.__setattr__(self, name, value)
 
@@ -68,7 +70,8 @@ class LazyTokenizer:
         if self._loaded is None:
             url, storage_options, flag = self._where
             tokenizer = load_tokenizer(url, storage_options, flag=flag)
-            save_tokenizer_files(tokenizer, url, storage_options, self._store, flag)  # before its template changes
+            as_in_folder = copy.copy(tokenizer)  # its own chat_template: the one of the folder, whatever is set below
+            self._unwritten.append(lambda: save_tokenizer_files(as_in_folder, url, storage_options, self._store, flag))
             if self._chat_template is not _UNSET:
                 tokenizer.chat_template = self._chat_template
             object.__setattr__(self, "_loaded", tokenizer)
@@ -80,8 +83,16 @@ class LazyTokenizer:
         if record is not None and self._loaded is None:
             return record["identity"]
         identity = tokenizer_identity(self.load())
-        self._save_record({"identity": identity, "chat_template": self._loaded.chat_template})
+        record = {"identity": identity, "chat_template": self._loaded.chat_template}
+        object.__setattr__(self, "_record", record)
+        self._unwritten.append(lambda: self._save_record(record))
         return identity
+
+    def keep_records(self) -> None:
+        """Write what loading the tokenizer found (its record, its files) into the store: called once the count
+        that loaded it succeeded, so that a run refused for its data leaves nothing behind."""
+        while self._unwritten:
+            self._unwritten.pop(0)()
 
     def _version(self) -> str:
         url, storage_options, flag = self._where
@@ -129,7 +140,7 @@ class LazyTokenizer:
             setattr(self.load(), name, value)
 
     def __getattr__(self, name: str) -> Any:  # what is not the proxy's own: the tokenizer's
-        if name.startswith("__") or name in ("_where", "_store", "_loaded", "_chat_template", "_record"):
+        if name.startswith("__") or name in ("_where", "_store", "_loaded", "_chat_template", "_record", "_unwritten"):
             raise AttributeError(name)
         return getattr(self.load(), name)
 
@@ -197,4 +208,6 @@ def count_with_eval(run, cfg, load: Callable[[Any, Any, bool], Sized]) -> int:
     tokenizer = lazy_tokenizer(cfg.start_model, run)
     if cfg.eval_dataset:
         load(run, tokenizer, True)
-    return len(load(run, tokenizer, False))
+    count = len(load(run, tokenizer, False))
+    tokenizer.keep_records()
+    return count
