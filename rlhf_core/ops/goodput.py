@@ -17,13 +17,13 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any, Callable, Mapping
 
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
-from rlhf_core.ops.goodput_categories import Category, category_shares
+from rlhf_core.ops.goodput_categories import Category, CommittedChunk, category_shares
 from rlhf_core.storage import durable
 from rlhf_core.errors import UserError
 
@@ -168,18 +168,6 @@ def fail_chunk(doc: dict, attempt: dict, stage: str, cause: str) -> None:
     for chunk in doc["pending"]:
         if chunk["stage"] == stage and chunk["attempt"] == attempt["id"]:
             chunk["lost_to"] = cause
-
-
-@dataclass(frozen=True)
-class CommittedChunk:
-    """A chunk of `stage` that committed at `step`: its timers (ChunkResult.seconds), its step count (None: the
-    pending chunk's), and how long the ranks have been training the next chunk ahead."""
-
-    stage: str
-    step: int
-    seconds: Mapping[str, float]
-    num_steps: int | None = None
-    trained_ahead_s: float = 0.0
 
 
 def commit_chunk(doc: dict, attempt: dict, chunk: CommittedChunk, now: float) -> None:

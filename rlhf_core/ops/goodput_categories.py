@@ -1,12 +1,13 @@
 """The goodput ledger's categories (`Category`: where a stage's wall time went, each a field of its record in
 goodput.json) and the chunk's timers (`Timer`: the keys of `ChunkResult.seconds`), with the one rule that maps
-timers to categories (`category_shares`). `rlhf_core.ops.goodput` records them; `goodput_summary` reads them.
-docs/design-notes.md ("Goodput") defines each category.
+timers to categories (`category_shares`), and what a committed chunk reports (`CommittedChunk`).
+`rlhf_core.ops.goodput` records them; `goodput_summary` reads them. docs/design-notes.md ("Goodput") defines each category.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from enum import StrEnum
 
 
@@ -73,3 +74,15 @@ def category_shares(seconds: Mapping[str, float]) -> list[tuple[Category, float]
         if timer in PART_OF:
             shares.append((PART_OF[timer], -float(value)))
     return shares
+
+
+@dataclass(frozen=True)
+class CommittedChunk:
+    """A chunk of `stage` that committed at `step`: its timers (ChunkResult.seconds), its step count (None: the
+    pending chunk's), and how long the ranks have been training the next chunk ahead."""
+
+    stage: str
+    step: int
+    seconds: Mapping[str, float]
+    num_steps: int | None = None
+    trained_ahead_s: float = 0.0
