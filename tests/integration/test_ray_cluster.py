@@ -159,7 +159,7 @@ def test_strict_spread_puts_one_actor_on_each_worker_node(cluster, address_kind)
 
 def test_two_ranks_on_two_nodes_match_one_host(cluster, toy_assets, cluster_env, bucket, tmp_path, s3_here,
                                                one_host_reference):
-    ckpt = f"s3://{bucket}/two-nodes/ckpt"
+    ckpt = f"s3://{bucket}/two-nodes-{uuid.uuid4().hex[:6]}/ckpt"
     before = cluster.actor_log_snapshot("TrainWorker")
     result = run_rlhf(sft_args(toy_assets, ckpt, tmp_path / "model") + on_cluster(cluster.gcs_address), cluster_env,
                       timeout=RUN_TIMEOUT)
@@ -175,7 +175,7 @@ def test_two_ranks_on_two_nodes_match_one_host(cluster, toy_assets, cluster_env,
 
 def test_ray_client_driver_off_the_cluster(cluster, toy_assets, cluster_env, bucket, tmp_path, s3_here,
                                            one_host_reference):
-    ckpt = f"s3://{bucket}/client/ckpt"
+    ckpt = f"s3://{bucket}/client-{uuid.uuid4().hex[:6]}/ckpt"
     result = run_rlhf(sft_args(toy_assets, ckpt, tmp_path / "model") + on_cluster(cluster.client_address),
                       cluster_env, timeout=RUN_TIMEOUT)
     log = output(result)
@@ -186,7 +186,7 @@ def test_ray_client_driver_off_the_cluster(cluster, toy_assets, cluster_env, buc
 
 def test_unplaceable_group_fails_with_a_sentence_naming_the_missing_cpus(cluster, toy_assets, cluster_env, bucket,
                                                                           tmp_path):
-    args = sft_args(toy_assets, f"s3://{bucket}/unplaceable/ckpt", tmp_path / "model")
+    args = sft_args(toy_assets, f"s3://{bucket}/unplaceable-{uuid.uuid4().hex[:6]}/ckpt", tmp_path / "model")
     args[args.index("--num_workers") + 1] = "1"
     args += ["--num_cpus_per_worker", "64", "--placement_timeout_s", "5", "--ray_address", cluster.gcs_address]
     result = run_rlhf(args, cluster_env, timeout=180)  # generous: a hang fails as TimeoutExpired
@@ -225,7 +225,7 @@ def test_node_lost_mid_chunk_finishes_on_the_surviving_node(cluster, toy_assets,
     so it is always that rank), and node 1 is SIGKILLed there: its peer on node 0 is waiting in a
     collective, the common case, where gloo on the survivor reports a closed connection before Ray
     reports the node dead. The failed chunk must still name the lost node."""
-    stage_url, faults = f"s3://{bucket}/node-loss/ckpt/rlhf/sft", tmp_path / "faults"
+    stage_url, faults = f"s3://{bucket}/node-loss-{uuid.uuid4().hex[:6]}/ckpt/rlhf/sft", tmp_path / "faults"
     faults.mkdir()
     cluster.restart_worker(1, {"RLHF_FAULT_INJECT": "train_step@3=sleep:120", "RLHF_FAULT_STATE": str(faults)})
     try:
