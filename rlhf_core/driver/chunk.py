@@ -91,8 +91,8 @@ class Chunk(ChunkState):
         """The chunk of the runner's run to `target_step` (at most the stage's last step); `plan`: the stage's
         (the runner's by default)."""
         plan = plan or runner.plan(stage)
-        return cls(runner, stage, min(target_step, plan.total_steps), plan, open_store(runner.run, stage), lineage,
-                   train_ahead)
+        return cls(runner, stage, min(target_step, plan.total_steps), plan, runner.identity(stage),
+                   open_store(runner.run, stage), lineage, train_ahead)
 
     # ----------------------------------------------------------------- the chunk's steps
 

@@ -9,12 +9,10 @@ import contextlib
 import time
 from dataclasses import dataclass
 
-from rlhf_core.config import RunConfig, semantic_fields, semantic_hash
-from rlhf_core.data.fingerprints import dataset_fingerprint
-from rlhf_core.data.prepared import recorded_hashes
+from rlhf_core.config import RunConfig
 from rlhf_core.driver.engine import WorkerGroup
 from rlhf_core.driver.outage import OutageWait, wait_out_outages
-from rlhf_core.driver.plan import StagePlan
+from rlhf_core.driver.plan import StageIdentity, StagePlan
 from rlhf_core.driver.resume import Lineage
 from rlhf_core.driver.runner import StageRunner
 from rlhf_core.driver.stop import GraceExpired, StoppedBySignal
@@ -26,7 +24,6 @@ from rlhf_core.ops.trackers import OpenTrackers, StageTrackers, tracking_enabled
 from rlhf_core.stages import STAGES
 from rlhf_core.stages.base import StageConfig
 from rlhf_core.storage.checkpoint import CheckpointStore
-from rlhf_core.storage.locate import input_model_fingerprints
 from rlhf_core.storage.manifest import CheckpointInfo
 from rlhf_core.storage.metadata import CheckpointMetadata
 
@@ -41,6 +38,7 @@ class ChunkState:
     stage: str
     target_step: int
     plan: StagePlan
+    identity: StageIdentity
     store: CheckpointStore
     lineage: Lineage = Lineage()
     train_ahead: bool = True
@@ -149,11 +147,10 @@ def commit_chunk(chunk: ChunkState, trained: Trained) -> CommitOutcome:
 
 def checkpoint_metadata(chunk: ChunkState, trained: Trained, summary: dict[str, float]) -> CheckpointMetadata:
     """The metadata of the step the group reached: where it stands in the stage, what trained it and on what
-    (the drift check's inputs), its metrics, and what the commit-time alerts read (the headline metric's history
-    along this line of checkpoints, carried forward since retention deletes old ones, and the models' sizes)."""
-    from importlib.metadata import version  # not the imports: deepspeed's alone costs the driver ~0.6 s
-
-    run, cfg, facts, group = chunk.run, chunk.config, STAGES[chunk.stage], trained.group
+    (the stage's identity: the drift check's inputs), its metrics, and what the commit-time alerts read (the headline
+    metric's history along this line of checkpoints, carried forward since retention deletes old ones, and the models'
+    sizes)."""
+    run, cfg, facts, group, identity = chunk.run, chunk.config, STAGES[chunk.stage], trained.group, chunk.identity
     step, start_step, total_steps = group.step, trained.start_step, chunk.plan.total_steps
     previous = chunk.store.training_metadata(start_step).history_up_to(start_step) if start_step else []
     return CheckpointMetadata(
@@ -162,14 +159,12 @@ def checkpoint_metadata(chunk: ChunkState, trained: Trained, summary: dict[str, 
         epoch=step // max(total_steps // facts.num_passes(cfg), 1),
         seed=run.seed, world_size=group.world_size,
         world_size_changes=chunk.runner.world_size_changes,
-        zero_stage=group.zero_stage, config_hash=semantic_hash(run, chunk.stage), config=semantic_fields(cfg),
+        zero_stage=group.zero_stage, config_hash=identity.config_hash, config=identity.config,
         save_path=getattr(cfg, facts.output_field, None),
-        dataset_fingerprint=dataset_fingerprint(cfg, run.storage_options,
-                                                recorded_hashes(run.ckpt_path, run.storage_options)),
-        input_models=input_model_fingerprints(cfg, run.storage_options),
+        dataset_fingerprint=identity.dataset_fingerprint, input_models=identity.input_models,
         metrics=summary,
         trackers=trained.trackers.tracker_ids() if trained.trackers is not None else {},
-        versions={package: version(package) for package in ("torch", "deepspeed", "transformers")},
+        versions=identity.versions,
         metric_history=(*previous, history_entry(step, summary)),
         model_sizes=group.model_sizes())
 

@@ -1,7 +1,8 @@
 """A training stage laid out before it trains: its paths made absolute (`resolve_paths`) and its chunks
 (`plan_stage`: how many usable samples, how many steps, where each chunk ends). Both are pure functions of the
 run's config and data, so the CLI, preflight, the flow and the chunks agree on them; counting reads and
-tokenizes the data, so a run plans each stage once (`StageRunner.plan`).
+tokenizes the data, so a run plans each stage once (`StageRunner.plan`). What every checkpoint of a stage records of
+what trained it (`stage_identity`) is found once per stage too.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ from dataclasses import dataclass, field
 
 import fsspec
 
-from rlhf_core.config import RunConfig
+from rlhf_core.config import RunConfig, semantic_fields, semantic_hash
+from rlhf_core.data.fingerprints import dataset_fingerprint
+from rlhf_core.data.prepared import recorded_hashes
 from rlhf_core.stages import STAGES
 from rlhf_core.stages.base import StageConfig, fields_with_role
 from rlhf_core.errors import UserError
-from rlhf_core.storage.locate import is_hub_id
+from rlhf_core.storage.locate import input_model_fingerprints, is_hub_id
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,18 @@ class StagePlan:
     num_samples: int
     total_steps: int
     targets: list[int]  # the step each chunk ends at
+
+
+@dataclass(frozen=True)
+class StageIdentity:
+    """What each checkpoint of a stage records of what trains it, the drift check's inputs (`CheckpointMetadata`):
+    the config's semantic hash and fields, the data's and the input models' fingerprints, the libraries' versions."""
+
+    config_hash: str
+    config: dict
+    dataset_fingerprint: str
+    input_models: dict[str, str]
+    versions: dict[str, str]
 
 
 @dataclass(frozen=True)
@@ -80,3 +95,17 @@ def plan_stage(run: RunConfig, stage: str) -> StagePlan:
         )
     total_steps = steps_per_pass * cfg.num_passes()
     return StagePlan(stage, num_items, total_steps, chunk_ends(total_steps, cfg.save_steps))
+
+
+def stage_identity(run: RunConfig, stage: str) -> StageIdentity:
+    """The stage's identity, after its data is prepared (the preparation recorded its files' hashes, so the data is
+    not read again). Ask the run's `StageRunner.identity`, which finds it once per stage, not at each commit."""
+    from importlib.metadata import version  # not the imports: deepspeed's alone costs the driver ~0.6 s
+
+    cfg = run.section(stage, StageConfig)
+    return StageIdentity(
+        config_hash=semantic_hash(run, stage), config=semantic_fields(cfg),
+        dataset_fingerprint=dataset_fingerprint(cfg, run.storage_options,
+                                                recorded_hashes(run.ckpt_path, run.storage_options)),
+        input_models=input_model_fingerprints(cfg, run.storage_options),
+        versions={package: version(package) for package in ("torch", "deepspeed", "transformers")})

@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 
 from rlhf_core.config import RunConfig, semantic_hash
 from rlhf_core.driver.engine import WorkerGroup, group_settings
-from rlhf_core.driver.plan import Checked, StagePlan, plan_stage
+from rlhf_core.driver.plan import Checked, StageIdentity, StagePlan, plan_stage, stage_identity
 from rlhf_core.driver.repeats import ChunkTries
 from rlhf_core.driver.spares import SPARES_AFTER_S, SparePool, num_spares
 from rlhf_core.driver.stop import StopSignals
@@ -118,6 +118,7 @@ class _Held:
     spares: SparePool = field(default_factory=SparePool)
     tries: ChunkTries = field(default_factory=ChunkTries)  # each chunk's failed tries (stage, target step)
     plans: dict[tuple, StagePlan] = field(default_factory=dict)
+    identities: dict[tuple, StageIdentity] = field(default_factory=dict)
     warm: WarmGroup | None = None
     prestart: Prestart | None = None
     lease: RunLease | None = None
@@ -208,6 +209,14 @@ class StageRunner:
         if key not in self._held.plans:
             self._held.plans[key] = plan_stage(self.run, stage)
         return self._held.plans[key]
+
+    def identity(self, stage: str) -> StageIdentity:
+        """What each of the stage's checkpoints records of what trains it, found once per run (fingerprinting
+        reads the data's and the models' file versions): after `plan`, which prepares the data."""
+        key = _plan_key(self.run, stage)
+        if key not in self._held.identities:
+            self._held.identities[key] = stage_identity(self.run, stage)
+        return self._held.identities[key]
 
     # ----------------------------------------------------------------- the lease
 

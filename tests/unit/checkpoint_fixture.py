@@ -51,7 +51,7 @@ def fixture_run(toy_assets: dict[str, str], folder: Path):
 def commit(runner, plan, store, group, start: int) -> None:
     """One commit through the driver's own code (the call that this helper keeps in step with the code)."""
     metrics = [{"step": index, "loss": 1.0 / index, "lr": 1e-5} for index in range(start + 1, group.step + 1)]
-    chunk = ChunkState(runner, "sft", group.step, plan, store)
+    chunk = ChunkState(runner, "sft", group.step, plan, runner.identity("sft"), store)
     commit_chunk(chunk, Trained(group, store.list(), start, metrics, None, False))
 
 
