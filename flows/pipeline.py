@@ -279,6 +279,7 @@ def _run_stages(runner: StageRunner, prepared: bool) -> dict | State:
     summary: dict[str, StageSummary] = {}
     upstream_digest, num_trained = "", 0
     runner.ledger.attempt_started()  # before the lease: it still names a crashed predecessor's process
+    ended_well = False  # then the ranks may serve the next command (rlhf_core/driver/lingering.py)
     with runner.holding_lease():
         try:
             _prestart_first_training_stage(runner)  # a deployment run's; the CLI's run_pipeline started it already
@@ -304,8 +305,9 @@ def _run_stages(runner: StageRunner, prepared: bool) -> dict | State:
                 if summary[stage].status == STOPPED_BY_BUDGET:
                     break
                 logger.info("%s: output in %s (%s s)", stage, summary[stage].save_path, summary[stage].seconds)
+            ended_well = True
         finally:
-            runner.release_workers()
+            runner.release_workers(retire=ended_well)
             runner.ledger.attempt_finished()
     return {stage: stage_summary.to_dict() for stage, stage_summary in summary.items()}
 

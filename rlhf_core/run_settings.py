@@ -111,6 +111,12 @@ class RunSettings(BaseModel):
                                    "trains within seconds. Default: as many as the ranks when they use no GPU, "
                                    "else 0.")
     )
+    spare_idle_s: float = Field(
+        600.0, ge=0, **operational("On a running Ray cluster (--ray_address or RAY_ADDRESS), the CPU ranks' processes "
+                                    "outlive the command as warm spares (reset, no resources held, at most one per "
+                                    "CPU of a node) for this many seconds: the next command with the same "
+                                    "environment starts its ranks from them. 0: they end with the command.")
+    )
     store_outage_s: float = Field(
         600.0, gt=0, **operational("How long a commit waits for an unreachable checkpoint store (an S3 outage, a "
                                     "network cut), trying again with backoff while the ranks keep the snapshot and "

@@ -25,9 +25,11 @@ from rlhf_core.config import RunConfig
 from rlhf_core.rank.ds_config import resolve_zero_stage
 from rlhf_core.driver.ray_start import ensure_ray, forwarded_environment, threads_asked
 from rlhf_core.driver.hang import HangWatch, dump_rank_stacks, save_stacks, stuck_frame
+from rlhf_core.driver.lingering import claim_lingering, lingering_options, lingers, retire_ranks
 from rlhf_core.errors import FailedAt, RankHung, RLHFError, UserError, WorkerLost
 from rlhf_core.ops.alerts import ALERT_HANG, Alert, AlertLog
 from rlhf_core.ops.console import show_work
+from rlhf_core.ops.ray_output import adopt_worker_output
 from rlhf_core.ops.run_log import log_file_for
 from rlhf_core.ops.step_time import writer_slowdown
 from rlhf_core.rank.worker import RankLocation, TrainWorker
@@ -58,11 +60,14 @@ class WorkerGroup:
         strategies = [PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank)
                       for rank in range(self.world_size)]
         self.bundle_nodes = bundle_nodes(self.placement, self.world_size)
+        self.lingering = lingers(run)  # its ranks may outlive the command (driver/lingering.py)
         spares = take_spares(self.bundle_nodes) if take_spares is not None else {}
+        lingering = claim_lingering({rank: node for rank, node in enumerate(self.bundle_nodes)
+                                     if rank not in spares}, run.spare_idle_s) if self.lingering else {}
+        spares |= lingering
         for rank, spare in spares.items():
             spare.assign_rank.remote(rank, self.world_size)
-        self.workers = [spares.get(rank) or rank_actor(run, rank, self.world_size, scheduling_strategy=strategies[rank])
-                        for rank in range(self.world_size)]
+        self.workers = [spares.get(rank) or self._new_rank(run, rank, strategies[rank]) for rank in range(self.world_size)]
         self.num_spares_taken, self.started_at = len(spares), time.monotonic()
         self._stop_listener = self.signals.on_request(self.request_stop)
         self._watch = HangWatch(self.workers, run.hang_timeout_s)
@@ -72,6 +77,8 @@ class WorkerGroup:
         self._model_sizes: dict | None = None
         try:
             self.locations = self._gather([worker.location.remote() for worker in self.workers])
+            if lingering:
+                adopt_worker_output([self.locations[rank].pid for rank in lingering])
             nodes = [location.describe() for location in self.locations]
             self._placement_line = (logging.WARNING if self.world_size < run.num_workers else logging.INFO,
                                     f"placed {self.world_size} of {run.num_workers} ranks ({run.placement_strategy}) on "
@@ -92,6 +99,13 @@ class WorkerGroup:
         self._step_times: list[tuple[float, bool]] = []  # rank 0's (seconds, beside a write), since then too
         self._clean_step_seconds: float | None = None  # the last known median step with no write beside it
         self.write_seconds: dict[str, float] = {}  # rank 0's writer timers of the last finished write
+
+    def _new_rank(self, run: RunConfig, rank: int, strategy: PlacementGroupSchedulingStrategy):
+        """A new rank process: in its bundle, or, when it may outlive the command, beside it on the bundle's node."""
+        if not self.lingering:
+            return rank_actor(run, rank, self.world_size, scheduling_strategy=strategy)
+        return rank_actor(run, rank, self.world_size, ray.get_runtime_context().get_job_id(),
+                          **lingering_options(self.bundle_nodes[rank]))
 
     def request_stop(self) -> None:
         """Ask every rank to stop after its current step (called from `rlhf_core.driver.stop` on a stop signal)."""
@@ -201,16 +215,20 @@ class WorkerGroup:
             self._model_sizes = self._gather(self.workers[0].model_sizes.remote())
         return self._model_sizes
 
-    def shutdown(self) -> None:
-        """Kill the ranks and free their placement. After a stop signal, waits at most STOP_SHUTDOWN_S for that:
-        a SIGTERM to the whole process group (Prefect's Cancel of a deployment run) has killed Ray's GCS too,
-        and `remove_placement_group` would then wait for it for ever; leaving the process ends the ranks."""
+    def shutdown(self, retire: bool = False) -> None:
+        """Kill the ranks and free their placement; with `retire`, after a clean end, ranks that may outlive the
+        command become spares instead (`driver/lingering.py`). After a stop signal, waits at most STOP_SHUTDOWN_S
+        for that: a SIGTERM to the whole process group (Prefect's Cancel of a deployment run) has killed Ray's GCS
+        too, and `remove_placement_group` would then wait for it for ever; leaving the process ends the ranks."""
         self._stop_listener()
         workers, placement = self.workers, self.placement
         self.workers, self.placement = [], None
+        retiring = retire and self.lingering and self._ahead is None and not self.signals.requested()
 
         def release() -> None:
-            for worker in workers:
+            if retiring:
+                retire_ranks(workers)
+            for worker in [] if retiring else workers:
                 ray.kill(worker)
             if placement is not None:
                 remove_placement_group(placement)
@@ -315,9 +333,10 @@ def bundle_nodes(placement, num_bundles: int) -> list[str]:
     return [table.get(index, "") for index in range(num_bundles)]
 
 
-def rank_actor(run: RunConfig, rank: int, world_size: int, **options: Any):
+def rank_actor(run: RunConfig, rank: int, world_size: int, owner_job: str = "", **options: Any):
     """A new TrainWorker actor with the run's resources per rank and forwarded environment; `options`: Ray's
-    actor options to add or override (where to place it, or no resources at all for a spare)."""
+    actor options to add or override (where to place it, or no resources at all for a spare). `owner_job`: the job
+    of a rank that may outlive it (a detached actor), which ends itself once that job is dead."""
     bundle = placement_bundle(run)
     actor_options: dict[str, Any] = {"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0)}
     forwarded = forwarded_environment()
@@ -327,7 +346,7 @@ def rank_actor(run: RunConfig, rank: int, world_size: int, **options: Any):
     # A third ("control") takes a stop request, or the models' sizes, while the first is busy training.
     # ray's typed overloads of remote() omit concurrency_groups, an actor option it takes
     remote_worker = ray.remote(concurrency_groups={"io": 1, "control": 1})(TrainWorker)  # type: ignore[call-overload]
-    return remote_worker.options(**(actor_options | options)).remote(rank, world_size)
+    return remote_worker.options(**(actor_options | options)).remote(rank, world_size, owner_job, run.spare_idle_s)
 
 
 def group_settings(run: RunConfig) -> dict:

@@ -15,6 +15,7 @@ from rlhf_core.driver.stop import StopSignals
 from rlhf_core.errors import UserError
 
 logger = logging.getLogger(__name__)
+_joined: dict[str, bool] = {}  # "running": whether this process joined a cluster it did not start (ensure_ray)
 
 
 def forwarded_environment() -> dict[str, str]:
@@ -47,6 +48,7 @@ def ensure_ray(ray_address: str | None, signals: StopSignals | None = None) -> N
     from rlhf_core.ops import ray_output  # the CLI's quiet console: actors' output to the run's log file
 
     address = ray_address or os.environ.get("RAY_ADDRESS") or None
+    _joined["running"] = bool(address)
     obeying = signals is not None and signals.is_obeying()
     with _ray_keeps_off_sigterm(obeying):
         if address and address.startswith("ray://"):
@@ -56,6 +58,12 @@ def ensure_ray(ray_address: str | None, signals: StopSignals | None = None) -> N
     if signals is not None:
         signals.reclaim()
     ray_output.route_ray_worker_output()
+
+
+def joined_running_cluster() -> bool:
+    """Whether this process's Ray is a cluster it joined (`--ray_address`, RAY_ADDRESS), which outlives the command,
+    rather than one it started; False before `ensure_ray`."""
+    return _joined.get("running", False)
 
 
 @contextlib.contextmanager

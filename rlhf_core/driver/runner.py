@@ -101,11 +101,12 @@ class Prestart:
             return None
         return self.outcome
 
-    def discard(self) -> None:
-        """Stop the started group (waiting for its start to end); a failed start leaves nothing."""
+    def discard(self, retire: bool = False) -> None:
+        """Stop the started group (waiting for its start to end); a failed start leaves nothing. `retire`: its
+        ranks may serve the next command (`WorkerGroup.shutdown`)."""
         self.thread.join()
         if isinstance(self.outcome, WorkerGroup):
-            self.outcome.shutdown()
+            self.outcome.shutdown(retire)
 
 
 @dataclass
@@ -191,11 +192,12 @@ class StageRunner:
         return self
 
     def __exit__(self, *exc_info) -> None:
-        self.close()
+        self.close(clean=exc_info[0] is None)
 
-    def close(self) -> None:
-        """Stop the warm and any prestarted worker group and the spares, and close every open tracker."""
-        self.release_workers()
+    def close(self, clean: bool = False) -> None:
+        """Stop the warm and any prestarted worker group and the spares, and close every open tracker. `clean`: the
+        run ended well, so ranks that may outlive the command become spares (`driver/lingering.py`)."""
+        self.release_workers(retire=clean)
         self.spares.close()
         self.trackers.close()
 
@@ -282,7 +284,7 @@ class StageRunner:
         if warm is not None and warm.identity == identity and infos and infos[-1].is_committed \
                 and warm.group.step == infos[-1].step:
             return warm.group, None
-        self._release_warm()
+        self._release_warm(retire=True)  # no failure since it trained (one releases it): its ranks may serve again
         group = self._take_prestarted(run) or WorkerGroup(run, self.signals, self.spares.take)
         group.log_placement()
         self._held.warm = WarmGroup(group, identity)
@@ -321,17 +323,18 @@ class StageRunner:
         prestart, self._held.prestart = self._held.prestart, None
         return prestart.take(run) if prestart is not None else None
 
-    def release_workers(self) -> None:
-        """Stop the warm worker group and any prestarted one (after a failure its state is unknown)."""
+    def release_workers(self, retire: bool = False) -> None:
+        """Stop the warm worker group and any prestarted one (after a failure its state is unknown; `retire`: there
+        was none, and their ranks may serve the next command)."""
         prestart, self._held.prestart = self._held.prestart, None
         if prestart is not None:
-            prestart.discard()
-        self._release_warm()
+            prestart.discard(retire)
+        self._release_warm(retire)
 
-    def _release_warm(self) -> None:
+    def _release_warm(self, retire: bool = False) -> None:
         warm, self._held.warm = self._held.warm, None
         if warm is not None:
-            warm.group.shutdown()
+            warm.group.shutdown(retire)
 
 
 def _plan_key(run: RunConfig, stage: str) -> tuple:

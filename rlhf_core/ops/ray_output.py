@@ -114,3 +114,28 @@ def _print_cluster_lines(batch: dict) -> None:
     for line in lines:
         end_live_line()
         sys.stderr.write(f"({source}) {line}\n")
+
+
+_adopted_pids: set[str] = set()  # rank processes another job started that serve this command
+
+
+def adopt_worker_output(pids: list[int]) -> None:
+    """Show these processes' output as this job's own: ranks that outlived an earlier command
+    (`rlhf_core.driver.lingering`) still belong to the job that started them, and Ray sends a process's output to
+    its own job's driver only. Private API (the driver's job filter, the dispatcher's emit): where either has moved,
+    their output stays in Ray's session logs."""
+    from ray._private import worker as ray_worker
+
+    dispatcher, global_worker = stdstream_dispatcher(), ray_worker.global_worker
+    if dispatcher is None or not hasattr(global_worker, "_filter_logs_by_job") or not hasattr(dispatcher, "emit"):
+        return
+    if not _adopted_pids:
+        own_job, emit = global_worker.current_job_id.hex(), dispatcher.emit
+
+        def emit_this_commands(data: dict) -> None:
+            if not data.get("job") or data["job"] == own_job or str(data.get("pid")) in _adopted_pids:
+                emit(data)
+
+        dispatcher.emit = emit_this_commands
+        global_worker._filter_logs_by_job = False
+    _adopted_pids.update(str(pid) for pid in pids)

@@ -24,6 +24,7 @@ import ray
 
 from rlhf_core.config import RunConfig
 from rlhf_core.errors import TransientStoreError
+from rlhf_core.rank.reuse import OutlivesItsCommand
 from rlhf_core.rank.signals import Progress, WorkerSignals
 from rlhf_core.stages.base import StageConfig
 
@@ -97,10 +98,11 @@ class RankLocation:
         return f"{self.node_ip} ({self.hostname}, node {self.node_id[:8]})"
 
 
-class TrainWorker:
-    """One DeepSpeed rank. Runs inside a Ray actor; hosts the trainer of one stage."""
+class TrainWorker(OutlivesItsCommand):
+    """One DeepSpeed rank. Runs inside a Ray actor; hosts the trainer of one stage. On a running cluster it may
+    outlive its command as a spare for the next one (`retire`, `rlhf_core.rank.reuse`)."""
 
-    def __init__(self, rank: int, world_size: int):
+    def __init__(self, rank: int, world_size: int, owner_job: str = "", idle_s: float = 0.0):
         from rlhf_core.ops.console import rank_warnings
 
         rank_warnings()
@@ -113,6 +115,15 @@ class TrainWorker:
         # Background writes in flight, and started so far: a step during which either changed ran beside one.
         self._num_writes_in_flight = self._num_writes_started = 0
         self._progress = Progress()
+        self._outlive_command(owner_job, idle_s)
+
+    def retire(self) -> str:
+        """After a command's clean end: forget its stage and reset the process for the next command (a spare);
+        returns "" when it is one, else why it cannot be (the driver then ends it)."""
+        zero_stage = self._trainer.cfg.zero_stage if self._trainer is not None else None
+        self._trainer, self._stage, self._stop_requested = None, "", False
+        self._kept_in_memory, self._written_state, self._progress = {}, {}, Progress()
+        return self._become_spare(zero_stage)
 
     @ray.method(concurrency_group="control")
     def heartbeat(self) -> tuple[int, tuple[str, ...], float, dict[str, tuple[int, int]], int]:
