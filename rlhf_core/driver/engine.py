@@ -67,7 +67,8 @@ class WorkerGroup:
         spares |= lingering
         for rank, spare in spares.items():
             spare.assign_rank.remote(rank, self.world_size)
-        self.workers = [spares.get(rank) or self._new_rank(run, rank, strategies[rank]) for rank in range(self.world_size)]
+        self.workers = [spares.get(rank) or self._new_rank(run, rank, strategies[rank])
+                        for rank in range(self.world_size)]
         self.num_spares_taken, self.started_at = len(spares), time.monotonic()
         self._stop_listener = self.signals.on_request(self.request_stop)
         self._watch = HangWatch(self.workers, run.hang_timeout_s)

@@ -60,7 +60,7 @@ def boundary(toy_assets, tmp_path, monkeypatch):
 def commit(boundary, train_ahead: bool = True):
     run, plan, store, group = boundary
     with StageRunner(run) as runner:
-        state = ChunkState(runner, "sft", group.step, plan, store)
+        state = ChunkState(runner, "sft", group.step, plan, runner.identity("sft"), store)
         return commit_chunk(state, Trained(group, store.list(), 0, [{"loss": 0.5}], None, train_ahead))
 
 

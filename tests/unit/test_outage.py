@@ -91,7 +91,7 @@ def test_an_outage_when_a_chunk_starts_is_waited_out_too(tmp_path, monkeypatch, 
     monkeypatch.setattr(CheckpointStore, "list", lambda self, verify=False: attempt() and [later])
     run = RunConfig(sft=SFTConfig(pretrain="m", dataset="d.jsonl"), ckpt_path=str(tmp_path / "ckpt"))
     waited = []
-    runner = SimpleNamespace(run=run, plan=lambda stage: SimpleNamespace(total_steps=32),
+    runner = SimpleNamespace(run=run, plan=lambda stage: SimpleNamespace(total_steps=32), identity=lambda stage: None,
                              ledger=SimpleNamespace(outage_waited=lambda stage, seconds: waited.append(stage)))
     with caplog.at_level(logging.WARNING, logger="rlhf_core.driver.outage"):
         result = ensure_checkpoint(runner, "sft", 8)
