@@ -10,13 +10,16 @@
   record when each chunk's training is collected: the period between two chunks, less the ranks' own
   step-loop seconds ("step_loop", else "train"), is everything a warm chunk costs outside training
   (snapshot, commit, Prefect's task, cache and result, planning).
-- `startup_seconds`: the `rlhf train sft` command in a subprocess, until its first step has trained.
+- `startup_seconds`: the `rlhf train sft` command in a subprocess, until its first step has trained; `rows_file`
+  its 1,000 rows, `running_ray_head` the cluster a warm command joins.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -192,18 +195,64 @@ def running_prefect_server(env: dict[str, str], timeout_s: float = 120.0) -> Ite
         server.wait(timeout=30)
 
 
-def startup_seconds(workdir: str, toy: dict[str, str], model_dir: str, env: dict[str, str]) -> float:
-    """`rlhf train sft` (2 steps, one chunk) in a subprocess: seconds from launch to the end of step 1.
+def startup_seconds(workdir: str, toy: dict[str, str], model_dir: str, env: dict[str, str],
+                    state: str | None = None) -> float:
+    """`rlhf train sft` over `toy["sft"]` in a subprocess: seconds from launch to the end of step 1.
     The end of step 1 is when the rank reaches the test hook `train_step@2` (RLHF_FAULT_INJECT with a
-    no-op sleep): with RLHF_FAULT_STATE set, the hook touches a marker file, whose mtime we read."""
-    state = tempfile.mkdtemp(prefix="bench-startup-state-", dir=workdir)
+    no-op sleep): with RLHF_FAULT_STATE set, the hook touches a marker file, whose mtime we read. `state`: that
+    folder, the same for a series of commands (the fault variables are part of what a spare rank process is kept
+    for: `rlhf_core/driver/lingering.py`)."""
+    state = state or tempfile.mkdtemp(prefix="bench-startup-state-", dir=workdir)
+    marker = os.path.join(state, "train_step@2")
+    if os.path.exists(marker):
+        os.remove(marker)
+    out = tempfile.mkdtemp(prefix="bench-startup-run-", dir=workdir)
     command = [os.path.join(os.path.dirname(sys.executable), "rlhf"), "train", "sft", "--pretrain", model_dir,
                "--dataset", toy["sft"], "--input_key", "prompt", "--output_key", "response",
                "--max_len", str(MAX_LEN), "--train_batch_size", str(BATCH), "--micro_train_batch_size", str(BATCH),
-               "--max_samples", str(2 * BATCH), "--learning_rate", str(LEARNING_RATE), "--max_epochs", "1",
-               "--input_template", "{}",
-               "--ckpt_path", os.path.join(state, "ckpt"), "--save_path", os.path.join(state, "out")]
+               "--learning_rate", str(LEARNING_RATE), "--max_epochs", "1", "--input_template", "{}",
+               "--ckpt_path", os.path.join(out, "ckpt"), "--save_path", os.path.join(out, "out")]
     child_env = {**env, "RLHF_FAULT_INJECT": "train_step@2=sleep:0", "RLHF_FAULT_STATE": state}
     launched = time.time()
     subprocess.run(command, env=child_env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return os.stat(os.path.join(state, "train_step@2")).st_mtime - launched
+    return os.stat(marker).st_mtime - launched
+
+
+def rows_file(source: str, num_rows: int, path: str) -> str:
+    """A JSONL file of `num_rows` rows, `source`'s rows over and over."""
+    with open(source) as handle:
+        rows = [line for line in handle if line.strip()]
+    with open(path, "w") as handle:
+        handle.writelines(rows[index % len(rows)] for index in range(num_rows))
+    return path
+
+
+@contextlib.contextmanager
+def running_ray_head(timeout_s: float = 120.0) -> Iterator[str]:
+    """`ray start --head` on a free loopback port (2 CPUs), as a user's cluster runs; yields its address."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    temp_dir = tempfile.mkdtemp(prefix="rlhf-bench-ray-")
+    log_path = os.path.join(temp_dir, "head.log")
+    ray = os.path.join(os.path.dirname(sys.executable), "ray")
+    with open(log_path, "w") as log:
+        head = subprocess.Popen([ray, "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
+                                 "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}"],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while "Ray runtime started." not in open(log_path).read():
+            if head.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"ray start --head did not start: {log_path}")
+            time.sleep(0.2)
+        yield f"127.0.0.1:{port}"
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        time.sleep(3)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(head.pid, signal.SIGKILL)
+        head.wait(timeout=30)
+        shutil.rmtree(temp_dir, ignore_errors=True)

@@ -90,8 +90,8 @@ def test_a_users_module_is_imported_again_as_edited(tmp_path, monkeypatch):
     import colorsys  # noqa: F401 - a library module the last command imported: kept
     assert sys.modules["my_reward"].BONUS == 1
     module.write_text("BONUS = 2\n")
-    forgotten = reuse.forget_user_modules(baseline)
-    assert forgotten == ["my_reward"] and "colorsys" in sys.modules
+    assert reset_for_reuse(baseline, zero_stage=0) == ""
+    assert "my_reward" not in sys.modules and "colorsys" in sys.modules
     import my_reward as edited
 
     assert edited.BONUS == 2
@@ -106,7 +106,7 @@ def test_this_live_processs_snapshots_go_and_other_processes_stay(tmp_path, monk
     for folder in (own, other):
         folder.mkdir()
         (folder / "model.pt").write_bytes(b"x")
-    assert reuse.remove_own_snapshots() == [str(own)]
+    assert reset_for_reuse(ProcessBaseline.now(), zero_stage=0) == ""
     assert not own.exists() and other.exists()
 
 
@@ -116,7 +116,7 @@ def test_a_fault_armed_for_this_process_is_disarmed(tmp_path, monkeypatch):
     monkeypatch.setenv(faults.STATE_ENV_VAR, str(tmp_path))
     (tmp_path / f"armed-{os.getpid()}").write_text("oom")
     (tmp_path / "armed-1").write_text("oom")
-    reuse.disarm_fault_hook()
+    assert reset_for_reuse(ProcessBaseline.now(), zero_stage=0) == ""
     assert not (tmp_path / f"armed-{os.getpid()}").exists() and (tmp_path / "armed-1").exists()
 
 
@@ -127,13 +127,14 @@ def test_the_random_generators_start_from_one_state_whatever_was_drawn():
     def draws() -> tuple:
         return random.random(), float(numpy.random.rand()), float(torch.rand(1))
 
+    baseline = ProcessBaseline.now()
     random.seed(123)
     torch.manual_seed(123)
-    reuse.reset_random_generators()
+    assert reset_for_reuse(baseline, zero_stage=0) == ""
     clean = draws()
     for _ in range(5):
         draws()  # the last command's draws
-    reuse.reset_random_generators()
+    assert reset_for_reuse(baseline, zero_stage=0) == ""
     assert draws() == clean
 
 
