@@ -70,6 +70,7 @@ class WorkerGroup:
         self.workers = [spares.get(rank) or self._new_rank(run, rank, strategies[rank])
                         for rank in range(self.world_size)]
         self.num_spares_taken, self.started_at = len(spares), time.monotonic()
+        reused = f"; {len(lingering)} from spare processes of an earlier command" if lingering else ""
         self._stop_listener = self.signals.on_request(self.request_stop)
         self._watch = HangWatch(self.workers, run.hang_timeout_s)
         self._run_where = (run.run_url(), run.run_name, run.storage_options)  # for a hang's stacks and alert
@@ -83,7 +84,8 @@ class WorkerGroup:
             nodes = [location.describe() for location in self.locations]
             self._placement_line = (logging.WARNING if self.world_size < run.num_workers else logging.INFO,
                                     f"placed {self.world_size} of {run.num_workers} ranks ({run.placement_strategy}) on "
-                                    f"nodes: {', '.join(f'{node} x{nodes.count(node)}' for node in dict.fromkeys(nodes))}")
+                                    f"nodes: {', '.join(f'{node} x{nodes.count(node)}' for node in dict.fromkeys(nodes))}"
+                                    f"{reused}")
             self._check_store_visible(run)
             master_addr, master_port = self._gather(self.workers[0].rendezvous_address.remote())
             node_ids = [location.node_id for location in self.locations]

@@ -82,8 +82,6 @@ def claim_lingering(wanted: dict[int, str], idle_s: float) -> dict[int, ActorHan
                 spare = ray.get_actor(name, namespace=SPARE_NAMESPACE)
                 if _answer(spare.claim.remote(job, idle_s), CLAIM_TIMEOUT_S):
                     taken[rank] = spare
-    if taken:
-        logger.info("%d rank(s) start from spare processes left by an earlier command", len(taken))
     return taken
 
 

@@ -198,7 +198,7 @@ class StageRunner:
         """Stop the warm and any prestarted worker group and the spares, and close every open tracker. `clean`: the
         run ended well, so ranks that may outlive the command become spares (`driver/lingering.py`)."""
         self.release_workers(retire=clean)
-        self.spares.close()
+        self.spares.close(retire=clean)
         self.trackers.close()
 
     def is_checked(self, run: RunConfig) -> bool:

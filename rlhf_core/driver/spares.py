@@ -7,7 +7,8 @@ rank's place only where the new group's bundle for that rank is (never on a node
 as a head node kept free of work). They warm up at nice 19, after a commit once the group is SPARES_AFTER_S old
 (idle time counts): a spare costs about 5 s of CPU, which a short run would not win back. Only a spare whose
 warm-up has finished is taken. GPU ranks get none by default: a spare would have to hold a GPU of its own, idle;
-their replacement starts cold in the lost rank's freed bundle.
+their replacement starts cold in the lost rank's freed bundle. On a running cluster spares outlive the command like
+its ranks (`rlhf_core.driver.lingering`): one not taken by the end serves the next command.
 docs/design-notes.md ("Replacing a lost rank") has the rest.
 """
 
@@ -23,6 +24,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlhf_core.config import RunConfig
 from rlhf_core.driver.engine import rank_actor
+from rlhf_core.driver.lingering import lingering_options, lingers, retire_ranks
 from rlhf_core.driver.placement import placement_bundle
 
 logger = logging.getLogger(__name__)
@@ -43,6 +45,7 @@ class SparePool:
 
     def __init__(self) -> None:
         self._spares: list[tuple[ActorHandle, str, ray.ObjectRef]] = []
+        self._outlive = False  # whether they were started to outlive the command (`fill`)
 
     def __len__(self) -> int:
         return len(self._spares)
@@ -55,10 +58,12 @@ class SparePool:
     def fill(self, run: RunConfig, stage: str, count: int, node_ids: list[str]) -> None:
         """Start spares, without waiting, until there are `count`, on the nodes `node_ids` (the group's ranks',
         in turn): a spare takes a rank's place only on a node where the group holds that rank's bundle."""
+        self._outlive = lingers(run)  # then a spare not taken by the end serves the next command (driver/lingering.py)
         for index in range(len(self._spares), count):
             node_id = node_ids[index % len(node_ids)]
-            spare = rank_actor(run, -1, 0, num_cpus=0, num_gpus=0,
-                               scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+            spare = rank_actor(run, -1, 0, ray.get_runtime_context().get_job_id(), **lingering_options(node_id)) \
+                if self._outlive else rank_actor(run, -1, 0, num_cpus=0, num_gpus=0,
+                                           scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
             self._spares.append((spare, node_id, spare.warm_spare.remote(run, stage)))
 
     def take(self, bundle_nodes: list[str]) -> dict[int, ActorHandle]:
@@ -86,12 +91,17 @@ class SparePool:
         self._spares = kept
         return taken
 
-    def close(self) -> None:
+    def close(self, retire: bool = False) -> None:
         """Kill the spares, waiting at most CLOSE_TIMEOUT_S: after a SIGTERM to the whole process group Ray's GCS
-        may be gone, and `ray.kill` would wait for it (leaving the process ends them anyway)."""
+        may be gone, and `ray.kill` would wait for it (leaving the process ends them anyway). `retire`: after a
+        clean end, those that may outlive the command and finished their warm-up stay for the next one."""
         spares, self._spares = self._spares, []
         if not spares:
             return
+        if retire and self._outlive:
+            done = set(ray.wait([ready for _, _, ready in spares], num_returns=len(spares), timeout=0)[0])
+            retire_ranks([spare for spare, _, ready in spares if ready in done])
+            spares = [entry for entry in spares if entry[2] not in done]
 
         def kill() -> None:
             for spare, _, _ in spares:
@@ -101,3 +111,4 @@ class SparePool:
         killing = threading.Thread(target=kill, name="rlhf-kill-spares", daemon=True)
         killing.start()
         killing.join(CLOSE_TIMEOUT_S)
+

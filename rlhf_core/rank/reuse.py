@@ -62,9 +62,9 @@ def reset_for_reuse(baseline: ProcessBaseline, zero_stage: int | None) -> str:
 
 def threads_left(baseline: ProcessBaseline, wait_s: float = THREAD_END_WAIT_S) -> list[str]:
     """The names of the last command's threads still running after waiting up to `wait_s` for them to end: those
-    started since `baseline` that run rlhf_core's code, a user's, or a thread pool's (a pool not shut down). A
-    library's own process-wide thread (tqdm's monitor, fsspec's event loop) is no command's; threads started
-    outside Python (Ray's, torch's) are not Python threads."""
+    started since `baseline` that run rlhf_core's code or a user's. A library's own process-wide thread (tqdm's
+    monitor, fsspec's event loop and its executor) is no command's, nor a thread pool's idle worker (it runs only
+    what is submitted to it); threads started outside Python (Ray's, torch's) are not Python threads."""
     deadline = time.monotonic() + wait_s
 
     def commands_threads() -> list[threading.Thread]:
@@ -80,7 +80,7 @@ def threads_left(baseline: ProcessBaseline, wait_s: float = THREAD_END_WAIT_S) -
 def _runs_command_code(thread: threading.Thread) -> bool:
     target = getattr(thread, "_target", None)  # set while a plain Thread runs its target
     module_name = getattr(target if target is not None else type(thread).run, "__module__", None) or ""
-    if module_name.split(".")[0] in ("rlhf_core", "concurrent"):
+    if module_name.split(".")[0] == "rlhf_core":
         return True
     module = sys.modules.get(module_name)
     return module is None or not _from_a_library(module)

@@ -19,7 +19,7 @@ from tests.integration.conftest import ray_head
 
 pytestmark = pytest.mark.slow
 
-CLAIMED = re.compile(r"(\d+) rank\(s\) start from spare processes left by an earlier command")
+CLAIMED = re.compile(r"placed \d+ of \d+ ranks .*; (\d+) from spare processes of an earlier command")
 RANK_PID = re.compile(r"\(TrainWorker pid=(\d+)")
 
 

@@ -161,8 +161,9 @@ def test_two_ranks_on_two_nodes_match_one_host(cluster, toy_assets, cluster_env,
                                                one_host_reference):
     ckpt = f"s3://{bucket}/two-nodes-{uuid.uuid4().hex[:6]}/ckpt"
     before = cluster.actor_log_snapshot("TrainWorker")
-    result = run_rlhf(sft_args(toy_assets, ckpt, tmp_path / "model") + on_cluster(cluster.gcs_address), cluster_env,
-                      timeout=RUN_TIMEOUT)
+    # No spares beside the ranks: a group older than SPARES_AFTER_S (a loaded machine) would start them on these nodes.
+    result = run_rlhf(sft_args(toy_assets, ckpt, tmp_path / "model") + on_cluster(cluster.gcs_address)
+                      + ["--num_spare_workers", "0"], cluster_env, timeout=RUN_TIMEOUT)
     log = output(result)
     assert result.returncode == 0, log[-4000:] + cluster.log_tails()
     # Ranks ran on the two worker nodes: the driver's placement line, and the nodes' own actor logs.
