@@ -84,6 +84,8 @@ def test_the_next_command_trains_on_the_last_ones_ranks_bit_exactly_and_only_wit
     other = {**head_env, "AWS_ACCESS_KEY_ID": "another-team", "AWS_SECRET_ACCESS_KEY": "their-secret"}
     other_log, other_pids = ran(sft(toy_assets, tmp_path / "other"), other)
     assert claimed(other_log) == 0 and not other_pids & first_pids
+    # At most one process per CPU of the node (2): the spares idle longest, the first environment's, end.
+    assert wait_until_gone(first_pids, 30) == set() and all(alive(pid) for pid in other_pids)
 
 
 def test_spares_end_after_their_idle_time_and_ranks_end_with_a_killed_command(head_env, toy_assets, tmp_path):

@@ -23,6 +23,9 @@ def test_a_deepspeed_group_trains_again_after_the_reset(monkeypatch):
     deepspeed = pytest.importorskip("deepspeed")
     baseline = ProcessBaseline.now()
 
+    # The venv's ninja first, as a rank has it (`TrainWorker.join`): another ninja rebuilds DeepSpeed's op (~80 s).
+    monkeypatch.setenv("PATH", os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
+
     def train_once(port: int) -> float:
         monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
         for name, value in {"MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
