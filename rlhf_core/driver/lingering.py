@@ -35,9 +35,19 @@ CLAIM_TIMEOUT_S = 5.0
 
 
 def lingers(run: RunConfig) -> bool:
-    """Whether this command's ranks outlive it: on a running cluster, ranks with no GPU, --spare_idle_s above 0.
-    (A GPU rank's process would hold its device while it waited.)"""
-    return joined_running_cluster() and run.spare_idle_s > 0 and not placement_bundle(run).get("GPU", 0)
+    """Whether this command's ranks outlive it: on a running cluster, ranks with no GPU, --spare_idle_s above 0,
+    and Ray's job table readable (a detached rank ends itself by it once its command is dead; private API). (A GPU
+    rank's process would hold its device while it waited.)"""
+    return (joined_running_cluster() and run.spare_idle_s > 0 and not placement_bundle(run).get("GPU", 0)
+            and _job_table_readable())
+
+
+def _job_table_readable() -> bool:
+    try:
+        from ray._private.state import jobs  # noqa: F401 - what `rlhf_core.rank.reuse.job_alive` reads
+    except ImportError:
+        return False
+    return True
 
 
 def environment_key() -> str:
