@@ -166,15 +166,20 @@ def chunk_boundaries(run) -> dict:
     return {"spans": list(spans), "started": started, "wall": wall, "chunks": summary["sft"].get("chunks", [])}
 
 
-@contextlib.contextmanager
-def running_prefect_server(env: dict[str, str], timeout_s: float = 120.0) -> Iterator[str]:
-    """`prefect server start` on a free port, as users with the Prefect UI run it; yields its API URL."""
+def _free_port() -> int:
     import socket
-    import urllib.request
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_prefect_server(env: dict[str, str], timeout_s: float = 120.0) -> Iterator[str]:
+    """`prefect server start` on a free port, as users with the Prefect UI run it; yields its API URL."""
+    import urllib.request
+
+    port = _free_port()
     prefect = os.path.join(os.path.dirname(sys.executable), "prefect")
     server = subprocess.Popen([prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -230,11 +235,7 @@ def rows_file(source: str, num_rows: int, path: str) -> str:
 @contextlib.contextmanager
 def running_ray_head(timeout_s: float = 120.0) -> Iterator[str]:
     """`ray start --head` on a free loopback port (2 CPUs), as a user's cluster runs; yields its address."""
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = _free_port()
     temp_dir = tempfile.mkdtemp(prefix="rlhf-bench-ray-")
     log_path = os.path.join(temp_dir, "head.log")
     ray = os.path.join(os.path.dirname(sys.executable), "ray")

@@ -70,7 +70,6 @@ class WorkerGroup:
         self.workers = [spares.get(rank) or self._new_rank(run, rank, strategies[rank])
                         for rank in range(self.world_size)]
         self.num_spares_taken, self.started_at = len(spares), time.monotonic()
-        reused = f"; {len(lingering)} from spare processes of an earlier command" if lingering else ""
         self._stop_listener = self.signals.on_request(self.request_stop)
         self._watch = HangWatch(self.workers, run.hang_timeout_s)
         self._run_where = (run.run_url(), run.run_name, run.storage_options)  # for a hang's stacks and alert
@@ -82,6 +81,7 @@ class WorkerGroup:
             if lingering:
                 adopt_worker_output([self.locations[rank].pid for rank in lingering])
             nodes = [location.describe() for location in self.locations]
+            reused = f"; {len(lingering)} from spare processes of an earlier command" if lingering else ""
             self._placement_line = (logging.WARNING if self.world_size < run.num_workers else logging.INFO,
                                     f"placed {self.world_size} of {run.num_workers} ranks ({run.placement_strategy}) on "
                                     f"nodes: {', '.join(f'{node} x{nodes.count(node)}' for node in dict.fromkeys(nodes))}"
@@ -107,8 +107,7 @@ class WorkerGroup:
         """A new rank process: in its bundle, or, when it may outlive the command, beside it on the bundle's node."""
         if not self.lingering:
             return rank_actor(run, rank, self.world_size, scheduling_strategy=strategy)
-        return rank_actor(run, rank, self.world_size, ray.get_runtime_context().get_job_id(),
-                          **lingering_options(self.bundle_nodes[rank]))
+        return rank_actor(run, rank, self.world_size, outlive_on=self.bundle_nodes[rank])
 
     def request_stop(self) -> None:
         """Ask every rank to stop after its current step (called from `rlhf_core.driver.stop` on a stop signal)."""
@@ -231,8 +230,9 @@ class WorkerGroup:
         def release() -> None:
             if retiring:
                 retire_ranks(workers)
-            for worker in [] if retiring else workers:
-                ray.kill(worker)
+            else:
+                for worker in workers:
+                    ray.kill(worker)
             if placement is not None:
                 remove_placement_group(placement)
 
@@ -336,10 +336,11 @@ def bundle_nodes(placement, num_bundles: int) -> list[str]:
     return [table.get(index, "") for index in range(num_bundles)]
 
 
-def rank_actor(run: RunConfig, rank: int, world_size: int, owner_job: str = "", **options: Any):
+def rank_actor(run: RunConfig, rank: int, world_size: int, outlive_on: str = "", **options: Any):
     """A new TrainWorker actor with the run's resources per rank and forwarded environment; `options`: Ray's
-    actor options to add or override (where to place it, or no resources at all for a spare). `owner_job`: the job
-    of a rank that may outlive it (a detached actor), which ends itself once that job is dead."""
+    actor options to add or override (where to place it, or no resources at all for a spare). `outlive_on`: the
+    node of a rank that may outlive the command (`driver/lingering.py`: a detached actor there, which ends itself
+    once this command's job is dead)."""
     bundle = placement_bundle(run)
     actor_options: dict[str, Any] = {"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0)}
     forwarded = forwarded_environment()
@@ -349,6 +350,9 @@ def rank_actor(run: RunConfig, rank: int, world_size: int, owner_job: str = "", 
     # A third ("control") takes a stop request, or the models' sizes, while the first is busy training.
     # ray's typed overloads of remote() omit concurrency_groups, an actor option it takes
     remote_worker = ray.remote(concurrency_groups={"io": 1, "control": 1})(TrainWorker)  # type: ignore[call-overload]
+    owner_job = ray.get_runtime_context().get_job_id() if outlive_on else ""
+    if outlive_on:
+        options = lingering_options(outlive_on) | options
     return remote_worker.options(**(actor_options | options)).remote(rank, world_size, owner_job, run.spare_idle_s)
 
 

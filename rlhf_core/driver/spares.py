@@ -24,7 +24,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlhf_core.config import RunConfig
 from rlhf_core.driver.engine import rank_actor
-from rlhf_core.driver.lingering import lingering_options, lingers, retire_ranks
+from rlhf_core.driver.lingering import lingers, retire_ranks
 from rlhf_core.driver.placement import placement_bundle
 
 logger = logging.getLogger(__name__)
@@ -61,9 +61,9 @@ class SparePool:
         self._outlive = lingers(run)  # then a spare not taken by the end serves the next command (driver/lingering.py)
         for index in range(len(self._spares), count):
             node_id = node_ids[index % len(node_ids)]
-            spare = rank_actor(run, -1, 0, ray.get_runtime_context().get_job_id(), **lingering_options(node_id)) \
-                if self._outlive else rank_actor(run, -1, 0, num_cpus=0, num_gpus=0,
-                                           scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+            spare = rank_actor(run, -1, 0, outlive_on=node_id) if self._outlive else \
+                rank_actor(run, -1, 0, num_cpus=0, num_gpus=0,
+                           scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
             self._spares.append((spare, node_id, spare.warm_spare.remote(run, stage)))
 
     def take(self, bundle_nodes: list[str]) -> dict[int, ActorHandle]:
