@@ -41,6 +41,23 @@ def _share_the_cores() -> None:
 
 
 _share_the_cores()
+
+
+def _tokenizer_cache_of_this_run() -> None:
+    """One machine cache of tokenizer records (RLHF_TOKENIZER_CACHE) for the whole run, made by the first pytest
+    process (xdist's controller; its workers inherit it) and removed with it: every `rlhf` command of the suite
+    prepares the toy's data from the toy tokenizer's snapshot, as a user's later runs of one model do, without a
+    developer's own ~/.cache in it."""
+    if "RLHF_TOKENIZER_CACHE" not in os.environ:
+        import atexit
+        import shutil
+        import tempfile
+
+        os.environ["RLHF_TOKENIZER_CACHE"] = tempfile.mkdtemp(prefix="rlhf-tokenizers-")
+        atexit.register(shutil.rmtree, os.environ["RLHF_TOKENIZER_CACHE"], ignore_errors=True)
+
+
+_tokenizer_cache_of_this_run()
 # What `ray.init` in this process adds to os.environ (RAY_AUTH_MODE=token among them), as the session began.
 RAY_SET_VARIABLES = ("RAY_", "PYTHONBREAKPOINT")
 _SESSION_RAY_ENVIRONMENT = {name: value for name, value in os.environ.items() if name.startswith(RAY_SET_VARIABLES)}

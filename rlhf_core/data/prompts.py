@@ -18,7 +18,7 @@ from rlhf_core.data.encoding import BatchEncoder
 from rlhf_core.data.samples import Renderer, prompt_text
 from rlhf_core.rewards import check_reward_setup
 from rlhf_core.stages.ppo import PPOConfig, require_vllm
-from rlhf_core.storage.locate import load_tokenizer
+from rlhf_core.data.tokenizer_ref import lazy_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def count_ppo_prompts(run: RunConfig) -> int:
     with the reward function, loads the agent file, and checks vLLM's needs, so a bad input stops the run here."""
     cfg = run.section("ppo", PPOConfig)
     require_vllm(cfg.vllm_num_engines)
-    tokenizer = load_tokenizer(cfg.start_model, run.storage_options)
+    tokenizer = lazy_tokenizer(cfg.start_model, run)
     check_reward_setup(cfg, tokenizer, first_prompt(run, tokenizer))
     if cfg.agent_func_path:
         load_agent_executor(cfg.agent_func_path)
@@ -131,4 +131,6 @@ def count_ppo_prompts(run: RunConfig) -> int:
                            "reward-model scores are normalized; the environment's rewards are used as they are.")
     if cfg.eval_dataset:
         load_prompts(run, tokenizer, eval_data=True)
-    return len(load_prompts(run, tokenizer))
+    count = len(load_prompts(run, tokenizer))
+    tokenizer.keep_records()
+    return count

@@ -103,13 +103,32 @@ def test_a_run_whose_data_is_prepared_counts_it_without_torch_or_the_tokenizer(t
 
 
 
-def assert_export_copies_what_a_fresh_save_writes(model: str, run_dir: Path) -> None:
+def test_another_run_of_the_same_model_prepares_its_data_from_the_snapshot_without_transformers(toy_assets, tmp_path,
+                                                                                               monkeypatch):
+    """The first run of a model folder loads its tokenizer and records it in this machine's cache; a run in
+    another store prepares the same data, byte for byte, from that record: `tokenizers` only, no transformers,
+    no torch."""
+    monkeypatch.setenv("RLHF_TOKENIZER_CACHE", str(tmp_path / "machine-cache"))
+    first = heavy_imports(toy_run_code(toy_assets), cwd=tmp_path)
+    assert "transformers" in first
+    second = heavy_imports(toy_run_code(toy_assets).replace('ckpt_path="ckpt"', 'ckpt_path="ckpt2"'), cwd=tmp_path)
+    assert set(second) == {"tokenizers"}, "\n".join(f"{name} imported by:\n{stack}" for name, stack in second.items())
+    prepared = [sorted(path.relative_to(tmp_path / ckpt) for path in (tmp_path / ckpt / ".prepared").rglob("*")
+                       if path.is_file() and "tokenizers" not in path.parts) for ckpt in ("ckpt", "ckpt2")]
+    assert prepared[0] and prepared[0] == prepared[1]
+    for path in (path for path in prepared[0] if path.name != "PREPARED.json"):  # the marker holds its time
+        assert (tmp_path / "ckpt" / path).read_bytes() == (tmp_path / "ckpt2" / path).read_bytes(), path
+    assert_export_copies_what_a_fresh_save_writes(toy_assets["model"], tmp_path, ckpt="ckpt2")
+
+
+
+def assert_export_copies_what_a_fresh_save_writes(model: str, run_dir: Path, ckpt: str = "ckpt") -> None:
     """The tokenizer files the count kept for the export are those `save_pretrained` writes of the tokenizer."""
     from rlhf_core.data.prepared import PreparedStore
     from rlhf_core.data.tokenizer_ref import saved_tokenizer_files
     from rlhf_core.storage.locate import load_tokenizer
 
-    kept = saved_tokenizer_files(model, None, PreparedStore(str(run_dir / "ckpt")))
+    kept = saved_tokenizer_files(model, None, PreparedStore(str(run_dir / ckpt)))
     assert kept is not None
     fresh = run_dir / "fresh"
     load_tokenizer(model).save_pretrained(fresh)
