@@ -16,7 +16,7 @@ from rlhf_core.config import RunConfig
 from rlhf_core.data.pairs import Pair, load_pairs, trainable_pairs
 from rlhf_core.data.determinism import derive_seed
 from rlhf_core.models.load import LoadOptions, load_causal_lm
-from rlhf_core.storage.locate import load_tokenizer
+from rlhf_core.data.tokenizer_ref import lazy_tokenizer
 from rlhf_core.rank.packing import pack_sft
 from rlhf_core.rank.ppo_math import token_logprobs
 from rlhf_core.data.samples import IGNORE_INDEX, TokenizedSample, collate_sft
@@ -79,7 +79,7 @@ class DPOTrainer(DeepSpeedTrainer[DPOConfig]):
     def __init__(self, run: RunConfig, chunk_ends: list[int], rank: int, world_size: int, load_universal: bool = False):
         super().__init__(run, chunk_ends, rank, world_size, load_universal)
         cfg = self.cfg
-        self.tokenizer = load_tokenizer(cfg.start_model, run.storage_options)
+        self.tokenizer = lazy_tokenizer(cfg.start_model, run)
         train_pairs, eval_pairs = load_pairs(cfg, run, self.tokenizer)
         self.train_pairs = trainable_pairs(train_pairs, cfg.max_len, "--dataset")
         self.eval_pairs = trainable_pairs(eval_pairs, cfg.max_len, "--eval_dataset") if eval_pairs else []

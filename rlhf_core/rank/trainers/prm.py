@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from rlhf_core.config import RunConfig
 from rlhf_core.data.determinism import derive_seed
 from rlhf_core.models.load import LoadOptions, load_causal_lm
-from rlhf_core.storage.locate import load_tokenizer
+from rlhf_core.data.tokenizer_ref import lazy_tokenizer
 from rlhf_core.rank.packing import pack_sequences
 from rlhf_core.data.samples import IGNORE_INDEX
 from rlhf_core.data.step_labels import StepLabelledSample, load_step_labelled, single_token_id
@@ -47,7 +47,7 @@ class PRMTrainer(DeepSpeedTrainer[PRMConfig]):
     def __init__(self, run: RunConfig, chunk_ends: list[int], rank: int, world_size: int, load_universal: bool = False):
         super().__init__(run, chunk_ends, rank, world_size, load_universal)
         cfg = self.cfg
-        self.tokenizer = load_tokenizer(cfg.start_model, run.storage_options)
+        self.tokenizer = lazy_tokenizer(cfg.start_model, run)
         self.samples = load_step_labelled(run, self.tokenizer)
         self.eval_samples = load_step_labelled(run, self.tokenizer, evaluation=True) if cfg.eval_dataset else []
         self.placeholder_id = single_token_id(self.tokenizer, cfg.placeholder_token, "--placeholder_token")

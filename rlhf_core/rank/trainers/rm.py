@@ -15,7 +15,7 @@ from rlhf_core.data.pairs import Pair, eval_pairs_of_rm, load_pairs
 from rlhf_core.data.determinism import derive_seed
 from rlhf_core.notices import warn_once
 from rlhf_core.models.load import LoadOptions, load_scalar_model, sequence_scores
-from rlhf_core.storage.locate import load_tokenizer
+from rlhf_core.data.tokenizer_ref import lazy_tokenizer
 from rlhf_core.rank.packing import pack_sequences, packed_scores
 from rlhf_core.data.samples import collate_pairs
 from rlhf_core.stages.rm import RMConfig
@@ -33,7 +33,7 @@ class RewardModelTrainer(DeepSpeedTrainer[RMConfig]):
 
     def __init__(self, run: RunConfig, chunk_ends: list[int], rank: int, world_size: int, load_universal: bool = False):
         super().__init__(run, chunk_ends, rank, world_size, load_universal)
-        self.tokenizer = load_tokenizer(self.cfg.start_model, run.storage_options)
+        self.tokenizer = lazy_tokenizer(self.cfg.start_model, run)
         self.train_pairs, self.eval_pairs = load_pairs(self.cfg, run, self.tokenizer)
         if self.cfg.margin_loss and self.cfg.loss == "logexploss":
             warn_once("--margin_loss has no effect with --loss logexploss (as in OpenRLHF).")

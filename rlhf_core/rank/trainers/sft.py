@@ -14,7 +14,7 @@ from rlhf_core.config import RunConfig
 from rlhf_core.data.sft import load_sft_samples
 from rlhf_core.data.determinism import derive_seed
 from rlhf_core.models.load import LoadOptions, load_causal_lm
-from rlhf_core.storage.locate import load_tokenizer
+from rlhf_core.data.tokenizer_ref import lazy_tokenizer
 from rlhf_core.rank.packing import pack_sft
 from rlhf_core.data.samples import IGNORE_INDEX, TokenizedSample, collate_sft
 from rlhf_core.stages.sft import SFTConfig
@@ -26,7 +26,7 @@ class SFTTrainer(DeepSpeedTrainer[SFTConfig]):
 
     def __init__(self, run: RunConfig, chunk_ends: list[int], rank: int, world_size: int, load_universal: bool = False):
         super().__init__(run, chunk_ends, rank, world_size, load_universal)
-        self.tokenizer = load_tokenizer(self.cfg.pretrain, run.storage_options)
+        self.tokenizer = lazy_tokenizer(self.cfg.pretrain, run)
         self.samples = load_sft_samples(run, self.tokenizer)
         self.eval_samples = load_sft_samples(run, self.tokenizer, evaluation=True) if self.cfg.eval_dataset else []
         torch.manual_seed(derive_seed(run.seed, self.stage, "init"))  # LoRA adapters start identical everywhere
