@@ -131,6 +131,6 @@ def count_ppo_prompts(run: RunConfig) -> int:
                            "reward-model scores are normalized; the environment's rewards are used as they are.")
     if cfg.eval_dataset:
         load_prompts(run, tokenizer, eval_data=True)
-    count = len(load_prompts(run, tokenizer))
-    tokenizer.keep_records()
-    return count
+    # no keep_records: preflight may still refuse after this count (fewer prompts than a step), and a refused run
+    # writes nothing
+    return len(load_prompts(run, tokenizer))
