@@ -12,12 +12,15 @@ import sys
 from rlhf_core.driver.stage_driver import train_stage
 from rlhf_core.driver.plan import resolve_paths
 from rlhf_core.config import RunConfig
-from rlhf_core.faults import JOB_PID_ENV_VAR
+from rlhf_core.faults import ENV_VAR, JOB_PID_ENV_VAR, STATE_ENV_VAR
 from rlhf_core.driver.resume import validate_run_start
 
 
 def main(config_json: str) -> None:
-    os.environ[JOB_PID_ENV_VAR] = str(os.getpid())  # a fault in a Ray worker kills this process too
+    # A fault in a Ray worker kills this process too (RLHF_FAULT_JOB_PID). A job with no faults forwards no pid, so
+    # fault-free jobs share one environment, and the ranks one leaves serve the next (rlhf_core/driver/lingering.py).
+    if os.environ.get(ENV_VAR) or os.environ.get(STATE_ENV_VAR):
+        os.environ[JOB_PID_ENV_VAR] = str(os.getpid())
     run = resolve_paths(RunConfig.model_validate_json(config_json))
     validate_run_start(run)
     for stage in run.stages:
