@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
     from transformers import PreTrainedTokenizerBase
 
+    from rlhf_core.data.tokenizer_ref import LazyTokenizer
+
 # A trainer's settings: its stage's config class. Covariant, since `cfg` is only read after __init__: any trainer
 # is a DeepSpeedTrainer[StageConfig] to the code that hosts it (`rlhf_core.rank.worker`).
 ConfigT = TypeVar("ConfigT", bound=StageConfig, covariant=True)
@@ -85,7 +87,7 @@ class DeepSpeedTrainer(abc.ABC, Generic[ConfigT]):
     evaluates_each_epoch = True  # --eval_steps -1 evaluates at each epoch's end (PPO: never, as OpenRLHF)
     evaluates_at_epoch_end = False  # with --eval_steps N too (OpenRLHF's reward model)
     config_class: type[ConfigT]  # the stage's config class (`Stage.config`): `self.cfg` is its section of the run
-    tokenizer: PreTrainedTokenizerBase
+    tokenizer: PreTrainedTokenizerBase | LazyTokenizer  # the lazy one loads the tokenizer only where a call needs it
     engine: DeepSpeedEngine  # a stage training one model (`train_on`); PPO has `actor` and `critic` instead
     signals: RankSignals = RankSignals()  # nobody listens, until the rank hosting it sets its own
     steps_per_epoch = 0  # optimizer steps in one pass over the training items (`train_on` knows them)
