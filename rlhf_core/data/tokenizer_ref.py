@@ -17,7 +17,6 @@ import copy
 import hashlib
 import json
 import os
-import secrets
 import shutil
 import tempfile
 from importlib import metadata
@@ -25,6 +24,7 @@ from typing import Any, Callable, Sized
 
 from rlhf_core.data.prepared import PreparedStore, tokenizer_identity
 from rlhf_core.data.tokenizer_snapshot import ATTRIBUTES, TokenizerSnapshot, snapshot_from, take_snapshot
+from rlhf_core.storage.durable import replace_durably
 from rlhf_core.storage.locate import TOKENIZER_FILES, is_lora_dir, load_tokenizer, local_model_dir, lora_base_dir
 
 RECORDS_DIR = "tokenizers"  # {cheap version}.json: {"identity": ..., "chat_template": ..., "snapshot": ...}
@@ -90,7 +90,7 @@ class LazyTokenizer:
                 tokenizer.chat_template = self._chat_template
             object.__setattr__(self, "_loaded", tokenizer)
             if self._find_record() is not None and "snapshot" not in self._record:  # an older record: add it
-                self._unwritten.append(lambda: self._save_record({**self._record, "snapshot": take_snapshot(tokenizer)}))
+                self._keep_with_snapshot(self._record)
         return self._loaded
 
     def identity(self) -> str:
@@ -99,12 +99,17 @@ class LazyTokenizer:
         if record is not None and self._loaded is None:
             return record["identity"]
         identity = tokenizer_identity(self.load())
-        record = {"identity": identity, "chat_template": self._loaded.chat_template,
-                  "snapshot": take_snapshot(self._loaded)}
+        record = {"identity": identity, "chat_template": self._loaded.chat_template}
         object.__setattr__(self, "_record", record)
         object.__setattr__(self, "_found", ())
-        self._unwritten.append(lambda: self._save_record(record))
+        self._keep_with_snapshot(record)
         return identity
+
+    def _keep_with_snapshot(self, record: dict) -> None:
+        """Save `record` with the loaded tokenizer's snapshot at `keep_records`: taken only for a count that
+        succeeded, never in a rank (which keeps no records)."""
+        tokenizer = self._loaded
+        self._unwritten.append(lambda: self._save_record({**record, "snapshot": take_snapshot(tokenizer)}))
 
     def keep_records(self) -> None:
         """Write what loading the tokenizer found (its record, its files) into the store and this machine's cache:
@@ -150,7 +155,7 @@ class LazyTokenizer:
                 if not local:
                     filesystem.pipe_file(path, data)
                     continue
-                _write_whole(path, data)
+                replace_durably(path, data)
             except OSError:  # this machine's cache is a convenience: an unwritable one is left as it is
                 if filesystem is None:
                     continue
@@ -211,15 +216,6 @@ def _worker_proxy(where: tuple, chat_template: Any, record: dict) -> LazyTokeniz
     for name, value in (("_chat_template", chat_template), ("_record", record)):
         object.__setattr__(proxy, name, value)
     return proxy
-
-
-def _write_whole(path: str, data: bytes) -> None:
-    """`data` at `path`, whole or absent: another run reads it at any moment."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    staging = f"{path}.tmp-{secrets.token_hex(4)}"
-    with open(staging, "wb") as handle:
-        handle.write(data)
-    os.replace(staging, path)
 
 
 def _itself(tokenizer):

@@ -16,8 +16,9 @@ from typing import Any
 
 FORMAT = 1
 TOKEN_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
-ATTRIBUTES = frozenset({*TOKEN_NAMES, *(f"{name}_id" for name in TOKEN_NAMES), "special_tokens_map",
-                        "backend_tokenizer", "encode", "truncation_side"})  # what a snapshot answers itself
+TOKEN_ATTRIBUTES = frozenset({*TOKEN_NAMES, *(f"{name}_id" for name in TOKEN_NAMES)})  # held in state["tokens"]
+ATTRIBUTES = frozenset({*TOKEN_ATTRIBUTES, "special_tokens_map", "backend_tokenizer", "encode",
+                        "truncation_side"})  # what a snapshot answers itself
 CALL_ARGUMENTS = frozenset({"add_special_tokens", "truncation", "max_length"})
 
 
@@ -34,6 +35,11 @@ class TokenizerSnapshot:
 
     @functools.cached_property
     def backend_tokenizer(self):
+        return self._new_backend()
+
+    def _new_backend(self):
+        """The backend as the state holds it, with no truncation or padding and the special-token splitting
+        transformers sets on each call."""
         from tokenizers import Tokenizer
 
         backend = Tokenizer.from_str(self.state["backend"])
@@ -47,7 +53,7 @@ class TokenizerSnapshot:
         return {}  # max_length -> a copy of the backend truncating there
 
     def __getattr__(self, name: str) -> Any:
-        if name in TOKEN_NAMES or name in {f"{token}_id" for token in TOKEN_NAMES}:
+        if name in TOKEN_ATTRIBUTES:
             return self.state["tokens"].get(name)
         if name in ("special_tokens_map", "truncation_side"):
             return self.state[name]
@@ -75,10 +81,7 @@ class TokenizerSnapshot:
         if max_length is None:
             return self.backend_tokenizer
         if max_length not in self._truncating:  # as transformers sets it: longest first, no stride, its side
-            from tokenizers import Tokenizer
-
-            backend = Tokenizer.from_str(self.backend_tokenizer.to_str())
-            backend.encode_special_tokens = self.state["split_special_tokens"]
+            backend = self._new_backend()
             backend.enable_truncation(max_length=max_length, stride=0, strategy="longest_first",
                                       direction=self.state["truncation_side"])
             self._truncating[max_length] = backend
