@@ -209,7 +209,7 @@ def prefect_environment() -> None:
     # rlhf_core's warnings during preflight come before any flow run: keep them off Prefect's API handler.
     os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
     # The ephemeral server's start took 12-25 s on a loaded 2-core machine, past Prefect's 20 s default, which then
-    # starts a second one (see flows.pipeline._start_ephemeral_server_in_background).
+    # starts a second one (see flows.startup.EphemeralServer).
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import signal
-import threading
 import time
 from datetime import datetime, timedelta, timezone
 
@@ -22,7 +21,6 @@ from prefect.states import Cancelled, State
 
 from flows import restarts
 from flows.stage_report import StageReport, StageSummary, artifact_key
-from rlhf_core.driver import preflight
 from rlhf_core.driver.outage import is_outage
 from rlhf_core.driver.stop import StopSignals
 from rlhf_core.ops.alerts import NonFiniteTraining
@@ -33,6 +31,7 @@ from rlhf_core.config import RunConfig
 from rlhf_core.stages import STAGES
 from rlhf_core.errors import RLHFError
 from rlhf_core.driver.resume import begin_stage, open_store, validate_run_start
+from flows.startup import EphemeralServer, checked_while_ray_starts, prestart_first_training_stage
 from tasks.chunks import ChunkKey, chunk_task_for, emit_alert, export_final_task, export_model, merge_lora_task
 
 STOPPED_BY_BUDGET = "stopped-by-budget"
@@ -282,7 +281,7 @@ def _run_stages(runner: StageRunner, prepared: bool) -> dict | State:
     ended_well = False  # then the ranks may serve the next command (rlhf_core/driver/lingering.py)
     with runner.holding_lease():
         try:
-            _prestart_first_training_stage(runner)  # a deployment run's; the CLI's run_pipeline started it already
+            prestart_first_training_stage(runner)  # a deployment run's; the CLI's run_pipeline started it already
             for stage in run.stages:
                 if runner.signals.requested():  # between stages: the last one finished, the next run starts this
                     done = [name for name in summary if STAGES[name].kind == "train"]
@@ -314,62 +313,23 @@ def _run_stages(runner: StageRunner, prepared: bool) -> dict | State:
 
 def run_pipeline(run: RunConfig, command_started: float | None = None, signals: StopSignals | None = None) -> dict:
     """The flow `rlhf` run in this process, after everything that can be checked before Prefect starts has been
-    (rlhf_core.driver.preflight): a user mistake is then one sentence, not a failed flow run's traceback.
+    (rlhf_core.driver.preflight): a user mistake is then one sentence, not a failed flow run's traceback. Ray starts
+    beside a long preparation (flows.startup), Prefect's server beside the first ranks' start.
     `command_started`: when the command began (the goodput ledger counts its start-up from there); `signals`: the
     command's stop signals (by default the run's own, obeyed from the flow's start)."""
-    checked: Checked = preflight.preflight(run)
+    from rlhf_core.ops.console import open_log_file
+
+    checked = checked_while_ray_starts(run, signals)
+    open_log_file()  # preflight passed: the run is real
     # announce: a hang replaced in place inside a chunk, its alert as a Prefect event at once
     with StageRunner(checked.run, checked, command_started, signals, emit_alert) as runner:
-        server_start = _start_ephemeral_server_in_background()
+        server = EphemeralServer()
+        server.start()
         try:
-            _prestart_first_training_stage(runner)  # Ray and the first ranks start beside Prefect
+            prestart_first_training_stage(runner)  # Ray and the first ranks start beside Prefect
         finally:
-            if server_start is not None:
-                server_start.join()  # never leave the start half done (an exit would wait on it)
+            server.join()  # never leave the start half done (an exit would wait on it)
         state = _rlhf_on(runner)(config=checked.run, return_state=True)
     if state.is_cancelled() and runner.signals.outcome is not None:
         raise runner.signals.outcome
     return state.result()
-
-
-def _prestart_first_training_stage(runner: StageRunner) -> None:
-    """Connect Ray and start the worker group of the first training stage in the background
-    (`StageRunner.prestart`), so that the first chunk finds its ranks started and imported."""
-    from rlhf_core.driver.ray_start import ensure_ray
-
-    training = [stage for stage in runner.run.stages if STAGES[stage].kind == "train"]
-    if training:
-        ensure_ray(runner.run.ray_address, runner.signals)
-        runner.prestart(training[0])
-
-
-def _start_ephemeral_server_in_background() -> threading.Thread | None:
-    """Start Prefect's ephemeral API server (~10 s here) in a thread, so that Ray's start overlaps it; None
-    when a server is configured (PREFECT_API_URL). A failed start is retried, and reported, by the flow's
-    own client."""
-    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
-
-    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
-        return None
-
-    def start() -> None:
-        from prefect.server.api.server import SubprocessASGIServer  # 1.4 s of imports: off the main thread too
-
-        # The server is in the terminal's process group: blocked here, Ctrl-C (SIGINT) stays blocked in it
-        # (a signal mask survives fork and exec), as Ray does for its processes, so it outlives the stop that
-        # Ctrl-C begins (rlhf_core.driver.stop) and still records it. SubprocessASGIServer.stop sends SIGTERM at exit.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        server = SubprocessASGIServer()
-        try:
-            server.start()
-        except Exception:
-            # Prefect 3.9 leaves a server that did not answer within its startup timeout running, and the flow's
-            # client then starts another: the first would outlive this process (holding its stdout open).
-            process = getattr(server, "server_process", None)
-            if process is not None and process.poll() is None:
-                process.kill()
-            logger.debug("Prefect's ephemeral server did not start here; the flow's client retries", exc_info=True)
-
-    thread = threading.Thread(target=start, name="prefect-server-start", daemon=True)
-    thread.start()
-    return thread

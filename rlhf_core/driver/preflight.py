@@ -16,8 +16,15 @@ from rlhf_core.storage.writable import probe_writable
 def preflight(run: RunConfig) -> Checked:
     """Resolve the run's paths (`resolve_paths`) and refuse, before Prefect starts a flow run, a run that would fail
     on its inputs or outputs; returns the resolved run with the plans counted on the way, which the flow, given
-    them through its `StageRunner`, neither resolves nor checks again (a deployment run's flow does both)."""
-    from rlhf_core.driver.plan import plan_stage, resolve_paths
+    them through its `StageRunner`, neither resolves nor checks again (a deployment run's flow does both). Two
+    halves: `check` reads no data and writes nothing; `count` reads the data and prepares it in the store."""
+    return count(*check(run))
+
+
+def check(run: RunConfig) -> tuple[RunConfig, list[str]]:
+    """Every check but the data's: the run resolved, and the stages whose data `count` must read (those training
+    from a model no earlier stage produces)."""
+    from rlhf_core.driver.plan import resolve_paths
     from rlhf_core.storage.lease import RunLease
     from rlhf_core.driver.resume import validate_run_start
     from rlhf_core.ops.trackers import require_tracker_packages
@@ -30,7 +37,7 @@ def preflight(run: RunConfig) -> Checked:
     for url, flag in outputs:
         probe_writable(url, flag, run.storage_options)
     produced: dict[str, str | None] = {}  # an output of an earlier stage -> the model whose architecture it has
-    counted = []
+    to_count = []
     for stage in run.stages:
         cfg = run.stage_config(stage)
         for field in fields_with_role(STAGES[stage].config, "model"):
@@ -45,14 +52,19 @@ def preflight(run: RunConfig) -> Checked:
             if training.lora_rank:
                 check_lora_targets(architecture, training.target_modules, run.storage_options)
             if training.start_model not in produced:
-                counted.append(stage)
+                to_count.append(stage)
         produced[getattr(cfg, STAGES[stage].output_field)] = architecture
     require_tracker_packages(run)
     RunLease(run.run_url(), run.storage_options).check_available()
-    # Last, once every other check passed: counting reads data, eval data and reward function, and prepares the
-    # data in the store (rlhf_core.data.prepared), the first thing a refused run would have written.
-    plans = {stage: plan_stage(run, stage) for stage in counted}
-    return Checked(run, plans)
+    return run, to_count
+
+
+def count(run: RunConfig, stages: list[str]) -> Checked:
+    """The checks left once `check` passed: counting reads the data, eval data and reward function of `stages`, and
+    prepares the data in the store (rlhf_core.data.prepared), the first thing a refused run would have written."""
+    from rlhf_core.driver.plan import plan_stage
+
+    return Checked(run, {stage: plan_stage(run, stage) for stage in stages})
 
 
 def check_model(url: str, flag: str, storage_options: dict | None) -> None:

@@ -222,7 +222,7 @@ def after_import(name: str, then) -> None:
 def configure_console(log_file: str, verbose: bool = False, live_progress: bool | None = None) -> str:
     """Send everything to `log_file` and keep the console to our own lines, warnings once and errors (all of
     it on the console too when `verbose`). Call once Prefect has configured logging (importing prefect does);
-    returns the log file's path. The file is written from when Ray starts or `open_log_file()` is called.
+    returns the log file's path. The file is written from when `open_log_file()` is called (preflight passed).
     `live_progress`: draw the chunk lines as live bars (default: when the root logger's console handler
     writes to a terminal; never when verbose, where other programs' lines would cut through the bar).
     """

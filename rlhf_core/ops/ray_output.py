@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from rlhf_core.ops.console import (RANK_WARNING_PREFIX, WORKER_OUTPUT_LOGGER, gate_library_logger, current_console,
-                                   end_live_line, open_log_file, stdstream_dispatcher)
+                                   end_live_line, stdstream_dispatcher)
 
 
 def ray_init_options(client: bool = False) -> dict[str, Any]:
@@ -29,7 +29,6 @@ def route_ray_worker_output() -> None:
     console = current_console()
     if console is None:
         return
-    open_log_file()  # Ray starting means preflight passed: the run is real
     dispatcher = stdstream_dispatcher()
     if dispatcher is None:
         return

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+import flows.pipeline  # noqa: F401 - prefect's console handler takes sys.stderr at import: collection's, not a case's
 from flows.cli import main
 from tests.conftest import RLHF, run_rlhf
 from tests.integration.bad_input_cases import CASES, RUN_NAME, Bad, Workspace, ppo_args, sft_args

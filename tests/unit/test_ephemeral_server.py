@@ -1,4 +1,4 @@
-"""Prefect's ephemeral server started beside Ray (flows.pipeline): a start that times out leaves no server behind.
+"""Prefect's ephemeral server started beside Ray (flows.startup): a start that times out leaves no server behind.
 Prefect 3.9 keeps the process of a start that did not answer within its timeout running, and the flow's client
 then starts a second one; the first outlived `rlhf` and held its stdout open, so a caller waiting for EOF hung."""
 
@@ -9,7 +9,7 @@ import sys
 
 import prefect.server.api.server as prefect_server
 
-from flows import pipeline
+from flows.startup import EphemeralServer
 
 
 class _SlowServer:
@@ -26,8 +26,8 @@ class _SlowServer:
 def test_a_server_start_that_times_out_leaves_no_process_behind(monkeypatch):
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     monkeypatch.setattr(prefect_server, "SubprocessASGIServer", _SlowServer)
-    thread = pipeline._start_ephemeral_server_in_background()
-    assert thread is not None
-    thread.join(timeout=60)
+    server = EphemeralServer()
+    server.start()
+    server.join()
     (process,) = _SlowServer.started
     assert process.wait(timeout=10) is not None  # killed, not left running

@@ -181,15 +181,15 @@ def test_a_signature_that_fits_both_forms_or_neither_is_refused_naming_both(sour
 def test_an_ambiguous_reward_fn_is_refused_before_training_with_exit_2_and_no_traceback(
         toy_assets, tmp_path, monkeypatch, capsys):
     """`rlhf train ppo` in-process: preflight refuses it; should it get past preflight, the run fails instead
-    of starting Prefect's server and Ray."""
+    of starting its flow."""
     import flows.pipeline
     from flows.cli import main
     from rlhf_core.ops import console
 
-    def past_preflight():
+    def past_preflight(*args, **kwargs):
         raise AssertionError("an ambiguous reward function got past preflight")
 
-    monkeypatch.setattr(flows.pipeline, "_start_ephemeral_server_in_background", past_preflight)
+    monkeypatch.setattr(flows.pipeline, "StageRunner", past_preflight)
     module = reward_module(tmp_path, monkeypatch, "def score(*args, **kwargs):\n    return [1.0] * len(args[0])\n")
     try:
         code = main(["train", "ppo", "--pretrain", toy_assets["model"], "--prompt_data", toy_assets["prompts"],
