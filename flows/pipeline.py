@@ -30,7 +30,7 @@ from rlhf_core.driver.runner import StageRunner
 from rlhf_core.config import RunConfig
 from rlhf_core.stages import STAGES
 from rlhf_core.errors import RLHFError
-from rlhf_core.driver.resume import begin_stage, open_store, validate_run_start
+from rlhf_core.driver.resume import begin_stage, finished_checkpoint, open_store, validate_run_start
 from flows.startup import EphemeralServer, checked_while_ray_starts, prestart_first_training_stage
 from tasks.chunks import ChunkKey, chunk_task_for, emit_alert, export_final_task, export_model, merge_lora_task
 
@@ -293,11 +293,10 @@ def _run_stages(runner: StageRunner, prepared: bool) -> dict | State:
                     summary[stage] = StageSummary.from_dict(rlhf_output_stage(run, stage))
                 else:
                     chunks_left = None if run.max_chunks_per_run is None else run.max_chunks_per_run - num_trained
-                    state = rlhf_stage(runner, stage, upstream_digest, chunks_left, stop_at, num_trained,
-                                       return_state=True)
-                    if state.is_cancelled():
-                        return Cancelled(message=state.message)
-                    summary[stage] = StageSummary.from_dict(state.result())
+                    outcome = _training_stage(runner, stage, upstream_digest, chunks_left, stop_at, num_trained)
+                    if isinstance(outcome, State):
+                        return outcome
+                    summary[stage] = outcome
                     num_trained += summary[stage].chunks_trained or 0
                     upstream_digest = summary[stage].manifest_digest or ""
                 summary[stage].seconds = round(time.perf_counter() - started, 1)
@@ -309,6 +308,23 @@ def _run_stages(runner: StageRunner, prepared: bool) -> dict | State:
             runner.release_workers(retire=ended_well)
             runner.ledger.attempt_finished()
     return {stage: stage_summary.to_dict() for stage, stage_summary in summary.items()}
+
+
+def _training_stage(runner: StageRunner, stage: str, upstream_digest: str, chunks_left: int | None,
+                    stop_at: datetime | None, num_trained: int) -> StageSummary | State:
+    """The summary of the subflow `rlhf_stage` (its Cancelled state when a stop ended it), or, for a stage a resuming
+    run finds finished (`finished_checkpoint`: its last step committed and exported), the summary without one."""
+    run = runner.run
+    done = finished_checkpoint(run, stage, lambda: runner.plan(stage).total_steps)
+    if done is None:
+        state = rlhf_stage(runner, stage, upstream_digest, chunks_left, stop_at, num_trained, return_state=True)
+        return Cancelled(message=state.message) if state.is_cancelled() else StageSummary.from_dict(state.result())
+    begin_stage(run, stage)  # its drift guard: a changed setting or input is refused as when the stage is entered
+    save_path = getattr(run.stage_config(stage), STAGES[stage].output_field)
+    get_run_logger().info("%s: finished by an earlier run (step %d, exported to %s): not entered again", stage,
+                          done.step, save_path)
+    return StageSummary(COMPLETED, done.step, checkpoint=open_store(run, stage).uri(done.step),
+                        manifest_digest=done.manifest_digest, save_path=save_path, chunks=[], chunks_trained=0)
 
 
 def run_pipeline(run: RunConfig, command_started: float | None = None, signals: StopSignals | None = None) -> dict:

@@ -64,14 +64,18 @@ def _trains(run: RunConfig) -> bool:
 
 
 def prestart_first_training_stage(runner: StageRunner) -> None:
-    """Connect Ray and start the worker group of the first training stage in the background
-    (`StageRunner.prestart`), so that the first chunk finds its ranks started and imported."""
+    """Connect Ray and start the worker group of the first training stage to train (not one a resuming run finds
+    finished: `finished_checkpoint`) in the background (`StageRunner.prestart`), so that the first chunk finds its
+    ranks started and imported."""
     from rlhf_core.driver.ray_start import ensure_ray
+    from rlhf_core.driver.resume import finished_checkpoint
 
-    training = [stage for stage in runner.run.stages if STAGES[stage].kind == "train"]
-    if training:
-        ensure_ray(runner.run.ray_address, runner.signals)
-        runner.prestart(training[0])
+    run = runner.run
+    for stage in (stage for stage in run.stages if STAGES[stage].kind == "train"):
+        if finished_checkpoint(run, stage, lambda: runner.plan(stage).total_steps) is None:
+            ensure_ray(run.ray_address, runner.signals)
+            runner.prestart(stage)
+            return
 
 
 class EphemeralServer:

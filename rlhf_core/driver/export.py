@@ -50,9 +50,11 @@ def upload_dir(local_dir: str, url: str, storage_options: dict | None = None) ->
         existing = []
     for path in existing:
         name = path.rstrip("/").rsplit("/", 1)[-1]
-        if MODEL_FILE.fullmatch(name) and name not in new_names and filesystem.isfile(path):
+        # SOURCE_NAME goes first and comes back last: present, it says the export beside it is whole (a resuming
+        # run skips a stage whose export names its last checkpoint: resume.finished_checkpoint)
+        if MODEL_FILE.fullmatch(name) and (name not in new_names or name == SOURCE_NAME) and filesystem.isfile(path):
             filesystem.rm_file(path)
-    for name in sorted(new_names):
+    for name in sorted(new_names, key=lambda name: (name == SOURCE_NAME, name)):
         destination = f"{target.rstrip('/')}/{name}"
         if not isinstance(filesystem, LocalFileSystem):
             filesystem.put_file(os.path.join(local_dir, name), destination)

@@ -7,18 +7,19 @@ the ranks load.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from rlhf_core.storage.checkpoint import CheckpointStore
 from rlhf_core.storage.manifest import CheckpointInfo
 from rlhf_core.storage.metadata import CheckpointMetadata
 from rlhf_core.config import RunConfig, semantic_fields
-from rlhf_core.stages import TRAINING_STAGES, WORLD_SIZE_DEPENDENT_STAGES
+from rlhf_core.stages import STAGES, TRAINING_STAGES, WORLD_SIZE_DEPENDENT_STAGES
 from rlhf_core.stages.base import StageConfig
 from rlhf_core.data.prepared import recorded_hashes
 from rlhf_core.data.fingerprints import dataset_fingerprint
 from rlhf_core.errors import CorruptCheckpoint, UserError
-from rlhf_core.storage.locate import input_model_fingerprints
+from rlhf_core.storage.locate import input_model_fingerprints, model_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -188,6 +189,24 @@ def begin_stage(run: RunConfig, stage: str) -> Lineage:
     else:
         return Lineage()
     return Lineage(start.step, start.manifest_digest, run.load_weights_only)
+
+
+def finished_checkpoint(run: RunConfig, stage: str, total_steps: Callable[[], int]) -> CheckpointInfo | None:
+    """The stage's last checkpoint when a resuming run finds the stage done: its export at the stage's output path
+    names that checkpoint (`SOURCE_NAME`, which the export writes last), at the stage's last step (`total_steps()`,
+    asked last: it may count the data). Such a stage needs no subflow: its chunks would all be cached and its export
+    written again (minutes for a large model); a caller skipping it runs its drift guard (`begin_stage`), so that a
+    changed setting or input is refused as when entered. None with --resume_from (in the first stage) or
+    --load_weights_only: those start over."""
+    if not run.load_checkpoint or run.load_weights_only or (stage == run.stages[0] and run.resume_from is not None):
+        return None
+    committed = [info for info in open_store(run, stage).list() if info.is_committed]
+    if not committed:
+        return None
+    output = getattr(run.stage_config(stage), STAGES[stage].output_field)
+    if model_fingerprint(output, run.storage_options) != f"checkpoint:{committed[-1].manifest_digest}":
+        return None
+    return committed[-1] if committed[-1].step == total_steps() else None
 
 
 def load_start(run: RunConfig, stage: str, checkpoints: StageCheckpoints, group,

@@ -206,10 +206,11 @@ class TrainWorker(OutlivesItsCommand):
         self.rank, self.world_size = rank, world_size
 
     def setup(self, run: RunConfig, stage: str, chunk_ends: list[int], load_universal: bool) -> None:
-        from rlhf_core.faults import register_action
+        from rlhf_core.faults import fault_point, register_action
         from rlhf_core.rank.trainers import trainer_class
 
         self._stage = stage
+        fault_point("setup", 0, tag=stage)  # also a mark in the fault trace: a new rank's set-up begins (tests/soak)
         with self._progress.working_on("setup"):
             self._trainer = trainer_class(stage)(run, chunk_ends, self.rank, self.world_size, load_universal)
             self._trainer.signals = WorkerSignals(self._progress, self.any_rank_asked_to_stop)
@@ -354,31 +355,40 @@ class TrainWorker(OutlivesItsCommand):
                         weights_only: bool) -> int:
         """Load the files of committed `step` this rank reads, verified against the manifest: on a local
         store in place while they are hashed, else fetched (hashed as they arrive) first."""
-        with self._progress.working_on("load"):
-            from rlhf_core.storage.checkpoint import CheckpointStore
-            from rlhf_core.rank.ds_config import convert_to_universal
-            from rlhf_core.storage.safe_load import check_no_pickled_code
+        from rlhf_core.faults import fault_point
 
-            # The universal converter, and ZeRO-3's module-only load, read every rank's shard (with a plain
-            # unpickler), so they get all files and a scan first; otherwise DeepSpeed's own reads are the scan.
-            reads_all_shards = universal or (weights_only and self.trainer.cfg.zero_stage == 3)
-            store = CheckpointStore(store_url, storage_options)
-            select = lambda paths: files_for_rank(paths, self.rank, reads_all_shards)  # noqa: E731
-            if not reads_all_shards:  # both of those write into the folder they read: they get a copy
-                # DeepSpeed loads while the files are hashed; a mismatch raises CorruptCheckpoint at the end of
-                # the block, and the driver then loads an older checkpoint over whatever this load set.
-                with store.read_in_place(step, select) as in_place:
-                    if in_place is not None:
-                        return self.trainer.load(in_place, False, weights_only)
-            local_dir = tempfile.mkdtemp(prefix=f"rlhf-load-rank{self.rank}-")
-            try:
-                store.fetch(step, local_dir, select)
-                if reads_all_shards:
-                    check_no_pickled_code(local_dir)
-                universal = universal and convert_to_universal(local_dir)
-                return self.trainer.load(local_dir, universal, weights_only)
-            finally:
-                shutil.rmtree(local_dir, ignore_errors=True)
+        with self._progress.working_on("load"):
+            loaded = self._load_verified(store_url, storage_options, step, universal, weights_only)
+        fault_point("loaded", step, tag=self._stage)  # also a mark in the fault trace: the load's end (tests/soak)
+        return loaded
+
+    def _load_verified(self, store_url: str, storage_options: dict, step: int, universal: bool,
+                       weights_only: bool) -> int:
+        """`load_from_store`'s body: the load, the files verified as they are read."""
+        from rlhf_core.storage.checkpoint import CheckpointStore
+        from rlhf_core.rank.ds_config import convert_to_universal
+        from rlhf_core.storage.safe_load import check_no_pickled_code
+
+        # The universal converter, and ZeRO-3's module-only load, read every rank's shard (with a plain
+        # unpickler), so they get all files and a scan first; otherwise DeepSpeed's own reads are the scan.
+        reads_all_shards = universal or (weights_only and self.trainer.cfg.zero_stage == 3)
+        store = CheckpointStore(store_url, storage_options)
+        select = lambda paths: files_for_rank(paths, self.rank, reads_all_shards)  # noqa: E731
+        if not reads_all_shards:  # both of those write into the folder they read: they get a copy
+            # DeepSpeed loads while the files are hashed; a mismatch raises CorruptCheckpoint at the end of
+            # the block, and the driver then loads an older checkpoint over whatever this load set.
+            with store.read_in_place(step, select) as in_place:
+                if in_place is not None:
+                    return self.trainer.load(in_place, False, weights_only)
+        local_dir = tempfile.mkdtemp(prefix=f"rlhf-load-rank{self.rank}-")
+        try:
+            store.fetch(step, local_dir, select)
+            if reads_all_shards:
+                check_no_pickled_code(local_dir)
+            universal = universal and convert_to_universal(local_dir)
+            return self.trainer.load(local_dir, universal, weights_only)
+        finally:
+            shutil.rmtree(local_dir, ignore_errors=True)
 
 
 def files_for_rank(paths: list[str], rank: int, all_shards: bool) -> list[str]:

@@ -32,8 +32,8 @@ def sft_flags(toy: dict[str, str], out: Path) -> list[str]:
 def test_load_checkpoint_on_a_new_folder_starts_fresh_and_the_seeds_pattern_then_resumes(toy_assets, rlhf_env,
                                                                                           tmp_path):
     """A plain --load_checkpoint on a folder that does not exist yet trains from --pretrain, saying so in one
-    line; the seed's script then finds the folder, passes --load_checkpoint, and every chunk comes from the
-    cache."""
+    line; the seed's script then finds the folder, passes --load_checkpoint, and the finished stage is not
+    entered again (its last step committed and exported)."""
     ckpt, flags = tmp_path / "ckpt", sft_flags(toy_assets, tmp_path / "out")
     first = run_rlhf(["train", "sft", "--ckpt_path", str(ckpt), "--load_checkpoint", *flags], rlhf_env)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -48,5 +48,5 @@ def test_load_checkpoint_on_a_new_folder_starts_fresh_and_the_seeds_pattern_then
                            capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     log = again.stdout + again.stderr
-    assert "step 4/8: cached" in log and "step 8/8: cached" in log, log[-3000:]
+    assert "sft: finished by an earlier run (step 8, exported to" in log and "trained" not in log, log[-3000:]
     assert "--load_checkpoint found no checkpoint" not in log

@@ -212,3 +212,41 @@ def test_the_ledger_says_where_the_background_writer_spent_its_time(pipeline):
     assert seconds["writer_slowdown"] >= 0
     assert sft["useful_s"] == pytest.approx(seconds["step_loop"] - seconds["writer_slowdown"])
     assert sft["stall_s"] == pytest.approx(seconds["stall"] + seconds["writer_slowdown"])
+
+
+def test_a_finished_stage_is_not_entered_again_unless_its_export_was_cut_short(pipeline, tmp_path, rlhf_env):
+    """`rlhf run` again over the finished SFT -> RM -> PPO (each committed at its last step and exported): no stage
+    is entered (a restarted deployment run used to re-enter each, 10-14 s in the soak, and export it again: minutes
+    for a large model), and no export is written again. An export without its source file, as one cut short leaves
+    it, makes its stage unfinished; so does a run that does not resume, or resumes from an older step."""
+    import yaml
+
+    from rlhf_core.driver.resume import finished_checkpoint
+    from rlhf_core.storage.locate import SOURCE_NAME
+    from tests.conftest import run_rlhf
+
+    run = pipeline["run"].model_copy(update={"stages": ["sft", "rm", "ppo"]})
+    totals = {stage: plan_stage(run, stage).total_steps for stage in run.stages}
+    exports = {stage: Path(getattr(run.stage_config(stage), "save_path")) for stage in run.stages}
+    for stage in run.stages:
+        assert finished_checkpoint(run, stage, lambda: totals[stage]).step == totals[stage]
+    assert finished_checkpoint(run.model_copy(update={"load_checkpoint": False}), "sft", lambda: totals["sft"]) is None
+    assert finished_checkpoint(run.model_copy(update={"resume_from": 16}), "sft", lambda: totals["sft"]) is None
+    source = exports["sft"] / SOURCE_NAME
+    source.rename(tmp_path / SOURCE_NAME)
+    try:
+        assert finished_checkpoint(run, "sft", lambda: totals["sft"]) is None
+    finally:
+        (tmp_path / SOURCE_NAME).rename(source)
+
+    written = {path: path.stat().st_mtime_ns for folder in exports.values() for path in folder.iterdir()}
+    config = tmp_path / "run.yaml"
+    verbose = run.model_copy(update={"verbose": True})  # Prefect's lines on the console too
+    config.write_text(yaml.safe_dump(json.loads(verbose.model_dump_json(exclude_defaults=True))))
+    again = run_rlhf(["run", str(config)], rlhf_env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    output = again.stdout + again.stderr
+    for stage in run.stages:
+        assert f"{stage}: finished by an earlier run (step {totals[stage]}, exported to {exports[stage]})" in output
+        assert f"Beginning subflow run 'demo-{stage}'" not in output, output[-3000:]
+    assert {path: path.stat().st_mtime_ns for folder in exports.values() for path in folder.iterdir()} == written

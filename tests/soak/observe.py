@@ -1,13 +1,15 @@
 """What the soak reads to see a fault and the recovery from it, all after the fact except the live ranks:
-the ranks' fault trace (RLHF_FAULT_TRACE: `time pid train_step@N stage`), the run's log (its WARNING lines),
-the flow run's Prefect states, and the committed checkpoints of the store."""
+the ranks' fault trace (RLHF_FAULT_TRACE: `time pid train_step@N stage`, and each rank's `setup@0` and `loaded@N`
+marks), the run's log (its WARNING lines), the flow run's Prefect states, and the committed checkpoints of the
+store."""
 
 from __future__ import annotations
 
 import posixpath
 import re
 import time
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
@@ -27,6 +29,19 @@ class Step:
     stage: str
 
 
+@dataclass(frozen=True)
+class Mark:
+    """A rank reaching `point` at `time`: "setup" (its trainer's set-up begins) or "loaded" (checkpoint `step` loaded)."""
+
+    time: float
+    pid: int
+    point: str
+    step: int
+
+
+MARKS = ("setup", "loaded")
+
+
 def _text(path: Path) -> str:
     """The file's text; none while it does not exist yet."""
     try:
@@ -44,7 +59,7 @@ class Trace:
     several times a second at a file of tens of thousands of lines)."""
 
     def __init__(self, path: Path):
-        self.path, self.steps, self._offset = path, [], 0
+        self.path, self.steps, self.marks, self._offset = path, [], [], 0
 
     def read(self) -> list[Step]:
         try:
@@ -56,6 +71,7 @@ class Trace:
         whole = added[:added.rfind(b"\n") + 1]
         self._offset += len(whole)
         self.steps += _steps(whole.decode(errors="replace"))
+        self.marks += _marks(whole.decode(errors="replace"))
         return self.steps
 
 
@@ -66,6 +82,16 @@ def _steps(text: str) -> list[Step]:
         if len(parts) == 4 and parts[2].startswith("train_step@"):
             steps.append(Step(float(parts[0]), int(parts[1]), int(parts[2].split("@")[1]), parts[3]))
     return steps
+
+
+def _marks(text: str) -> list[Mark]:
+    marks = []
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 4 and parts[2].partition("@")[0] in MARKS:
+            point, _, step = parts[2].partition("@")
+            marks.append(Mark(float(parts[0]), int(parts[1]), point, int(step)))
+    return marks
 
 
 def is_stopped(pid: int) -> bool:
@@ -140,6 +166,7 @@ class Evidence:
     log: list[LogLine]
     states: list[tuple[float, str, str]]  # (time, type, name) of each Prefect state of the flow run
     worker_restarts: list[float]
+    marks: list[Mark] = field(default_factory=list)
 
     def detected_at(self, kind: str, injected_at: float, until: float = float("inf")) -> float | None:
         """When the pipeline (or, for the worker, its supervisor) first acted on a fault of `kind`, seen before
@@ -178,3 +205,25 @@ class Evidence:
     def last_step_before(self, moment: float) -> Step | None:
         started = [step for step in self.steps if step.time < moment]
         return max(started, key=lambda step: step.time) if started else None
+
+    def rank_start(self, pid: int, after: float) -> tuple[float | None, float | None]:
+        """When rank `pid` began its set-up after `after`, and when it had then loaded a checkpoint (None: not seen;
+        a rank starting a stage from its model loads none)."""
+        setup = next((mark.time for mark in self.marks if mark.pid == pid and mark.point == "setup"
+                      and mark.time > after), None)
+        if setup is None:
+            return None, None
+        loaded = next((mark.time for mark in self.marks if mark.pid == pid and mark.point == "loaded"
+                       and mark.time > setup), None)
+        return setup, loaded
+
+    def step_seconds(self, before: float) -> float | None:
+        """The median time from one step to the next of the same rank and stage, over the steps before `before`."""
+        last: dict[tuple[int, str], Step] = {}
+        gaps = []
+        for step in (step for step in self.steps if step.time < before):
+            previous = last.get((step.pid, step.stage))
+            if previous is not None and step.step == previous.step + 1:
+                gaps.append(step.time - previous.time)
+            last[(step.pid, step.stage)] = step
+        return statistics.median(gaps) if gaps else None

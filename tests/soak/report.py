@@ -22,6 +22,12 @@ class FaultRow:
     detect_s: float | None = None
     next_step_s: float | None = None
     steps_recomputed: int | None = None
+    # next_step_s - detect_s, apart: from the detection to a new rank's set-up (the flow run or ranks started
+    # again), that set-up to its checkpoint loaded (model built, state read), and the steps trained again x the
+    # median step time before the fault (the work the fault threw away, on top)
+    restart_s: float | None = None
+    load_s: float | None = None
+    recompute_s: float | None = None
     committed_before: int | None = None  # the stage's newest commit when the fault hit
     resumed_from: int | None = None  # the step the run trained again from, minus one
     commit_lost: bool = False
@@ -41,6 +47,12 @@ class FaultRow:
         self.next_step_s = round(after.time - self.injected_at, 1)
         if before is not None and before.stage == after.stage:
             self.steps_recomputed = max(0, before.step - after.step)
+            step_s = evidence.step_seconds(self.injected_at)
+            self.recompute_s = None if step_s is None else round(self.steps_recomputed * step_s, 2)
+        setup, loaded = evidence.rank_start(after.pid, detected or self.injected_at) if not keeps_ranks else (None, None)
+        if setup is not None:
+            self.restart_s = round(setup - (detected or self.injected_at), 1)
+            self.load_s = None if loaded is None else round(loaded - setup, 1)
         if after.stage == self.stage:
             self.resumed_from = after.step - 1
             self.commit_lost = self.committed_before is not None and self.resumed_from < self.committed_before
@@ -78,7 +90,8 @@ def _cell(value) -> str:
 
 
 def as_markdown(report: dict) -> str:
-    columns = ("leg", "kind", "at_s", "detect_s", "next_step_s", "steps_recomputed", "commit_lost", "target")
+    columns = ("leg", "kind", "at_s", "detect_s", "next_step_s", "restart_s", "load_s", "steps_recomputed",
+               "recompute_s", "commit_lost", "target")
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(_cell(row[column]) for column in columns) + " |" for row in report["rows"]]
     legs = "; ".join(f"{leg['name']}: {leg['soak_s']:.0f} s against {leg['reference_s']:.0f} s uninterrupted "

@@ -195,7 +195,7 @@ def run_leg(site: SoakSite, leg: Leg, rng: random.Random, out: Path) -> tuple[Le
     # only it) and the worker's output (a power cut takes the last lines of the first two with it).
     log = site.run_logs() + read_log(driver_log(soak_ckpt)) + read_console(site.worker.log_path, started)
     evidence = Evidence(list(site.trace.read()), sorted(log, key=lambda line: line.time), site.states(),
-                        list(site.worker.restarts))
+                        list(site.worker.restarts), list(site.trace.marks))
     for row, next_row in zip(injector.rows, [*injector.rows[1:], None]):
         row.measure(evidence, next_row.injected_at if next_row else float("inf"))
     bit_exact, differing = False, ["(no final weights)"]

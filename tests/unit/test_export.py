@@ -46,3 +46,36 @@ def test_a_stage_export_fetches_the_hf_copy_alone(toy_assets, tmp_path):
     assert (out / "model.safetensors").read_bytes() == b"weights" * 100
     assert {"config.json", "tokenizer_config.json", SOURCE_NAME} <= set(os.listdir(out))
     assert not any("optim" in name for name in os.listdir(out))
+
+
+def test_an_interrupted_export_has_no_source_file(tmp_path, monkeypatch):
+    """The source file (the checkpoint the export came from) goes first and comes back last: an export cut short
+    (a kill, a full disk) leaves none, neither its own nor the older export's, so a resuming run never takes the
+    folder for a finished stage's output (`resume.finished_checkpoint`) nor fingerprints it as one."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    old, new, out = tmp_path / "old", tmp_path / "new", tmp_path / "out"
+    for folder, source in ((old, "older"), (new, "newer")):
+        folder.mkdir()
+        for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+            (folder / name).write_text(f"{source} {name}")
+        (folder / SOURCE_NAME).write_text(f'{{"manifest_digest": "{source}"}}')
+    upload_dir(str(old), str(out))
+    assert (out / SOURCE_NAME).read_text() == '{"manifest_digest": "older"}'
+
+    put_file = LocalFileSystem.put_file
+
+    def cut_at_the_tokenizer(self, local, remote, *args, **kwargs):
+        if os.path.basename(local) == "tokenizer.json":
+            raise OSError(28, "No space left on device")
+        return put_file(self, local, remote, *args, **kwargs)
+
+    monkeypatch.setattr(LocalFileSystem, "put_file", cut_at_the_tokenizer)
+    try:
+        upload_dir(str(new), str(out))
+    except OSError:
+        pass
+    assert not (out / SOURCE_NAME).exists()
+    monkeypatch.undo()
+    upload_dir(str(new), str(out))
+    assert (out / SOURCE_NAME).read_text() == '{"manifest_digest": "newer"}'

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from tests.soak.observe import REPLACED, Evidence, LogLine, Step
+from tests.soak.observe import REPLACED, Evidence, LogLine, Mark, Step
 from tests.soak.report import FaultRow, build
 from tests.soak.soak import FULL, schedule
 
@@ -35,6 +35,26 @@ def test_a_killed_rank_is_timed_from_the_replacement_line_and_counts_the_steps_t
     row.measure(evidence)
     assert (row.detect_s, row.next_step_s, row.steps_recomputed, row.resumed_from) == (0.1, 8.5, 13, 16)  # steps 17-29 again
     assert not row.commit_lost
+
+
+def test_a_faults_recovery_is_split_into_restart_load_and_the_steps_trained_again():
+    """From the detection to the next step: to the new rank's set-up (restart), its set-up to its checkpoint loaded
+    (load); the steps trained again times the median step before the fault (recompute). A rank kept through the
+    fault (a store outage) has neither restart nor load."""
+    evidence = Evidence(
+        steps((100.0, 1, 28, "sft"), (100.2, 1, 29, "sft"), (100.5, 1, 30, "sft"), (101.0, 1, 31, "sft"),
+              (112.0, 3, 25, "sft")),
+        [LogLine(110.0, "WARNING", "Lost rank 0. Replaced the ranks in 5.0 s (1 of 1 from warm spares); ...")],
+        [], [],
+        [Mark(95.0, 3, "setup", 0), Mark(107.0, 3, "setup", 0), Mark(109.5, 3, "loaded", 24)])  # 3: a spare's 2nd
+    row = FaultRow("disk", "rank_kill", "rank pid 1", 0.0, injected_at=101.2, stage="sft", committed_before=24)
+    row.measure(evidence)
+    assert (row.detect_s, row.restart_s, row.load_s, row.next_step_s) == (3.8, 2.0, 2.5, 10.8)
+    assert (row.steps_recomputed, row.recompute_s) == (6, 1.8)  # steps 25-30 again, at the median 0.3 s
+    outage = FaultRow("s3", "store_outage", "", 0.0, injected_at=101.2, stage="sft")
+    outage.measure(Evidence(evidence.steps, [LogLine(103.0, "WARNING", "the store is unreachable")], [], [],
+                            evidence.marks))
+    assert (outage.restart_s, outage.load_s) == (None, None)
 
 
 def test_a_run_that_comes_back_before_its_newest_commit_lost_it():
@@ -93,5 +113,6 @@ def test_the_trace_is_read_as_it_grows_and_a_half_written_line_waits_for_its_end
     path.write_text("1.0 5 train_step@1 sft\n1.5 5 collective@2 -\n2.0 5 train_st")
     assert [step.step for step in trace.read()] == [1]
     with open(path, "a") as more:
-        more.write("ep@2 sft\n")
+        more.write("ep@2 sft\n2.5 6 setup@0 sft\n3.0 6 loaded@16 sft\n")
     assert trace.read() == read_trace(path) and [step.step for step in trace.steps] == [1, 2]
+    assert trace.marks == [Mark(2.5, 6, "setup", 0), Mark(3.0, 6, "loaded", 16)]
