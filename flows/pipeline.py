@@ -25,7 +25,7 @@ from rlhf_core.driver.outage import is_outage
 from rlhf_core.driver.stop import StopSignals
 from rlhf_core.ops.alerts import NonFiniteTraining
 from rlhf_core.driver.chunk import ChunkResult
-from rlhf_core.driver.plan import Checked, resolve_paths
+from rlhf_core.driver.plan import resolve_paths
 from rlhf_core.driver.runner import StageRunner
 from rlhf_core.config import RunConfig
 from rlhf_core.stages import STAGES
