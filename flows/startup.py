@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from rlhf_core.config import RunConfig
 from rlhf_core.driver import preflight
@@ -31,10 +31,9 @@ def checked_while_ray_starts(run: RunConfig, signals: StopSignals | None) -> Che
     resolved, to_count = preflight.check(run)
     with ThreadPoolExecutor(1, thread_name_prefix="rlhf-preparation") as pool:
         counting: Future[Checked] = pool.submit(preflight.count, resolved, to_count)
-        try:
-            return counting.result(timeout=PREPARATION_ALONE_S)
-        except TimeoutError:
-            logger.debug("the data's preparation goes on while Ray starts")
+        if wait([counting], timeout=PREPARATION_ALONE_S).done:
+            return counting.result()
+        logger.debug("the data's preparation goes on while Ray starts")
         started_ray = False
         try:
             started_ray = _start_ray(resolved, signals)
