@@ -4,8 +4,8 @@ float rounding on another (OTHER_CPU_ROUNDING).
 
 The fixture (tests/integration/old_checkpoint_fixture.py) holds the old run's step_4 and its step-8 weights.
 Today's `rlhf train sft`, with the old run's flags and --load_checkpoint, must load step 4 (train only steps
-5-8) and export the old run's step-8 weights, tensor for tensor within OTHER_CPU_ROUNDING. Real processes: the CLI, Prefect, a local Ray
-and DeepSpeed, one rank.
+5-8) and export the old run's step-8 weights, tensor for tensor within OTHER_CPU_ROUNDING. Real processes: the
+CLI, Prefect, a local Ray and DeepSpeed, one rank.
 """
 
 from __future__ import annotations
