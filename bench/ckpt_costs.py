@@ -153,7 +153,7 @@ def checkpoint_costs(run, repeat: int) -> dict:
     import ray
 
     from rlhf_core.driver.runner import StageRunner
-    from rlhf_core.rank.worker import files_for_rank
+    from rlhf_core.rank.loading import files_for_rank
 
     with StageRunner(run) as runner:
         results, by_variant = run_chunks(runner, run)

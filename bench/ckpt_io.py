@@ -81,7 +81,7 @@ def rank_load(worker, store_url: str, storage_options: dict, step: int, repeat: 
 
     from rlhf_core.storage.checkpoint import CheckpointStore
     from rlhf_core.storage.manifest import Manifest, step_dir_name
-    from rlhf_core.rank.worker import files_for_rank
+    from rlhf_core.rank.loading import files_for_rank
 
     store = CheckpointStore(store_url, storage_options)
     fs, root = fsspec.core.url_to_fs(store_url, **storage_options)

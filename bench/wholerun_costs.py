@@ -200,7 +200,7 @@ def _whole_run_variant(workdir: str, toy: dict[str, str], model_dir: str, num_st
                        name: str, index: int) -> dict:
     """One run of a `whole_run` pair: "single" (one chunk), "chunked" (a checkpoint every `save_steps`), "equal
     writer" (chunked, the writer not yielding its CPU) or "floor" (one chunk, a durable copy at each boundary)."""
-    from rlhf_core.rank.worker import WRITER_SCHEDULING_ENV
+    from rlhf_core.rank.threads import WRITER_SCHEDULING_ENV
 
     every = -1 if name in ("single", "floor") else save_steps  # -1: one chunk, whatever the rounded step count
     label = name.replace(" ", "-")

@@ -101,9 +101,18 @@ class RunSettings(BaseModel):
     hang_timeout_s: float | None = Field(
         None, gt=0, **operational("Seconds a rank may go without progress (a step, a load, a snapshot, a write) "
                                    "before the run takes it for hung: its stacks go to the run's log, the ranks "
-                                   "are replaced and the chunk is retried from the last commit. Default: "
+                                   "are replaced and the chunk goes on from the newest snapshot (--snapshot_steps) "
+                                   "or commit. Default: "
                                    "max(60, 5x the slowest step so far), 900 during a checkpoint's write. Before "
                                    "the ranks' first step (imports, set-up, the load) at least 900.")
+    )
+    snapshot_steps: int = Field(
+        0, ge=-1, **operational("Steps between the snapshots each rank keeps in its node's memory (tmpfs) between "
+                                 "commits: a lost or hung rank's replacement, and its peers, go on from the newest "
+                                 "one every rank holds instead of the last commit. 0: the fewest steps at which the "
+                                 "copy keeps up with training (every step when a step takes longer than the copy); "
+                                 "-1: none. Each rank holds at most two, each the size of its share of a "
+                                 "checkpoint's DeepSpeed state, plus one copy in its own memory.")
     )
     num_spare_workers: int | None = Field(
         None, ge=0, **operational("Rank processes kept warm beside the worker group (torch, DeepSpeed and the trainer "

@@ -99,8 +99,8 @@ class Chunk(ChunkState):
     def ensure(self) -> ChunkResult:
         """Make sure a valid checkpoint at the target exists (training only what is missing): find what is
         committed, get a worker group holding the start state, train, commit, retain. A lost or hung rank is
-        replaced at once, with no retry delay: the chunk trains again from the last commit on new ranks
-        (`StageRunner.replaces_ranks_after`). After a stop signal (`rlhf_core.driver.stop`) the ranks stop at the
+        replaced at once, with no retry delay: the chunk trains again on new ranks from the newest snapshot
+        between commits every rank holds, else from the last commit (`StageRunner.replaces_ranks_after`). After a stop signal (`rlhf_core.driver.stop`) the ranks stop at the
         next step boundary, that step commits, and StoppedBySignal is raised; one that finds nothing trained
         since the last commit raises it at once."""
         target = self.target_step
@@ -169,29 +169,33 @@ class Chunk(ChunkState):
         require_tracker_packages(self.run)  # before the workers start, not after a chunk of training
         timing.prepared = time.perf_counter()
         warm_group = self.runner.warm_group
-        group, _ = self.runner.group_at(self.stage, self.plan, self.store, infos, self.lineage)
-        start_step = group.step
+        group, _ = self.runner.group_at(self.stage, self.plan, self.store, infos, self.lineage,
+                                        after_loss=replacing is not None)
+        # A group started from a snapshot between commits trains on from it; the chunk still counts from the commit.
+        restored, group.restored = group.restored, None
+        start_step = restored.base_step if restored is not None else group.step
         if replacing is not None:
-            replacing.ready(group)
-        trackers = self._trackers_at(start_step, warm=group is warm_group)
+            replacing.ready(group, restored)
+        trackers = self._trackers_at(start_step, warm=group is warm_group, resumed_at=group.step)
         timing.loaded = time.perf_counter()
-        step_metrics = train_and_log(group, self.target_step, trackers, self.config.logging_steps, self.stage,
-                                     self.plan.total_steps)
+        step_metrics = (restored.metrics if restored is not None else []) + train_and_log(
+            group, self.target_step, trackers, self.config.logging_steps, self.stage, self.plan.total_steps)
         timing.trained = time.perf_counter()
         if replacing is not None:
             replacing.trained(self.ledger, self.stage, group)
         return Trained(group, infos, start_step, step_metrics, trackers,
                        self.train_ahead and not self.stop_requested())
 
-    def _trackers_at(self, start_step: int, warm: bool) -> StageTrackers | None:
-        """The stage's trackers, ready to log the steps after `start_step`; reopened when the group started
-        cold, so that TensorBoard hides whatever an earlier attempt logged past `start_step`."""
+    def _trackers_at(self, start_step: int, warm: bool, resumed_at: int) -> StageTrackers | None:
+        """The stage's trackers, ready to log the steps after `resumed_at` (the commit `start_step`, or a snapshot
+        after it); reopened when the group started cold, so that TensorBoard hides whatever an earlier attempt
+        logged past `resumed_at`."""
         if not tracking_enabled(self.run):
             return None
         trackers = self.trackers.get(self.run, self.stage)
         if trackers is not None and warm:
             return trackers
-        return self.trackers.open(self.run, self.stage, self._saved_tracker_ids(start_step), start_step)
+        return self.trackers.open(self.run, self.stage, self._saved_tracker_ids(start_step), resumed_at)
 
     def _saved_tracker_ids(self, start_step: int) -> dict:
         """The tracker ids to continue: those open for this stage, else those the start checkpoint recorded

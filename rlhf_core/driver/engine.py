@@ -24,6 +24,7 @@ from rlhf_core.driver.stop import StopSignals
 from rlhf_core.config import RunConfig
 from rlhf_core.rank.ds_config import resolve_zero_stage
 from rlhf_core.driver.ray_start import ensure_ray, forwarded_environment, threads_asked
+from rlhf_core.driver.interim import InterimStart, interim_plan
 from rlhf_core.driver.hang import HangWatch, dump_rank_stacks, save_stacks, stuck_frame
 from rlhf_core.driver.lingering import claim_lingering, lingering_options, lingers, retire_ranks
 from rlhf_core.errors import FailedAt, RankHung, RLHFError, UserError, WorkerLost
@@ -96,6 +97,8 @@ class WorkerGroup:
             self.shutdown()
             raise
         self.zero_stage: int | None = None  # resolved by setup
+        self.interim_token = ""  # the command's, for its snapshots between commits (none without it)
+        self.restored: InterimStart | None = None  # set by load_interim
         self._ahead: tuple[int, list] | None = None
         self._step_loop_seconds = 0.0  # rank 0's, since the last take_step_loop_seconds()
         self._eval_seconds = 0.0  # the part of them rank 0 spent evaluating
@@ -129,7 +132,25 @@ class WorkerGroup:
         run = run.model_copy(update={stage: cfg.model_copy(update={"zero_stage": self.zero_stage})})
         self._model_sizes, self._stage = None, stage
         self._clean_step_seconds = None  # another stage's steps take another time: no baseline carries over
-        self._gather([worker.setup.remote(run, stage, chunk_ends, load_universal) for worker in self.workers])
+        interim = interim_plan(run, stage, self.interim_token, self.world_size, self.zero_stage)
+        self._gather([worker.setup.remote(run, stage, chunk_ends, load_universal, interim) for worker in self.workers])
+
+    def interim_steps(self, run: RunConfig, stage: str, saved_zero_stage: int | None) -> list[int]:
+        """The snapshots between commits (`rlhf_core.rank.interim`) of this command's `stage` on a group of this
+        shape that every rank can load on its node (asked before `setup`, which builds the models)."""
+        cfg = run.section(stage, StageConfig)
+        zero_stage = resolve_zero_stage(cfg.zero_stage, self.world_size, cfg.adam_offload, saved_zero_stage)
+        plan = interim_plan(run, stage, self.interim_token, self.world_size, zero_stage)
+        if plan is None:
+            return []
+        held = self._gather([worker.interim_steps.remote(plan) for worker in self.workers])
+        return sorted(set(held[0]).intersection(*held[1:])) if held else []
+
+    def load_interim(self, step: int, base_step: int) -> None:
+        """Every rank loads the snapshot of `step`, taken after the commit of `base_step` (0: none yet)."""
+        loaded = self._gather([worker.load_interim.remote(step) for worker in self.workers])
+        self.step = loaded[0][0]
+        self.restored = InterimStart(self.step, base_step, loaded[0][1], loaded[0][2])
 
     def warm_up(self, run: RunConfig, stage: str) -> None:
         """Start every rank's imports for `stage` without waiting: `setup` runs after them on each rank."""

@@ -210,11 +210,16 @@ def finished_checkpoint(run: RunConfig, stage: str, total_steps: Callable[[], in
 
 
 def load_start(run: RunConfig, stage: str, checkpoints: StageCheckpoints, group,
-               chunk_ends: list[int]) -> StartState | None:
+               chunk_ends: list[int], after_loss: bool = False) -> StartState | None:
     """Set `group` (a rlhf_core.driver.engine.WorkerGroup) up for the stage (`chunk_ends`: the plan's) and load
     the newest good checkpoint of `checkpoints` into it; a bad one is set aside with one log line and the next
-    older one is tried. None: no checkpoint, the group starts from the pretrained model."""
+    older one is tried. None: no checkpoint, the group starts from the pretrained model. `after_loss`: first try
+    the newest snapshot between commits every rank holds (`restore_interim`)."""
     store, lineage = checkpoints.store, checkpoints.lineage
+    if after_loss:
+        restored, base = restore_interim(run, stage, checkpoints, group, chunk_ends)
+        if restored:
+            return base
     for info in reversed(checkpoints.infos):
         try:
             if not info.is_committed:
@@ -233,6 +238,34 @@ def load_start(run: RunConfig, stage: str, checkpoints: StageCheckpoints, group,
                            store.set_aside(CheckpointInfo(**{**asdict(info), "status": status, "reason": error.reason})))
     group.setup(run, stage, chunk_ends, load_universal=False)
     return None
+
+
+def restore_interim(run: RunConfig, stage: str, checkpoints: StageCheckpoints, group, chunk_ends: list[int]
+                    ) -> tuple[bool, StartState | None]:
+    """After a lost or hung rank: set `group` up and load the newest snapshot between commits (this command's,
+    `rlhf_core.rank.interim`) that every rank holds whole on its node and that is newer than the newest commit.
+    Returns whether it did, and the commit it trained on from (its metadata carries the line's history). A
+    snapshot that fails to load is logged and the commits are tried instead (the caller sets the group up again)."""
+    base = next((info for info in reversed(checkpoints.infos) if info.is_committed), None)
+    try:
+        metadata = checkpoints.store.verified_training_metadata(base.step) if base is not None else None
+    except CorruptCheckpoint:
+        return False, None
+    if metadata is not None and needs_universal(metadata, group.world_size):
+        return False, None
+    base_step, saved_zero_stage = (base.step if base is not None else 0), (metadata.zero_stage if metadata else None)
+    newer = [step for step in group.interim_steps(run, stage, saved_zero_stage) if step > base_step]
+    if not newer:
+        return False, None
+    group.setup(run, stage, chunk_ends, saved_zero_stage=saved_zero_stage)
+    try:
+        group.load_interim(newer[-1], base_step)
+    except Exception as error:  # noqa: BLE001 - a bad snapshot costs its steps, never the run
+        logger.warning("the snapshot of step %d could not be loaded (%s); loading the last commit instead",
+                       newer[-1], error)
+        return False, None
+    start = StartState(base, metadata, False, False) if base is not None and metadata is not None else None
+    return True, start
 
 
 def needs_universal(metadata: CheckpointMetadata, num_workers: int) -> bool:

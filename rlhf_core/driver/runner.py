@@ -11,11 +11,13 @@ import contextlib
 import logging
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from rlhf_core.config import RunConfig, semantic_hash
 from rlhf_core.driver.engine import WorkerGroup, group_settings
+from rlhf_core.driver.interim import InterimStart
 from rlhf_core.driver.plan import Checked, StageIdentity, StagePlan, plan_stage, stage_identity
 from rlhf_core.driver.repeats import ChunkTries
 from rlhf_core.driver.spares import SPARES_AFTER_S, SparePool, num_spares
@@ -24,6 +26,7 @@ from rlhf_core.errors import RankHung, WorkerLost
 from rlhf_core.driver.resume import Lineage, StageCheckpoints, StartState, load_start
 from rlhf_core.ops.goodput import GoodputLedger
 from rlhf_core.ops.trackers import OpenTrackers
+from rlhf_core.rank.interim import remove_for_driver
 from rlhf_core.storage.checkpoint import CheckpointStore
 from rlhf_core.storage.lease import RunLease
 from rlhf_core.storage.manifest import CheckpointInfo
@@ -53,11 +56,14 @@ class Replacement:
     seen_at: float = field(default_factory=time.time)
     ready_at: float = 0.0
 
-    def ready(self, group: WorkerGroup) -> None:
-        """The new ranks hold the start state: the run's one console line for the loss."""
+    def ready(self, group: WorkerGroup, restored: InterimStart | None) -> None:
+        """The new ranks hold the start state (`restored`: a snapshot between commits): the run's one console
+        line for the loss."""
         self.ready_at = time.time()
-        logger.warning("%s Replaced the ranks in %.1f s (%d of %d from warm spares); training again from step %d.",
-                       self.error, self.ready_at - self.seen_at, group.num_spares_taken, group.world_size, group.step)
+        source = f" ({restored.describe()})" if restored is not None else " (the last commit)"
+        logger.warning("%s Replaced the ranks in %.1f s (%d of %d from warm spares); training again from step %d%s.",
+                       self.error, self.ready_at - self.seen_at, group.num_spares_taken, group.world_size, group.step,
+                       source)
 
     def trained(self, ledger: GoodputLedger, stage: str, group: WorkerGroup) -> None:
         """The new ranks trained: the replacement's times go to the goodput ledger."""
@@ -123,6 +129,8 @@ class _Held:
     warm: WarmGroup | None = None
     prestart: Prestart | None = None
     lease: RunLease | None = None
+    # Names this command's snapshots between commits (rlhf_core.rank.interim): never read by another command.
+    interim_token: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
 
 class StageRunner:
@@ -200,6 +208,7 @@ class StageRunner:
         self.release_workers(retire=clean)
         self.spares.close(retire=clean)
         self.trackers.close()
+        remove_for_driver()  # this command's snapshots between commits, on its own host
 
     def is_checked(self, run: RunConfig) -> bool:
         """Whether preflight resolved and checked exactly this run (then the flow does neither again)."""
@@ -273,9 +282,11 @@ class StageRunner:
         return held.prestart
 
     def group_at(self, stage: str, plan: StagePlan, store: CheckpointStore, infos: list[CheckpointInfo],
-                 lineage: Lineage) -> tuple[WorkerGroup, StartState | None]:
+                 lineage: Lineage, after_loss: bool = False) -> tuple[WorkerGroup, StartState | None]:
         """A worker group holding the state of the newest good checkpoint in `infos` (or the pretrained model),
-        and that checkpoint (None when the warm group of the last chunk already holds it)."""
+        and that checkpoint (None when the warm group of the last chunk already holds it). `after_loss`: ranks
+        were lost or hung, so a newer snapshot between commits this command took is loaded where every rank has
+        it (`WorkerGroup.restored` then says which)."""
         run = self.run
         self._held.tries.try_starts()
         identity = (run.stage_url(stage), semantic_hash(run, stage), run.num_workers,
@@ -287,8 +298,9 @@ class StageRunner:
         self._release_warm(retire=True)  # no failure since it trained (one releases it): its ranks may serve again
         group = self._take_prestarted(run) or WorkerGroup(run, self.signals, self.spares.take)
         group.log_placement()
+        group.interim_token = self._held.interim_token
         self._held.warm = WarmGroup(group, identity)
-        start = load_start(run, stage, StageCheckpoints(store, infos, lineage), group, plan.targets)
+        start = load_start(run, stage, StageCheckpoints(store, infos, lineage), group, plan.targets, after_loss)
         self._held.warm.world_size_changes = _world_size_changes(group, start)
         return group, start
 

@@ -10,11 +10,9 @@ import contextlib
 import functools
 import logging
 import os
-import re
 import shutil
 import socket
 import sys
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass
@@ -24,8 +22,10 @@ import ray
 
 from rlhf_core.config import RunConfig
 from rlhf_core.errors import TransientStoreError
+from rlhf_core.rank.interim import InterimPlan, InterimSnapshots, node_folder, recorded, remove_orphans, whole_steps
 from rlhf_core.rank.reuse import OutlivesItsCommand
 from rlhf_core.rank.signals import Progress, WorkerSignals
+from rlhf_core.rank.threads import free_port, torch_threads, yield_cpu_to_training
 from rlhf_core.stages.base import StageConfig
 
 if TYPE_CHECKING:
@@ -33,28 +33,9 @@ if TYPE_CHECKING:
     from rlhf_core.storage.manifest import ManifestEntry, PendingStep
 
 logger = logging.getLogger(__name__)
-# DeepSpeed's per-rank shard files: ZeRO optimizer partitions (and ZeRO-3 weight partitions).
-_RANK_SHARD = re.compile(r"(?:^|/)(?:bf16_)?zero_pp_rank_(\d+)_")
 
 
-# The writer's scheduling: "idle" (default) lets it run only on CPU time the training threads leave unused (Linux
-# SCHED_IDLE); "normal" shares the cores with them as an equal. `make bench --only wholerun` compares the two.
-WRITER_SCHEDULING_ENV = "RLHF_WRITER_SCHEDULING"
 SNAPSHOT_FILES_BYTES = 64 << 20  # a snapshot folder's config and tokenizer files, with room to spare
-
-
-def yield_cpu_to_training() -> bool:
-    """Put the calling thread (the actor's "io" thread, and so every thread it starts: they inherit it) under
-    SCHED_IDLE, below the training threads' priority whatever their nice value (Ray runs workers at nice 15,
-    where nice 19 would still take about a third of a shared core). The commit then waits for CPU the step
-    loop leaves unused, rather than slowing the step loop; on a host with cores to spare it changes nothing.
-    Returns whether it did (not on other systems, or with RLHF_WRITER_SCHEDULING=normal)."""
-    if os.environ.get(WRITER_SCHEDULING_ENV, "idle") != "idle" or not hasattr(os, "SCHED_IDLE"):
-        return False
-    import threading
-
-    os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
-    return True
 
 
 def poison_weights(modules) -> None:
@@ -69,22 +50,6 @@ def poison_weights(modules) -> None:
                 parameter.fill_(float("nan"))
                 if getattr(parameter, "ds_tensor", None) is not None:
                     parameter.ds_tensor.fill_(float("nan"))
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        return probe.getsockname()[1]
-
-
-def torch_threads(num_threads_asked: int | None, ranks_on_node: int) -> int:
-    """A rank's torch threads: the driver's OMP_NUM_THREADS when set (as under torchrun), else an equal share of
-    the CPUs this process may run on (its affinity, not the host's count). Two processes that each take every
-    core spin in OpenMP's barriers against each other: 5x slower than one thread each, measured on 2 cores."""
-    if num_threads_asked:
-        return num_threads_asked
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, usable // ranks_on_node)
 
 
 @dataclass(frozen=True)
@@ -115,13 +80,17 @@ class TrainWorker(OutlivesItsCommand):
         # Background writes in flight, and started so far: a step during which either changed ran beside one.
         self._num_writes_in_flight = self._num_writes_started = 0
         self._progress = Progress()
+        self._interim: InterimSnapshots | None = None  # snapshots between commits, when the driver asks for them
+        self._metrics_since_commit: list[dict[str, float]] = []  # the steps' after the last chunk end
         self._outlive_command(owner_job, idle_s)
 
     def retire(self) -> str:
         """After a command's clean end: forget its stage and reset the process for the next command (a spare);
         returns "" when it is one, else why it cannot be (the driver then ends it)."""
         zero_stage = self._trainer.cfg.zero_stage if self._trainer is not None else None
-        self._trainer, self._stage, self._stop_requested = None, "", False
+        if self._interim is not None:
+            self._interim.finish()  # its folder is the driver's to remove, at the command's end
+        self._trainer, self._stage, self._stop_requested, self._interim = None, "", False, None
         self._kept_in_memory, self._written_state, self._progress = {}, {}, Progress()
         return self._become_spare(zero_stage)
 
@@ -147,7 +116,7 @@ class TrainWorker(OutlivesItsCommand):
         return os.path.exists(path)
 
     def rendezvous_address(self) -> tuple[str, int]:
-        return ray.util.get_node_ip_address(), _free_port()
+        return ray.util.get_node_ip_address(), free_port()
 
     def join(self, master_addr: str, master_port: int, ranks_on_node: int,
              num_threads_asked: int | None = None) -> None:
@@ -205,11 +174,19 @@ class TrainWorker(OutlivesItsCommand):
         """A spare becomes `rank` of a new group of `world_size`, before it joins."""
         self.rank, self.world_size = rank, world_size
 
-    def setup(self, run: RunConfig, stage: str, chunk_ends: list[int], load_universal: bool) -> None:
+    def setup(self, run: RunConfig, stage: str, chunk_ends: list[int], load_universal: bool,
+              interim: InterimPlan | None = None) -> None:
+        """Build `stage`'s trainer; `interim`: take snapshots between commits as the plan says."""
         from rlhf_core.faults import fault_point, register_action
         from rlhf_core.rank.trainers import trainer_class
 
-        self._stage = stage
+        self._stage, self._metrics_since_commit = stage, []
+        if self._interim is not None:
+            self._interim.finish()
+        self._interim = None
+        if interim is not None:
+            remove_orphans()
+            self._interim = InterimSnapshots(interim, self.rank, self._interim_folder(interim))
         fault_point("setup", 0, tag=stage)  # also a mark in the fault trace: a new rank's set-up begins (tests/soak)
         with self._progress.working_on("setup"):
             self._trainer = trainer_class(stage)(run, chunk_ends, self.rank, self.world_size, load_universal)
@@ -227,7 +204,12 @@ class TrainWorker(OutlivesItsCommand):
         started, metrics, step_times = time.perf_counter(), [], []
         eval_seconds_before = self.trainer.eval_seconds
         with self._progress.working_on("train"):
-            while self.trainer.step < target_step and not self._stop_agreed():
+            while self.trainer.step < target_step:
+                stop, snapshot = self._agree_at_boundary()
+                if stop:
+                    break
+                if snapshot:
+                    self._take_interim()
                 fault_point("train_step", self.trainer.step + 1, tag=self._stage, signals=self.trainer.signals)
                 step_started, evaluated_before = time.perf_counter(), self.trainer.eval_seconds
                 writes_before = (self._num_writes_in_flight, self._num_writes_started)
@@ -236,6 +218,7 @@ class TrainWorker(OutlivesItsCommand):
                 evaluating = self.trainer.eval_seconds - evaluated_before  # not the step's: the watch's steady pace
                 step_times.append((time.perf_counter() - step_started - evaluating, beside_write))
                 self._progress.step_done(step_times[-1][0])
+                self._step_finished(metrics[-1], step_times[-1][0])
         return (metrics, time.perf_counter() - started, self.trainer.step, step_times,
                 self.trainer.eval_seconds - eval_seconds_before)
 
@@ -244,29 +227,74 @@ class TrainWorker(OutlivesItsCommand):
         """Finish the step in progress and train no further (the driver got SIGTERM or Ctrl-C)."""
         self._stop_requested = True
 
-    def _stop_agreed(self) -> bool:
-        """Whether any rank has been asked to stop, agreed at this step boundary by every rank (a rank that
-        stopped alone would leave the others waiting in the next step's collectives)."""
+    def _agree_at_boundary(self) -> tuple[bool, bool]:
+        """(stop, snapshot), agreed by every rank at this step boundary in one collective: whether any rank has
+        been asked to stop (a rank that stopped alone would leave the others waiting in the next step's
+        collectives), and whether every rank is ready for a snapshot between commits (DeepSpeed's save is a
+        collective too). None at a chunk's end: its commit snapshots it."""
+        interim = self._interim
+        ready = interim is not None and not self.trainer.is_chunk_end() and interim.due(self.trainer.step)
         if self.world_size == 1:
-            return self._stop_requested
-        import torch
-
+            return self._stop_requested, ready
         from rlhf_core.faults import fault_point
         from rlhf_core.rank.collectives import max_over_ranks
 
         fault_point("collective", self.trainer.step + 1)  # a rank stopped here leaves the others in the collective
-        return self.any_rank_asked_to_stop()
+        stop, not_ready = max_over_ranks([float(self._stop_requested), float(not ready)], device=self._device())
+        return stop > 0, not_ready == 0
+
+    def _device(self) -> str:
+        import torch
+
+        return f"cuda:{torch.cuda.current_device()}" if self.trainer.on_gpu else "cpu"
+
+    def _step_finished(self, step_metrics: dict[str, float], seconds: float) -> None:
+        """Keep the step's metrics until its chunk ends (a snapshot between commits carries them)."""
+        self._metrics_since_commit = [] if self.trainer.is_chunk_end() else [*self._metrics_since_commit,
+                                                                             step_metrics]
+        if self._interim is not None:
+            self._interim.step_done(seconds)
+
+    def _take_interim(self) -> None:
+        assert self._interim is not None
+        with self._progress.working_on("snapshot"):
+            self._interim.take(self.trainer.step, self.trainer.engines.values(), self.trainer.save_state,
+                               self._metrics_since_commit)
+
+    def _interim_folder(self, plan: InterimPlan) -> str:
+        return node_folder(plan, ray.get_runtime_context().get_node_id())
+
+    def interim_steps(self, plan: InterimPlan) -> list[int]:
+        """The snapshots between commits of `plan` that every rank finished on this rank's node."""
+        return whole_steps(self._interim_folder(plan), plan.world_size)
+
+    @ray.method(concurrency_group="control")  # asked while the ranks train ahead
+    def interim_report(self) -> tuple[int, float, float]:
+        """The snapshots' interval K as chosen so far, and the last one's copy and write seconds."""
+        interim = self._interim
+        return (interim.interval, interim.copy_seconds, interim.write_seconds) if interim else (0, 0.0, 0.0)
+
+    def load_interim(self, step: int) -> tuple[int, list[dict[str, float]], int]:
+        """Load the snapshot between commits of `step` from this node's tmpfs; returns the step, the metrics of
+        the steps between the last commit and it, and the interval it was taken at."""
+        from rlhf_core.faults import fault_point
+
+        assert self._interim is not None
+        with self._progress.working_on("load"):
+            step_dir = os.path.join(self._interim.folder, f"step_{step}")
+            loaded = self.trainer.load(step_dir, False, False)
+            self._interim.restore_from(loaded)
+            self._metrics_since_commit, interval = recorded(self._interim.folder, step)
+        fault_point("loaded", loaded, tag=self._stage)  # the trace's mark, as load_from_store's
+        return loaded, self._metrics_since_commit, interval
 
     def any_rank_asked_to_stop(self) -> bool:
         """Whether any rank has been asked to stop (a collective: every rank asks at the same point)."""
         if self.world_size == 1:
             return self._stop_requested
-        import torch
-
         from rlhf_core.rank.collectives import max_over_ranks
 
-        device = f"cuda:{torch.cuda.current_device()}" if self.trainer.on_gpu else "cpu"
-        return max_over_ranks([float(self._stop_requested)], device=device)[0] > 0
+        return max_over_ranks([float(self._stop_requested)], device=self._device())[0] > 0
 
     @ray.method(concurrency_group="control")  # asked while the ranks train ahead: shapes and dtypes only
     def model_sizes(self) -> dict:
@@ -356,50 +384,12 @@ class TrainWorker(OutlivesItsCommand):
         """Load the files of committed `step` this rank reads, verified against the manifest: on a local
         store in place while they are hashed, else fetched (hashed as they arrive) first."""
         from rlhf_core.faults import fault_point
+        from rlhf_core.rank.loading import load_verified
 
         with self._progress.working_on("load"):
-            loaded = self._load_verified(store_url, storage_options, step, universal, weights_only)
+            loaded = load_verified(self.trainer, self.rank, store_url, storage_options, step, universal, weights_only)
+            if self._interim is not None:
+                self._interim.restore_from(loaded)
+            self._metrics_since_commit = []
         fault_point("loaded", step, tag=self._stage)  # also a mark in the fault trace: the load's end (tests/soak)
         return loaded
-
-    def _load_verified(self, store_url: str, storage_options: dict, step: int, universal: bool,
-                       weights_only: bool) -> int:
-        """`load_from_store`'s body: the load, the files verified as they are read."""
-        from rlhf_core.storage.checkpoint import CheckpointStore
-        from rlhf_core.rank.ds_config import convert_to_universal
-        from rlhf_core.storage.safe_load import check_no_pickled_code
-
-        # The universal converter, and ZeRO-3's module-only load, read every rank's shard (with a plain
-        # unpickler), so they get all files and a scan first; otherwise DeepSpeed's own reads are the scan.
-        reads_all_shards = universal or (weights_only and self.trainer.cfg.zero_stage == 3)
-        store = CheckpointStore(store_url, storage_options)
-        select = lambda paths: files_for_rank(paths, self.rank, reads_all_shards)  # noqa: E731
-        if not reads_all_shards:  # both of those write into the folder they read: they get a copy
-            # DeepSpeed loads while the files are hashed; a mismatch raises CorruptCheckpoint at the end of
-            # the block, and the driver then loads an older checkpoint over whatever this load set.
-            with store.read_in_place(step, select) as in_place:
-                if in_place is not None:
-                    return self.trainer.load(in_place, False, weights_only)
-        local_dir = tempfile.mkdtemp(prefix=f"rlhf-load-rank{self.rank}-")
-        try:
-            store.fetch(step, local_dir, select)
-            if reads_all_shards:
-                check_no_pickled_code(local_dir)
-            universal = universal and convert_to_universal(local_dir)
-            return self.trainer.load(local_dir, universal, weights_only)
-        finally:
-            shutil.rmtree(local_dir, ignore_errors=True)
-
-
-def files_for_rank(paths: list[str], rank: int, all_shards: bool) -> list[str]:
-    """The checkpoint files one rank reads: the shared ones and its own ZeRO shards (every shard with
-    `all_shards`), and the Hugging Face copies only when there is no DeepSpeed state to read instead."""
-    has_deepspeed_state = any("/ds/" in path for path in paths)
-    chosen = []
-    for path in paths:
-        if has_deepspeed_state and "/hf/" in path:
-            continue
-        shard = _RANK_SHARD.search(path)
-        if shard is None or all_shards or int(shard.group(1)) == rank:
-            chosen.append(path)
-    return chosen

@@ -425,6 +425,9 @@ PAUSE_IS_NO_HANG_S = 3600
 PAUSED_ON_PURPOSE = ["--hang_timeout_s", str(PAUSE_IS_NO_HANG_S)]
 
 
+NO_SNAPSHOTS = ["--snapshot_steps", "-1"]  # a reference run: no snapshots between commits (rlhf_core.rank.interim)
+
+
 def train_sft_args(toy: dict[str, str], ckpt: Path, out: Path) -> list[str]:
     """The SFT command of the README, as an OpenRLHF user would type it."""
     return [
@@ -454,6 +457,9 @@ def reference_sft_weights(toy_assets, worker_rlhf_env, tmp_path_factory) -> dict
     with FileLock(str(shared / "reference-sft.lock")):
         if not weights.exists():
             shutil.rmtree(out, ignore_errors=True)  # a try that failed before the weights were written
-            reference = run_rlhf(train_sft_args(toy_assets, out / "ckpt", out / "model"), worker_rlhf_env)
+            # No snapshots between commits here (every other run takes them): each test that compares with it
+            # also shows they change no bit of the weights.
+            reference = run_rlhf(train_sft_args(toy_assets, out / "ckpt", out / "model") + NO_SNAPSHOTS,
+                                 worker_rlhf_env)
             assert reference.returncode == 0, reference.stderr[-3000:]
     return load_file(str(weights))

@@ -1,7 +1,7 @@
-"""A hung rank is caught: the rank SIGSTOPs itself inside the second chunk (`train_step@7=hang`, as a stuck
+"""A hung rank is caught: the rank SIGSTOPs itself inside the second chunk (`train_step@8=hang`, as a stuck
 collective or a dead mount would leave it), the driver sees its progress stand still past --hang_timeout_s, saves
 its stacks, says so in one line, records the alert and the lost time, replaces the ranks in place (no Prefect retry)
-and the chunk, trained again, ends the run bit-exact.
+from the newest snapshot between commits, and the chunk, trained on, ends the run bit-exact.
 Before hang detection this run waited in `ray.get` for ever.
 Long work that reports its pieces is no hang, and a stall that comes back at the same step in the same frame on new
 ranks stops the run after 3 replacements, with one sentence and no retry."""
@@ -26,16 +26,18 @@ HANG_TIMEOUT_S = 20  # above a toy step's worst on a loaded 2-core machine, set-
 def test_a_hung_rank_is_caught_its_stacks_saved_and_the_run_ends_exact(toy_assets, rlhf_env, reference_sft_weights,
                                                                         tmp_path):
     (tmp_path / "faults").mkdir()
-    env = {**rlhf_env, "RLHF_FAULT_INJECT": "train_step@7=hang", "RLHF_FAULT_STATE": str(tmp_path / "faults")}
+    env = {**rlhf_env, "RLHF_FAULT_INJECT": "train_step@8=hang", "RLHF_FAULT_STATE": str(tmp_path / "faults")}
     args = train_sft_args(toy_assets, tmp_path / "ckpt", tmp_path / "out") + ["--hang_timeout_s", str(HANG_TIMEOUT_S)]
     run = run_rlhf(args, env, timeout=900)
     log = run.stdout + run.stderr
     assert run.returncode == 0, log[-4000:]
-    assert (tmp_path / "faults" / "train_step@7").exists(), "the fault never fired"
+    assert (tmp_path / "faults" / "train_step@8").exists(), "the fault never fired"
 
     lines = [line for line in log.splitlines() if "made no progress" in line]
     assert len(lines) == 1, log[-4000:]
     assert "Replaced the ranks in" in lines[0], lines[0]  # in place, no Prefect retry: one console line for the hang
+    # One rank: back to the newest snapshot between commits it finished (step 7's was stopped mid-write, maybe).
+    assert re.search(r"training again from step [67] \(a snapshot between commits", lines[0]), lines[0]
     assert "Retry 1/2" not in log, log[-4000:]
     assert re.search(r"rank 0 on node .* made no progress for \d+ s \(not answering; --hang_timeout_s 20\) at step "
                      r"\d+, stuck in \S+ \(\S+\.py:\d+\)", lines[0]), lines[0]  # where SIGSTOP found the training thread

@@ -1,6 +1,7 @@
-"""ZeRO-3 kill tests: `rlhf train sft --zero_stage 3` on 2 ranks, SIGKILLed mid-chunk, then finished by a
-rerun on 2 ranks (bit-exact against an uninterrupted 2-rank run) and on 1 rank (through DeepSpeed's
-universal format; equal within float rounding, since the reduction order changes with the world size).
+"""ZeRO-3 kill tests: `rlhf train sft --zero_stage 3` on 2 ranks, a rank SIGKILLed as it enters step 8 (replaced
+in place from a snapshot between commits), then the whole command SIGKILLed mid-chunk, then finished by a
+rerun on 2 ranks (bit-exact against an uninterrupted 2-rank run that took no snapshots) and on 1 rank (through
+DeepSpeed's universal format; equal within float rounding, since the reduction order changes with the world size).
 
 The toy model's matrices are partitioned across the ranks (ZeRO-3 keeps only tensors smaller than
 10 x hidden_size whole), so the hf/ export really gathers.
@@ -9,6 +10,7 @@ The toy model's matrices are partitioned across the ranks (ZeRO-3 keeps only ten
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -19,7 +21,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.conftest import RLHF, run_rlhf
-from tests.integration.conftest import PAUSED_ON_PURPOSE, train_sft_args
+from tests.integration.conftest import NO_SNAPSHOTS, PAUSED_ON_PURPOSE, train_sft_args
 from tests.integration.test_kill_resume import wait_for
 
 pytestmark = pytest.mark.slow
@@ -33,27 +35,34 @@ def zero3_args(toy: dict, ckpt: Path, out: Path, num_workers: int) -> list[str]:
 def reference_zero3_weights(toy_assets, rlhf_env, tmp_path_factory) -> dict:
     """The final weights of the 2-rank ZeRO-3 run, never interrupted."""
     out = tmp_path_factory.mktemp("reference-zero3")
-    reference = run_rlhf(zero3_args(toy_assets, out / "ckpt", out / "model", 2), rlhf_env)
+    reference = run_rlhf(zero3_args(toy_assets, out / "ckpt", out / "model", 2) + NO_SNAPSHOTS, rlhf_env)
     assert reference.returncode == 0, reference.stderr[-3000:]
     return load_file(str(out / "model" / "model.safetensors"))
 
 
 @pytest.fixture(scope="module")
 def killed_zero3_ckpt(toy_assets, rlhf_env, tmp_path_factory) -> Path:
-    """The checkpoint folder of a 2-rank ZeRO-3 run SIGKILLed inside step 13 (steps 5 and 10 committed)."""
+    """The checkpoint folder of a 2-rank ZeRO-3 run that lost a rank as it entered step 8 (replaced in place from
+    a snapshot between commits) and was SIGKILLed inside step 13 (steps 5 and 10 committed)."""
     root = tmp_path_factory.mktemp("killed-zero3")
-    ckpt = root / "ckpt"
-    paused_env = {**rlhf_env, "RLHF_FAULT_INJECT": "train_step@13=sleep:600"}
+    ckpt, faults, log = root / "ckpt", root / "faults", root / "command.log"
+    faults.mkdir()
+    paused_env = {**rlhf_env, "RLHF_FAULT_INJECT": "train_step@8=kill,train_step@13=sleep:600",
+                  "RLHF_FAULT_STATE": str(faults)}
     command = [RLHF, *zero3_args(toy_assets, ckpt, root / "out", 2), *PAUSED_ON_PURPOSE]
-    killed = subprocess.Popen(command, env=paused_env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        wait_for(ckpt / "rlhf" / "sft" / "step_10" / "MANIFEST.json", killed, timeout=400)
-        time.sleep(2)  # let the third chunk start training
-    finally:
-        os.killpg(killed.pid, signal.SIGKILL)
-        killed.wait()
+    with open(log, "wb") as output:
+        killed = subprocess.Popen(command, env=paused_env, stdout=output, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+        try:
+            wait_for(ckpt / "rlhf" / "sft" / "step_10" / "MANIFEST.json", killed, timeout=400)
+            time.sleep(2)  # let the third chunk start training
+        finally:
+            os.killpg(killed.pid, signal.SIGKILL)
+            killed.wait()
     assert sorted(p.name for p in (ckpt / "rlhf" / "sft").glob("step_*")) == ["step_10", "step_5"]
+    replaced = [line for line in log.read_text().splitlines() if "Replaced the ranks in" in line]
+    assert len(replaced) == 1 and re.search(r"training again from step [67] \(a snapshot between commits",
+                                            replaced[0]), log.read_text()[-3000:]
     return ckpt
 
 

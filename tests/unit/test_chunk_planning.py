@@ -68,7 +68,7 @@ def test_relative_paths_become_absolute_for_workers(toy_assets, tmp_path, monkey
 
 
 def test_each_rank_fetches_only_the_files_it_reads():
-    from rlhf_core.rank.worker import files_for_rank
+    from rlhf_core.rank.loading import files_for_rank
 
     paths = ["actor_model/ds/mp_rank_00_model_states.pt", "actor_model/ds/zero_pp_rank_0_mp_rank_00_optim_states.pt",
              "actor_model/ds/zero_pp_rank_1_mp_rank_00_optim_states.pt",

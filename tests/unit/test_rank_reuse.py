@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from rlhf_core.rank import reuse
-from rlhf_core.rank.worker import _free_port as free_port
+from rlhf_core.rank.threads import free_port
 from rlhf_core.rank.reuse import ProcessBaseline, reset_for_reuse
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from rlhf_core.driver.ray_start import threads_asked
 from rlhf_core.errors import UserError
-from rlhf_core.rank.worker import torch_threads
+from rlhf_core.rank.threads import torch_threads
 
 
 def test_a_rank_shares_the_cpus_it_may_run_on_not_the_hosts(monkeypatch):

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from rlhf_core.rank.worker import WRITER_SCHEDULING_ENV, yield_cpu_to_training
+from rlhf_core.rank.threads import WRITER_SCHEDULING_ENV, yield_cpu_to_training
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
 

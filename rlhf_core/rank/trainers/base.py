@@ -152,12 +152,8 @@ class DeepSpeedTrainer(abc.ABC, Generic[ConfigT]):
     def save(self, directory: str) -> None:
         """All ranks write DeepSpeed state (unless disable_ds_ckpt) and gather ZeRO-3 weights; rank 0
         writes the HF copies (and the tokenizer if save_hf_ckpt)."""
-        client_state = {"step": self.step, "controller": self.controller_state(),
-                        "universal_checkpoint_info": {"universal_checkpoint_version": 0.2}}
         if not self.cfg.disable_ds_ckpt:
-            for name, engine in self.engines.items():
-                engine.save_checkpoint(os.path.join(directory, name), tag=DEEPSPEED_STATE_DIR,
-                                       client_state=client_state, save_latest=False)
+            self.save_state(directory)
         elif self.rank == 0:
             with open(os.path.join(directory, TRAINER_STATE_NAME), "w") as handle:
                 json.dump({"step": self.step, "controller": self.controller_state(),
@@ -167,6 +163,15 @@ class DeepSpeedTrainer(abc.ABC, Generic[ConfigT]):
         for name, engine in self.engines.items():
             self.save_hf(engine, os.path.join(directory, name, HF_WEIGHTS_DIR))
         dist.barrier()
+
+    def save_state(self, directory: str) -> None:
+        """Every engine's DeepSpeed state, with the step and the controller state: all a resume on the same world
+        size needs (a snapshot between commits saves only this; a collective, as DeepSpeed's save is)."""
+        client_state = {"step": self.step, "controller": self.controller_state(),
+                        "universal_checkpoint_info": {"universal_checkpoint_version": 0.2}}
+        for name, engine in self.engines.items():
+            engine.save_checkpoint(os.path.join(directory, name), tag=DEEPSPEED_STATE_DIR,
+                                   client_state=client_state, save_latest=False)
 
     def save_hf(self, engine, hf_dir: str) -> None:
         with gathered(engine):
