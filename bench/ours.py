@@ -120,6 +120,20 @@ def copy_rank_tensors(worker, repeat: int) -> dict:
             "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
 
 
+def interim_stalls(worker, repeat: int) -> dict:
+    """Runs inside a rank (`__ray_call__`): the training stall of a snapshot between commits
+    (`rlhf_core.rank.interim`), taken `repeat` + 2 times at the rank's step; the first two fill the two slots' pages
+    (reported apart as `first`), the median of the rest is what every later one costs. `interval`: K as the rank then
+    chooses it from its step times."""
+    interim, trainer = worker._interim, worker.trainer
+    seconds = []
+    for index in range(repeat + 2):
+        interim.take(trainer.step + 1 + index, trainer.engines.values(), trainer.save_state, [])
+        seconds.append(interim.stall_seconds)
+    return {"seconds": statistics.median(seconds[2:]), "first": seconds[0], "interval": interim.interval,
+            "step_seconds": statistics.median(interim._step_seconds) if interim._step_seconds else None}
+
+
 def local_path(uri: str) -> str:
     return uri[len("file://"):] if uri.startswith("file://") else uri
 

@@ -66,6 +66,7 @@ def plan_lines(ckpt_path: str, run_name: str, mtbf_hours: float, only_stage: str
         name = stage.stage if stage is not None else (only_stage or "given")
         lines += _stage_plan(name, measured, overrides, mtbf_hours * 3600,
                              round(stage.steps / stage.chunks) if stage is not None else None)
+        lines += _snapshot_memory(run_url, name) if stage is not None else []
     lines.append("expected goodput = 1 - C/T - (T/2 + R)/MTBF (first order; T = save_steps x step seconds)")
     return lines
 
@@ -85,6 +86,28 @@ def _stage_plan(name: str, measured: tuple[float, float, float], overrides: tupl
     lines.append(f"  suggested: --save_steps {plan.save_steps} (T = sqrt(2*C*MTBF) = {plan.interval_seconds:.3g} s "
                  f"of work): expected goodput {100 * plan.expected_goodput:.2f}%")
     return lines
+
+
+def _snapshot_memory(run_url: str, stage: str) -> list[str]:
+    """The memory the snapshots between commits take (`rlhf_core.rank.interim`): two per rank in its node's tmpfs,
+    each the rank's share of the DeepSpeed state of the stage's newest commit (none when it has no commit)."""
+    from rlhf_core.errors import human_bytes
+    from rlhf_core.storage.interim import NUM_SLOTS
+    from rlhf_core.storage.checkpoint import CheckpointStore
+    from rlhf_core.storage.manifest import MANIFEST_NAME
+
+    store = CheckpointStore(f"{run_url}/{stage}")
+    committed = [info for info in store.list() if info.is_committed]
+    if not committed:
+        return []
+    newest = committed[-1]
+    state_bytes = sum(entry["size"] for entry in store.read_json(f"{newest.name}/{MANIFEST_NAME}")["files"]
+                      if "/ds/" in entry["path"])
+    ranks = store.training_metadata(newest.step).world_size or 1
+    return [f"  snapshots between commits (--snapshot_steps): at most {NUM_SLOTS} per rank in its node's tmpfs, "
+            f"{human_bytes(NUM_SLOTS * state_bytes / ranks)} per rank on average ({human_bytes(NUM_SLOTS * state_bytes)} "
+            f"for all {ranks}: {NUM_SLOTS}x the DeepSpeed state of {newest.name}); room for them in /dev/shm, or "
+            "--snapshot_steps -1"]
 
 
 def _ledger_stages(ledger, required: bool = True) -> list:

@@ -107,12 +107,12 @@ class RunSettings(BaseModel):
                                    "the ranks' first step (imports, set-up, the load) at least 900.")
     )
     snapshot_steps: int = Field(
-        0, ge=-1, **operational("Steps between the snapshots each rank keeps in its node's memory (tmpfs) between "
-                                 "commits: a lost or hung rank's replacement, and its peers, go on from the newest "
-                                 "one every rank holds instead of the last commit. 0: the fewest steps at which the "
-                                 "copy keeps up with training (every step when a step takes longer than the copy); "
-                                 "-1: none. Each rank holds at most two, each the size of its share of a "
-                                 "checkpoint's DeepSpeed state, plus one copy in its own memory.")
+        0, ge=-1, **operational("Steps between the snapshots each rank copies into its node's memory (tmpfs) "
+                                 "between commits: a lost or hung rank's replacement, and its peers, go on from the "
+                                 "newest one every rank holds instead of the last commit. 0: the fewest steps over "
+                                 "which a snapshot's copy costs at most 5% of the training time (every step when a "
+                                 "step takes 20 times the copy); -1: none. Each rank holds at most two, each the "
+                                 "size of its share of a checkpoint's DeepSpeed state.")
     )
     num_spare_workers: int | None = Field(
         None, ge=0, **operational("Rank processes kept warm beside the worker group (torch, DeepSpeed and the trainer "

@@ -21,13 +21,14 @@ from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlhf_core.driver.stop import StopSignals
+from rlhf_core.driver.waits import gather
 from rlhf_core.config import RunConfig
 from rlhf_core.rank.ds_config import resolve_zero_stage
 from rlhf_core.driver.ray_start import ensure_ray, forwarded_environment, threads_asked
-from rlhf_core.driver.interim import InterimStart, interim_plan
+from rlhf_core.driver.interim import InterimStart, interim_note, interim_plan
 from rlhf_core.driver.hang import HangWatch, dump_rank_stacks, save_stacks, stuck_frame
 from rlhf_core.driver.lingering import claim_lingering, lingering_options, lingers, retire_ranks
-from rlhf_core.errors import FailedAt, RankHung, RLHFError, UserError, WorkerLost
+from rlhf_core.errors import FailedAt, RankHung, UserError, WorkerLost
 from rlhf_core.ops.alerts import ALERT_HANG, Alert, AlertLog
 from rlhf_core.ops.console import show_work
 from rlhf_core.ops.ray_output import adopt_worker_output
@@ -43,8 +44,8 @@ logger = logging.getLogger(__name__)
 # After a rank fails in a collective, how long to wait for Ray to say which peer was lost (it marks a node
 # dead once it misses its heartbeats, ~5-10 s).
 LOSS_DETECTION_TIMEOUT_S = 30.0
-# How often a wait on the ranks looks at the stop deadline, and how long a stopped run waits to release them.
-STOP_POLL_S, STOP_SHUTDOWN_S = 0.5, 2.0
+# How long a stopped run waits to release its ranks.
+STOP_SHUTDOWN_S = 2.0
 
 
 class WorkerGroup:
@@ -86,7 +87,7 @@ class WorkerGroup:
             self._placement_line = (logging.WARNING if self.world_size < run.num_workers else logging.INFO,
                                     f"placed {self.world_size} of {run.num_workers} ranks ({run.placement_strategy}) on "
                                     f"nodes: {', '.join(f'{node} x{nodes.count(node)}' for node in dict.fromkeys(nodes))}"
-                                    f"{reused}")
+                                    f"{reused}{interim_note(run)}")
             self._check_store_visible(run)
             master_addr, master_port = self._gather(self.workers[0].rendezvous_address.remote())
             node_ids = [location.node_id for location in self.locations]
@@ -381,25 +382,3 @@ def group_settings(run: RunConfig) -> dict:
     """The settings a WorkerGroup is built from: two runs that agree on them can use the same group."""
     return run.model_dump(include={"ray_address", "num_workers", "num_cpus_per_worker", "placement_strategy",
                                    "placement_timeout_s", "allow_fewer_workers", "ckpt_path", "storage_options"})
-
-
-def gather(refs, signals: StopSignals | None = None, on_wait: Callable[[], None] | None = None):
-    """`ray.get(refs)`, re-raising a rank's named failure (`rlhf_core.errors`) as itself (Ray wraps it in a
-    RayTaskError), so the retry policy and the CLI see its class. Once a stop signal has arrived, waits only until
-    `signals`' emergency checkpoint deadline (`rlhf_core.driver.stop.GraceExpired`); calls `on_wait` every
-    STOP_POLL_S while it waits (the hang watch)."""
-    pending = list(refs) if isinstance(refs, list) else [refs]
-    while pending:
-        _, pending = ray.wait(pending, num_returns=len(pending), timeout=STOP_POLL_S)
-        if pending:
-            if signals is not None:
-                signals.check_deadline()
-            if on_wait is not None:
-                on_wait()
-    try:
-        return ray.get(refs)
-    except ray.exceptions.RayTaskError as error:
-        cause = getattr(error, "cause", None)
-        if isinstance(cause, RLHFError):
-            raise cause from None
-        raise

@@ -10,7 +10,7 @@ import socket
 from dataclasses import dataclass
 
 from rlhf_core.config import RunConfig
-from rlhf_core.rank.interim import InterimPlan
+from rlhf_core.storage.interim import NUM_SLOTS, STALL_BUDGET, InterimPlan
 from rlhf_core.stages.base import StageConfig
 
 
@@ -37,3 +37,13 @@ def interim_plan(run: RunConfig, stage: str, token: str, world_size: int, zero_s
         return None
     key = hashlib.sha256(f"{token}/{run.stage_url(stage)}/{world_size}/{zero_stage}".encode()).hexdigest()[:16]
     return InterimPlan(key, run.snapshot_steps, world_size, socket.gethostname(), os.getpid())
+
+
+def interim_note(run: RunConfig) -> str:
+    """The placement line's words on the snapshots between commits (the run's memory for them, bounded)."""
+    if run.snapshot_steps < 0:
+        return ""
+    every = (f"every {run.snapshot_steps} step{'s' if run.snapshot_steps > 1 else ''}" if run.snapshot_steps
+             else f"every K steps (a copy within {STALL_BUDGET:.0%} of training)")
+    return (f"; snapshots between commits {every} in each node's tmpfs, at most {NUM_SLOTS} per rank, each its "
+            "share of the DeepSpeed state")

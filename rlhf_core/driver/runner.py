@@ -26,7 +26,7 @@ from rlhf_core.errors import RankHung, WorkerLost
 from rlhf_core.driver.resume import Lineage, StageCheckpoints, StartState, load_start
 from rlhf_core.ops.goodput import GoodputLedger
 from rlhf_core.ops.trackers import OpenTrackers
-from rlhf_core.rank.interim import remove_for_driver
+from rlhf_core.storage.interim import remove_for_driver
 from rlhf_core.storage.checkpoint import CheckpointStore
 from rlhf_core.storage.lease import RunLease
 from rlhf_core.storage.manifest import CheckpointInfo
@@ -129,7 +129,7 @@ class _Held:
     warm: WarmGroup | None = None
     prestart: Prestart | None = None
     lease: RunLease | None = None
-    # Names this command's snapshots between commits (rlhf_core.rank.interim): never read by another command.
+    # Names this command's snapshots between commits (rlhf_core.storage.interim): never read by another command.
     interim_token: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
 

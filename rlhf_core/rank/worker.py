@@ -13,6 +13,7 @@ import os
 import shutil
 import socket
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass
@@ -22,7 +23,9 @@ import ray
 
 from rlhf_core.config import RunConfig
 from rlhf_core.errors import TransientStoreError
-from rlhf_core.rank.interim import InterimPlan, InterimSnapshots, node_folder, recorded, remove_orphans, whole_steps
+from rlhf_core.rank.interim import InterimSnapshots
+from rlhf_core.storage.interim import (PREFIX, InterimPlan, interim_root, materialize, node_folder, recorded,
+                                       remove_orphans, whole_steps)
 from rlhf_core.rank.reuse import OutlivesItsCommand
 from rlhf_core.rank.signals import Progress, WorkerSignals
 from rlhf_core.rank.threads import free_port, torch_threads, yield_cpu_to_training
@@ -88,8 +91,7 @@ class TrainWorker(OutlivesItsCommand):
         """After a command's clean end: forget its stage and reset the process for the next command (a spare);
         returns "" when it is one, else why it cannot be (the driver then ends it)."""
         zero_stage = self._trainer.cfg.zero_stage if self._trainer is not None else None
-        if self._interim is not None:
-            self._interim.finish()  # its folder is the driver's to remove, at the command's end
+        # the snapshots between commits are the driver's to remove, at the command's end
         self._trainer, self._stage, self._stop_requested, self._interim = None, "", False, None
         self._kept_in_memory, self._written_state, self._progress = {}, {}, Progress()
         return self._become_spare(zero_stage)
@@ -180,10 +182,7 @@ class TrainWorker(OutlivesItsCommand):
         from rlhf_core.faults import fault_point, register_action
         from rlhf_core.rank.trainers import trainer_class
 
-        self._stage, self._metrics_since_commit = stage, []
-        if self._interim is not None:
-            self._interim.finish()
-        self._interim = None
+        self._stage, self._metrics_since_commit, self._interim = stage, [], None
         if interim is not None:
             remove_orphans()
             self._interim = InterimSnapshots(interim, self.rank, self._interim_folder(interim))
@@ -269,22 +268,29 @@ class TrainWorker(OutlivesItsCommand):
         return whole_steps(self._interim_folder(plan), plan.world_size)
 
     @ray.method(concurrency_group="control")  # asked while the ranks train ahead
-    def interim_report(self) -> tuple[int, float, float]:
-        """The snapshots' interval K as chosen so far, and the last one's copy and write seconds."""
-        interim = self._interim
-        return (interim.interval, interim.copy_seconds, interim.write_seconds) if interim else (0, 0.0, 0.0)
+    def interim_report(self) -> tuple[int, float]:
+        """The snapshots' interval K as chosen so far, and the last one's stall in seconds."""
+        return (self._interim.interval, self._interim.stall_seconds) if self._interim else (0, 0.0)
 
     def load_interim(self, step: int) -> tuple[int, list[dict[str, float]], int]:
         """Load the snapshot between commits of `step` from this node's tmpfs; returns the step, the metrics of
         the steps between the last commit and it, and the interval it was taken at."""
         from rlhf_core.faults import fault_point
 
-        assert self._interim is not None
+        from rlhf_core.rank.loading import files_for_rank
+
+        interim = self._interim
+        assert interim is not None
         with self._progress.working_on("load"):
-            step_dir = os.path.join(self._interim.folder, f"step_{step}")
-            loaded = self.trainer.load(step_dir, False, False)
-            self._interim.restore_from(loaded)
-            self._metrics_since_commit, interval = recorded(self._interim.folder, step)
+            rebuilt = tempfile.mkdtemp(prefix=f"{PREFIX}restore-{os.getpid()}-", dir=interim_root())
+            try:
+                materialize(interim.folder, step, self.world_size, rebuilt,
+                            lambda paths: files_for_rank(paths, self.rank, all_shards=False))
+                loaded = self.trainer.load(rebuilt, False, False)
+            finally:
+                shutil.rmtree(rebuilt, ignore_errors=True)
+            interim.restore_from(loaded)
+            self._metrics_since_commit, interval = recorded(interim.folder, step, self.world_size)
         fault_point("loaded", loaded, tag=self._stage)  # the trace's mark, as load_from_store's
         return loaded, self._metrics_since_commit, interval
 

@@ -1,9 +1,9 @@
 """A chunk whose Ray worker died, or hung, replaces its ranks in place and still ends bit-for-bit exact.
 
 Two DeepSpeed ranks (ZeRO-2 over gloo). A fault hook SIGKILLs one rank's process once, as it enters step 8
-(the second chunk); the chunk starts a new worker group at once (no Prefect retry) from the newest snapshot between
-commits both ranks finished (step 6 or 7; the step-5 commit before those existed), and the final weights equal
-those of an uninterrupted two-rank run that took no snapshots. In the second test one
+(the second chunk); the chunk starts a new worker group at once (no Prefect retry) from the snapshot between commits
+both ranks took after step 7 (`--snapshot_steps 1`; the step-5 commit before those existed), and the final weights
+equal those of an uninterrupted two-rank run that took no snapshots. In the second test one
 rank stops (SIGSTOP) as it enters the step-boundary collective before step 8, leaving its peer waiting inside it:
 the hang is caught, the stopped rank named, and the run ends the same.
 """
@@ -11,7 +11,6 @@ the hang is caught, the stopped rank named, and the run ends the same.
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 from safetensors.torch import load_file
@@ -39,15 +38,15 @@ def test_worker_killed_mid_chunk_is_retried_and_exact(toy_assets, rlhf_env, tmp_
 
     (tmp_path / "faults").mkdir()
     env = {**rlhf_env, "RLHF_FAULT_INJECT": "train_step@8=kill", "RLHF_FAULT_STATE": str(tmp_path / "faults")}
-    faulty = run_rlhf(train_sft_args(toy_assets, tmp_path / "ckpt", tmp_path / "out") + two_ranks, env)
+    args = train_sft_args(toy_assets, tmp_path / "ckpt", tmp_path / "out") + two_ranks + ["--snapshot_steps", "1"]
+    faulty = run_rlhf(args, env)
     log = faulty.stdout + faulty.stderr
     assert faulty.returncode == 0, log[-4000:]
     assert (tmp_path / "faults" / "train_step@8").exists(), "the fault never fired"
     lines = [line for line in log.splitlines() if "was lost mid-chunk" in line]
     assert len(lines) == 1 and "Replaced the ranks in" in lines[0], log[-4000:]  # in place: one line, no retry
-    # From a snapshot between commits, not from the step-5 commit (step 7's may still have been writing).
-    assert re.search(r"training again from step [67] \(a snapshot between commits, taken every [12] steps?\)",
-                     lines[0]), lines[0]
+    # From the snapshot both ranks took as they finished step 7, not from the step-5 commit.
+    assert "training again from step 7 (a snapshot between commits, taken every 1 step)." in lines[0], lines[0]
     assert "Retry 1/2" not in log and "A worker died" not in log, log[-4000:]  # nor Ray's ten lines
 
     expected = two_rank_weights

@@ -1,12 +1,12 @@
 """Every failure of the taxonomy (rlhf_core/errors.py) raised inside a Ray worker reaches the driver through
-`engine.gather` as itself: its class, message, attributes and `retryable`, as Prefect's retry policy reads them."""
+`waits.gather` as itself: its class, message, attributes and `retryable`, as Prefect's retry policy reads them."""
 
 from __future__ import annotations
 
 import pytest
 import ray
 
-from rlhf_core.driver.engine import gather
+from rlhf_core.driver.waits import gather
 from rlhf_core.errors import RLHFError
 from tests.unit.test_errors import TAXONOMY
 

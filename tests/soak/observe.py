@@ -16,6 +16,7 @@ from pathlib import Path
 from rlhf_core.processes import process_exists
 
 REPLACED = re.compile(r"Replaced the ranks in ([\d.]+) s")
+FROM_SNAPSHOT = re.compile(r"a snapshot between commits, taken every (\d+) steps?")
 LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) (\w+)\s+(\S+) - (.*)$")
 
 
@@ -188,6 +189,15 @@ class Evidence:
             return next((line.time for line in after if "store is unreachable" in line.message), None)
         warnings = [line.time for line in after if line.level in ("WARNING", "ERROR")]
         return min(warnings, default=self._state_after(injected_at, until, lambda type_, _: type_ != "RUNNING"))
+
+    def snapshot_interval(self, injected_at: float, until: float = float("inf")) -> int | None:
+        """K of the snapshot between commits the ranks replaced after the fault started from (None: they started
+        from a commit, or no ranks were replaced in place)."""
+        for line in self.log:
+            if injected_at <= line.time < until and REPLACED.search(line.message):
+                found = FROM_SNAPSHOT.search(line.message)
+                return int(found.group(1)) if found else None
+        return None
 
     def crashed_between(self, since: float, until: float) -> bool:
         return self._state_after(since, until, lambda type_, _: type_ == "CRASHED") is not None

@@ -28,6 +28,7 @@ class FaultRow:
     restart_s: float | None = None
     load_s: float | None = None
     recompute_s: float | None = None
+    snapshot_k: int | None = None  # K of the snapshot between commits the new ranks started from, as the run chose it
     committed_before: int | None = None  # the stage's newest commit when the fault hit
     resumed_from: int | None = None  # the step the run trained again from, minus one
     commit_lost: bool = False
@@ -37,6 +38,7 @@ class FaultRow:
     def measure(self, evidence: Evidence, until: float = float("inf")) -> None:
         """Time the fault from `evidence`, looking for its detection before `until` (the next fault)."""
         detected = evidence.detected_at(self.kind, self.injected_at, until)
+        self.snapshot_k = evidence.snapshot_interval(self.injected_at, until)
         self.detect_s = None if detected is None else round(max(0.0, detected - self.injected_at), 1)
         before = evidence.last_step_before(self.injected_at)
         keeps_ranks = self.kind == "store_outage" or (self.kind == "worker_kill" and not evidence.crashed_between(
@@ -91,7 +93,7 @@ def _cell(value) -> str:
 
 def as_markdown(report: dict) -> str:
     columns = ("leg", "kind", "at_s", "detect_s", "next_step_s", "restart_s", "load_s", "steps_recomputed",
-               "recompute_s", "commit_lost", "target")
+               "snapshot_k", "recompute_s", "commit_lost", "target")
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(_cell(row[column]) for column in columns) + " |" for row in report["rows"]]
     legs = "; ".join(f"{leg['name']}: {leg['soak_s']:.0f} s against {leg['reference_s']:.0f} s uninterrupted "

@@ -374,6 +374,22 @@ def test_rlhf_plan_uses_the_measured_costs_and_takes_overrides(tmp_path, capsys)
     assert "suggested: --save_steps 170 " in out
     expected = 100 * (1 - 1 / 85 - 42.5 / 3600)
     assert f"expected goodput {expected:.2f}%" in out
+    assert "snapshots between commits" not in out  # no commit in the store to size them by
+
+    # With a commit of 2 ranks: their DeepSpeed state (not the HF copy) twice over, shared by the ranks.
+    from rlhf_core.storage.checkpoint import CheckpointStore
+
+    local = tmp_path / "step-40"
+    for name, size in (("actor_model/ds/mp_rank_00_model_states.pt", 3_000_000),
+                       ("actor_model/ds/zero_pp_rank_1_mp_rank_00_optim_states.pt", 1_000_000),
+                       ("actor_model/hf/model.safetensors", 5_000_000)):
+        (local / name).parent.mkdir(parents=True, exist_ok=True)
+        (local / name).write_bytes(b"x" * size)
+    CheckpointStore(str(tmp_path / "ckpt" / "exp" / "sft")).commit(40, str(local), {"stage": "sft", "step": 40,
+                                                                                     "world_size": 2})
+    assert main(["plan", "--ckpt_path", str(tmp_path / "ckpt"), "--run_name", "exp", "--mtbf_hours", "1"]) == 0
+    assert ("snapshots between commits (--snapshot_steps): at most 2 per rank in its node's tmpfs, 4.00 MB per rank "
+            "on average (8.00 MB for all 2: 2x the DeepSpeed state of step_40)") in capsys.readouterr().out
     assert main(["plan", "--ckpt_path", str(tmp_path / "nothing"), "--mtbf_hours", "1", "--checkpoint_seconds", "2",
                  "--step_seconds", "0.5", "--restart_seconds", "30"]) == 0
     assert "suggested: --save_steps 240 (T = sqrt(2*C*MTBF) = 120 s of work): expected goodput 95.83%" \

@@ -1,11 +1,13 @@
-"""Snapshots between commits (`rlhf_core.rank.interim`, `rlhf_core.driver.interim`, `resume.restore_interim`): a
-step counts only once every rank finished it whole, each rank keeps at most two, a new group forgets what its failed
-predecessor wrote past its start, the interval follows the copy's cost, a dead driver's folders go, and the driver
+"""Snapshots between commits (`rlhf_core.storage.interim`, `rlhf_core.rank.interim`, `rlhf_core.driver.interim`, `resume.restore_interim`): a
+step counts only once every rank finished it whole and rebuilds as written, each rank keeps at most two, a new
+group forgets what its failed predecessor wrote past its start, the interval keeps the stall within its budget, a dead driver's folders go, and the driver
 falls back to the commit when no newer whole snapshot is there. The bit-exact restores on real ranks are in
 tests/integration (test_chunk_retry: 2 ranks ZeRO-2; test_hang: 1 rank; test_zero3: 2 ranks ZeRO-3)."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import socket
 import subprocess
@@ -18,8 +20,9 @@ import torch
 from rlhf_core.config import RunConfig
 from rlhf_core.driver.interim import InterimStart, interim_plan
 from rlhf_core.driver.resume import Lineage, StageCheckpoints, restore_interim
-from rlhf_core.rank.interim import (InterimPlan, InterimSnapshots, node_folder, recorded, remove_for_driver,
-                                    remove_orphans, whole_steps)
+from rlhf_core.rank.interim import InterimSnapshots
+from rlhf_core.storage.interim import (STALL_BUDGET, InterimPlan, materialize, node_folder, recorded,
+                                       remove_for_driver, remove_orphans, whole_steps)
 from rlhf_core.stages.sft import SFTConfig
 from rlhf_core.storage.manifest import STATUS_COMMITTED, CheckpointInfo
 
@@ -38,7 +41,8 @@ def save_like_deepspeed(engine: FakeEngine, rank: int):
     (DeepSpeed's recovery script)."""
     def save(folder: str) -> None:
         os.makedirs(os.path.join(folder, "actor_model", "ds"), exist_ok=True)
-        engine.checkpoint_engine.save({"w": engine.weight}, os.path.join(folder, STATE_FILE.replace("00", f"0{rank}")))
+        state = {"w": engine.weight, "empty": torch.empty(0, dtype=torch.bfloat16), "step": 3}  # ZeRO-3 has empty ones
+        engine.checkpoint_engine.save(state, os.path.join(folder, STATE_FILE.replace("00", f"0{rank}")))
         Path(folder, "actor_model", "ds", "zero_to_fp32.py").write_text("# recovery script\n")
     return save
 
@@ -51,8 +55,16 @@ def snapshots(tmp_path: Path, rank: int = 0, world_size: int = 1, every_steps: i
 def take(interim: InterimSnapshots, step: int, value: float, rank: int = 0, metrics=None) -> None:
     engine = FakeEngine(torch.full((4,), value))
     interim.take(step, [engine], save_like_deepspeed(engine, rank), metrics or [])
-    interim.finish()
-    assert interim.write_error is None
+
+
+def rebuilt_weight(folder: str, step: int, world_size: int, rank: int, into: Path) -> torch.Tensor:
+    """The state file `rank` wrote at `step`, rebuilt as DeepSpeed reads it."""
+    name = STATE_FILE.replace("00", f"0{rank}")
+    materialize(folder, step, world_size, str(into), lambda paths: [path for path in paths if path == name])
+    assert sorted(str(path.relative_to(into)) for path in into.rglob("*") if path.is_file()) == [name]
+    state = torch.load(into / name, weights_only=True)
+    assert state["step"] == 3 and state["empty"].dtype == torch.bfloat16 and state["empty"].shape == (0,)
+    return state["w"]
 
 
 def test_a_step_is_whole_once_every_rank_wrote_it_and_each_rank_keeps_two(tmp_path):
@@ -61,20 +73,26 @@ def test_a_step_is_whole_once_every_rank_wrote_it_and_each_rank_keeps_two(tmp_pa
     assert whole_steps(rank0.folder, 2) == []  # rank 1 has not finished step 3
     take(rank1, 3, 3.0, rank=1)
     assert whole_steps(rank0.folder, 2) == [3]
-    assert recorded(rank0.folder, 3) == ([{"loss": 1.5}], 1)
-    kept = torch.load(os.path.join(rank0.folder, "step_3", STATE_FILE), weights_only=True)
-    assert kept["w"].equal(torch.full((4,), 3.0))
+    assert recorded(rank0.folder, 3, 2) == ([{"loss": 1.5}], 1)
+    assert rebuilt_weight(rank0.folder, 3, 2, 1, tmp_path / "rebuilt-3").equal(torch.full((4,), 3.0))
 
     for step in (4, 5):
         take(rank0, step, float(step))
         take(rank1, step, float(step), rank=1)
-    assert whole_steps(rank0.folder, 2) == [4, 5]
-    assert sorted(os.listdir(rank0.folder)) == ["step_4", "step_5"]  # step 3 gone whole: no rank holds it
+    assert whole_steps(rank0.folder, 2) == [4, 5]  # step 3's slot now holds step 5: two each, no more
+    assert sorted(os.listdir(rank0.folder)) == ["slot_0", "slot_1"]
+    assert rebuilt_weight(rank0.folder, 5, 2, 0, tmp_path / "rebuilt-5").equal(torch.full((4,), 5.0))
+    assert rebuilt_weight(rank0.folder, 4, 2, 1, tmp_path / "rebuilt-4").equal(torch.full((4,), 4.0))
 
-    # a file cut short (or a write that died before its marker) makes its step unusable
-    with open(os.path.join(rank0.folder, "step_5", STATE_FILE.replace("00", "01")), "r+b") as handle:
+    # rank 0 dies while it copies step 6 over its step-4 slot (its marker removed first); rank 1 finishes step 6
+    slots = {json.loads((slot / "rank0.json").read_text())["step"]: slot for slot in Path(rank0.folder).iterdir()}
+    (slots[4] / "rank0.json").unlink()
+    take(rank1, 6, 6.0, rank=1)
+    assert whole_steps(rank0.folder, 2) == [5]  # step 6 lacks rank 0; step 4 is gone
+    # a file cut short makes its step unusable too
+    with open(slots[5] / (STATE_FILE.replace("00", "01") + ".bin"), "r+b") as handle:
         handle.truncate(10)
-    assert whole_steps(rank0.folder, 2) == [4]
+    assert whole_steps(rank0.folder, 2) == []
 
 
 def test_a_new_group_forgets_what_the_failed_one_wrote_past_its_start(tmp_path):
@@ -85,18 +103,22 @@ def test_a_new_group_forgets_what_the_failed_one_wrote_past_its_start(tmp_path):
     replacement.restore_from(6)
     assert whole_steps(replacement.folder, 1) == [6]
     assert not replacement.due(6) and replacement.due(7)  # nothing again of the step it starts from
+    take(replacement, 7, 70.0)  # into the slot step 7 of the failed group was in, not over step 6
+    assert whole_steps(replacement.folder, 1) == [6, 7]
+    assert rebuilt_weight(replacement.folder, 7, 1, 0, tmp_path / "rebuilt").equal(torch.full((4,), 70.0))
 
 
-def test_the_interval_covers_the_copy_and_its_write_unless_the_run_sets_it(tmp_path):
+def test_the_interval_keeps_the_stall_within_its_budget_unless_the_run_sets_it(tmp_path):
     chosen = snapshots(tmp_path, every_steps=0)
     for _ in range(5):
         chosen.step_done(1e-6)  # steps far shorter than any copy
     take(chosen, 1, 1.0)
-    assert chosen.interval > 1 and not chosen.due(chosen.interval) and chosen.due(1 + chosen.interval)
+    expected = math.ceil(chosen.stall_seconds / (STALL_BUDGET * 1e-6))
+    assert chosen.interval == expected > 1 and not chosen.due(chosen.interval) and chosen.due(1 + chosen.interval)
     for _ in range(8):
         chosen.step_done(3600.0)  # the median of the last 16 steps
     take(chosen, 1 + chosen.interval, 2.0)
-    assert chosen.interval == 1  # a step longer than the copy: every step
+    assert chosen.interval == 1  # a step 20 times the stall or longer: every step
 
     fixed = snapshots(tmp_path / "fixed", every_steps=4)
     fixed.step_done(1e-6)

@@ -34,7 +34,17 @@ def test_a_killed_rank_is_timed_from_the_replacement_line_and_counts_the_steps_t
     row = FaultRow("disk", "rank_kill", "rank pid 1", 0.0, injected_at=100.5, stage="sft", committed_before=16)
     row.measure(evidence)
     assert (row.detect_s, row.next_step_s, row.steps_recomputed, row.resumed_from) == (0.1, 8.5, 13, 16)  # steps 17-29 again
-    assert not row.commit_lost
+    assert not row.commit_lost and row.snapshot_k is None  # back to the commit
+
+
+def test_a_rank_replaced_from_a_snapshot_between_commits_reports_its_k():
+    evidence = Evidence(
+        steps((100.0, 1, 30, "sft"), (104.0, 3, 29, "sft")),
+        [LogLine(103.5, "WARNING", "Lost rank 0. Replaced the ranks in 3.0 s (1 of 1 from warm spares); training again "
+                 "from step 28 (a snapshot between commits, taken every 2 steps).")], [], [])
+    row = FaultRow("disk", "rank_kill", "rank pid 1", 0.0, injected_at=100.2, stage="sft", committed_before=16)
+    row.measure(evidence)
+    assert (row.snapshot_k, row.steps_recomputed, row.resumed_from) == (2, 1, 28)
 
 
 def test_a_faults_recovery_is_split_into_restart_load_and_the_steps_trained_again():
