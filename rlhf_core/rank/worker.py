@@ -13,7 +13,6 @@ import os
 import shutil
 import socket
 import sys
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass
@@ -24,8 +23,7 @@ import ray
 from rlhf_core.config import RunConfig
 from rlhf_core.errors import TransientStoreError
 from rlhf_core.rank.interim import InterimSnapshots
-from rlhf_core.storage.interim import (PREFIX, InterimPlan, interim_root, materialize, node_folder, recorded,
-                                       remove_orphans, whole_steps)
+from rlhf_core.storage.interim import InterimPlan, node_folder, recorded, remove_orphans, whole_steps
 from rlhf_core.rank.reuse import OutlivesItsCommand
 from rlhf_core.rank.signals import Progress, WorkerSignals
 from rlhf_core.rank.threads import free_port, torch_threads, yield_cpu_to_training
@@ -277,19 +275,10 @@ class TrainWorker(OutlivesItsCommand):
         the steps between the last commit and it, and the interval it was taken at."""
         from rlhf_core.faults import fault_point
 
-        from rlhf_core.rank.loading import files_for_rank
-
         interim = self._interim
         assert interim is not None
         with self._progress.working_on("load"):
-            rebuilt = tempfile.mkdtemp(prefix=f"{PREFIX}restore-{os.getpid()}-", dir=interim_root())
-            try:
-                materialize(interim.folder, step, self.world_size, rebuilt,
-                            lambda paths: files_for_rank(paths, self.rank, all_shards=False))
-                loaded = self.trainer.load(rebuilt, False, False)
-            finally:
-                shutil.rmtree(rebuilt, ignore_errors=True)
-            interim.restore_from(loaded)
+            loaded = interim.load(step, self.trainer)
             self._metrics_since_commit, interval = recorded(interim.folder, step, self.world_size)
         fault_point("loaded", loaded, tag=self._stage)  # the trace's mark, as load_from_store's
         return loaded, self._metrics_since_commit, interval

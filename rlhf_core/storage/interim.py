@@ -200,6 +200,8 @@ class SlotFiles:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "a+b") as handle:
             handle.truncate(size)
+            if size:  # reserved now: a full tmpfs is an OSError here, not a SIGBUS at the first page written
+                os.posix_fallocate(handle.fileno(), 0, size)
             mapping = mmap.mmap(handle.fileno(), max(size, 1)) if size else mmap.mmap(-1, 1)
         buffer = torch.frombuffer(mapping, dtype=torch.uint8)
         self._mappings[path] = (mapping, buffer)

@@ -212,3 +212,25 @@ def test_only_a_snapshot_newer_than_the_commit_is_used_and_a_bad_one_falls_back_
         assert group.calls == ["setup", ("load", held[-1], 5)]
     else:
         assert group.calls == []  # asked before any set-up: the commit's load sets the group up once
+
+
+def test_a_full_tmpfs_stops_the_snapshots_with_one_warning_and_leaves_the_older_one(tmp_path, monkeypatch, caplog):
+    """tmpfs full: the space is reserved before any page is written (a write through the mapping would be a SIGBUS,
+    killing the rank), the refusal is one warning, and no rank takes another (they agree on each one)."""
+    import errno
+
+    from rlhf_core.storage import interim as slots
+
+    interim = snapshots(tmp_path)
+    take(interim, 1, 1.0)
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(slots.os, "posix_fallocate", full)
+    take(interim, 2, 3.0)
+    take(interim, 3, 3.0)
+    assert interim.refused and not interim.due(10)
+    assert whole_steps(interim.folder, 1) == [1]
+    refusals = [record.message for record in caplog.records if "takes no more snapshots" in record.message]
+    assert len(refusals) == 1 and "No space left on device" in refusals[0] and "--snapshot_steps -1" in refusals[0]
