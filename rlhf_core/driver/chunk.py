@@ -123,7 +123,7 @@ class Chunk(ChunkState):
             except (WorkerLost, RankHung) as error:
                 if not self.runner.replaces_ranks_after(error, self.stage, target):
                     raise
-                replacing = Replacement(error)
+                replacing = Replacement(error, self.runner.released_slowest_step_s)
 
     def _committed_result(self, listing: list[CheckpointInfo], infos: list[CheckpointInfo]) -> ChunkResult | None:
         """The chunk's result when nothing is left to train: its target is committed (the last of `infos`, the listing
@@ -170,12 +170,13 @@ class Chunk(ChunkState):
         timing.prepared = time.perf_counter()
         warm_group = self.runner.warm_group
         group, _ = self.runner.group_at(self.stage, self.plan, self.store, infos, self.lineage,
-                                        after_loss=replacing is not None)
+                                        restore_below=self.target_step if replacing is not None else None)
         # A group started from a snapshot between commits trains on from it; the chunk still counts from the commit.
         restored, group.restored = group.restored, None
         start_step = restored.base_step if restored is not None else group.step
         if replacing is not None:
             replacing.ready(group, restored)
+            group.expect_steps_like(replacing.slowest_step_s)
         trackers = self._trackers_at(start_step, warm=group is warm_group, resumed_at=group.step)
         timing.loaded = time.perf_counter()
         step_metrics = (restored.metrics if restored is not None else []) + train_and_log(

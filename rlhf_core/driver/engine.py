@@ -186,6 +186,17 @@ class WorkerGroup:
         return metrics
 
     @property
+    def slowest_step_s(self) -> float:
+        """The slowest step that came back to the driver from this group (0 before any)."""
+        return self._watch.slowest_step_s
+
+    def expect_steps_like(self, slowest_step_s: float) -> None:
+        """A group replacing lost ranks of the same stage: the steady hang deadline holds from its first step (the
+        start-up window stays for its set-up and load), so a stall at the step the failed group stalled at, now
+        the first after a snapshot, is caught as fast as before."""
+        self._watch.steps_returned([slowest_step_s])
+
+    @property
     def first_step_seconds(self) -> float:
         """Rank 0's first step since the last `take_step_loop_seconds` (0 before any)."""
         return self._step_times[0][0] if self._step_times else 0.0
@@ -247,9 +258,13 @@ class WorkerGroup:
         self._stop_listener()
         workers, placement = self.workers, self.placement
         self.workers, self.placement = [], None
-        retiring = retire and self.lingering and self._ahead is None and not self.signals.requested()
+        clean = retire and self._ahead is None and not self.signals.requested()  # the ranks are alive and idle
+        retiring = clean and self.lingering
 
         def release() -> None:
+            if clean:  # the ranks remove their snapshots between commits (the driver reaches only its own host)
+                with contextlib.suppress(Exception):
+                    ray.get([worker.drop_interim.remote() for worker in workers], timeout=STOP_SHUTDOWN_S * 5)
             if retiring:
                 retire_ranks(workers)
             else:

@@ -18,7 +18,7 @@ from rlhf_core.stages import STAGES, TRAINING_STAGES, WORLD_SIZE_DEPENDENT_STAGE
 from rlhf_core.stages.base import StageConfig
 from rlhf_core.data.prepared import recorded_hashes
 from rlhf_core.data.fingerprints import dataset_fingerprint
-from rlhf_core.errors import CorruptCheckpoint, UserError
+from rlhf_core.errors import CorruptCheckpoint, RankHung, UserError, WorkerLost
 from rlhf_core.storage.locate import input_model_fingerprints, model_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -210,14 +210,15 @@ def finished_checkpoint(run: RunConfig, stage: str, total_steps: Callable[[], in
 
 
 def load_start(run: RunConfig, stage: str, checkpoints: StageCheckpoints, group,
-               chunk_ends: list[int], after_loss: bool = False) -> StartState | None:
+               chunk_ends: list[int], restore_below: int | None = None) -> StartState | None:
     """Set `group` (a rlhf_core.driver.engine.WorkerGroup) up for the stage (`chunk_ends`: the plan's) and load
     the newest good checkpoint of `checkpoints` into it; a bad one is set aside with one log line and the next
-    older one is tried. None: no checkpoint, the group starts from the pretrained model. `after_loss`: first try
-    the newest snapshot between commits every rank holds (`restore_interim`)."""
+    older one is tried. None: no checkpoint, the group starts from the pretrained model. `restore_below` (after a
+    lost or hung rank, the chunk's target): first try the newest snapshot between commits below it every rank
+    holds (`restore_interim`)."""
     store, lineage = checkpoints.store, checkpoints.lineage
-    if after_loss:
-        restored, base = restore_interim(run, stage, checkpoints, group, chunk_ends)
+    if restore_below is not None:
+        restored, base = restore_interim(run, stage, checkpoints, group, chunk_ends, restore_below)
         if restored:
             return base
     for info in reversed(checkpoints.infos):
@@ -240,10 +241,11 @@ def load_start(run: RunConfig, stage: str, checkpoints: StageCheckpoints, group,
     return None
 
 
-def restore_interim(run: RunConfig, stage: str, checkpoints: StageCheckpoints, group, chunk_ends: list[int]
-                    ) -> tuple[bool, StartState | None]:
+def restore_interim(run: RunConfig, stage: str, checkpoints: StageCheckpoints, group, chunk_ends: list[int],
+                    below: int) -> tuple[bool, StartState | None]:
     """After a lost or hung rank: set `group` up and load the newest snapshot between commits (this command's,
-    `rlhf_core.rank.interim`) that every rank holds whole on its node and that is newer than the newest commit.
+    `rlhf_core.rank.interim`) that every rank holds whole on its node, newer than the newest commit and below the
+    chunk's target `below` (training ahead leaves snapshots of the next chunk while a commit is written).
     Returns whether it did, and the commit it trained on from (its metadata carries the line's history). A
     snapshot that fails to load is logged and the commits are tried instead (the caller sets the group up again)."""
     base = next((info for info in reversed(checkpoints.infos) if info.is_committed), None)
@@ -254,12 +256,14 @@ def restore_interim(run: RunConfig, stage: str, checkpoints: StageCheckpoints, g
     if metadata is not None and needs_universal(metadata, group.world_size):
         return False, None
     base_step, saved_zero_stage = (base.step if base is not None else 0), (metadata.zero_stage if metadata else None)
-    newer = [step for step in group.interim_steps(run, stage, saved_zero_stage) if step > base_step]
+    newer = [step for step in group.interim_steps(run, stage, saved_zero_stage) if base_step < step < below]
     if not newer:
         return False, None
     group.setup(run, stage, chunk_ends, saved_zero_stage=saved_zero_stage)
     try:
         group.load_interim(newer[-1], base_step)
+    except (WorkerLost, RankHung):
+        raise  # the new group failed, not the snapshot
     except Exception as error:  # noqa: BLE001 - a bad snapshot costs its steps, never the run
         logger.warning("the snapshot of step %d could not be loaded (%s); loading the last commit instead",
                        newer[-1], error)

@@ -53,6 +53,7 @@ class Replacement:
     """A chunk training again on new ranks after `error` (a lost or hung rank), seen at `seen_at` (time.time())."""
 
     error: BaseException
+    slowest_step_s: float = 0.0  # of the failed group: the new one's steady hang deadline (`expect_steps_like`)
     seen_at: float = field(default_factory=time.time)
     ready_at: float = 0.0
 
@@ -131,6 +132,7 @@ class _Held:
     lease: RunLease | None = None
     # Names this command's snapshots between commits (rlhf_core.storage.interim): never read by another command.
     interim_token: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    released_slowest_step_s: float = 0.0
 
 
 class StageRunner:
@@ -282,11 +284,11 @@ class StageRunner:
         return held.prestart
 
     def group_at(self, stage: str, plan: StagePlan, store: CheckpointStore, infos: list[CheckpointInfo],
-                 lineage: Lineage, after_loss: bool = False) -> tuple[WorkerGroup, StartState | None]:
+                 lineage: Lineage, restore_below: int | None = None) -> tuple[WorkerGroup, StartState | None]:
         """A worker group holding the state of the newest good checkpoint in `infos` (or the pretrained model),
-        and that checkpoint (None when the warm group of the last chunk already holds it). `after_loss`: ranks
-        were lost or hung, so a newer snapshot between commits this command took is loaded where every rank has
-        it (`WorkerGroup.restored` then says which)."""
+        and that checkpoint (None when the warm group of the last chunk already holds it). `restore_below`: ranks
+        were lost or hung in the chunk to this step, so a newer snapshot between commits this command took below it
+        is loaded where every rank has it (`WorkerGroup.restored` then says which)."""
         run = self.run
         self._held.tries.try_starts()
         identity = (run.stage_url(stage), semantic_hash(run, stage), run.num_workers,
@@ -300,7 +302,7 @@ class StageRunner:
         group.log_placement()
         group.interim_token = self._held.interim_token
         self._held.warm = WarmGroup(group, identity)
-        start = load_start(run, stage, StageCheckpoints(store, infos, lineage), group, plan.targets, after_loss)
+        start = load_start(run, stage, StageCheckpoints(store, infos, lineage), group, plan.targets, restore_below)
         self._held.warm.world_size_changes = _world_size_changes(group, start)
         return group, start
 
@@ -343,9 +345,15 @@ class StageRunner:
             prestart.discard(retire)
         self._release_warm(retire)
 
+    @property
+    def released_slowest_step_s(self) -> float:
+        """The slowest step of the last worker group released (0: none yet, or it returned no step)."""
+        return self._held.released_slowest_step_s
+
     def _release_warm(self, retire: bool = False) -> None:
         warm, self._held.warm = self._held.warm, None
         if warm is not None:
+            self._held.released_slowest_step_s = warm.group.slowest_step_s
             warm.group.shutdown(retire)
 
 

@@ -265,6 +265,12 @@ class TrainWorker(OutlivesItsCommand):
         """The snapshots between commits of `plan` that every rank finished on this rank's node."""
         return whole_steps(self._interim_folder(plan), plan.world_size)
 
+    def drop_interim(self) -> None:
+        """At a clean end: this command's snapshots between commits on this rank's host go (the driver removes
+        those on its own host; it cannot reach another's)."""
+        if self._interim is not None:
+            shutil.rmtree(os.path.dirname(self._interim.folder), ignore_errors=True)
+
     @ray.method(concurrency_group="control")  # asked while the ranks train ahead
     def interim_report(self) -> tuple[int, float]:
         """The snapshots' interval K as chosen so far, and the last one's stall in seconds."""

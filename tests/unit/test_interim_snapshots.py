@@ -186,7 +186,7 @@ class NoCommitsStore:
 def test_before_the_first_commit_the_newest_whole_snapshot_is_loaded(tmp_path, held, loaded):
     group = FakeGroup(held)
     restored, base = restore_interim(make_run(tmp_path), "sft", StageCheckpoints(NoCommitsStore(), [], Lineage()),
-                                     group, [5, 10])
+                                     group, [5, 10], below=5)
     assert (restored, base) == (loaded is not None, None)
     assert group.calls == ([] if loaded is None else ["setup", ("load", loaded, 0)])
 
@@ -201,17 +201,35 @@ class OneCommitStore:
 COMMIT_5 = CheckpointInfo(5, "step_5", "file:///ckpt/step_5", STATUS_COMMITTED, 1)
 
 
-@pytest.mark.parametrize("held, fails, loaded", [([4, 6, 7], False, 7), ([3, 4], False, None), ([7], True, None)])
-def test_only_a_snapshot_newer_than_the_commit_is_used_and_a_bad_one_falls_back_to_it(tmp_path, held, fails, loaded):
+@pytest.mark.parametrize("held, fails, loaded", [([4, 6, 7], False, 7), ([3, 4], False, None), ([7], True, None),
+                                                 ([6, 7, 11, 12], False, 7)])
+def test_only_a_snapshot_between_the_commit_and_the_target_is_used_and_a_bad_one_falls_back(tmp_path, held, fails,
+                                                                                               loaded):
+    """Above the commit (5) and below the chunk's target (10): steps 11 and 12 were trained ahead, into the next
+    chunk, while step 10's commit was written (a group there would stand past its target)."""
     group = FakeGroup(held, fails)
     restored, base = restore_interim(make_run(tmp_path), "sft", StageCheckpoints(OneCommitStore(), [COMMIT_5],
-                                                                                  Lineage()), group, [5, 10])
+                                                                                  Lineage()), group, [5, 10], below=10)
     assert restored == (loaded is not None)
     assert (base.info.step if base is not None else None) == (5 if loaded else None)
-    if held and held[-1] > 5:
-        assert group.calls == ["setup", ("load", held[-1], 5)]
+    usable = [step for step in held if 5 < step < 10]
+    if usable:
+        assert group.calls == ["setup", ("load", usable[-1], 5)]
     else:
         assert group.calls == []  # asked before any set-up: the commit's load sets the group up once
+
+
+def test_a_new_group_lost_while_it_loads_a_snapshot_is_a_loss_not_a_bad_snapshot(tmp_path):
+    from rlhf_core.errors import WorkerLost
+
+    class LostGroup(FakeGroup):
+        def load_interim(self, step, base_step):
+            raise WorkerLost("rank 0 on node 10.0.0.5 was lost")
+
+    with pytest.raises(WorkerLost):
+        restore_interim(make_run(tmp_path), "sft", StageCheckpoints(OneCommitStore(), [COMMIT_5], Lineage()),
+                        LostGroup([7]), [5, 10], below=10)
+
 
 
 def test_a_full_tmpfs_stops_the_snapshots_with_one_warning_and_leaves_the_older_one(tmp_path, monkeypatch, caplog):
