@@ -38,18 +38,23 @@ def wait_for(path: Path, process: subprocess.Popen, timeout: float) -> None:
         time.sleep(0.2)
 
 
-def test_sigkill_mid_chunk_then_rerun_matches_uninterrupted_run(toy_assets, rlhf_env, tmp_path,
-                                                                 reference_sft_weights):
-    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
-    paused_env = {**rlhf_env, "RLHF_FAULT_INJECT": "train_step@13=sleep:600"}
-    killed = subprocess.Popen([RLHF, *train_sft_args(toy_assets, ckpt, out), *PAUSED_ON_PURPOSE], env=paused_env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+def kill_in_the_third_chunk(command: list[str], env: dict[str, str], ckpt: Path, output=subprocess.DEVNULL) -> None:
+    """Run `command` (its output to `output`) and SIGKILL its whole session once step 10 of `ckpt`'s SFT has
+    committed and the third chunk trains (where `train_step@13=sleep:600` holds it)."""
+    killed = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_for(ckpt / "rlhf" / "sft" / "step_10" / "MANIFEST.json", killed, timeout=400)
         time.sleep(2)  # let the third chunk start training
     finally:
         os.killpg(killed.pid, signal.SIGKILL)
         killed.wait()
+
+
+def test_sigkill_mid_chunk_then_rerun_matches_uninterrupted_run(toy_assets, rlhf_env, tmp_path,
+                                                                 reference_sft_weights):
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    paused_env = {**rlhf_env, "RLHF_FAULT_INJECT": "train_step@13=sleep:600"}
+    kill_in_the_third_chunk([RLHF, *train_sft_args(toy_assets, ckpt, out), *PAUSED_ON_PURPOSE], paused_env, ckpt)
     committed_before = sorted(p.name for p in (ckpt / "rlhf" / "sft").glob("step_*"))
     assert committed_before == ["step_10", "step_5"]
     manifest_10 = (ckpt / "rlhf" / "sft" / "step_10" / "MANIFEST.json").read_bytes()

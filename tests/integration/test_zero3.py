@@ -9,11 +9,7 @@ The toy model's matrices are partitioned across the ranks (ZeRO-3 keeps only ten
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +17,7 @@ from safetensors.torch import load_file
 
 from tests.conftest import RLHF, run_rlhf
 from tests.integration.conftest import NO_SNAPSHOTS, PAUSED_ON_PURPOSE, train_sft_args
-from tests.integration.test_kill_resume import wait_for
+from tests.integration.test_kill_resume import kill_in_the_third_chunk
 
 pytestmark = pytest.mark.slow
 
@@ -50,14 +46,7 @@ def killed_zero3_ckpt(toy_assets, rlhf_env, tmp_path_factory) -> Path:
                   "RLHF_FAULT_STATE": str(faults)}
     command = [RLHF, *zero3_args(toy_assets, ckpt, root / "out", 2), *PAUSED_ON_PURPOSE, "--snapshot_steps", "1"]
     with open(log, "wb") as output:
-        killed = subprocess.Popen(command, env=paused_env, stdout=output, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
-        try:
-            wait_for(ckpt / "rlhf" / "sft" / "step_10" / "MANIFEST.json", killed, timeout=400)
-            time.sleep(2)  # let the third chunk start training
-        finally:
-            os.killpg(killed.pid, signal.SIGKILL)
-            killed.wait()
+        kill_in_the_third_chunk(command, paused_env, ckpt, output)
     assert sorted(p.name for p in (ckpt / "rlhf" / "sft").glob("step_*")) == ["step_10", "step_5"]
     replaced = [line for line in log.read_text().splitlines() if "Replaced the ranks in" in line]
     assert len(replaced) == 1 and "training again from step 7 (a snapshot between commits" in replaced[0], \
