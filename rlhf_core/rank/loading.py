@@ -12,23 +12,22 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from rlhf_core.rank.trainers.base import DeepSpeedTrainer
+    from rlhf_core.storage.checkpoint import CheckpointStore
 
 # DeepSpeed's per-rank shard files: ZeRO optimizer partitions (and ZeRO-3 weight partitions).
 _RANK_SHARD = re.compile(r"(?:^|/)(?:bf16_)?zero_pp_rank_(\d+)_")
 
 
-def load_verified(trainer: DeepSpeedTrainer, rank: int, store_url: str, storage_options: dict, step: int,
-                  universal: bool, weights_only: bool) -> int:
-    """Load committed `step` into `trainer` (this rank's files only, unless all shards are needed), verified as
-    the files are read; returns the step loaded."""
+def load_verified(trainer: DeepSpeedTrainer, rank: int, store: CheckpointStore, step: int, universal: bool,
+                  weights_only: bool) -> int:
+    """Load committed `step` of `store` into `trainer` (this rank's files only, unless all shards are needed),
+    verified as the files are read; returns the step loaded."""
     from rlhf_core.rank.ds_config import convert_to_universal
-    from rlhf_core.storage.checkpoint import CheckpointStore
     from rlhf_core.storage.safe_load import check_no_pickled_code
 
     # The universal converter, and ZeRO-3's module-only load, read every rank's shard (with a plain
     # unpickler), so they get all files and a scan first; otherwise DeepSpeed's own reads are the scan.
     reads_all_shards = universal or (weights_only and trainer.cfg.zero_stage == 3)
-    store = CheckpointStore(store_url, storage_options)
     select = lambda paths: files_for_rank(paths, rank, reads_all_shards)  # noqa: E731
     if not reads_all_shards:  # both of those write into the folder they read: they get a copy
         # DeepSpeed loads while the files are hashed; a mismatch raises CorruptCheckpoint at the end of

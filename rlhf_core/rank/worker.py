@@ -386,9 +386,11 @@ class TrainWorker(OutlivesItsCommand):
         store in place while they are hashed, else fetched (hashed as they arrive) first."""
         from rlhf_core.faults import fault_point
         from rlhf_core.rank.loading import load_verified
+        from rlhf_core.storage.checkpoint import CheckpointStore
 
         with self._progress.working_on("load"):
-            loaded = load_verified(self.trainer, self.rank, store_url, storage_options, step, universal, weights_only)
+            store = CheckpointStore(store_url, storage_options)
+            loaded = load_verified(self.trainer, self.rank, store, step, universal, weights_only)
             if self._interim is not None:
                 self._interim.restore_from(loaded)
             self._metrics_since_commit = []
