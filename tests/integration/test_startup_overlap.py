@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 import ray
@@ -17,6 +18,7 @@ from rlhf_core.stages.sft import SFTConfig
 
 pytestmark = pytest.mark.slow
 NUM_ROWS = 40_000  # prepared in ~1.5 s here: well past PREPARATION_ALONE_S
+RAY_START_WAIT_S = 60.0
 
 
 @pytest.fixture
@@ -37,7 +39,11 @@ def ray_starts(monkeypatch) -> list[str | None]:
 
 @pytest.fixture
 def ray_seen_at_the_end_of_counting(monkeypatch) -> list[bool]:
-    """Whether Ray was connected when `preflight.count` ended, each time it did (with its result or its error)."""
+    """Whether Ray was connected when `preflight.count` ended, each time it did (with its result or its error).
+    Each count waits for Ray (at most RAY_START_WAIT_S) before it ends, so that how fast Ray starts against how fast
+    the rows are prepared on this machine decides nothing (a loaded CI machine joined the head after the 40,000
+    rows were counted, once): Ray starting beside the preparation is connected within the wait; Ray started only
+    after preflight is not, whatever the wait."""
     seen: list[bool] = []
     count = preflight.count
 
@@ -45,6 +51,9 @@ def ray_seen_at_the_end_of_counting(monkeypatch) -> list[bool]:
         try:
             return count(*args, **kwargs)
         finally:
+            deadline = time.monotonic() + RAY_START_WAIT_S
+            while not ray.is_initialized() and time.monotonic() < deadline:
+                time.sleep(0.05)
             seen.append(ray.is_initialized())
 
     monkeypatch.setattr(preflight, "count", watched)
@@ -84,5 +93,6 @@ def test_ray_starts_beside_a_long_preparation_and_a_late_refusal_stops_it(
     bad = sft_run(toy_assets, tmp_path / "bad", toy_rows(toy_assets, NUM_ROWS) + [{"prompt": "no response"}])
     with pytest.raises(UserError, match=rf"rows.jsonl line {NUM_ROWS + 1}: no key 'response'"):
         startup.checked_while_ray_starts(bad, None)
-    assert ray_starts[1:] == [None]  # a local Ray started beside the preparation...
+    assert ray_starts[1:] == [None] and ray_seen_at_the_end_of_counting[1:] == [True]  # a local Ray started beside
+    # the preparation...
     assert not ray.is_initialized()  # ...and stopped after the refusal
