@@ -14,8 +14,8 @@ the same bytes), measured side by side in one run and printed as one table.
 - chunk: time outside training per warm chunk boundary, as a share of a 50-step chunk's training
   (the `rlhf` Prefect flow, 23.6M model);
 - ckpt: on the ~100M model, the training stall per checkpoint, and per snapshot between commits (with K as
-  the rank chooses it), against one in-memory copy of the rank's tensors, save-to-durable-commit against a durable copy of the committed step (`cp -r` + fsync
-  of every file and folder), and resume (fetch + verify + load) against `cat` of the files the rank
+  the rank chooses it), against one in-memory copy of the rank's tensors, save-to-durable-commit against a
+  durable copy of the committed step (`cp -r` + fsync of every file and folder), and resume (fetch + verify + load) against `cat` of the files the rank
   reads, both from a cold page cache (and warm, labelled); each manifest checksum and the fsyncs' cost
   side by side in the same run; and, as floors, the checksum alone of the same files;
 - wholerun: the extra wall time per checkpoint of a whole SFT run (23.6M model, `--save_steps 50`
