@@ -100,9 +100,9 @@ class Chunk(ChunkState):
         """Make sure a valid checkpoint at the target exists (training only what is missing): find what is
         committed, get a worker group holding the start state, train, commit, retain. A lost or hung rank is
         replaced at once, with no retry delay: the chunk trains again on new ranks from the newest snapshot
-        between commits every rank holds, else from the last commit (`StageRunner.replaces_ranks_after`). After a stop signal (`rlhf_core.driver.stop`) the ranks stop at the
-        next step boundary, that step commits, and StoppedBySignal is raised; one that finds nothing trained
-        since the last commit raises it at once."""
+        between commits every rank holds, else from the last commit (`StageRunner.replaces_ranks_after`). After a
+        stop signal (`rlhf_core.driver.stop`) the ranks stop at the next step boundary, that step commits, and
+        StoppedBySignal is raised; one that finds nothing trained since the last commit raises it at once."""
         target = self.target_step
         replacing: Replacement | None = None
         while True:
