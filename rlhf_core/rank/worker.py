@@ -89,7 +89,7 @@ class TrainWorker(OutlivesItsCommand):
         """After a command's clean end: forget its stage and reset the process for the next command (a spare);
         returns "" when it is one, else why it cannot be (the driver then ends it)."""
         zero_stage = self._trainer.cfg.zero_stage if self._trainer is not None else None
-        # the snapshots between commits are the driver's to remove, at the command's end
+        # this command's snapshots between commits went already (`drop_interim`, and the driver on its host)
         self._trainer, self._stage, self._stop_requested, self._interim = None, "", False, None
         self._kept_in_memory, self._written_state, self._progress = {}, {}, Progress()
         return self._become_spare(zero_stage)
