@@ -131,7 +131,7 @@ def interim_stalls(worker, repeat: int) -> dict:
         interim.take(trainer.step + 1 + index, trainer.engines.values(), trainer.save_state, [])
         seconds.append(interim.stall_seconds)
     return {"seconds": statistics.median(seconds[2:]), "first": seconds[0], "interval": interim.interval,
-            "step_seconds": statistics.median(interim._step_seconds) if interim._step_seconds else None}
+            "step_seconds": interim.median_step_seconds()}
 
 
 def local_path(uri: str) -> str:

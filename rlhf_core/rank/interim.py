@@ -7,7 +7,6 @@ commits") has why the copy is a stall here and how K is chosen.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import shutil
@@ -15,8 +14,9 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
+from rlhf_core.rank.snapshot import state_dicts_handed_to
 from rlhf_core.storage.interim import (PREFIX, STALL_BUDGET, InterimPlan, SlotFiles, close_slot, copy_small_files,
                                        forget_after, interim_root, materialize, older_slot, open_slot)
 
@@ -77,8 +77,8 @@ class InterimSnapshots:
         staging = tempfile.mkdtemp(prefix=f"{PREFIX}staging-{os.getpid()}-")
         try:
             files: dict[str, int] = {}
-            with _states_into(engines, staging,
-                              lambda relative, state: files.update(self._files.store(slot, relative, state))):
+            with state_dicts_handed_to(engines, staging,
+                                       lambda relative, state: files.update(self._files.store(slot, relative, state))):
                 save(staging)
             files.update(copy_small_files(staging, slot))
         finally:
@@ -117,26 +117,3 @@ class InterimSnapshots:
         self.last_step = step
         forget_after(self.folder, self.rank, step)
 
-
-@contextlib.contextmanager
-def _states_into(engines: Iterable[Any], folder: str, store: Callable[[str, Any], None]) -> Iterator[None]:
-    """While DeepSpeed `engines` save into `folder`, hand each state dict they would write there to
-    `store(path relative to folder, state dict)` instead."""
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-
-    class IntoSlot(TorchCheckpointEngine):
-        def save(self, state_dict: Any, path: str) -> None:
-            store(os.path.relpath(path, folder).replace(os.sep, "/"), state_dict)
-
-        def preserves_storage_sharing(self) -> bool:
-            return False  # store() copies every tensor, so DeepSpeed need not clone them first
-
-    engines = list(engines)
-    originals = [engine.checkpoint_engine for engine in engines]
-    try:
-        for engine in engines:
-            engine.checkpoint_engine = IntoSlot()
-        yield
-    finally:
-        for engine, original in zip(engines, originals):
-            engine.checkpoint_engine = original

@@ -16,7 +16,7 @@ import shutil
 import struct
 import tempfile
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, BinaryIO, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterable, Iterator
 
 from rlhf_core.processes import process_exists
 from rlhf_core.storage.direct_io import ALIGNMENT, IN_PLACE_MIN_BYTES
@@ -113,38 +113,54 @@ def tensors_kept_in_memory(engines: Iterable[Any], folder: str, reuse: dict[str,
     costs no page faults. Yields the dict that fills up: path relative to `folder` -> state dict (see
     `write_state`)."""
     import transformers.modeling_utils
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
     kept: dict[str, Any] = {}
     buffers = reuse or {}
 
-    def relative(path: str | os.PathLike[str]) -> str:
-        return os.path.relpath(path, folder).replace(os.sep, "/")
-
-    class KeepInMemory(TorchCheckpointEngine):
-        def save(self, state_dict: Any, path: str) -> None:
-            kept[relative(path)] = copy_into(buffers.get(relative(path)), state_dict)
-
-        def preserves_storage_sharing(self) -> bool:
-            return False  # save() copies every tensor, so DeepSpeed need not clone them first
+    def keep_state(relative: str, state_dict: Any) -> None:
+        kept[relative] = copy_into(buffers.get(relative), state_dict)
 
     def keep_safetensors(tensors: dict[str, torch.Tensor], filename: str | os.PathLike[str],
                          metadata: dict[str, str] | None = None) -> None:
-        previous = buffers.get(relative(filename))
-        kept[relative(filename)] = safetensors_in_memory(tensors, metadata, previous)
+        relative = _relative(filename, folder)
+        kept[relative] = safetensors_in_memory(tensors, metadata, buffers.get(relative))
+
+    original_save_file = transformers.modeling_utils.safe_save_file
+    with state_dicts_handed_to(engines, folder, keep_state):
+        transformers.modeling_utils.safe_save_file = keep_safetensors
+        try:
+            yield kept
+        finally:
+            transformers.modeling_utils.safe_save_file = original_save_file
+
+
+@contextlib.contextmanager
+def state_dicts_handed_to(engines: Iterable[Any], folder: str, store: Callable[[str, Any], None]) -> Iterator[None]:
+    """While DeepSpeed `engines` save into `folder`, hand each state dict they would write there to
+    `store(path relative to folder, state dict)` instead of `torch.save` (a checkpoint engine that writes nothing;
+    `store` copies every tensor, so DeepSpeed need not clone them first)."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    class HandedOver(TorchCheckpointEngine):
+        def save(self, state_dict: Any, path: str) -> None:
+            store(_relative(path, folder), state_dict)
+
+        def preserves_storage_sharing(self) -> bool:
+            return False
 
     engines = list(engines)
     originals = [engine.checkpoint_engine for engine in engines]
-    original_save_file = transformers.modeling_utils.safe_save_file
     try:
         for engine in engines:
-            engine.checkpoint_engine = KeepInMemory()
-        transformers.modeling_utils.safe_save_file = keep_safetensors
-        yield kept
+            engine.checkpoint_engine = HandedOver()
+        yield
     finally:
-        transformers.modeling_utils.safe_save_file = original_save_file
         for engine, original in zip(engines, originals):
             engine.checkpoint_engine = original
+
+
+def _relative(path: str | os.PathLike[str], folder: str) -> str:
+    return os.path.relpath(path, folder).replace(os.sep, "/")
 
 
 @dataclass

@@ -271,11 +271,6 @@ class TrainWorker(OutlivesItsCommand):
         if self._interim is not None:
             shutil.rmtree(os.path.dirname(self._interim.folder), ignore_errors=True)
 
-    @ray.method(concurrency_group="control")  # asked while the ranks train ahead
-    def interim_report(self) -> tuple[int, float]:
-        """The snapshots' interval K as chosen so far, and the last one's stall in seconds."""
-        return (self._interim.interval, self._interim.stall_seconds) if self._interim else (0, 0.0)
-
     def load_interim(self, step: int) -> tuple[int, list[dict[str, float]], int]:
         """Load the snapshot between commits of `step` from this node's tmpfs; returns the step, the metrics of
         the steps between the last commit and it, and the interval it was taken at."""
