@@ -24,6 +24,7 @@ JOB_PID_ENV_VAR = "RLHF_FAULT_JOB_PID"
 TRACE_ENV_VAR = "RLHF_FAULT_TRACE"
 OOM_BLOCK_BYTES = 64 << 20
 OOM_MAX_BYTES = 4 << 30  # with no memory limit to meet, `oom` gives up here with a MemoryError
+MARKER_WAIT_S = 300.0  # `after:POINT` waits at most this long for POINT's rule to fire
 SLOW_PIECE_S = 0.5  # `slow:S` works in pieces this long, each reported as a long evaluation reports its batches
 
 # Actions this process added to the built-in ones, by name (`register_action`).
@@ -105,6 +106,16 @@ def _work_slowly(seconds: float, signals: Any) -> None:
             signals.work_done("eval", done, pieces)
 
 
+def _wait_for_marker(point: str) -> None:
+    """`after:POINT`: wait until POINT's rule has fired in any process (its marker in RLHF_FAULT_STATE), so that
+    the faults after this one land after a named moment of another process (a driver's commit), not after a race
+    with it. A bounded wait: a point never reached lets the run go on after MARKER_WAIT_S."""
+    marker = Path(os.environ.get(STATE_ENV_VAR, ".")) / point
+    deadline = time.monotonic() + MARKER_WAIT_S
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _act(action: str, signals: Any = None) -> None:
     if action == "kill":
         job_pid = int(os.environ.get(JOB_PID_ENV_VAR, "0"))
@@ -115,6 +126,8 @@ def _act(action: str, signals: Any = None) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
     elif action.startswith("sleep:"):  # a stall that still answers heartbeats: a loop, a wait on a lock
         time.sleep(float(action.split(":", 1)[1]))
+    elif action.startswith("after:"):
+        _wait_for_marker(action.split(":", 1)[1])
     elif action.startswith("slow:"):
         _work_slowly(float(action.split(":", 1)[1]), signals)
     elif action in _REGISTERED:

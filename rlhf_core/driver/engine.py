@@ -179,7 +179,7 @@ class WorkerGroup:
 
     def _collect(self, trainings: list) -> list[dict[str, float]]:
         metrics, seconds, self.step, step_times, eval_seconds = self._gather(trainings)[0]
-        self._watch.steps_returned([step_seconds for step_seconds, _ in step_times])
+        self._watch.steps_returned([step_seconds for step_seconds, _ in step_times], self.step)
         self._step_loop_seconds += seconds
         self._eval_seconds += eval_seconds
         self._step_times += step_times

@@ -92,9 +92,12 @@ class HangWatch:
     def __post_init__(self) -> None:
         self.ranks = [RankProgress() for _ in self.workers]
 
-    def steps_returned(self, step_seconds: list[float]) -> None:
-        """Steps the ranks reported with their results: the steady deadline holds from then on."""
+    def steps_returned(self, step_seconds: list[float], reached: int = 0) -> None:
+        """Steps the ranks reported with their results, up to step `reached`: the steady deadline holds from then
+        on, and a rank that stops before its next heartbeat is named at least at `reached`, not at 0."""
         self.slowest_step_s = max([self.slowest_step_s, *step_seconds])
+        for progress in self.ranks:
+            progress.steps_done = max(progress.steps_done, reached)
 
     def restart(self) -> None:
         """A new wait begins: the time each rank stood still before it (the driver was busy) does not count."""

@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from rlhf_core.errors import UserError
 from rlhf_core.stages.ppo import PPOConfig
 from rlhf_core.data.determinism import derive_seed
 from rlhf_core.rank.rollout import SamplingSettings
@@ -57,7 +58,11 @@ def _engine_model_dir(pretrain: str) -> str:
         return directory
     from peft import PeftConfig
 
-    return local_model_dir(PeftConfig.from_pretrained(directory).base_model_name_or_path)
+    base = PeftConfig.from_pretrained(directory).base_model_name_or_path
+    if not base:
+        raise UserError(f"--pretrain {pretrain}: the adapter's adapter_config.json names no base_model_name_or_path, "
+                        "so vLLM has no architecture to load; set it to the base model's hub id or folder")
+    return local_model_dir(base)
 
 
 class FinishedRequests:

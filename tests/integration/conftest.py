@@ -427,6 +427,11 @@ PAUSED_ON_PURPOSE = ["--hang_timeout_s", str(PAUSE_IS_NO_HANG_S)]
 
 NO_SNAPSHOTS = ["--snapshot_steps", "-1"]  # a reference run: no snapshots between commits (rlhf_core.rank.interim)
 
+# Fault rules: the ranks enter step 6 only once the driver has committed step 5. Ranks train ahead of a commit, so
+# a fault at step 8 could otherwise land while step 5 is still being written (on a loaded machine) and the ranks go
+# back to step 4's snapshot, the newest below that chunk's target, instead of step 7's.
+AFTER_THE_STEP_5_COMMIT = "after_commit@5=sleep:0,train_step@6=after:after_commit@5"
+
 
 def train_sft_args(toy: dict[str, str], ckpt: Path, out: Path) -> list[str]:
     """The SFT command of the README, as an OpenRLHF user would type it."""

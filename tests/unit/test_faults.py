@@ -37,6 +37,21 @@ def test_a_rank_of_a_dead_job_fires_nothing_and_leaves_the_rule_for_the_next_run
     assert (tmp_path / "train_step@8").exists()
 
 
+def test_after_waits_for_another_processs_point_to_fire(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    monkeypatch.setenv(faults.ENV_VAR, "after_commit@5=sleep:0,train_step@6=after:after_commit@5")
+    monkeypatch.setenv(faults.STATE_ENV_VAR, str(tmp_path))
+    waiter = threading.Thread(target=faults.fault_point, args=("train_step", 6))
+    waiter.start()
+    time.sleep(0.3)
+    assert waiter.is_alive()  # the driver's commit has not happened: the rank waits at its step
+    faults.fault_point("after_commit", 5)
+    waiter.join(timeout=10)
+    assert not waiter.is_alive()
+
+
 def test_the_trace_names_every_point_reached_with_its_process_without_any_rule(tmp_path, monkeypatch):
     monkeypatch.delenv(faults.ENV_VAR, raising=False)
     monkeypatch.setenv(faults.TRACE_ENV_VAR, str(tmp_path / "trace"))

@@ -25,8 +25,9 @@ def test_steps_the_driver_saw_come_back_count_when_the_rank_stopped_before_telli
     assert hang.deadline_s(silent, 20.0) == hang.STARTUP_HANG_S
     assert hang.deadline_s(silent, 20.0, slowest_step_s=0.1) == 20.0
     watch = hang.HangWatch([FakeWorker()], timeout_s=20.0)
-    watch.steps_returned([0.1, 0.3, 0.2])
+    watch.steps_returned([0.1, 0.3, 0.2], reached=5)
     assert watch.slowest_step_s == 0.3
+    assert watch.step_of(0) == 5  # a rank that never answered is named at the step its results came back from
 
 
 def test_the_users_timeout_holds_after_the_first_step_and_never_shortens_the_start_up():

@@ -24,6 +24,7 @@ def test_a_deepspeed_group_trains_again_after_the_reset(monkeypatch):
     baseline = ProcessBaseline.now()
 
     # The venv's ninja first, as a rank has it (`TrainWorker.join`): another ninja rebuilds DeepSpeed's op (~80 s).
+    # torch's AdamW, as a CPU rank's (rank/ds_config.py): DeepSpeed's FusedAdam would JIT-build (~200 s on CI).
     monkeypatch.setenv("PATH", os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
 
     def train_once(port: int) -> float:
@@ -34,7 +35,7 @@ def test_a_deepspeed_group_trains_again_after_the_reset(monkeypatch):
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 4)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
-            "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
             "zero_optimization": {"stage": 2}})
         loss = engine(torch.ones(2, 4)).sum()
         engine.backward(loss)
