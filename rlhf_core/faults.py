@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from rlhf_core.processes import process_exists
 
+HOOK_PREFIX = "RLHF_FAULT_"  # every variable of the fault hooks: a test harness's, not a job's environment
 ENV_VAR = "RLHF_FAULT_INJECT"
 STATE_ENV_VAR = "RLHF_FAULT_STATE"
 JOB_PID_ENV_VAR = "RLHF_FAULT_JOB_PID"
@@ -48,6 +49,19 @@ def _orphaned() -> bool:
     reaps it, and must not use up a rule meant for the job's next run."""
     job_pid = int(os.environ.get(JOB_PID_ENV_VAR, "0"))
     return bool(job_pid) and job_pid != os.getpid() and not process_exists(job_pid)
+
+
+def fault_hooks() -> dict[str, str]:
+    """This process's fault-hook variables (RLHF_FAULT_*)."""
+    return {name: value for name, value in os.environ.items() if name.startswith(HOOK_PREFIX)}
+
+
+def take_fault_hooks(hooks: dict[str, str]) -> None:
+    """Make `hooks` this process's fault hooks, in place of its own: a rank that outlives its command takes those
+    of the command that claims it (`rlhf_core.rank.reuse`), as a fresh rank would have inherited them."""
+    for name in fault_hooks():
+        del os.environ[name]
+    os.environ.update({name: value for name, value in hooks.items() if name.startswith(HOOK_PREFIX)})
 
 
 def register_action(name: str, action: Callable[[], None]) -> None:

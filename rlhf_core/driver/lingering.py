@@ -26,6 +26,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from rlhf_core.config import RunConfig
 from rlhf_core.driver.placement import placement_bundle
 from rlhf_core.driver.ray_start import forwarded_environment, joined_running_cluster, threads_asked
+from rlhf_core.faults import fault_hooks
 
 logger = logging.getLogger(__name__)
 SPARE_NAMESPACE = "rlhf-spares"  # the Ray namespace of the ranks that outlive their command
@@ -53,8 +54,10 @@ def _job_table_readable() -> bool:
 def environment_key() -> str:
     """What a rank process takes from the command that starts it, as a hash: the variables forwarded to the ranks
     (credentials among them, so a spare never serves a job with other credentials), PYTHONPATH, the working
-    directory, the driver's import path and interpreter, the threads asked for. Only the hash is in a spare's name."""
-    environment = {"forwarded": forwarded_environment(), "pythonpath": os.environ.get("PYTHONPATH", ""),
+    directory, the driver's import path and interpreter, the threads asked for. Only the hash is in a spare's name.
+    The test fault hooks (RLHF_FAULT_*) are not in it: a claimed spare takes the claiming command's instead."""
+    forwarded = {name: value for name, value in forwarded_environment().items() if name not in fault_hooks()}
+    environment = {"forwarded": forwarded, "pythonpath": os.environ.get("PYTHONPATH", ""),
                    "cwd": os.getcwd(), "sys_path": sys.path, "python": sys.executable, "threads": threads_asked()}
     return hashlib.sha256(json.dumps(environment, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -90,7 +93,7 @@ def claim_lingering(wanted: dict[int, str], idle_s: float) -> dict[int, ActorHan
             name = by_node[node_id].pop()
             with contextlib.suppress(Exception):  # gone meanwhile (ended idle), or busy
                 spare = ray.get_actor(name, namespace=SPARE_NAMESPACE)
-                if _answer(spare.claim.remote(job, idle_s), CLAIM_TIMEOUT_S):
+                if _answer(spare.claim.remote(job, idle_s, fault_hooks()), CLAIM_TIMEOUT_S):
                     taken[rank] = spare
     return taken
 

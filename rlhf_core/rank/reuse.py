@@ -214,13 +214,16 @@ class OutlivesItsCommand:
         return reason
 
     @ray.method(concurrency_group="control")
-    def claim(self, owner_job: str, idle_s: float) -> bool:
-        """Take this spare for the command of `owner_job` (whose --spare_idle_s is `idle_s`): True for the first
-        caller only."""
+    def claim(self, owner_job: str, idle_s: float, fault_hooks: dict[str, str] | None = None) -> bool:
+        """Take this spare for the command of `owner_job` (whose --spare_idle_s is `idle_s`, whose test fault hooks
+        are `fault_hooks`): True for the first caller only."""
+        from rlhf_core.faults import take_fault_hooks
+
         with self._reuse_lock:
             if self._spare_since is None:
                 return False
             self._spare_since, self._owner_job, self._idle_s = None, owner_job, idle_s
+            take_fault_hooks(fault_hooks or {})
             return True
 
     @ray.method(concurrency_group="control")

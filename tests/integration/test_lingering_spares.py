@@ -78,8 +78,12 @@ def test_the_next_command_trains_on_the_last_ones_ranks_bit_exactly_and_only_wit
     _, first_pids = ran(sft(toy_assets, tmp_path / "first"), head_env)
     assert len(first_pids) == 2
 
-    again_log, again_pids = ran(sft(toy_assets, tmp_path / "again"), head_env)
+    # Test fault hooks are no part of the environment: the spares take this command's, and its rule fires in them.
+    (tmp_path / "faults").mkdir()
+    hooked = {**head_env, "RLHF_FAULT_INJECT": "train_step@2=sleep:0", "RLHF_FAULT_STATE": str(tmp_path / "faults")}
+    again_log, again_pids = ran(sft(toy_assets, tmp_path / "again"), hooked)
     assert claimed(again_log) == 2 and again_pids == first_pids, again_log[-3000:]
+    assert (tmp_path / "faults" / "train_step@2").exists()
     expected, actual = weights(tmp_path / "first"), weights(tmp_path / "again")
     assert expected.keys() == actual.keys() and all((expected[name] == actual[name]).all() for name in expected)
 

@@ -173,6 +173,20 @@ def test_the_environment_key_changes_with_what_a_rank_inherits(monkeypatch, tmp_
     elsewhere = environment_key()
     assert len({key, with_credentials, other_credentials, with_path, elsewhere}) == 5
     assert "s3cr3t" not in with_credentials and len(with_credentials) == 16
+    monkeypatch.setenv("RLHF_FAULT_INJECT", "train_step@3=kill")  # a test's hooks: the claim hands them over
+    assert environment_key() == elsewhere
+
+
+def test_a_claimed_spare_takes_the_claiming_commands_fault_hooks_and_only_them(monkeypatch):
+    from rlhf_core import faults
+
+    monkeypatch.setenv("RLHF_FAULT_INJECT", "train_step@3=kill")  # the last command's
+    monkeypatch.setenv("RLHF_FAULT_STATE", "/tmp/last-command")
+    faults.take_fault_hooks({"RLHF_FAULT_STATE": "/tmp/this-command", "AWS_SECRET_ACCESS_KEY": "not a hook"})
+    assert faults.fault_hooks() == {"RLHF_FAULT_STATE": "/tmp/this-command"}
+    assert "AWS_SECRET_ACCESS_KEY" not in os.environ or os.environ["AWS_SECRET_ACCESS_KEY"] != "not a hook"
+    faults.take_fault_hooks({})  # a command with no hooks: a spare of a fault test injects nothing in it
+    assert faults.fault_hooks() == {}
 
 
 def test_only_cpu_ranks_on_a_running_cluster_outlive_their_command(monkeypatch):
