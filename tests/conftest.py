@@ -179,6 +179,23 @@ def _schedule_for_workers(items: list) -> None:
     items.sort(key=order)  # stable: within a module, the collection order
 
 
+_FIRST_FAILURES_OF_RERUNS: list[tuple[str, str]] = []
+_FIRST_FAILURE_CHARS = 3000
+
+
+def pytest_runtest_logreport(report):
+    """A `slow` test that failed and is run once more: keep the end of its first failure, which `-rR` does not
+    show (a flaky test in CI must say why it failed)."""
+    if report.outcome == "rerun" and report.longrepr is not None:
+        _FIRST_FAILURES_OF_RERUNS.append((report.nodeid, str(report.longrepr)[-_FIRST_FAILURE_CHARS:]))
+
+
+def pytest_terminal_summary(terminalreporter):
+    for nodeid, failure in _FIRST_FAILURES_OF_RERUNS:
+        terminalreporter.write_sep("-", f"the first failure of {nodeid}, run once more")
+        terminalreporter.write_line(failure)
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` skip cleanly on machines without CUDA. Tests marked `slow` (real Ray clusters, Prefect
     servers, moto, DeepSpeed processes on a shared 2-core machine) run once more after a failure: a start-up
