@@ -32,11 +32,16 @@ SLOW_PIECE_S = 0.5  # `slow:S` works in pieces this long, each reported as a lon
 _REGISTERED: dict[str, Callable[[], None]] = {}
 
 
-def _first_time(point: str) -> bool:
+def _marker(point: str) -> Path | None:
+    """Where a rule for `point` marks that it fired (None without RLHF_FAULT_STATE: rules fire every time)."""
     state_dir = os.environ.get(STATE_ENV_VAR)
-    if not state_dir:
+    return Path(state_dir) / point if state_dir else None
+
+
+def _first_time(point: str) -> bool:
+    marker = _marker(point)
+    if marker is None:
         return True
-    marker = Path(state_dir) / point
     try:
         marker.touch(exist_ok=False)
     except FileExistsError:
@@ -123,8 +128,11 @@ def _work_slowly(seconds: float, signals: Any) -> None:
 def _wait_for_marker(point: str) -> None:
     """`after:POINT`: wait until POINT's rule has fired in any process (its marker in RLHF_FAULT_STATE), so that
     the faults after this one land after a named moment of another process (a driver's commit), not after a race
-    with it. A bounded wait: a point never reached lets the run go on after MARKER_WAIT_S."""
-    marker = Path(os.environ.get(STATE_ENV_VAR, ".")) / point
+    with it. A bounded wait: a point never reached lets the run go on after MARKER_WAIT_S. Without RLHF_FAULT_STATE
+    no rule leaves a marker, so there is nothing to wait for."""
+    marker = _marker(point)
+    if marker is None:
+        return
     deadline = time.monotonic() + MARKER_WAIT_S
     while not marker.exists() and time.monotonic() < deadline:
         time.sleep(0.05)

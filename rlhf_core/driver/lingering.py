@@ -26,7 +26,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from rlhf_core.config import RunConfig
 from rlhf_core.driver.placement import placement_bundle
 from rlhf_core.driver.ray_start import forwarded_environment, joined_running_cluster, threads_asked
-from rlhf_core.faults import fault_hooks
+from rlhf_core.faults import HOOK_PREFIX, fault_hooks
 
 logger = logging.getLogger(__name__)
 SPARE_NAMESPACE = "rlhf-spares"  # the Ray namespace of the ranks that outlive their command
@@ -56,7 +56,7 @@ def environment_key() -> str:
     (credentials among them, so a spare never serves a job with other credentials), PYTHONPATH, the working
     directory, the driver's import path and interpreter, the threads asked for. Only the hash is in a spare's name.
     The test fault hooks (RLHF_FAULT_*) are not in it: a claimed spare takes the claiming command's instead."""
-    forwarded = {name: value for name, value in forwarded_environment().items() if name not in fault_hooks()}
+    forwarded = {name: value for name, value in forwarded_environment().items() if not name.startswith(HOOK_PREFIX)}
     environment = {"forwarded": forwarded, "pythonpath": os.environ.get("PYTHONPATH", ""),
                    "cwd": os.getcwd(), "sys_path": sys.path, "python": sys.executable, "threads": threads_asked()}
     return hashlib.sha256(json.dumps(environment, sort_keys=True).encode()).hexdigest()[:16]

@@ -13,6 +13,7 @@ import ray
 
 from rlhf_core.driver.stop import StopSignals
 from rlhf_core.errors import UserError
+from rlhf_core.faults import HOOK_PREFIX
 
 logger = logging.getLogger(__name__)
 _joined: dict[str, bool] = {}  # "running": whether this process joined a cluster it did not start (ensure_ray)
@@ -25,7 +26,7 @@ def forwarded_environment() -> dict[str, str]:
     (RLHF_FAULT_*) and the writer's settings (RLHF_WRITER_SCHEDULING, RLHF_WRITER_DIRECT_IO) do. Ray keeps a
     runtime env in its GCS, visible on its dashboard: give the nodes their own credentials (an instance role) and
     leave them out of the driver's environment where that matters."""
-    forwarded = ("RLHF_FAULT_", "RLHF_WRITER_", "AWS_")
+    forwarded = (HOOK_PREFIX, "RLHF_WRITER_", "AWS_")
     return {name: value for name, value in os.environ.items() if name.startswith(forwarded)}
 
 

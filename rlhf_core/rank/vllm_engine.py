@@ -13,11 +13,10 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from rlhf_core.errors import UserError
 from rlhf_core.stages.ppo import PPOConfig
 from rlhf_core.data.determinism import derive_seed
 from rlhf_core.rank.rollout import SamplingSettings
-from rlhf_core.storage.locate import is_lora_dir, local_model_dir
+from rlhf_core.storage.locate import is_lora_dir, local_model_dir, lora_base_dir
 
 
 @torch.no_grad()
@@ -56,13 +55,7 @@ def _engine_model_dir(pretrain: str) -> str:
     directory = local_model_dir(pretrain)
     if not is_lora_dir(directory):
         return directory
-    from peft import PeftConfig
-
-    base = PeftConfig.from_pretrained(directory).base_model_name_or_path
-    if not base:
-        raise UserError(f"--pretrain {pretrain}: the adapter's adapter_config.json names no base_model_name_or_path, "
-                        "so vLLM has no architecture to load; set it to the base model's hub id or folder")
-    return local_model_dir(base)
+    return lora_base_dir(directory)
 
 
 class FinishedRequests:

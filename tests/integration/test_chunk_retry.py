@@ -37,7 +37,8 @@ def test_worker_killed_mid_chunk_is_retried_and_exact(toy_assets, rlhf_env, tmp_
     two_ranks = TWO_RANKS
 
     (tmp_path / "faults").mkdir()
-    env = {**rlhf_env, "RLHF_FAULT_INJECT": f"{AFTER_THE_STEP_5_COMMIT},train_step@8=kill", "RLHF_FAULT_STATE": str(tmp_path / "faults")}
+    env = {**rlhf_env, "RLHF_FAULT_INJECT": f"{AFTER_THE_STEP_5_COMMIT},train_step@8=kill",
+           "RLHF_FAULT_STATE": str(tmp_path / "faults")}
     args = train_sft_args(toy_assets, tmp_path / "ckpt", tmp_path / "out") + two_ranks + ["--snapshot_steps", "1"]
     faulty = run_rlhf(args, env)
     log = faulty.stdout + faulty.stderr

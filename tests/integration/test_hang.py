@@ -26,7 +26,8 @@ HANG_TIMEOUT_S = 20  # above a toy step's worst on a loaded 2-core machine, set-
 def test_a_hung_rank_is_caught_its_stacks_saved_and_the_run_ends_exact(toy_assets, rlhf_env, reference_sft_weights,
                                                                         tmp_path):
     (tmp_path / "faults").mkdir()
-    env = {**rlhf_env, "RLHF_FAULT_INJECT": f"{AFTER_THE_STEP_5_COMMIT},train_step@8=hang", "RLHF_FAULT_STATE": str(tmp_path / "faults")}
+    env = {**rlhf_env, "RLHF_FAULT_INJECT": f"{AFTER_THE_STEP_5_COMMIT},train_step@8=hang",
+           "RLHF_FAULT_STATE": str(tmp_path / "faults")}
     args = train_sft_args(toy_assets, tmp_path / "ckpt", tmp_path / "out") + ["--hang_timeout_s", str(HANG_TIMEOUT_S),
                                                                               "--snapshot_steps", "2"]
     run = run_rlhf(args, env, timeout=900)

@@ -42,7 +42,8 @@ def killed_zero3_ckpt(toy_assets, rlhf_env, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("killed-zero3")
     ckpt, faults, log = root / "ckpt", root / "faults", root / "command.log"
     faults.mkdir()
-    paused_env = {**rlhf_env, "RLHF_FAULT_INJECT": f"{AFTER_THE_STEP_5_COMMIT},train_step@8=kill,train_step@13=sleep:600",
+    paused_env = {**rlhf_env,
+                  "RLHF_FAULT_INJECT": f"{AFTER_THE_STEP_5_COMMIT},train_step@8=kill,train_step@13=sleep:600",
                   "RLHF_FAULT_STATE": str(faults)}
     command = [RLHF, *zero3_args(toy_assets, ckpt, root / "out", 2), *PAUSED_ON_PURPOSE, "--snapshot_steps", "1"]
     with open(log, "wb") as output:

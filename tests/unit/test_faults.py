@@ -51,6 +51,12 @@ def test_after_waits_for_another_processs_point_to_fire(tmp_path, monkeypatch):
     waiter.join(timeout=10)
     assert not waiter.is_alive()
 
+    monkeypatch.delenv(faults.STATE_ENV_VAR)  # no rule leaves a marker then: nothing to wait for
+    unmarked = threading.Thread(target=faults.fault_point, args=("train_step", 6))
+    unmarked.start()
+    unmarked.join(timeout=10)  # a guard against MARKER_WAIT_S, not a speed check
+    assert not unmarked.is_alive()
+
 
 def test_the_trace_names_every_point_reached_with_its_process_without_any_rule(tmp_path, monkeypatch):
     monkeypatch.delenv(faults.ENV_VAR, raising=False)

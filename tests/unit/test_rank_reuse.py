@@ -35,7 +35,8 @@ def test_a_deepspeed_group_trains_again_after_the_reset(monkeypatch):
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 4)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
-            "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
             "zero_optimization": {"stage": 2}})
         loss = engine(torch.ones(2, 4)).sum()
         engine.backward(loss)
