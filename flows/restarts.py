@@ -1,7 +1,9 @@
 """A deployment's run that dies, fails on a passing fault or is preempted comes back by itself, as the same flow run.
 
-- Its process or worker died: Prefect marks it Crashed (the worker at once, or the heartbeat automation within
-  90 s), and the automation `rlhf-restart-crashed-runs` (deployments/automations.yaml) reschedules it.
+- Its process died and its supervisor lives (flows/supervise.py): the supervisor marks a restart and starts the
+  process again on the same host.
+- Its process or worker died otherwise: Prefect marks it Crashed (the worker at once, or the heartbeat automation
+  within 90 s), and the automation `rlhf-restart-crashed-runs` (deployments/automations.yaml) reschedules it.
 - A chunk used up its retries on a fault that passes (a lost rank, a hang, a store outage: `RLHFError.retryable`):
   the run reschedules itself (`after_failure`).
 - SIGTERM with no Cancel requested in Prefect (a spot preemption, a node drain): after its emergency checkpoint the
@@ -39,6 +41,7 @@ logger = logging.getLogger(__name__)
 RESTART_MARK = "rlhf: restarting after"  # the start of a restart's state message (the automation's too)
 OUT_OF_RESTARTS = "OutOfRestarts"
 PREEMPTED = "Preempted"
+RESTARTING = "Restarting"  # the Pending state of a run its supervisor starts again (flows/supervise.py)
 IN_PROCESS_WAIT_S = 60.0
 
 
@@ -138,7 +141,8 @@ def _restarts(flow_run_id: str, window_minutes: float) -> list[tuple[datetime, s
     for state in states:
         if state.type == StateType.RUNNING:
             ran = True
-        elif state.type == StateType.SCHEDULED and (state.message or "").startswith(RESTART_MARK) and ran:
+        elif (state.type in (StateType.SCHEDULED, StateType.PENDING) and (state.message or "").startswith(RESTART_MARK)
+              and ran):
             counted.append((state.timestamp, state.message or ""))
             ran = False
     return [(when, message) for when, message in counted if when >= since]

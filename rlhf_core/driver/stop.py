@@ -17,6 +17,10 @@ DEFAULT_GRACE_S = 25.0
 # Ray's shutdown, the server's stop: about 2 s here): a fifth of it, at least 3 s, at most half.
 EXIT_RESERVE_FRACTION, MIN_EXIT_RESERVE_S = 0.2, 3.0
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# Set in a deployment's flow run by its supervisor (flows/supervise.py names it too: rlhf_core imports no flows),
+# which passes a stop signal on to this process: a service's stop (systemd) signals both, moments apart.
+SUPERVISED_ENV = "RLHF_FLOW_RUN_SUPERVISOR"
+PASSED_ON_WITHIN_S = 2.0
 
 
 class StoppedBySignal(Exception):
@@ -154,7 +158,8 @@ class StopSignals:
 
     def _on_signal(self, number: int, frame) -> None:
         if self.requested():
-            self._leave_now(number, "a second stop signal")
+            if not self._passed_on_again(number):
+                self._leave_now(number, "a second stop signal")
             return
         received_at = time.monotonic()
         with self._lock:
@@ -171,6 +176,12 @@ class StopSignals:
         _notify(listeners)
         threading.Thread(target=self._watchdog, args=(self._generation, number, received_at),
                          name="rlhf-stop-watchdog", daemon=True).start()
+
+    def _passed_on_again(self, number: int) -> bool:
+        """Whether `number` is the first stop signal again, passed on by this flow run's supervisor
+        (flows/supervise.py) moments after it reached this process directly: one stop, not two."""
+        return (bool(os.environ.get(SUPERVISED_ENV)) and number == self.signal_number
+                and self.received_at is not None and time.monotonic() - self.received_at < PASSED_ON_WITHIN_S)
 
     def _watchdog(self, generation: int, number: int, received_at: float) -> None:
         """Leave at the end of the grace period of the stop signal `number`, received at `received_at`, if the run

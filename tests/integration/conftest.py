@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -198,6 +199,22 @@ def flow_run_process(worker_pid: int | None, flow_run_id: str):
         found = [process for process in psutil.process_iter() if runs_it(process)]
     pids = {process.pid for process in found}
     return next((process for process in found if process.ppid() not in pids), None)
+
+
+def engine_process(worker_pid: int | None, flow_run_id: str):
+    """The process running the flow itself (`python -m prefect.engine`, under the worker's supervisor
+    flows/supervise.py): the one the OOM killer would pick. None when there is none."""
+    import psutil
+
+    top = flow_run_process(worker_pid, flow_run_id)
+    if top is None:
+        return None
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for process in [top, *top.children(recursive=True)]:
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                if "prefect.engine" in process.cmdline():
+                    return process
+    return None
 
 
 @pytest.hookimpl(hookwrapper=True)

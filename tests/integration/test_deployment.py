@@ -37,7 +37,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.integration.conftest import PREFECT, PROJECT_DIR, BackgroundProcess, PrefectServer, flow_run_process
+from tests.integration.conftest import (PREFECT, PROJECT_DIR, BackgroundProcess, PrefectServer, engine_process,
+                                       flow_run_process)
 from rlhf_core.toy import step_labelled_rows
 
 pytestmark = pytest.mark.slow
@@ -535,3 +536,29 @@ def test_a_preempted_deployment_run_commits_its_step_and_continues_by_itself(dep
     preempted = next(state for state in states if state.name == "Preempted")
     assert "stopped by SIGTERM at step 12; committed step_12" in preempted.message, preempted.message
     assert flow_run.run_count == 2, flow_run.run_count
+
+
+def test_a_killed_flow_run_process_starts_again_on_its_host(deployed, tmp_path):
+    """SIGKILL to the flow run's engine process (the OOM killer's choice: the supervisor is small): its supervisor
+    (flows/supervise.py) marks the run restarting and starts the engine again on this host, and the run resumes
+    from its step-8 commit and completes. No Crashed state, no automation (this module creates none: without the
+    supervisor the run would end Crashed here), and the same flow run on its second attempt."""
+    from prefect.client.orchestration import SyncPrefectClient
+
+    from flows.restarts import RESTART_MARK
+
+    flow_run_id, stage_dir = run_paused_inside_a_chunk(deployed, tmp_path)
+    engine = engine_process(deployed.worker.pid, flow_run_id)
+    supervisor = flow_run_process(deployed.worker.pid, flow_run_id)
+    assert engine is not None and supervisor is not None and engine.pid != supervisor.pid, deployed.worker.log_tail()
+    engine.kill()
+    flow_run = deployed.wait(flow_run_id)
+    assert flow_run.state.type.value == "COMPLETED", f"{flow_run.state}\n{deployed.worker.log_tail()}"
+    with SyncPrefectClient(deployed.server.api_url) as client:
+        states = client.read_flow_run_states(flow_run_id)
+    assert "CRASHED" not in [state.type.value for state in states], [state.name for state in states]
+    restarts = [state for state in states if (state.message or "").startswith(RESTART_MARK)]
+    assert len(restarts) == 1 and f"process {engine.pid} died by SIGKILL" in restarts[0].message, restarts
+    assert flow_run.run_count == 2, flow_run.run_count
+    committed = sorted(int(p.parent.name.split("_")[1]) for p in stage_dir.glob("step_*/MANIFEST.json"))
+    assert 12 not in committed, committed  # no emergency commit: it died, and resumed from step 8

@@ -8,11 +8,13 @@ Kinds and what stands in for them here:
 - oom: a 16 MiB memory limit on a rank's cgroup, then the rank's next step allocates (an `armed` fault action,
   rlhf_core/faults.py: a rank in its steady state reuses its memory and never meets a limit by itself): the
   kernel's OOM killer kills it.
-- flow_run_kill: SIGKILL to the flow-run process (the driver), as the OOM killer would; its worker lives.
+- flow_run_kill: SIGKILL to the flow-run engine process (the driver), as the OOM killer would; its supervisor
+  (flows/supervise.py) and its worker live.
 - worker_kill: SIGKILL to the Prefect worker alone; its supervisor (systemd) starts it again a second later. Its
   flow run did not outlive it in the trials (it was found Crashed and restarted), as under systemd's default
   KillMode, which stops a dead service's whole cgroup.
-- preemption: SIGTERM to the flow-run process with no cancel asked of Prefect (a spot preemption, a drain).
+- preemption: SIGTERM to the flow-run engine and its supervisor, as a service's stop sends it to every process,
+  with no cancel asked of Prefect (a spot preemption, a drain).
 - node_loss: SIGKILL to a whole Ray worker node; it rejoins NODE_DOWN_S later (the run waits for it).
 - store_outage: the S3 endpoint stops for OUTAGE_S, then comes back with its buckets.
 - power_cut: the machine loses power: the worker, the flow run and the Ray nodes die at once, what was not
@@ -92,15 +94,16 @@ def _remove_when_empty(group: Path) -> None:
 
 
 def flow_run_kill(site: SoakSite, rng: random.Random) -> str:
-    process = site.flow_run_process()
+    process = site.flow_run_process(engine=True)
     process.send_signal(signal.SIGKILL)
-    return f"flow-run pid {process.pid}"
+    return f"flow-run engine pid {process.pid}"
 
 
 def preemption(site: SoakSite, rng: random.Random) -> str:
-    process = site.flow_run_process()
-    process.send_signal(signal.SIGTERM)
-    return f"flow-run pid {process.pid}"
+    processes = [site.flow_run_process(), site.flow_run_process(engine=True)]
+    for process in dict.fromkeys(processes):
+        process.send_signal(signal.SIGTERM)
+    return f"flow-run pids {', '.join(str(process.pid) for process in dict.fromkeys(processes))}"
 
 
 def worker_kill(site: SoakSite, rng: random.Random) -> str:

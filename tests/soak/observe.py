@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from flows.restarts import RESTARTING
 from rlhf_core.processes import process_exists
 
 REPLACED = re.compile(r"Replaced the ranks in ([\d.]+) s")
@@ -179,7 +180,10 @@ class Evidence:
                 if match:  # the line is written when the new ranks are ready; it says how long that took
                     return line.time - float(match.group(1))
             return None
-        if kind in ("flow_run_kill", "power_cut"):
+        if kind == "flow_run_kill":  # its supervisor's restart (flows/supervise.py), else the worker's report
+            return self._state_after(injected_at, until,
+                                     lambda type_, name: type_ == "CRASHED" or name == RESTARTING)
+        if kind == "power_cut":
             return self._state_after(injected_at, until, lambda type_, name: type_ == "CRASHED")
         if kind == "preemption":
             return self._state_after(injected_at, until, lambda type_, name: name == "Preempted")

@@ -20,7 +20,7 @@ from typing import Callable
 
 from tests.conftest import make_bucket, s3_environment
 from tests.integration.conftest import (PREFECT, PROJECT_DIR, BackgroundProcess, free_port, running_prefect_server,
-                                        flow_run_process, sigkill_tree)
+                                        engine_process, flow_run_process, sigkill_tree)
 from tests.integration.ray_cluster import RayCluster, active_nodes
 from tests.powercut_fs import PowerCutMount
 from tests.soak.observe import LogLine, Trace
@@ -219,12 +219,13 @@ class SoakSite:
         return [LogLine(record.timestamp.timestamp(), logging.getLevelName(record.level), record.message)
                 for record in records]
 
-    def flow_run_process(self):
-        """The process running the current flow run (the worker's child, or an orphan once its worker died);
-        NotNow if there is none."""
+    def flow_run_process(self, engine: bool = False):
+        """The process running the current flow run (the worker's child, or an orphan once its worker died), or
+        with `engine` the engine under it; NotNow if there is none."""
         from tests.soak.kinds import NotNow
 
-        process = flow_run_process(self.worker.process.pid, self.flow_run_id)
+        find = engine_process if engine else flow_run_process
+        process = find(self.worker.process.pid, self.flow_run_id)
         if process is None:
             raise NotNow("no flow-run process")
         return process

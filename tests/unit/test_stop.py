@@ -134,3 +134,16 @@ def _alive(pid: int) -> bool:
             return handle.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
     except OSError:
         return False
+
+
+@pytest.mark.parametrize("supervised, why", [(True, "--stop_grace_s 1.5 ran out"), (False, "a second stop signal")])
+def test_a_signal_passed_on_by_the_flow_runs_supervisor_is_the_same_stop(supervised, why):
+    """systemd stops a deployment's whole service: SIGTERM reaches the flow run's engine and its supervisor
+    (flows/supervise.py), which passes it on. The engine takes the copy 0.2 s later as the same stop, so the
+    emergency commit still runs (here the grace period ends it); outside a supervisor a second signal leaves."""
+    env = {**os.environ, stop.SUPERVISED_ENV: "1"} if supervised else {
+        key: value for key, value in os.environ.items() if key != stop.SUPERVISED_ENV}
+    child = subprocess.run([sys.executable, "-c", CHILD, "1.5", "SIGTERM", "SIGTERM"], capture_output=True,
+                           text=True, timeout=120, env=env)
+    assert child.returncode == 128 + signal.SIGTERM, child.stderr
+    assert f"stopped by SIGTERM ({why}): leaving now" in child.stderr, child.stderr

@@ -1,0 +1,80 @@
+"""flows/supervise.py without a server: when a dead engine is started again, and what the run's states say then.
+The real thing (a worker, a SIGKILLed engine, the run resumed) is test_deployment's
+`test_a_killed_flow_run_process_starts_again_on_its_host`; Cancel and preemption through it are the tests beside it."""
+
+from __future__ import annotations
+
+import signal
+from types import SimpleNamespace
+
+import prefect
+import pytest
+from prefect.client.schemas.objects import StateType
+from prefect.client.schemas.responses import SetStateStatus
+from prefect.states import Completed, Pending, Running, Scheduled
+
+from flows import supervise
+from flows.restarts import RESTART_MARK, RESTARTING, _restarts
+from tests.unit.test_restarts import FakeClient as RestartsClient
+
+RUN_ID = "00000000-0000-0000-0000-000000000047"
+
+
+class FakeClient(RestartsClient):
+    """Prefect's sync client as the supervisor uses it too: the states proposed to the run."""
+
+    def __init__(self, state, status: str = "ACCEPT"):
+        super().__init__(state)
+        self.status, self.proposed = status, []
+
+    def set_flow_run_state(self, flow_run_id, state, force=False):
+        self.proposed.append((state, force))
+        return SimpleNamespace(status=SetStateStatus(self.status), details="refused")
+
+
+@pytest.fixture
+def client(monkeypatch):
+    def use(state, status="ACCEPT") -> FakeClient:
+        fake = FakeClient(state, status)
+        monkeypatch.setattr(prefect, "get_client", lambda sync_client=False: fake)
+        return fake
+    return use
+
+
+def test_an_engine_killed_while_its_run_is_running_is_marked_a_restart_and_started_again(client):
+    """Pending, not Scheduled: a worker polls for Scheduled runs, and took one between a Scheduled and the
+    supervisor's Pending (seen: the run then ended Crashed over its second attempt)."""
+    fake = client(Running())
+    assert supervise.restart_after(RUN_ID, 4242, signal.SIGKILL)
+    [(marked, forced)] = fake.proposed
+    assert forced and marked.type == StateType.PENDING and marked.name == RESTARTING
+    assert marked.message.startswith(RESTART_MARK) and "process 4242 died by SIGKILL" in marked.message
+
+
+def test_the_restart_counts_in_the_runs_budget(client, monkeypatch):
+    """flows/restarts.py counts a restart once per attempt that ran: the supervisor's mark after a Running is one."""
+    first_attempt = [Pending(), Running()]
+    fake = client(first_attempt[-1])
+    supervise.restart_after(RUN_ID, 4242, signal.SIGKILL)
+    history = [*first_attempt, *(state for state, _ in fake.proposed), Running()]
+    monkeypatch.setattr("flows.restarts.get_client", lambda sync_client=False: RestartsClient(states=history))
+    assert [message for _, message in _restarts(RUN_ID, 60)] == [history[2].message]
+
+
+@pytest.mark.parametrize("state", [Pending(), Completed(), Scheduled(name="Preempted"), None],
+                         ids=["never-running", "completed", "rescheduled", "no-state"])
+def test_an_engine_that_died_outside_a_running_run_is_left_to_the_worker(client, state):
+    fake = client(state)
+    assert not supervise.restart_after(RUN_ID, 4242, signal.SIGKILL)
+    assert fake.proposed == []
+
+
+def test_a_restart_the_server_refuses_is_left_to_the_worker(client, capsys):
+    client(Running(), status="REJECT")
+    assert not supervise.restart_after(RUN_ID, 4242, signal.SIGSEGV)
+    assert "the server refused the restart" in capsys.readouterr().err
+
+
+def test_the_exit_status_of_an_engine_that_is_not_restarted_is_the_shells():
+    assert [supervise._exit_code(code) for code in (0, 1, -signal.SIGKILL)] == [0, 1, 137]
+
