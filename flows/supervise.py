@@ -37,8 +37,8 @@ def main() -> int:
     """Run the engine until it ends by itself or is stopped; restart it after each death `restart_after` allows."""
     flow_run_id = os.environ.get("PREFECT__FLOW_RUN_ID")
     if not flow_run_id:
-        print("rlhf: flows.supervise runs a deployment's flow run, from a Prefect worker: PREFECT__FLOW_RUN_ID "
-              "is not set", file=sys.stderr)
+        _say("rlhf: flows.supervise runs a deployment's flow run, from a Prefect worker: PREFECT__FLOW_RUN_ID "
+             "is not set")
         return 2
     stop_signals: list[int] = []
     engine: subprocess.Popen | None = None
@@ -65,14 +65,14 @@ def main() -> int:
         try:
             restart = restart_after(flow_run_id, engine.pid, -returncode)
         except Exception as error:  # noqa: BLE001 - the worker's report and the automation remain
-            print(f"rlhf: flow run {flow_run_id}: its engine process {engine.pid} died and could not be marked "
-                  f"restarting ({type(error).__name__}: {error}); leaving it to the worker", file=sys.stderr)
+            _say(f"rlhf: flow run {flow_run_id}: its engine process {engine.pid} died and could not be marked "
+                 f"restarting ({type(error).__name__}: {error}); leaving it to the worker")
             restart = False
         if not restart:
             return _exit_code(returncode)
-        print(f"rlhf: flow run {flow_run_id}: its engine process {engine.pid} died by "
-              f"{signal.Signals(-returncode).name}; starting it again on this host "
-              f"({time.monotonic() - started:.1f} s to mark the restart)", file=sys.stderr, flush=True)
+        _say(f"rlhf: flow run {flow_run_id}: its engine process {engine.pid} died by "
+             f"{signal.Signals(-returncode).name}; starting it again on this host "
+             f"({time.monotonic() - started:.1f} s to mark the restart)")
         environment = {key: value for key, value in environment.items() if key not in ATTEMPT_ONLY_ENV}
 
 
@@ -99,9 +99,16 @@ def restart_after(flow_run_id: str | UUID, pid: int, signal_number: int) -> bool
         marked: OrchestrationResult = client.set_flow_run_state(flow_run_id, Pending(name=RESTARTING, message=message),
                                                                 force=True)
     if marked.status != SetStateStatus.ACCEPT:
-        print(f"rlhf: flow run {flow_run_id}: its engine process {pid} died by {name}; the server refused the "
-              f"restart ({marked.status.value}: {marked.details})", file=sys.stderr, flush=True)
+        _say(f"rlhf: flow run {flow_run_id}: its engine process {pid} died by {name}; the server refused the "
+             f"restart ({marked.status.value}: {marked.details})")
     return marked.status == SetStateStatus.ACCEPT
+
+
+def _say(line: str) -> None:
+    """A line on stderr, the worker's pipe: gone when the worker died (flows/orphans.py), and a restart must
+    not end on it."""
+    with contextlib.suppress(OSError):
+        print(line, file=sys.stderr, flush=True)
 
 
 def _exit_code(returncode: int) -> int:

@@ -4,7 +4,10 @@ The real thing (a worker, a SIGKILLed engine, the run resumed) is test_deploymen
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import sys
 from types import SimpleNamespace
 
 import prefect
@@ -78,3 +81,16 @@ def test_a_restart_the_server_refuses_is_left_to_the_worker(client, capsys):
 def test_the_exit_status_of_an_engine_that_is_not_restarted_is_the_shells():
     assert [supervise._exit_code(code) for code in (0, 1, -signal.SIGKILL)] == [0, 1, 137]
 
+
+
+def test_a_line_to_a_worker_that_is_gone_does_not_end_the_supervisor(monkeypatch):
+    """The worker reads the supervisor's stderr through a pipe; once the worker died (the run outlives it,
+    flows/orphans.py), a restart's line meets a broken pipe and must not end the restart."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    with os.fdopen(write_end, "w") as gone:
+        monkeypatch.setattr(sys, "stderr", gone)
+        supervise._say("rlhf: flow run x: its engine process 1 died by SIGKILL; starting it again on this host")
+        monkeypatch.undo()
+        with contextlib.suppress(OSError):
+            gone.close()
