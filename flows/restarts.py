@@ -84,7 +84,7 @@ def restart_budget(run: RunConfig) -> State | None:
     flow_run_id = deployment_run_id()
     if flow_run_id is None:
         return None
-    restarts = _restarts(flow_run_id, run.restart_window_minutes)
+    restarts = recent_restarts(flow_run_id, run.restart_window_minutes)
     if len(restarts) > run.max_restarts:
         causes = "; ".join(f"{when:%H:%M:%S} {message.removeprefix(RESTART_MARK).strip()}"
                            for when, message in restarts[-5:])
@@ -107,7 +107,7 @@ def after_failure(run: RunConfig, error: BaseException) -> State | None:
     flow_run_id = deployment_run_id()
     if flow_run_id is None or not (isinstance(error, RLHFError) and error.retryable):
         return None
-    earlier = _restarts(flow_run_id, run.restart_window_minutes)
+    earlier = recent_restarts(flow_run_id, run.restart_window_minutes)
     num_restarts = len(earlier) + 1
     due = datetime.now(timezone.utc)
     if earlier:
@@ -130,7 +130,7 @@ def after_stop(stopped: State, signal_name: str | None) -> State:
     return Scheduled(name=PREEMPTED, message=f"preempted: {stopped.message}; it continues when a worker is free")
 
 
-def _restarts(flow_run_id: str, window_minutes: float) -> list[tuple[datetime, str]]:
+def recent_restarts(flow_run_id: str, window_minutes: float) -> list[tuple[datetime, str]]:
     """(time, message) of the run's restarts within the window, oldest first. A restart counts once per attempt
     that ran before it: Prefect's process worker reports one death twice (its executor, then the worker), and the
     second report may restart the run again before any attempt ran."""

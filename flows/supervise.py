@@ -81,18 +81,29 @@ def restart_after(flow_run_id: str | UUID, pid: int, signal_number: int) -> bool
     has the run Running (the engine reported nothing): the run is then set Pending, named RESTARTING, with
     RESTART_MARK (counted by the run's restart budget). Pending, not Scheduled as a reschedule is: a worker's
     poll would take a Scheduled run too (seen), and two attempts would run. No when the run was not Running (it
-    never got there, or it ended or was rescheduled before dying)."""
+    never got there, or it ended or was rescheduled before dying), and when the run has used --max_restarts
+    within --restart_window_minutes: the worker's report and the automation take it from there, and the engine's
+    start ends it OutOfRestarts (flows/restarts.py). A process that dies at each start, before that check, is
+    restarted here --max_restarts times at most."""
     from prefect import get_client
     from prefect.client.schemas.objects import StateType
     from prefect.client.schemas.responses import OrchestrationResult, SetStateStatus
     from prefect.states import Pending
 
-    from flows.restarts import RESTART_MARK, RESTARTING
+    from flows.restarts import RESTART_MARK, RESTARTING, recent_restarts
+    from rlhf_core.config import RunConfig
 
     name, flow_run_id = signal.Signals(signal_number).name, UUID(str(flow_run_id))
     with get_client(sync_client=True) as client:
-        state = client.read_flow_run(flow_run_id).state
-        if state is None or state.type != StateType.RUNNING:
+        flow_run = client.read_flow_run(flow_run_id)
+        if flow_run.state is None or flow_run.state.type != StateType.RUNNING:
+            return False
+        config = (flow_run.parameters or {}).get("config") or {}
+        max_restarts = config.get("max_restarts", RunConfig.model_fields["max_restarts"].default)
+        window = config.get("restart_window_minutes", RunConfig.model_fields["restart_window_minutes"].default)
+        if len(recent_restarts(str(flow_run_id), window)) >= max_restarts:
+            _say(f"rlhf: flow run {flow_run_id}: its engine process {pid} died by {name}, past --max_restarts "
+                 f"{max_restarts}: left to the worker's report")
             return False
         message = (f"{RESTART_MARK} the flow-run process {pid} died by {name}; restarted on "
                    f"{socket.gethostname()} by its supervisor")

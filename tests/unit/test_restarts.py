@@ -47,7 +47,7 @@ def deployment_run(monkeypatch):
     """A deployment's flow run whose earlier restarts (time, message) the test sets."""
     history: list[tuple[datetime, str]] = []
     monkeypatch.setattr(restarts, "deployment_run_id", lambda: "00000000-0000-0000-0000-000000000001")
-    monkeypatch.setattr(restarts, "_restarts", lambda flow_run_id, window: list(history))
+    monkeypatch.setattr(restarts, "recent_restarts", lambda flow_run_id, window: list(history))
     return history
 
 
@@ -159,5 +159,5 @@ def test_a_death_reported_twice_before_any_attempt_ran_counts_as_one_restart(mon
                state(4000, StateType.SCHEDULED, "created")]
 
     monkeypatch.setattr(restarts, "get_client", lambda sync_client: FakeClient(states=history))
-    assert [round((now - when).total_seconds()) for when, _ in restarts._restarts("id", 60)] == [89, 39]
-    assert [round((now - when).total_seconds()) for when, _ in restarts._restarts("id", 1)] == [39]  # the window
+    assert [round((now - when).total_seconds()) for when, _ in restarts.recent_restarts("id", 60)] == [89, 39]
+    assert [round((now - when).total_seconds()) for when, _ in restarts.recent_restarts("id", 1)] == [39]  # the window

@@ -17,18 +17,21 @@ from prefect.client.schemas.responses import SetStateStatus
 from prefect.states import Completed, Pending, Running, Scheduled
 
 from flows import supervise
-from flows.restarts import RESTART_MARK, RESTARTING, _restarts
+from flows.restarts import RESTART_MARK, RESTARTING, recent_restarts
 from tests.unit.test_restarts import FakeClient as RestartsClient
 
 RUN_ID = "00000000-0000-0000-0000-000000000047"
 
 
 class FakeClient(RestartsClient):
-    """Prefect's sync client as the supervisor uses it too: the states proposed to the run."""
+    """Prefect's sync client as the supervisor uses it too: the run's parameters, the states proposed to it."""
 
-    def __init__(self, state, status: str = "ACCEPT"):
-        super().__init__(state)
-        self.status, self.proposed = status, []
+    def __init__(self, state, status: str = "ACCEPT", states=(), config=None):
+        super().__init__(state, states)
+        self.status, self.config, self.proposed = status, config or {}, []
+
+    def read_flow_run(self, flow_run_id):
+        return SimpleNamespace(state=self.state, parameters={"config": self.config})
 
     def set_flow_run_state(self, flow_run_id, state, force=False):
         self.proposed.append((state, force))
@@ -37,9 +40,10 @@ class FakeClient(RestartsClient):
 
 @pytest.fixture
 def client(monkeypatch):
-    def use(state, status="ACCEPT") -> FakeClient:
-        fake = FakeClient(state, status)
+    def use(state, status="ACCEPT", states=(), config=None) -> FakeClient:
+        fake = FakeClient(state, status, states, config)
         monkeypatch.setattr(prefect, "get_client", lambda sync_client=False: fake)
+        monkeypatch.setattr("flows.restarts.get_client", lambda sync_client=False: fake)
         return fake
     return use
 
@@ -54,14 +58,13 @@ def test_an_engine_killed_while_its_run_is_running_is_marked_a_restart_and_start
     assert marked.message.startswith(RESTART_MARK) and "process 4242 died by SIGKILL" in marked.message
 
 
-def test_the_restart_counts_in_the_runs_budget(client, monkeypatch):
+def test_the_restart_counts_in_the_runs_budget(client):
     """flows/restarts.py counts a restart once per attempt that ran: the supervisor's mark after a Running is one."""
     first_attempt = [Pending(), Running()]
     fake = client(first_attempt[-1])
     supervise.restart_after(RUN_ID, 4242, signal.SIGKILL)
-    history = [*first_attempt, *(state for state, _ in fake.proposed), Running()]
-    monkeypatch.setattr("flows.restarts.get_client", lambda sync_client=False: RestartsClient(states=history))
-    assert [message for _, message in _restarts(RUN_ID, 60)] == [history[2].message]
+    client(Running(), states=[*first_attempt, *(state for state, _ in fake.proposed), Running()])
+    assert [message for _, message in recent_restarts(RUN_ID, 60)] == [fake.proposed[0][0].message]
 
 
 @pytest.mark.parametrize("state", [Pending(), Completed(), Scheduled(name="Preempted"), None],
@@ -76,6 +79,23 @@ def test_a_restart_the_server_refuses_is_left_to_the_worker(client, capsys):
     client(Running(), status="REJECT")
     assert not supervise.restart_after(RUN_ID, 4242, signal.SIGSEGV)
     assert "the server refused the restart" in capsys.readouterr().err
+
+
+def test_a_process_that_dies_at_each_start_is_restarted_here_max_restarts_times_at_most(client):
+    """The engine's own budget check (flows/restarts.start_attempt) never runs in a process that dies before it:
+    the supervisor counts the run's restarts too, and past --max_restarts leaves the run to the worker."""
+    def attempts(count: int) -> list:
+        return [state for _ in range(count) for state in (Running(), Pending(name=RESTARTING,
+                                                                           message=f"{RESTART_MARK} a death"))]
+
+    client(Running(), states=attempts(1), config={"max_restarts": 2})
+    assert supervise.restart_after(RUN_ID, 4242, signal.SIGKILL)
+    past_the_budget = client(Running(), states=attempts(2), config={"max_restarts": 2})
+    assert not supervise.restart_after(RUN_ID, 4242, signal.SIGKILL) and past_the_budget.proposed == []
+    client(Running(), states=attempts(9))  # the default --max_restarts, 10
+    assert supervise.restart_after(RUN_ID, 4242, signal.SIGKILL)
+    client(Running(), states=attempts(10))
+    assert not supervise.restart_after(RUN_ID, 4242, signal.SIGKILL)
 
 
 def test_the_exit_status_of_an_engine_that_is_not_restarted_is_the_shells():
