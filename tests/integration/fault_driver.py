@@ -17,10 +17,11 @@ from rlhf_core.driver.resume import validate_run_start
 
 
 def main(config_json: str) -> None:
-    # A fault in a Ray worker kills this process too (RLHF_FAULT_JOB_PID). A job with no faults forwards no pid, so
-    # fault-free jobs share one environment, and the ranks one leaves serve the next (rlhf_core/driver/lingering.py).
+    # A fault in a Ray worker kills this process too (RLHF_FAULT_JOB_PID; "0" from the test: the rank alone dies).
+    # A job with no faults forwards no pid, so fault-free jobs share one environment, and the ranks one leaves
+    # serve the next (rlhf_core/driver/lingering.py).
     if os.environ.get(ENV_VAR) or os.environ.get(STATE_ENV_VAR):
-        os.environ[JOB_PID_ENV_VAR] = str(os.getpid())
+        os.environ.setdefault(JOB_PID_ENV_VAR, str(os.getpid()))
     run = resolve_paths(RunConfig.model_validate_json(config_json))
     validate_run_start(run)
     for stage in run.stages:

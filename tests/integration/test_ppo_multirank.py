@@ -55,20 +55,17 @@ def step_metadata(run: RunConfig, step: int) -> dict:
     return json.loads((Path(run.stage_url("ppo")) / f"step_{step}" / "training_metadata.json").read_text())
 
 
-def test_two_rank_ppo_with_kl_target_killed_and_resumed_matches_the_uninterrupted_run(toy_assets, rlhf_env,
-                                                                                      tmp_path):
-    reference = two_rank_ppo(toy_assets, tmp_path / "reference")
-    uninterrupted = job(reference, rlhf_env)
+@pytest.fixture(scope="module")
+def reference(toy_assets, rlhf_env, tmp_path_factory) -> RunConfig:
+    """The uninterrupted 2-rank run, with no snapshots between commits."""
+    run = two_rank_ppo(toy_assets, tmp_path_factory.mktemp("reference")).model_copy(update={"snapshot_steps": -1})
+    uninterrupted = job(run, rlhf_env)
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
-    assert step_metadata(reference, 4)["world_size"] == 2
+    assert step_metadata(run, 4)["world_size"] == 2
+    return run
 
-    run = two_rank_ppo(toy_assets, tmp_path / "killed")
-    stage_dir = Path(run.stage_url("ppo"))
-    kill_fault_driver_once_committed(run.model_dump_json(), rlhf_env, 4, tmp_path / "faults", stage_dir / "step_3")
-    assert not (stage_dir / "step_4").exists()
-    resumed = job(run, rlhf_env)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
 
+def assert_same_weights_and_kl(run: RunConfig, reference: RunConfig) -> None:
     expected = load_file(str(Path(reference.ppo.save_path) / "model.safetensors"))
     actual = load_file(str(Path(run.ppo.save_path) / "model.safetensors"))
     assert expected.keys() == actual.keys()
@@ -78,3 +75,34 @@ def test_two_rank_ppo_with_kl_target_killed_and_resumed_matches_the_uninterrupte
         kl_coef = step_metadata(run, step)["metrics"]["kl_coef"]
         assert kl_coef == step_metadata(reference, step)["metrics"]["kl_coef"], step
         assert kl_coef != INIT_KL_COEF  # the controller really moved
+
+
+def test_two_rank_ppo_with_kl_target_killed_and_resumed_matches_the_uninterrupted_run(toy_assets, rlhf_env,
+                                                                                      tmp_path, reference):
+    run = two_rank_ppo(toy_assets, tmp_path / "killed")
+    stage_dir = Path(run.stage_url("ppo"))
+    kill_fault_driver_once_committed(run.model_dump_json(), rlhf_env, 4, tmp_path / "faults", stage_dir / "step_3")
+    assert not (stage_dir / "step_4").exists()
+    resumed = job(run, rlhf_env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_weights_and_kl(run, reference)
+
+
+def test_a_ppo_rank_lost_mid_chunk_is_replaced_from_a_snapshot_between_commits_and_stays_exact(
+        toy_assets, rlhf_env, tmp_path, reference):
+    """Issue 47: a rank SIGKILLed as it enters step 3 (the first chunk's last) is replaced in place from the
+    snapshot every rank took after step 2 (`snapshot_steps` 1), not from the start: PPO's policy, critic-free
+    REINFORCE++ state, optimizer and KL controller come back from it, and the run ends bit-exact (weights and KL
+    coefficients) with the uninterrupted run that took no snapshots."""
+    run = two_rank_ppo(toy_assets, tmp_path / "replaced").model_copy(update={"snapshot_steps": 1})
+    faults = tmp_path / "faults"
+    faults.mkdir()
+    env = {**rlhf_env, "RLHF_FAULT_INJECT": "train_step@3=kill", "RLHF_FAULT_STATE": str(faults),
+           "RLHF_FAULT_JOB_PID": "0"}  # the rank alone dies, not the job
+    replaced = job(run, env)
+    log = replaced.stdout + replaced.stderr
+    assert replaced.returncode == 0, log[-3000:]
+    assert (faults / "train_step@3").exists(), "the fault never fired"
+    lines = [line for line in log.splitlines() if "was lost mid-chunk" in line]
+    assert len(lines) == 1 and "training again from step 2 (a snapshot between commits" in lines[0], log[-3000:]
+    assert_same_weights_and_kl(run, reference)
