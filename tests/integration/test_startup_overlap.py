@@ -23,9 +23,12 @@ RAY_START_WAIT_S = 60.0
 
 @pytest.fixture
 def ray_starts(monkeypatch) -> list[str | None]:
-    """The address of each `ensure_ray` call (None: a local Ray of this process's own)."""
+    """The address of each `ensure_ray` call (None: a local Ray of this process's own). Ray starts disconnected in
+    this process: an earlier test on the same xdist worker may have left it connected, and a connected Ray is not
+    started again (`startup._start_ray`), which failed this module's first test in two suite runs."""
     from rlhf_core.driver import ray_start
 
+    ray.shutdown()
     calls: list[str | None] = []
     ensure_ray = ray_start.ensure_ray
 
