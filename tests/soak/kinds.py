@@ -100,10 +100,10 @@ def flow_run_kill(site: SoakSite, rng: random.Random) -> str:
 
 
 def preemption(site: SoakSite, rng: random.Random) -> str:
-    processes = [site.flow_run_process(), site.flow_run_process(engine=True)]
-    for process in dict.fromkeys(processes):
+    processes = list(dict.fromkeys([site.flow_run_process(), site.flow_run_process(engine=True)]))  # one without
+    for process in processes:                                                                    # a supervisor
         process.send_signal(signal.SIGTERM)
-    return f"flow-run pids {', '.join(str(process.pid) for process in dict.fromkeys(processes))}"
+    return f"flow-run pids {', '.join(str(process.pid) for process in processes)}"
 
 
 def worker_kill(site: SoakSite, rng: random.Random) -> str:
