@@ -25,7 +25,8 @@ from rlhf_core.driver.waits import gather
 from rlhf_core.config import RunConfig
 from rlhf_core.rank.ds_config import resolve_zero_stage
 from rlhf_core.driver.ray_start import ensure_ray, forwarded_environment, threads_asked
-from rlhf_core.driver.interim import InterimStart, interim_note, interim_plan
+from rlhf_core.driver.interim import (InterimHoldings, InterimStart, drop_keepers, interim_note, interim_plan,
+                                     rank_plans)
 from rlhf_core.driver.hang import HangWatch, dump_rank_stacks, save_stacks, stuck_frame
 from rlhf_core.driver.lingering import claim_lingering, lingering_options, lingers, retire_ranks
 from rlhf_core.errors import FailedAt, RankHung, UserError, WorkerLost
@@ -35,8 +36,9 @@ from rlhf_core.ops.ray_output import adopt_worker_output
 from rlhf_core.ops.run_log import log_file_for
 from rlhf_core.ops.step_time import writer_slowdown
 from rlhf_core.rank.worker import RankLocation, TrainWorker
-from rlhf_core.driver.placement import placement_bundle, reserve_placement
+from rlhf_core.driver.placement import bundle_nodes, placement_bundle, reserve_placement
 from rlhf_core.stages.base import StageConfig
+from rlhf_core.storage.interim import InterimPlan
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +101,8 @@ class WorkerGroup:
             raise
         self.zero_stage: int | None = None  # resolved by setup
         self.interim_token = ""  # the command's, for its snapshots between commits (none without it)
+        self.interim: InterimPlan | None = None  # set by setup
+        self._held: InterimHoldings | None = None  # set by interim_steps
         self.restored: InterimStart | None = None  # set by load_interim
         self._ahead: tuple[int, list] | None = None
         self._step_loop_seconds = 0.0  # rank 0's, since the last take_step_loop_seconds()
@@ -133,23 +137,31 @@ class WorkerGroup:
         run = run.model_copy(update={stage: cfg.model_copy(update={"zero_stage": self.zero_stage})})
         self._model_sizes, self._stage = None, stage
         self._clean_step_seconds = None  # another stage's steps take another time: no baseline carries over
-        interim = interim_plan(run, stage, self.interim_token, self.world_size, self.zero_stage)
-        self._gather([worker.setup.remote(run, stage, chunk_ends, load_universal, interim) for worker in self.workers])
+        self.interim = interim_plan(run, stage, self.interim_token, self.world_size, self.zero_stage)
+        plans = rank_plans(self.interim, [location.node_id for location in self.locations])
+        self._gather([worker.setup.remote(run, stage, chunk_ends, load_universal, plan)
+                      for worker, plan in zip(self.workers, plans)])
 
     def interim_steps(self, run: RunConfig, stage: str, saved_zero_stage: int | None) -> list[int]:
         """The snapshots between commits (`rlhf_core.rank.interim`) of this command's `stage` on a group of this
-        shape that every rank can load on its node (asked before `setup`, which builds the models)."""
+        shape of which every rank's is whole on a node still alive (asked before `setup`, which builds the
+        models)."""
         cfg = run.section(stage, StageConfig)
         zero_stage = resolve_zero_stage(cfg.zero_stage, self.world_size, cfg.adam_offload, saved_zero_stage)
         plan = interim_plan(run, stage, self.interim_token, self.world_size, zero_stage)
         if plan is None:
             return []
-        held = self._gather([worker.interim_steps.remote(plan) for worker in self.workers])
-        return sorted(set(held[0]).intersection(*held[1:])) if held else []
+        self._held = InterimHoldings.gather(
+            plan, lambda: self._gather([worker.interim_holdings.remote(plan) for worker in self.workers]))
+        return self._held.steps()
 
     def load_interim(self, step: int, base_step: int) -> None:
         """Every rank loads the snapshot of `step`, taken after the commit of `base_step` (0: none yet)."""
-        loaded = self._gather([worker.load_interim.remote(step) for worker in self.workers])
+        held = self._held
+        assert held is not None, "interim_steps comes first"
+        loaded = self._gather([worker.load_interim.remote(step, held.sources(step, location.node_id))
+                               for worker, location in zip(self.workers, self.locations)])
+        held.forget_after(step)
         self.step = loaded[0][0]
         self.restored = InterimStart(self.step, base_step, loaded[0][1], loaded[0][2])
 
@@ -262,9 +274,10 @@ class WorkerGroup:
         retiring = clean and self.lingering
 
         def release() -> None:
-            if clean:  # the ranks remove their snapshots between commits (the driver reaches only its own host)
+            if clean:  # the ranks and keepers remove their snapshots between commits (the driver reaches only its host)
                 with contextlib.suppress(Exception):
                     ray.get([worker.drop_interim.remote() for worker in workers], timeout=STOP_SHUTDOWN_S * 5)
+                drop_keepers(self.interim)
             if retiring:
                 retire_ranks(workers)
             else:
@@ -367,12 +380,6 @@ class WorkerGroup:
                             "use a folder shared by every node at the same path, or an object store (s3://...).")
 
 
-def bundle_nodes(placement, num_bundles: int) -> list[str]:
-    """The node id each bundle of `placement` (ready) was placed on, by bundle index."""
-    table = ray.util.placement_group_table(placement).get("bundles_to_node_id", {})
-    return [table.get(index, "") for index in range(num_bundles)]
-
-
 def rank_actor(run: RunConfig, rank: int, world_size: int, outlive_on: str = "", **options: Any):
     """A new TrainWorker actor with the run's resources per rank and forwarded environment; `options`: Ray's
     actor options to add or override (where to place it, or no resources at all for a spare). `outlive_on`: the
@@ -391,9 +398,3 @@ def rank_actor(run: RunConfig, rank: int, world_size: int, outlive_on: str = "",
     if outlive_on:
         options = lingering_options(outlive_on) | options
     return remote_worker.options(**(actor_options | options)).remote(rank, world_size, owner_job, run.spare_idle_s)
-
-
-def group_settings(run: RunConfig) -> dict:
-    """The settings a WorkerGroup is built from: two runs that agree on them can use the same group."""
-    return run.model_dump(include={"ray_address", "num_workers", "num_cpus_per_worker", "placement_strategy",
-                                   "placement_timeout_s", "allow_fewer_workers", "ckpt_path", "storage_options"})

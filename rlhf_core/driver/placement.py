@@ -88,3 +88,15 @@ def _placement_shortfall(run: RunConfig, bundle: dict) -> str:
             f"({run.placement_strategy}) within --placement_timeout_s {run.placement_timeout_s:g}; the cluster has "
             f"{len(nodes)} alive node(s) ({have}). Add nodes or resources, lower --num_workers or "
             f"--num_cpus_per_worker, or pass --allow_fewer_workers.")
+
+
+def bundle_nodes(placement, num_bundles: int) -> list[str]:
+    """The node id each bundle of `placement` (ready) was placed on, by bundle index."""
+    table = ray.util.placement_group_table(placement).get("bundles_to_node_id", {})
+    return [table.get(index, "") for index in range(num_bundles)]
+
+
+def group_settings(run: RunConfig) -> dict:
+    """The settings a WorkerGroup is built from: two runs that agree on them can use the same group."""
+    return run.model_dump(include={"ray_address", "num_workers", "num_cpus_per_worker", "placement_strategy",
+                                   "placement_timeout_s", "allow_fewer_workers", "ckpt_path", "storage_options"})

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from rlhf_core.config import RunConfig, semantic_hash
-from rlhf_core.driver.engine import WorkerGroup, group_settings
+from rlhf_core.driver.engine import WorkerGroup
+from rlhf_core.driver.placement import group_settings
 from rlhf_core.driver.interim import InterimStart
 from rlhf_core.driver.plan import Checked, StageIdentity, StagePlan, plan_stage, stage_identity
 from rlhf_core.driver.repeats import ChunkTries

@@ -22,8 +22,8 @@ import ray
 
 from rlhf_core.config import RunConfig
 from rlhf_core.errors import TransientStoreError
-from rlhf_core.rank.interim import InterimSnapshots
-from rlhf_core.storage.interim import InterimPlan, node_folder, recorded, remove_orphans, whole_steps
+from rlhf_core.rank.interim import InterimSnapshots, Sources
+from rlhf_core.storage.interim import InterimPlan, holdings, node_folder, recorded, remove_orphans
 from rlhf_core.rank.reuse import OutlivesItsCommand
 from rlhf_core.rank.signals import Progress, WorkerSignals
 from rlhf_core.rank.threads import free_port, torch_threads, yield_cpu_to_training
@@ -261,9 +261,9 @@ class TrainWorker(OutlivesItsCommand):
     def _interim_folder(self, plan: InterimPlan) -> str:
         return node_folder(plan, ray.get_runtime_context().get_node_id())
 
-    def interim_steps(self, plan: InterimPlan) -> list[int]:
-        """The snapshots between commits of `plan` that every rank finished on this rank's node."""
-        return whole_steps(self._interim_folder(plan), plan.world_size)
+    def interim_holdings(self, plan: InterimPlan) -> tuple[str, dict[int, dict[int, dict]]]:
+        """This rank's node, and per rank the snapshots between commits of `plan` it holds whole."""
+        return ray.get_runtime_context().get_node_id(), holdings(self._interim_folder(plan), plan.world_size)
 
     def drop_interim(self) -> None:
         """At a clean end: this command's snapshots between commits on this rank's host go (the driver removes
@@ -271,16 +271,17 @@ class TrainWorker(OutlivesItsCommand):
         if self._interim is not None:
             shutil.rmtree(os.path.dirname(self._interim.folder), ignore_errors=True)
 
-    def load_interim(self, step: int) -> tuple[int, list[dict[str, float]], int]:
-        """Load the snapshot between commits of `step` from this node's tmpfs; returns the step, the metrics of
-        the steps between the last commit and it, and the interval it was taken at."""
+    def load_interim(self, step: int, sources: Sources) -> tuple[int, list[dict[str, float]], int]:
+        """Load the snapshot between commits of `step` (`sources`: each rank's, on this node or through another
+        node's keeper); returns the step, the metrics of the steps between the last commit and it, and the
+        interval it was taken at."""
         from rlhf_core.faults import fault_point
 
         interim = self._interim
         assert interim is not None
         with self._progress.working_on("load"):
-            loaded = interim.load(step, self.trainer)
-            self._metrics_since_commit, interval = recorded(interim.folder, step, self.world_size)
+            loaded = interim.load(step, self.trainer, sources)
+            self._metrics_since_commit, interval = recorded(sources[0][0])
         fault_point("loaded", loaded, tag=self._stage)  # the trace's mark, as load_from_store's
         return loaded, self._metrics_since_commit, interval
 

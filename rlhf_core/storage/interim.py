@@ -11,8 +11,10 @@ never read; the other slot still holds the snapshot before. `materialize` rebuil
 
 The slots lie in `{tmpfs}/rlhf-interim-{driver host}-{driver pid}-{key}/{node id}/slot_{0,1}/`: the key names one
 command's stage on one group shape, so a snapshot never crosses commands (a resume from the store uses commits
-only), nodes (a lost node's snapshot is never read from elsewhere) or world sizes. docs/design-notes.md
-("Snapshots between commits") has the choice of K and the memory.
+only) or world sizes. A group on several nodes also keeps a copy of each rank's slot on the next node of its ring
+(`store_copy`, written by that node's `NodeSnapshots`), so the loss of a node leaves each of its ranks' snapshots
+on a peer; a node folder then holds its own ranks' slots and copies of its peer's, in the same layout.
+docs/design-notes.md ("Snapshots between commits") has the choice of K and the memory.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import os
 import shutil
 import socket
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -51,6 +54,7 @@ class InterimPlan:
     world_size: int
     driver_host: str = ""
     driver_pid: int = 0
+    copy_to: Any = None  # the `NodeSnapshots` actor of the next node of the group's ring (None: one node)
 
     @property
     def folder_name(self) -> str:
@@ -82,7 +86,8 @@ def _read_marker(slot: str, rank: int) -> dict | None:
 
 
 def _markers_of_step(folder: str, step: int, world_size: int) -> dict[int, tuple[str, dict]] | None:
-    """Each rank's (slot, marker) holding `step` whole under `folder`; None when a rank has none."""
+    """Each rank's (slot, marker) holding `step` whole under `folder`; None when a rank has none (what
+    `materialize` takes)."""
     found = {}
     for rank in range(world_size):
         for slot in _slots(folder):
@@ -103,6 +108,55 @@ def whole_steps(folder: str, world_size: int) -> list[int]:
     return sorted(step for step in steps if _markers_of_step(folder, step, world_size) is not None)
 
 
+def holdings(folder: str, world_size: int) -> dict[int, dict[int, dict]]:
+    """Per rank, the steps `folder` (a node's) holds whole for it, with their markers: the rank's own slots when it
+    ran there, or the copies of a peer node's rank."""
+    held: dict[int, dict[int, dict]] = {}
+    for rank in range(world_size):
+        for slot in _slots(folder):
+            marker = _read_marker(slot, rank)
+            if marker is not None and _files_intact(slot, marker["files"]):
+                held.setdefault(rank, {})[marker["step"]] = marker
+    return held
+
+
+def slot_holding(folder: str, rank: int, step: int) -> tuple[str, dict] | None:
+    """The (slot, marker) under `folder` holding `rank`'s snapshot of `step` whole, or None."""
+    for slot in _slots(folder):
+        marker = _read_marker(slot, rank)
+        if marker is not None and marker["step"] == step and _files_intact(slot, marker["files"]):
+            return slot, marker
+    return None
+
+
+def read_slot(folder: str, rank: int, step: int, names: list[str] | None = None) -> tuple[dict, dict[str, bytes]]:
+    """`rank`'s snapshot of `step` under `folder`: its marker and the bytes of its files (`names`: only these), to
+    send to another node. FileNotFoundError when it is not whole there."""
+    held = slot_holding(folder, rank, step)
+    if held is None:
+        raise FileNotFoundError(f"rank {rank}'s snapshot of step {step} is not whole in {folder}")
+    slot, marker = held
+    files = {}
+    for relative in (marker["files"] if names is None else names):
+        with open(os.path.join(slot, relative), "rb") as handle:
+            files[relative] = handle.read()
+    if slot_holding(folder, rank, step) is None:  # rewritten while read
+        raise FileNotFoundError(f"rank {rank}'s snapshot of step {step} in {folder} was replaced while read")
+    return marker, files
+
+
+def store_copy(folder: str, rank: int, marker: dict, files: dict[str, bytes]) -> None:
+    """A copy of `rank`'s slot (its `marker` and every file's bytes, from `read_slot`) into `folder`, a peer node's:
+    into the slot that holds the same step, else the older one; marker last, as a rank writes its own."""
+    slot = next((slot for slot in _slots(folder) if (_read_marker(slot, rank) or {}).get("step") == marker["step"]),
+                None) or older_slot(folder, rank)
+    open_slot(slot, rank)
+    for relative, data in files.items():
+        with _replacing(os.path.join(slot, relative)) as partial, open(partial, "wb") as handle:
+            handle.write(data)
+    close_slot(slot, rank, marker)
+
+
 def _files_intact(slot: str, files: dict[str, int]) -> bool:
     for relative, size in files.items():
         try:
@@ -113,24 +167,28 @@ def _files_intact(slot: str, files: dict[str, int]) -> bool:
     return True
 
 
-def recorded(folder: str, step: int, world_size: int) -> tuple[list[dict[str, float]], int]:
-    """What rank 0's marker of `step` recorded: the metrics of the steps between the last commit and `step`, and
-    the interval K the snapshots were taken at."""
-    held = _markers_of_step(folder, step, world_size) or {}
-    marker = held[0][1] if 0 in held else {}
+def recorded(marker: dict) -> tuple[list[dict[str, float]], int]:
+    """What rank 0's marker of a step recorded: the metrics of the steps between the last commit and that step,
+    and the interval K the snapshots were taken at."""
     return list(marker.get("metrics", [])), int(marker.get("interval", 0))
 
 
-def materialize(folder: str, step: int, world_size: int, into: str, wanted: Callable[[list[str]], list[str]]) -> None:
-    """Rebuild DeepSpeed's files of `step` from every rank's slot into the folder `into`, as a commit holds them;
-    `wanted(paths)`: the ones this rank reads. Each `.skel` is read as plain data, as checkpoint files are."""
+def whole_at(folder: str, step: int, world_size: int) -> dict[int, tuple[str, dict]]:
+    """Each rank's (slot, marker) of `step` under `folder`, every rank's whole there (FileNotFoundError if not)."""
+    held = _markers_of_step(folder, step, world_size)
+    if held is None:
+        raise FileNotFoundError(f"the snapshot of step {step} is no longer whole in {folder}")
+    return held
+
+
+def materialize(held: dict[int, tuple[str, dict]], into: str, wanted: Callable[[list[str]], list[str]]) -> None:
+    """Rebuild DeepSpeed's files of one step from every rank's slot (`held`: rank -> (slot folder, marker), from
+    `whole_at`, or slots fetched from peers) into the folder `into`, as a commit holds them; `wanted(paths)`: the
+    ones this rank reads. Each `.skel` is read as plain data, as checkpoint files are."""
     import torch
 
     from rlhf_core.storage.safe_load import _load_plain_data
 
-    held = _markers_of_step(folder, step, world_size)
-    if held is None:
-        raise FileNotFoundError(f"the snapshot of step {step} is no longer whole in {folder}")
     sources = {relative[:-len(".skel")]: slot for slot, marker in held.values()
                for relative in marker["files"] if relative.endswith(".skel")}
     for relative in wanted(sorted(sources)):
@@ -281,7 +339,7 @@ def _rebuilt(item: Any, data: Any) -> Any:
 def _replacing(path: str) -> Iterator[str]:
     """A temporary name beside `path` to write, renamed to `path` once written."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    partial = f"{path}.{os.getpid()}.partial"
+    partial = f"{path}.{os.getpid()}-{threading.get_ident()}.partial"  # a keeper writes several ranks' at once
     yield partial
     os.replace(partial, path)
 

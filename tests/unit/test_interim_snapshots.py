@@ -22,7 +22,7 @@ from rlhf_core.driver.interim import InterimStart, interim_plan
 from rlhf_core.driver.resume import Lineage, StageCheckpoints, restore_interim
 from rlhf_core.rank.interim import InterimSnapshots
 from rlhf_core.storage.interim import (STALL_BUDGET, InterimPlan, materialize, node_folder, recorded,
-                                       remove_for_driver, remove_orphans, whole_steps)
+                                       remove_for_driver, remove_orphans, whole_at, whole_steps)
 from rlhf_core.stages.sft import SFTConfig
 from rlhf_core.storage.manifest import STATUS_COMMITTED, CheckpointInfo
 
@@ -60,7 +60,7 @@ def take(interim: InterimSnapshots, step: int, value: float, rank: int = 0, metr
 def rebuilt_weight(folder: str, step: int, world_size: int, rank: int, into: Path) -> torch.Tensor:
     """The state file `rank` wrote at `step`, rebuilt as DeepSpeed reads it."""
     name = STATE_FILE.replace("00", f"0{rank}")
-    materialize(folder, step, world_size, str(into), lambda paths: [path for path in paths if path == name])
+    materialize(whole_at(folder, step, world_size), str(into), lambda paths: [path for path in paths if path == name])
     assert sorted(str(path.relative_to(into)) for path in into.rglob("*") if path.is_file()) == [name]
     state = torch.load(into / name, weights_only=True)
     assert state["step"] == 3 and state["empty"].dtype == torch.bfloat16 and state["empty"].shape == (0,)
@@ -73,7 +73,7 @@ def test_a_step_is_whole_once_every_rank_wrote_it_and_each_rank_keeps_two(tmp_pa
     assert whole_steps(rank0.folder, 2) == []  # rank 1 has not finished step 3
     take(rank1, 3, 3.0, rank=1)
     assert whole_steps(rank0.folder, 2) == [3]
-    assert recorded(rank0.folder, 3, 2) == ([{"loss": 1.5}], 1)
+    assert recorded(whole_at(rank0.folder, 3, 2)[0][1]) == ([{"loss": 1.5}], 1)
     assert rebuilt_weight(rank0.folder, 3, 2, 1, tmp_path / "rebuilt-3").equal(torch.full((4,), 3.0))
 
     for step in (4, 5):
