@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -216,6 +217,56 @@ def seconds_until_line(pattern: str, log_path: Path, run: subprocess.Popen, sinc
             return None
         time.sleep(0.2)
     return time.monotonic() - since
+
+
+def test_node_lost_with_room_left_trains_on_from_the_snapshots_its_peer_kept(cluster, toy_assets, cluster_env, bucket,
+                                                                             tmp_path, s3_here, one_host_reference):
+    """Two ranks of half a CPU, one on each worker node (SPREAD), a snapshot between commits at every step. The
+    rank on node 1 pauses entering step 4 and node 1 is SIGKILLed there, its own snapshots with it. Both ranks fit
+    on node 0, so the group stays at 2 ranks and trains on from step 3: the lost rank's snapshot is the copy node
+    0 kept. The final weights equal the 2-rank run with no fault."""
+    ckpt, faults = f"s3://{bucket}/peer-snapshots-{uuid.uuid4().hex[:6]}/ckpt", tmp_path / "faults"
+    faults.mkdir()
+    cluster.restart_worker(1, {"RLHF_FAULT_INJECT": "train_step@4=sleep:120", "RLHF_FAULT_STATE": str(faults)})
+    args = sft_args(toy_assets, ckpt, tmp_path / "model") + [
+        "--num_cpus_per_worker", "0.5", "--placement_strategy", "SPREAD", "--ray_address", cluster.gcs_address,
+        "--snapshot_steps", "1", "--num_spare_workers", "0", "--hang_timeout_s", "3600"]
+    log_path = tmp_path / "run.log"
+    with open(log_path, "wb") as log_file:
+        run = subprocess.Popen([RLHF, *args], env=cluster_env, stdout=log_file, stderr=subprocess.STDOUT,
+                               stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for_path(faults / "train_step@4", run, log_path)
+        deadline = time.monotonic() + RUN_TIMEOUT  # a hang guard, not a speed check
+        # Step 2 committed, and each rank's snapshot of step 3 whole on both nodes: its own, and its peer's copy.
+        while not (2 in committed_steps(f"{ckpt}/rlhf/sft") and all(
+                len(snapshot_nodes(run.pid, rank, step=3)) == 2 for rank in (0, 1))):
+            assert run.poll() is None and time.monotonic() < deadline, log_path.read_text()[-4000:]
+            time.sleep(0.2)
+        cluster.kill_worker(1)
+        returncode = run.wait(timeout=RUN_TIMEOUT)
+    finally:
+        if run.poll() is None:
+            subprocess.run(["kill", "-9", f"-{run.pid}"], check=False)
+            run.wait()
+        cluster.restart_worker(1)  # as the module's other tests found it
+    log = log_path.read_text(errors="replace")
+    assert returncode == 0, log[-5000:]
+    first, second = re.findall(r"placed 2 of 2 ranks \(SPREAD\) on nodes: (.*)", log)[:2]
+    assert len(re.findall(r"node [0-9a-f]+", first)) == 2 and len(re.findall(r"node [0-9a-f]+", second)) == 1, log
+    restarts = [line for line in log.splitlines() if "Replaced the ranks in" in line]
+    assert len(restarts) == 1 and "was lost mid-chunk" in restarts[0], restarts or log[-4000:]
+    assert "training again from step 3 (a snapshot between commits" in restarts[0], restarts[0]
+    assert committed_steps(f"{ckpt}/rlhf/sft") == [2, 4, 6]
+    assert_same_weights(one_host_reference, tmp_path / "model")
+
+
+def snapshot_nodes(driver_pid: int, rank: int, step: int) -> set[str]:
+    """The node folders in this machine's tmpfs (every test node shares it) holding `rank`'s snapshot of `step`
+    taken under the driver `driver_pid`."""
+    pattern = f"rlhf-interim-{socket.gethostname()}-{driver_pid}-*/*/slot_*/rank{rank}.json"
+    return {marker.parent.parent.name for marker in Path("/dev/shm").glob(pattern)
+            if json.loads(marker.read_text() or "{}").get("step") == step}
 
 
 def test_node_lost_mid_chunk_finishes_on_the_surviving_node(cluster, toy_assets, cluster_env, bucket, tmp_path,
