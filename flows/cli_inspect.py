@@ -89,8 +89,8 @@ def _stage_plan(name: str, measured: tuple[float, float, float], overrides: tupl
 
 
 def _snapshot_memory(run_url: str, stage: str) -> list[str]:
-    """The memory the snapshots between commits take (`rlhf_core.rank.interim`): two per rank in its node's tmpfs,
-    each the rank's share of the DeepSpeed state of the stage's newest commit (none when it has no commit)."""
+    """The memory the snapshots between commits take (`rlhf_core.rank.interim`): two per rank in its node's tmpfs
+    (and their copies on the next node, for a group on several), each the rank's share of the DeepSpeed state of the stage's newest commit (none when it has no commit)."""
     from rlhf_core.errors import human_bytes
     from rlhf_core.storage.interim import NUM_SLOTS
     from rlhf_core.storage.checkpoint import CheckpointStore
@@ -106,8 +106,9 @@ def _snapshot_memory(run_url: str, stage: str) -> list[str]:
     ranks = store.training_metadata(newest.step).world_size or 1
     return [f"  snapshots between commits (--snapshot_steps): at most {NUM_SLOTS} per rank in its node's tmpfs, "
             f"{human_bytes(NUM_SLOTS * state_bytes / ranks)} per rank on average ({human_bytes(NUM_SLOTS * state_bytes)} "
-            f"for all {ranks}: {NUM_SLOTS}x the DeepSpeed state of {newest.name}); room for them in /dev/shm, or "
-            "--snapshot_steps -1"]
+            f"for all {ranks}: {NUM_SLOTS}x the DeepSpeed state of {newest.name}), and as much again on the next node "
+            "when the ranks are on several (each rank's copies, which survive its node); room for them in /dev/shm, "
+            "or --snapshot_steps -1"]
 
 
 def _ledger_stages(ledger, required: bool = True) -> list:
