@@ -272,6 +272,8 @@ class WorkerGroup:
         self.workers, self.placement = [], None
         clean = retire and self._ahead is None and not self.signals.requested()  # the ranks are alive and idle
         retiring = clean and self.lingering
+        # After a stop, ranks that may outlive the command reset themselves once it has ended (rlhf_core.rank.reuse)
+        left_to_retire = self.lingering and self.signals.requested()
 
         def release() -> None:
             if clean:  # the ranks and keepers remove their snapshots between commits (the driver reaches only its host)
@@ -280,7 +282,7 @@ class WorkerGroup:
                 drop_keepers(self.interim)
             if retiring:
                 retire_ranks(workers)
-            else:
+            elif not left_to_retire:
                 for worker in workers:
                     ray.kill(worker)
             if placement is not None:

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import sys
+import time
 import uuid
 from collections import defaultdict
 from typing import Any
@@ -33,6 +34,9 @@ SPARE_NAMESPACE = "rlhf-spares"  # the Ray namespace of the ranks that outlive t
 NAME_PREFIX = "rlhf-rank"
 RETIRE_TIMEOUT_S = 15.0  # a rank's reset (the last command's threads may take 2 s to end)
 CLAIM_TIMEOUT_S = 5.0
+# How long a claim waits for ranks of a command that died (a killed flow run, started again here) to finish their
+# step and reset: a new rank process takes about as long to start and import.
+ORPHAN_WAIT_S = 8.0
 
 
 def lingers(run: RunConfig) -> bool:
@@ -88,14 +92,25 @@ def claim_lingering(wanted: dict[int, str], idle_s: float) -> dict[int, ActorHan
         return taken
     job = ray.get_runtime_context().get_job_id()
     by_node = _spares_by_node(environment_key())
+    deadline = time.monotonic() + ORPHAN_WAIT_S
     for rank, node_id in sorted(wanted.items()):
         while by_node.get(node_id) and rank not in taken:
             name = by_node[node_id].pop()
             with contextlib.suppress(Exception):  # gone meanwhile (ended idle), or busy
                 spare = ray.get_actor(name, namespace=SPARE_NAMESPACE)
-                if _answer(spare.claim.remote(job, idle_s, fault_hooks()), CLAIM_TIMEOUT_S):
+                if _claimed(spare, job, idle_s, deadline):
                     taken[rank] = spare
     return taken
+
+
+def _claimed(spare: ActorHandle, job: str, idle_s: float, deadline: float) -> bool:
+    """Claim `spare`; one whose command died and that is resetting is asked again until `deadline`."""
+    while True:
+        if _answer(spare.claim.remote(job, idle_s, fault_hooks()), CLAIM_TIMEOUT_S):
+            return True
+        if time.monotonic() > deadline or not _answer(spare.becoming_spare.remote(), CLAIM_TIMEOUT_S):
+            return False
+        time.sleep(0.2)
 
 
 def retire_ranks(workers: list[ActorHandle]) -> None:

@@ -186,18 +186,23 @@ def _resolved_folder(folder: str) -> str:
 
 
 OWNER_POLL_S = 2.0  # how often a rank outliving its command looks at its command's job, or its idle time
+# How long a rank whose command died mid-run may take to finish its step, with the other ranks, and reset; past
+# it (a rank stuck in a step, a collective whose peer is gone) it ends.
+ORPHAN_RETIRE_S = 30.0
 
 
 class OutlivesItsCommand:
     """The part of a rank actor (`TrainWorker`) that outlives its command on a running cluster: a detached actor is
-    not ended by Ray with its driver, so while in use it ends itself once its command's job is dead (within
-    OWNER_POLL_S), and while a spare once it has waited `idle_s` unclaimed."""
+    not ended by Ray with its driver, so while in use it notices within OWNER_POLL_S that its command's job is dead
+    (a killed or stopped driver) and becomes a spare for the command that comes next (the flow run started again),
+    or ends when it cannot be one; while a spare it ends once it has waited `idle_s` unclaimed."""
 
     def _outlive_command(self, owner_job: str, idle_s: float) -> None:
         """`owner_job`: the hex id of the job using this process ("" for an actor Ray ends with its driver)."""
         self._reuse_lock = threading.Lock()
         self._owner_job, self._idle_s = owner_job, idle_s
         self._spare_since: float | None = None
+        self._orphaned = False  # its command died while using it: it is on its way to being a spare
         if owner_job:
             threading.Thread(target=self._watch_owner, name="rlhf-spare-watch", daemon=True).start()
         self._baseline = ProcessBaseline.now()
@@ -222,9 +227,15 @@ class OutlivesItsCommand:
         with self._reuse_lock:
             if self._spare_since is None:
                 return False
-            self._spare_since, self._owner_job, self._idle_s = None, owner_job, idle_s
+            self._spare_since, self._owner_job, self._idle_s, self._orphaned = None, owner_job, idle_s, False
             take_fault_hooks(fault_hooks or {})
             return True
+
+    @ray.method(concurrency_group="control")
+    def becoming_spare(self) -> bool:
+        """Whether its command died while using it and it is resetting to be a spare (worth a claim's wait)."""
+        with self._reuse_lock:
+            return self._orphaned and self._spare_since is None
 
     @ray.method(concurrency_group="control")
     def spare_since(self) -> float | None:
@@ -240,7 +251,22 @@ class OutlivesItsCommand:
             if idle_since is not None and time.monotonic() - idle_since > self._idle_s:
                 self._end_self()
             if idle_since is None and not job_alive(owner):
-                self._end_self()
+                self._retire_orphaned()
+
+    def _retire_orphaned(self) -> None:
+        """This process's command died while using it: its step loop stops at the next step every rank agrees on
+        (they all notice), then it resets as after a clean end (`retire_orphan`, queued behind the work in
+        progress), and waits as a spare; it ends when that is refused or takes past ORPHAN_RETIRE_S. Not bounded
+        to one spare per CPU of the node here: the next command's clean end applies that."""
+        with self._reuse_lock:
+            self._orphaned = True
+        getattr(self, "request_stop")()  # TrainWorker's: its step loop stops at the next boundary the ranks agree on
+        try:
+            refused = ray.get(ray.get_runtime_context().current_actor.retire_orphan.remote(), timeout=ORPHAN_RETIRE_S)
+        except Exception as error:  # noqa: BLE001 - stuck, or its reset failed: the process ends as before
+            refused = f"{type(error).__name__}: {error}"
+        if refused:
+            self._end_self()
 
     @staticmethod
     def _end_self() -> None:

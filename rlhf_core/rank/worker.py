@@ -94,6 +94,12 @@ class TrainWorker(OutlivesItsCommand):
         self._kept_in_memory, self._written_state, self._progress = {}, {}, Progress()
         return self._become_spare(zero_stage)
 
+    def retire_orphan(self) -> str:
+        """`retire` once this rank's command died mid-run (`OutlivesItsCommand`): its snapshots between commits go
+        first, as the driver's clean end would have removed them (no other command reads them)."""
+        self.drop_interim()
+        return self.retire()
+
     @ray.method(concurrency_group="control")
     def heartbeat(self) -> tuple[int, tuple[str, ...], float, dict[str, tuple[int, int]], int]:
         """This rank's progress count, the work in progress ("setup", "load", "train", "snapshot", "write"), its

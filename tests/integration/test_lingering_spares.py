@@ -119,3 +119,27 @@ def test_spares_end_after_their_idle_time_and_ranks_end_with_a_killed_command(he
         killed.wait()
     ranks = {int(line.split()[1]) for line in (faults / "trace").read_text().splitlines() if " train_step@" in line}
     assert len(ranks) == 2 and wait_until_gone(ranks, 60) == set()
+
+
+def test_ranks_of_a_command_killed_mid_chunk_serve_the_same_command_run_again(head_env, toy_assets, tmp_path):
+    """The driver alone SIGKILLed (as the OOM killer would) while a rank pauses 3 s in step 4: its ranks stop at the
+    next step they agree on, reset, and the same command run again at once (a flow run started again by its
+    supervisor) trains on them: it waits for their reset rather than starting new processes."""
+    faults = tmp_path / "faults"
+    faults.mkdir()
+    env = {**head_env, "RLHF_FAULT_INJECT": "train_step@4=sleep:3", "RLHF_FAULT_STATE": str(faults),
+           "RLHF_FAULT_TRACE": str(faults / "trace")}
+    args = sft(toy_assets, tmp_path / "run")
+    killed = subprocess.Popen([RLHF, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300  # a hang guard, not a speed check
+        while not (faults / "train_step@4").exists():
+            assert killed.poll() is None and time.monotonic() < deadline, "the paused step was never reached"
+            time.sleep(0.1)
+    finally:
+        killed.kill()  # the driver, not its group: the ranks are Ray's processes anyway
+        killed.wait()
+    ranks = {int(line.split()[1]) for line in (faults / "trace").read_text().splitlines() if " train_step@" in line}
+    again_log, again_pids = ran([*args, "--load_checkpoint"], head_env)
+    assert len(ranks) == 2 and claimed(again_log) == 2 and again_pids == ranks, again_log[-3000:]

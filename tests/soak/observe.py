@@ -211,10 +211,16 @@ class Evidence:
                     None)
 
     def next_step(self, after: float, new_ranks_only: bool) -> Step | None:
-        """The first step started after `after`; with `new_ranks_only`, by a process that had not trained before
-        (ranks of a dead driver may train on until Ray reaps them)."""
+        """The first step started after `after`; with `new_ranks_only`, by a process that had not trained before,
+        or by one that set up again since (a dead driver's ranks train on until they stop, then serve the run's
+        next attempt as spares)."""
         old = {step.pid for step in self.steps if step.time <= after} if new_ranks_only else set()
-        return next((step for step in self.steps if step.time > after and step.pid not in old), None)
+        set_up_again: dict[int, float] = {}
+        for mark in self.marks:
+            if mark.point == "setup" and mark.time > after:
+                set_up_again.setdefault(mark.pid, mark.time)
+        return next((step for step in self.steps if step.time > after and (
+            step.pid not in old or step.time > set_up_again.get(step.pid, float("inf")))), None)
 
     def last_step_before(self, moment: float) -> Step | None:
         started = [step for step in self.steps if step.time < moment]

@@ -96,6 +96,17 @@ def test_a_run_that_died_with_its_worker_trains_again_only_with_new_ranks():
     assert (worker.detect_s, worker.next_step_s) == (0.5, 29.5)
 
 
+def test_a_dead_runs_ranks_that_serve_its_next_attempt_count_from_their_new_set_up():
+    """The killed flow run's ranks train on a step (14.0), stop, and set up again as the next attempt's spares
+    (30.0): its next step is theirs after that set-up, and its restart is timed to it."""
+    evidence = Evidence(steps((10.0, 1, 5, "ppo"), (14.0, 1, 6, "ppo"), (31.5, 1, 6, "ppo")), [],
+                        [(15.0, "CRASHED", "Crashed"), (25.0, "RUNNING", "Running")], [11.0],
+                        [Mark(2.0, 1, "setup", 0), Mark(30.0, 1, "setup", 0), Mark(31.0, 1, "loaded", 5)])
+    row = FaultRow("disk", "flow_run_kill", "", 0.0, injected_at=10.5, stage="ppo")
+    row.measure(evidence)
+    assert (row.next_step_s, row.restart_s, row.load_s) == (21.0, 30.0 - 10.5 - row.detect_s, 1.0)
+
+
 def test_a_detection_is_looked_for_only_before_the_next_fault_and_console_lines_are_dated_past_midnight(tmp_path):
     evidence = Evidence(steps((10.0, 1, 5, "sft"), (200.0, 9, 5, "sft")),
                         [LogLine(150.0, "WARNING", "rank 1 hung ... Replaced the ranks in 9.0 s (...)")], [], [])
