@@ -11,7 +11,6 @@ import contextlib
 import json
 import logging
 import os
-import secrets
 import threading
 import time
 from typing import Any, Callable
@@ -29,20 +28,19 @@ from rlhf_core.driver.interim import (InterimHoldings, InterimStart, drop_keeper
                                      rank_plans)
 from rlhf_core.driver.hang import HangWatch, dump_rank_stacks, save_stacks, stuck_frame
 from rlhf_core.driver.lingering import claim_lingering, lingering_options, lingers, retire_ranks
-from rlhf_core.errors import FailedAt, RankHung, UserError, WorkerLost
+from rlhf_core.errors import FailedAt, RankHung, WorkerLost
 from rlhf_core.ops.alerts import ALERT_HANG, Alert, AlertLog
 from rlhf_core.ops.console import show_work
 from rlhf_core.ops.ray_output import adopt_worker_output
 from rlhf_core.ops.run_log import log_file_for
 from rlhf_core.ops.step_time import writer_slowdown
 from rlhf_core.rank.worker import RankLocation, TrainWorker
-from rlhf_core.driver.placement import bundle_nodes, placement_bundle, reserve_placement
+from rlhf_core.driver.placement import bundle_nodes, check_store_visible, placement_bundle, reserve_placement
 from rlhf_core.stages.base import StageConfig
 from rlhf_core.storage.interim import InterimPlan
 
 logger = logging.getLogger(__name__)
 
-# How long a smaller group (--allow_fewer_workers) may take to place once the full one has timed out.
 # After a rank fails in a collective, how long to wait for Ray to say which peer was lost (it marks a node
 # dead once it misses its heartbeats, ~5-10 s).
 LOSS_DETECTION_TIMEOUT_S = 30.0
@@ -90,7 +88,8 @@ class WorkerGroup:
                                     f"placed {self.world_size} of {run.num_workers} ranks ({run.placement_strategy}) on "
                                     f"nodes: {', '.join(f'{node} x{nodes.count(node)}' for node in dict.fromkeys(nodes))}"
                                     f"{reused}{interim_note(run)}")
-            self._check_store_visible(run)
+            check_store_visible(run, self.locations, lambda marker: self._gather(
+                [worker.sees.remote(marker) for worker in self.workers]))
             master_addr, master_port = self._gather(self.workers[0].rendezvous_address.remote())
             node_ids = [location.node_id for location in self.locations]
             num_threads = threads_asked()
@@ -272,8 +271,7 @@ class WorkerGroup:
         self.workers, self.placement = [], None
         clean = retire and self._ahead is None and not self.signals.requested()  # the ranks are alive and idle
         retiring = clean and self.lingering
-        # After a stop, ranks that may outlive the command reset themselves once it has ended (rlhf_core.rank.reuse)
-        left_to_retire = self.lingering and self.signals.requested()
+        left_to_retire = self.lingering and self.signals.requested()  # they reset themselves (rlhf_core.rank.reuse)
 
         def release() -> None:
             if clean:  # the ranks and keepers remove their snapshots between commits (the driver reaches only its host)
@@ -282,7 +280,10 @@ class WorkerGroup:
                 drop_keepers(self.interim)
             if retiring:
                 retire_ranks(workers)
-            elif not left_to_retire:
+            elif left_to_retire:
+                with contextlib.suppress(Exception):
+                    ray.get([worker.retire_after_stop.remote() for worker in workers], timeout=STOP_SHUTDOWN_S)
+            else:
                 for worker in workers:
                     ray.kill(worker)
             if placement is not None:
@@ -360,26 +361,6 @@ class WorkerGroup:
         cause = "its node is gone" if not alive.get(location.node_id, False) else "its actor died"
         return WorkerLost(f"rank {ranks[0]} on node {location.describe()} was lost mid-chunk at step {step} ({cause}).",
                           FailedAt(ranks[0], step))
-
-    def _check_store_visible(self, run: RunConfig) -> None:
-        """A local --ckpt_path must be the same folder on every node: ranks write into it directly."""
-        import fsspec
-        from fsspec.implementations.local import LocalFileSystem
-
-        fs, root = fsspec.core.url_to_fs(run.ckpt_path, **run.storage_options)
-        if not isinstance(fs, LocalFileSystem):
-            return
-        os.makedirs(root, exist_ok=True)
-        marker = os.path.join(root, f".rlhf-visible-{secrets.token_hex(6)}")
-        open(marker, "w").close()
-        try:
-            seen = self._gather([worker.sees.remote(marker) for worker in self.workers])
-        finally:
-            os.remove(marker)
-        blind = sorted({location.describe() for location, sees in zip(self.locations, seen) if not sees})
-        if blind:
-            raise UserError(f"--ckpt_path {run.ckpt_path} is a local folder that node {', '.join(blind)} cannot see; "
-                            "use a folder shared by every node at the same path, or an object store (s3://...).")
 
 
 def rank_actor(run: RunConfig, rank: int, world_size: int, outlive_on: str = "", **options: Any):

@@ -4,6 +4,10 @@ naming what the cluster lacks (a retryable failure when the resources exist but 
 
 from __future__ import annotations
 
+import os
+import secrets
+from typing import Callable
+
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -100,3 +104,25 @@ def group_settings(run: RunConfig) -> dict:
     """The settings a WorkerGroup is built from: two runs that agree on them can use the same group."""
     return run.model_dump(include={"ray_address", "num_workers", "num_cpus_per_worker", "placement_strategy",
                                    "placement_timeout_s", "allow_fewer_workers", "ckpt_path", "storage_options"})
+
+
+def check_store_visible(run: RunConfig, locations: list, sees: Callable[[str], list[bool]]) -> None:
+    """A local --ckpt_path must be the same folder on every node: ranks write into it directly. `sees(path)`: each
+    rank's answer (at `locations`, `rlhf_core.rank.worker.RankLocation`) to whether it sees the file `path`."""
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+
+    fs, root = fsspec.core.url_to_fs(run.ckpt_path, **run.storage_options)
+    if not isinstance(fs, LocalFileSystem):
+        return
+    os.makedirs(root, exist_ok=True)
+    marker = os.path.join(root, f".rlhf-visible-{secrets.token_hex(6)}")
+    open(marker, "w").close()
+    try:
+        seen = sees(marker)
+    finally:
+        os.remove(marker)
+    blind = sorted({location.describe() for location, saw in zip(locations, seen) if not saw})
+    if blind:
+        raise UserError(f"--ckpt_path {run.ckpt_path} is a local folder that node {', '.join(blind)} cannot see; "
+                        "use a folder shared by every node at the same path, or an object store (s3://...).")

@@ -11,6 +11,7 @@ command") has the rest.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import glob
 import os
@@ -233,7 +234,11 @@ class OutlivesItsCommand:
 
     @ray.method(concurrency_group="control")
     def becoming_spare(self) -> bool:
-        """Whether its command died while using it and it is resetting to be a spare (worth a claim's wait)."""
+        """Whether its command died or stopped while using it and it is resetting to be a spare (worth a claim's
+        wait)."""
+        return self._resetting()
+
+    def _resetting(self) -> bool:
         with self._reuse_lock:
             return self._orphaned and self._spare_since is None
 
@@ -250,8 +255,14 @@ class OutlivesItsCommand:
                 idle_since, owner = self._spare_since, self._owner_job
             if idle_since is not None and time.monotonic() - idle_since > self._idle_s:
                 self._end_self()
-            if idle_since is None and not job_alive(owner):
+            if idle_since is None and not self._resetting() and not job_alive(owner):
                 self._retire_orphaned()
+
+    @ray.method(concurrency_group="control")
+    def retire_after_stop(self) -> None:
+        """Its command was stopped (the ranks stopped at a step they agreed on) and is ending: reset as its ranks'
+        command would at a clean end, once the work in progress is done, without the command waiting for it."""
+        threading.Thread(target=self._retire_orphaned, name="rlhf-retire-after-stop", daemon=True).start()
 
     def _retire_orphaned(self) -> None:
         """This process's command died while using it: its step loop stops at the next step every rank agrees on
@@ -260,6 +271,9 @@ class OutlivesItsCommand:
         to one spare per CPU of the node here: the next command's clean end applies that."""
         with self._reuse_lock:
             self._orphaned = True
+            # this thread waits for the reset: it is no command's thread left running
+            self._baseline = dataclasses.replace(self._baseline,
+                                                 threads=self._baseline.threads | {threading.get_ident()})
         getattr(self, "request_stop")()  # TrainWorker's: its step loop stops at the next boundary the ranks agree on
         try:
             refused = ray.get(ray.get_runtime_context().current_actor.retire_orphan.remote(), timeout=ORPHAN_RETIRE_S)

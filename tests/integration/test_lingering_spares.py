@@ -121,15 +121,19 @@ def test_spares_end_after_their_idle_time_and_ranks_end_with_a_killed_command(he
     assert len(ranks) == 2 and wait_until_gone(ranks, 60) == set()
 
 
-def test_ranks_of_a_command_killed_mid_chunk_serve_the_same_command_run_again(head_env, toy_assets, tmp_path):
-    """The driver alone SIGKILLed (as the OOM killer would) while a rank pauses 3 s in step 4: its ranks stop at the
-    next step they agree on, reset, and the same command run again at once (a flow run started again by its
-    supervisor) trains on them: it waits for their reset rather than starting new processes."""
+@pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGTERM], ids=["killed", "stopped"])
+def test_ranks_of_a_command_killed_or_stopped_mid_chunk_serve_the_same_command_run_again(head_env, toy_assets,
+                                                                                         tmp_path, stop):
+    """The driver alone SIGKILLed (as the OOM killer would), or stopped by SIGTERM (a preemption: it commits and
+    leaves), while a rank pauses 3 s in step 4: its ranks stop at the next step they agree on, reset, and the same
+    command run again at once (a flow run started again by its supervisor, or rescheduled) trains on them: it waits
+    for their reset rather than starting new processes."""
     faults = tmp_path / "faults"
     faults.mkdir()
     env = {**head_env, "RLHF_FAULT_INJECT": "train_step@4=sleep:3", "RLHF_FAULT_STATE": str(faults),
            "RLHF_FAULT_TRACE": str(faults / "trace")}
     args = sft(toy_assets, tmp_path / "run")
+    args[args.index("--max_samples") + 1] = "64"  # 8 steps: a stop commits step 4, and the run again has 4 more
     killed = subprocess.Popen([RLHF, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True)
     try:
@@ -138,8 +142,8 @@ def test_ranks_of_a_command_killed_mid_chunk_serve_the_same_command_run_again(he
             assert killed.poll() is None and time.monotonic() < deadline, "the paused step was never reached"
             time.sleep(0.1)
     finally:
-        killed.kill()  # the driver, not its group: the ranks are Ray's processes anyway
-        killed.wait()
+        killed.send_signal(stop)  # the driver, not its group: the ranks are Ray's processes anyway
+        killed.wait(timeout=120)
     ranks = {int(line.split()[1]) for line in (faults / "trace").read_text().splitlines() if " train_step@" in line}
     again_log, again_pids = ran([*args, "--load_checkpoint"], head_env)
     assert len(ranks) == 2 and claimed(again_log) == 2 and again_pids == ranks, again_log[-3000:]
