@@ -172,6 +172,7 @@ def test_sft_then_ppo_deployments_run_on_a_process_worker(deployed, tmp_path):
     assert deployment.entrypoint == "flows/pipeline.py:rlhf"
     assert [next(iter(step)) for step in deployment.pull_steps] == ["prefect.deployments.steps.set_working_directory"]
     assert deployment.job_variables["env"]["RLHF_PROJECT_DIR"] == str(PROJECT_DIR)
+    assert deployment.job_variables["working_dir"] == str(PROJECT_DIR)  # every attempt: one import path, its spares
     assert deployment.job_variables["env"]["PREFECT_LOGGING_EXTRA_LOGGERS"] == "rlhf_core"
     assert deployment.parameters["config"]["stages"] == ["sft"]
 
