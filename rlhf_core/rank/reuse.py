@@ -187,9 +187,11 @@ def _resolved_folder(folder: str) -> str:
 
 
 OWNER_POLL_S = 2.0  # how often a rank outliving its command looks at its command's job, or its idle time
-# How long a rank whose command died mid-run may take to finish its step, with the other ranks, and reset; past
-# it (a rank stuck in a step, a collective whose peer is gone) it ends.
-ORPHAN_RETIRE_S = 30.0
+# How long a rank whose command died mid-run may take to finish its step, with the other ranks, and reset: this, or
+# ORPHAN_STEPS times its slowest step when longer. Past it (a rank stuck in a step, a collective whose peer is gone)
+# it ends.
+ORPHAN_RETIRE_S = 10.0
+ORPHAN_STEPS = 3
 
 
 class OutlivesItsCommand:
@@ -267,7 +269,7 @@ class OutlivesItsCommand:
     def _retire_orphaned(self) -> None:
         """This process's command died while using it: its step loop stops at the next step every rank agrees on
         (they all notice), then it resets as after a clean end (`retire_orphan`, queued behind the work in
-        progress), and waits as a spare; it ends when that is refused or takes past ORPHAN_RETIRE_S. Not bounded
+        progress), and waits as a spare; it ends when that is refused or takes too long (ORPHAN_RETIRE_S). Not bounded
         to one spare per CPU of the node here: the next command's clean end applies that."""
         with self._reuse_lock:
             self._orphaned = True
@@ -275,8 +277,10 @@ class OutlivesItsCommand:
             self._baseline = dataclasses.replace(self._baseline,
                                                  threads=self._baseline.threads | {threading.get_ident()})
         getattr(self, "request_stop")()  # TrainWorker's: its step loop stops at the next boundary the ranks agree on
+        progress = getattr(self, "_progress", None)  # TrainWorker's: its slowest step so far
+        wait_s = max(ORPHAN_RETIRE_S, ORPHAN_STEPS * getattr(progress, "slowest_step_s", 0.0) + THREAD_END_WAIT_S)
         try:
-            refused = ray.get(ray.get_runtime_context().current_actor.retire_orphan.remote(), timeout=ORPHAN_RETIRE_S)
+            refused = ray.get(ray.get_runtime_context().current_actor.retire_orphan.remote(), timeout=wait_s)
         except Exception as error:  # noqa: BLE001 - stuck, or its reset failed: the process ends as before
             refused = f"{type(error).__name__}: {error}"
         if refused:

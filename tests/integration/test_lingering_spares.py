@@ -121,29 +121,43 @@ def test_spares_end_after_their_idle_time_and_ranks_end_with_a_killed_command(he
     assert len(ranks) == 2 and wait_until_gone(ranks, 60) == set()
 
 
-@pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGTERM], ids=["killed", "stopped"])
-def test_ranks_of_a_command_killed_or_stopped_mid_chunk_serve_the_same_command_run_again(head_env, toy_assets,
-                                                                                         tmp_path, stop):
-    """The driver alone SIGKILLed (as the OOM killer would), or stopped by SIGTERM (a preemption: it commits and
-    leaves), while a rank pauses 3 s in step 4: its ranks stop at the next step they agree on, reset, and the same
-    command run again at once (a flow run started again by its supervisor, or rescheduled) trains on them: it waits
-    for their reset rather than starting new processes."""
-    faults = tmp_path / "faults"
-    faults.mkdir()
-    env = {**head_env, "RLHF_FAULT_INJECT": "train_step@4=sleep:3", "RLHF_FAULT_STATE": str(faults),
-           "RLHF_FAULT_TRACE": str(faults / "trace")}
+def test_ranks_of_a_command_killed_then_stopped_mid_chunk_serve_the_same_command_run_again(head_env, toy_assets,
+                                                                                          tmp_path):
+    """The driver alone SIGKILLed (as the OOM killer would) while a rank pauses in step 4, then, run again, stopped by
+    SIGTERM (a preemption: it commits and leaves) while a rank pauses in step 6: each time its ranks stop at the next
+    step they agree on and reset, and the same command run again at once (a flow run started again by its
+    supervisor, or rescheduled) trains on them, waiting for their reset rather than starting new processes. The
+    commands share one log file: each is read from where the last one ended."""
     args = sft(toy_assets, tmp_path / "run")
-    args[args.index("--max_samples") + 1] = "64"  # 8 steps: a stop commits step 4, and the run again has 4 more
-    killed = subprocess.Popen([RLHF, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    args[args.index("--max_samples") + 1] = "64"  # 8 steps
+    log_path = tmp_path / "run" / "ckpt" / "rlhf" / "logs" / "driver.log"
+    first = interrupted(args, head_env, tmp_path / "faults-kill", "train_step@4=sleep:3", signal.SIGKILL)
+    read = log_path.read_text()
+    second = interrupted([*args, "--load_checkpoint"], head_env, tmp_path / "faults-stop", "train_step@6=sleep:3",
+                         signal.SIGTERM)
+    stopped_log = log_path.read_text()[len(read):]
+    assert len(first) == 2 and claimed(stopped_log) == 2 and second == first, stopped_log[-3000:]
+    assert "stopped by SIGTERM at step 6" in stopped_log, stopped_log[-3000:]
+    read = log_path.read_text()
+    ran([*args, "--load_checkpoint"], head_env)
+    last_log = log_path.read_text()[len(read):]
+    assert claimed(last_log) == 2 and {int(pid) for pid in RANK_PID.findall(last_log)} <= first, last_log[-3000:]
+
+
+def interrupted(args: list[str], env: dict[str, str], faults: Path, rule: str, stop: int) -> set[int]:
+    """Run `args` with the fault `rule`, send the driver alone `stop` once the rule fired, wait for it to end; the
+    pids of the ranks that trained."""
+    faults.mkdir()
+    env = {**env, "RLHF_FAULT_INJECT": rule, "RLHF_FAULT_STATE": str(faults), "RLHF_FAULT_TRACE": str(faults / "trace")}
+    marker = faults / rule.split("=", 1)[0]
+    driver = subprocess.Popen([RLHF, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True)
     try:
         deadline = time.monotonic() + 300  # a hang guard, not a speed check
-        while not (faults / "train_step@4").exists():
-            assert killed.poll() is None and time.monotonic() < deadline, "the paused step was never reached"
+        while not marker.exists():
+            assert driver.poll() is None and time.monotonic() < deadline, f"{marker.name} was never reached"
             time.sleep(0.1)
     finally:
-        killed.send_signal(stop)  # the driver, not its group: the ranks are Ray's processes anyway
-        killed.wait(timeout=120)
-    ranks = {int(line.split()[1]) for line in (faults / "trace").read_text().splitlines() if " train_step@" in line}
-    again_log, again_pids = ran([*args, "--load_checkpoint"], head_env)
-    assert len(ranks) == 2 and claimed(again_log) == 2 and again_pids == ranks, again_log[-3000:]
+        driver.send_signal(stop)  # the driver, not its group: the ranks are Ray's processes anyway
+        driver.wait(timeout=120)
+    return {int(line.split()[1]) for line in (faults / "trace").read_text().splitlines() if " train_step@" in line}
