@@ -246,9 +246,7 @@ def test_node_lost_with_room_left_trains_on_from_the_snapshots_its_peer_kept(clu
         cluster.kill_worker(1)
         returncode = run.wait(timeout=RUN_TIMEOUT)
     finally:
-        if run.poll() is None:
-            subprocess.run(["kill", "-9", f"-{run.pid}"], check=False)
-            run.wait()
+        kill_if_running(run)
     # Node 1 stays down: the module's last test brings it back, with its own fault hook.
     log = log_path.read_text(errors="replace")
     assert returncode == 0, log[-5000:]
@@ -259,6 +257,13 @@ def test_node_lost_with_room_left_trains_on_from_the_snapshots_its_peer_kept(clu
     assert "training again from step 3 (a snapshot between commits" in restarts[0], restarts[0]
     assert committed_steps(f"{ckpt}/rlhf/sft") == [2, 4, 6]
     assert_same_weights(one_host_reference, tmp_path / "model")
+
+
+def kill_if_running(run: subprocess.Popen) -> None:
+    """A run a failed assertion left behind: SIGKILL to its session."""
+    if run.poll() is None:
+        subprocess.run(["kill", "-9", f"-{run.pid}"], check=False)
+        run.wait()
 
 
 def snapshot_nodes(driver_pid: int, rank: int, step: int) -> set[str]:
@@ -309,9 +314,7 @@ def check_node_loss(cluster, toy_assets, cluster_env, tmp_path, stage_url, fault
         to_commit = seconds_until_line(r"step 4/8: trained", log_path, run, killed_at)
         returncode = run.wait(timeout=RUN_TIMEOUT)
     finally:
-        if run.poll() is None:
-            subprocess.run(["kill", "-9", f"-{run.pid}"], check=False)
-            run.wait()
+        kill_if_running(run)
     log = log_path.read_text(errors="replace")
     print(f"\nnode kill -> the chunk's new rank placed on the surviving node: {to_placed} s; "
           f"-> the chunk committed: {to_commit} s")
