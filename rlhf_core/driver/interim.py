@@ -115,11 +115,8 @@ class InterimHoldings:
     def _ask_keepers(self) -> None:
         import ray
 
-        asked = {}
-        for node in ray.nodes():
-            if node["Alive"] and node["NodeID"] not in self.held:
-                with contextlib.suppress(ValueError):  # no keeper there
-                    asked[node["NodeID"]] = ray.get_actor(keeper_name(self.plan, node["NodeID"]))
+        asked = {node: keeper for node, keeper in existing_keepers(self.plan, live_nodes()).items()
+                 if node not in self.held}
         answers: dict[str, Any] = {node: keeper.holdings.remote() for node, keeper in asked.items()}
         for node, answer in answers.items():
             try:
@@ -153,10 +150,8 @@ class InterimHoldings:
         new rank forgets its own slots' too)."""
         import ray
 
-        for node in self.held:
-            if node not in self.keepers:
-                with contextlib.suppress(ValueError):
-                    self.keepers[node] = ray.get_actor(keeper_name(self.plan, node))
+        unasked = [node for node in self.held if node not in self.keepers]
+        self.keepers = existing_keepers(self.plan, unasked) | self.keepers
         with contextlib.suppress(Exception):
             ray.get([keeper.forget_after.remote(step) for keeper in self.keepers.values()], timeout=KEEPER_ANSWER_S)
 
@@ -167,12 +162,25 @@ def drop_keepers(plan: InterimPlan | None) -> None:
 
     if plan is None:
         return
-    keepers = []
-    for node in ray.nodes():
-        if node["Alive"]:
-            with contextlib.suppress(ValueError):
-                keepers.append(ray.get_actor(keeper_name(plan, node["NodeID"])))
+    keepers = list(existing_keepers(plan, live_nodes()).values())
     with contextlib.suppress(Exception):
         ray.get([keeper.drop.remote() for keeper in keepers], timeout=KEEPER_ANSWER_S)
     for keeper in keepers:
         ray.kill(keeper)
+
+
+def live_nodes() -> list[str]:
+    import ray
+
+    return [node["NodeID"] for node in ray.nodes() if node["Alive"]]
+
+
+def existing_keepers(plan: InterimPlan, nodes: list[str]) -> dict[str, Any]:
+    """The keepers of `plan` already started on `nodes` (none is started here), by node."""
+    import ray
+
+    found = {}
+    for node in nodes:
+        with contextlib.suppress(ValueError):  # no keeper there
+            found[node] = ray.get_actor(keeper_name(plan, node))
+    return found

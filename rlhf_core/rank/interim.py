@@ -175,8 +175,9 @@ class InterimSnapshots:
                     raise FileNotFoundError(f"rank {rank}'s snapshot of step {step} is no longer whole in {self.folder}")
                 held[rank] = local
                 continue
-            names = [name for relative in marker["files"] if relative.removesuffix(".skel") in needed
-                     for name in (relative, relative.removesuffix(".skel") + ".bin") if relative.endswith(".skel")]
+            # each state file this rank reads is two in the slot: its skeleton and its tensors' bytes
+            names = [f"{state}{suffix}" for state in needed if f"{state}.skel" in marker["files"]
+                     for suffix in (".skel", ".bin")]
             slot = os.path.join(fetched, f"rank{rank}")
             for name, data in ray.get(keeper.read.remote(rank, step, names)).items():
                 os.makedirs(os.path.dirname(os.path.join(slot, name)), exist_ok=True)

@@ -88,24 +88,24 @@ def _read_marker(slot: str, rank: int) -> dict | None:
 def _markers_of_step(folder: str, step: int, world_size: int) -> dict[int, tuple[str, dict]] | None:
     """Each rank's (slot, marker) holding `step` whole under `folder`; None when a rank has none (what
     `materialize` takes)."""
-    found = {}
-    for rank in range(world_size):
-        for slot in _slots(folder):
-            marker = _read_marker(slot, rank)
-            if marker is not None and marker["step"] == step and _files_intact(slot, marker["files"]):
-                found[rank] = (slot, marker)
-                break
-        else:
-            return None
-    return found
+    found = {rank: slot_holding(folder, rank, step) for rank in range(world_size)}
+    return None if None in found.values() else {rank: held for rank, held in found.items() if held is not None}
 
 
 def whole_steps(folder: str, world_size: int) -> list[int]:
     """The steps under `folder` (a node's) that every one of `world_size` ranks finished writing there: each
     rank's marker present, each file it names there at its size. Oldest first."""
-    steps = {marker["step"] for slot in _slots(folder) for rank in range(world_size)
-             for marker in [_read_marker(slot, rank)] if marker is not None}
-    return sorted(step for step in steps if _markers_of_step(folder, step, world_size) is not None)
+    held = holdings(folder, world_size)
+    per_rank = [set(held.get(rank, {})) for rank in range(world_size)]
+    return sorted(set.intersection(*per_rank)) if per_rank else []
+
+
+def _whole_slots(folder: str, rank: int) -> Iterator[tuple[str, dict]]:
+    """`rank`'s (slot, marker) under `folder` whose files are all there at their sizes."""
+    for slot in _slots(folder):
+        marker = _read_marker(slot, rank)
+        if marker is not None and _files_intact(slot, marker["files"]):
+            yield slot, marker
 
 
 def holdings(folder: str, world_size: int) -> dict[int, dict[int, dict]]:
@@ -113,20 +113,14 @@ def holdings(folder: str, world_size: int) -> dict[int, dict[int, dict]]:
     ran there, or the copies of a peer node's rank."""
     held: dict[int, dict[int, dict]] = {}
     for rank in range(world_size):
-        for slot in _slots(folder):
-            marker = _read_marker(slot, rank)
-            if marker is not None and _files_intact(slot, marker["files"]):
-                held.setdefault(rank, {})[marker["step"]] = marker
+        for _, marker in _whole_slots(folder, rank):
+            held.setdefault(rank, {})[marker["step"]] = marker
     return held
 
 
 def slot_holding(folder: str, rank: int, step: int) -> tuple[str, dict] | None:
     """The (slot, marker) under `folder` holding `rank`'s snapshot of `step` whole, or None."""
-    for slot in _slots(folder):
-        marker = _read_marker(slot, rank)
-        if marker is not None and marker["step"] == step and _files_intact(slot, marker["files"]):
-            return slot, marker
-    return None
+    return next(((slot, marker) for slot, marker in _whole_slots(folder, rank) if marker["step"] == step), None)
 
 
 def read_slot(folder: str, rank: int, step: int, names: list[str] | None = None) -> tuple[dict, dict[str, bytes]]:
