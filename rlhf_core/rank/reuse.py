@@ -276,15 +276,18 @@ class OutlivesItsCommand:
             # this thread waits for the reset: it is no command's thread left running
             self._baseline = dataclasses.replace(self._baseline,
                                                  threads=self._baseline.threads | {threading.get_ident()})
-        getattr(self, "request_stop")()  # TrainWorker's: its step loop stops at the next boundary the ranks agree on
-        progress = getattr(self, "_progress", None)  # TrainWorker's: its slowest step so far
-        wait_s = max(ORPHAN_RETIRE_S, ORPHAN_STEPS * getattr(progress, "slowest_step_s", 0.0) + THREAD_END_WAIT_S)
+        wait_s = max(ORPHAN_RETIRE_S, ORPHAN_STEPS * self._stop_for_reset() + THREAD_END_WAIT_S)
         try:
             refused = ray.get(ray.get_runtime_context().current_actor.retire_orphan.remote(), timeout=wait_s)
         except Exception as error:  # noqa: BLE001 - stuck, or its reset failed: the process ends as before
             refused = f"{type(error).__name__}: {error}"
         if refused:
             self._end_self()
+
+    def _stop_for_reset(self) -> float:
+        """Ask the work in progress to stop at its next safe point; returns the seconds one piece of it has taken
+        at most (the rank class says how: `TrainWorker` stops after its step)."""
+        return 0.0
 
     @staticmethod
     def _end_self() -> None:

@@ -94,9 +94,12 @@ class TrainWorker(OutlivesItsCommand):
         self._kept_in_memory, self._written_state, self._progress = {}, {}, Progress()
         return self._become_spare(zero_stage)
 
+    def _stop_for_reset(self) -> float:  # the step loop stops at the next boundary the ranks agree on
+        self._stop_requested = True
+        return self._progress.slowest_step_s
+
     def retire_orphan(self) -> str:
-        """`retire` once this rank's command died mid-run (`OutlivesItsCommand`): its snapshots between commits go
-        first, as the driver's clean end would have removed them (no other command reads them)."""
+        """`retire` once its command died mid-run, its snapshots between commits removed first (none reads them)."""
         self.drop_interim()
         return self.retire()
 
